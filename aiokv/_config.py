@@ -1,0 +1,108 @@
+"""Engine configuration: :class:`EngineConfig`, :class:`Timeouts`, :class:`Limits`."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+
+from ._exceptions import ConfigError
+
+__all__ = ["CurveConfig", "EngineConfig", "Limits", "Timeouts", "parse_address"]
+
+KiB = 1024
+MiB = 1024 * KiB
+GiB = 1024 * MiB
+
+
+@dataclass(frozen=True, slots=True)
+class Timeouts:
+    """Deadlines in seconds. ``transfer`` bounds a whole operation (negotiation included)."""
+
+    connect: float = 5.0
+    negotiate: float = 10.0
+    transfer: float = 60.0
+    heartbeat_interval: float = 0.5
+    heartbeat_timeout: float = 2.5
+    linger: float = 1.0
+
+    def __post_init__(self) -> None:
+        for f in dataclasses.fields(self):
+            v = getattr(self, f.name)
+            if not isinstance(v, (int, float)) or v <= 0:
+                raise ConfigError(f"Timeouts.{f.name} must be a positive number, got {v!r}")
+        if self.heartbeat_timeout <= self.heartbeat_interval:
+            raise ConfigError("Timeouts.heartbeat_timeout must exceed heartbeat_interval")
+
+
+@dataclass(frozen=True, slots=True)
+class Limits:
+    """Hard limits. Wire data is checked against these before anything is allocated."""
+
+    max_frame_bytes: int = 1 * MiB  # one control message
+    max_tensors_per_transfer: int = 8192
+    max_ndim: int = 8
+    max_tensor_bytes: int = 16 * GiB
+    max_id_length: int = 512
+    store_bytes: int = 2 * GiB  # receive-store budget (granted + held, all peers)
+    max_pending_reserves: int = 4096  # queued reservations per session
+    ttl: float = 120.0  # uncollected tensors expire after this many seconds
+    max_published: int = 100_000
+
+    def __post_init__(self) -> None:
+        for f in dataclasses.fields(self):
+            v = getattr(self, f.name)
+            if not isinstance(v, (int, float)) or v <= 0:
+                raise ConfigError(f"Limits.{f.name} must be positive, got {v!r}")
+
+
+@dataclass(frozen=True, slots=True)
+class CurveConfig:
+    """CURVE keys (z85-encoded, 40 characters). ``allowed_clients`` None = any key."""
+
+    public_key: bytes
+    secret_key: bytes
+    allowed_clients: frozenset[bytes] | None = None
+    # server public keys by address, for the peers this engine connects to
+    server_keys: dict[str, bytes] = field(default_factory=dict)
+
+
+def parse_address(addr: str) -> tuple[str, int]:
+    """Split ``host:port`` and check it. Raises :class:`ConfigError`."""
+    if not isinstance(addr, str) or ":" not in addr:
+        raise ConfigError(f"address must look like 'host:port', got {addr!r}")
+    host, _, port_s = addr.rpartition(":")
+    host = host.strip("[]")
+    try:
+        port = int(port_s)
+    except ValueError:
+        raise ConfigError(f"bad port in address {addr!r}") from None
+    if not host or not (0 <= port < 65536):
+        raise ConfigError(f"bad address {addr!r}")
+    return host, port
+
+
+@dataclass(frozen=True, slots=True)
+class EngineConfig:
+    """How an :class:`aiokv.Engine` listens, where its tensors live and its limits.
+
+    ``listen`` is ``host:port`` (port 0 picks a free one; the engine's
+    ``address`` tells which). ``device`` is where received tensors land:
+    ``"cpu"`` or ``"cuda:N"``. ``transport`` is ``"auto"`` (NCCL for CUDA
+    tensors when both sides can, TCP otherwise), ``"tcp"`` or ``"nccl"``.
+    """
+
+    listen: str = "127.0.0.1:0"
+    device: str = "cpu"
+    transport: str = "auto"
+    timeouts: Timeouts = field(default_factory=Timeouts)
+    limits: Limits = field(default_factory=Limits)
+    curve: CurveConfig | None = None
+    nccl_max_channels: int | None = None
+    layout: dict[str, object] | None = None  # KV layout offered at HELLO (see aiokv.kv)
+
+    def __post_init__(self) -> None:
+        parse_address(self.listen)
+        if self.transport not in ("auto", "tcp", "nccl"):
+            raise ConfigError(f"transport must be 'auto', 'tcp' or 'nccl', got {self.transport!r}")
+        if not (self.device == "cpu" or self.device.startswith("cuda")):
+            raise ConfigError(f"device must be 'cpu' or 'cuda[:N]', got {self.device!r}")

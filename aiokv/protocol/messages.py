@@ -1,0 +1,295 @@
+"""Message types of the aiokv control protocol (version 1).
+
+Every message is a frozen, slotted dataclass. On the wire a message is a
+msgpack array ``[kind, field1, field2, ...]`` in the field order below; the
+codec checks every field's type before a message object exists.
+
+A session has two ends: the *client* (it connected; it is the source of the
+data that flows in this session) and the *server* (the listening engine; it
+is the sink). Data flows only client -> server inside one session; an engine
+sends to a peer through its own client session to that peer. ``GET`` asks
+the server to send the named tensors back through *its* client session to
+the address in ``reply_to``.
+
+===========  =========  ==============================================
+kind         direction  meaning
+===========  =========  ==============================================
+HELLO        c -> s     version, engine id, listen address, capabilities, KV layout
+WELCOME      s -> c     the same for the server, plus the data-connection token
+DATA_HELLO   c -> s     first message on the data connection: the token
+RESERVE      c -> s     ask room for a transfer of ``specs`` over ``transport``
+GRANT        s -> c     room reserved; post the data as number ``seq``
+REFUSE       s -> c     the transfer is refused; ``code`` says why
+WITHDRAW     c -> s     the sender gives up a reservation
+WITHDRAWN    s -> c     the reservation is gone (it had not been granted)
+DATA         c -> s     header of a data message (TCP), followed by tensor frames
+DONE         s -> c     all tensors of the transfer landed in the receive store
+FAILED       both       the transfer failed; ``code`` says why
+GET          c -> s     please send these published tensors to ``reply_to``
+GET_REPLY    s -> c     outcome of a GET
+NCCL_SETUP   c -> s     NCCL unique id for this session's communicator
+NCCL_READY   s -> c     the server's side of the communicator is initialised (or not)
+PING / PONG  c <-> s    heartbeat
+ERROR        both       a protocol error; the session is closed after it
+BYE          both       orderly close
+===========  =========  ==============================================
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import ClassVar
+
+PROTOCOL_VERSION = 1
+
+# dtype names allowed on the wire -> bytes per element. Nothing outside this
+# table is ever turned into a dtype.
+ALLOWED_DTYPES: dict[str, int] = {
+    "float64": 8,
+    "float32": 4,
+    "float16": 2,
+    "bfloat16": 2,
+    "float8_e4m3fn": 1,
+    "float8_e5m2": 1,
+    "int64": 8,
+    "int32": 4,
+    "int16": 2,
+    "int8": 1,
+    "uint8": 1,
+    "bool": 1,
+}
+
+TRANSPORTS = ("tcp", "nccl")
+
+# Reason codes carried by REFUSE / FAILED / ERROR / GET_REPLY.
+REFUSE_CODES = (
+    "too_large",  # larger than the receiver's whole budget or a limit
+    "duplicate",  # tensor id already held or in flight from this peer
+    "busy",  # too many queued reservations
+    "bad_spec",  # dtype/shape/byte count not acceptable
+    "transport",  # the transport is not available here
+    "layout_mismatch",
+    "closing",  # the engine is shutting down
+    "not_published",
+    "peer_lost",
+    "aborted",
+    "timeout",
+    "internal",
+    "protocol",
+    "version",
+    "ok",
+)
+
+
+@dataclass(frozen=True, slots=True)
+class TensorSpec:
+    """Name, dtype and shape of one tensor; ``nbytes`` is derived, never trusted."""
+
+    tensor_id: str
+    dtype: str
+    shape: tuple[int, ...]
+
+    @property
+    def numel(self) -> int:
+        n = 1
+        for d in self.shape:
+            n *= d
+        return n
+
+    @property
+    def nbytes(self) -> int:
+        return self.numel * ALLOWED_DTYPES[self.dtype]
+
+
+class Message:
+    """Base of all messages. ``KIND`` is the wire tag."""
+
+    __slots__ = ()
+    KIND: ClassVar[int] = 0
+    NAME: ClassVar[str] = "?"
+
+
+@dataclass(frozen=True, slots=True)
+class Hello(Message):
+    KIND: ClassVar[int] = 1
+    NAME: ClassVar[str] = "HELLO"
+    version: int
+    engine_id: str
+    listen: str
+    capabilities: tuple[str, ...]
+    layout: dict[str, str | int] | None
+
+
+@dataclass(frozen=True, slots=True)
+class Welcome(Message):
+    KIND: ClassVar[int] = 2
+    NAME: ClassVar[str] = "WELCOME"
+    version: int
+    engine_id: str
+    listen: str
+    capabilities: tuple[str, ...]
+    layout: dict[str, str | int] | None
+    token: bytes
+
+
+@dataclass(frozen=True, slots=True)
+class DataHello(Message):
+    KIND: ClassVar[int] = 3
+    NAME: ClassVar[str] = "DATA_HELLO"
+    token: bytes
+
+
+@dataclass(frozen=True, slots=True)
+class Reserve(Message):
+    KIND: ClassVar[int] = 4
+    NAME: ClassVar[str] = "RESERVE"
+    xfer: int
+    transport: str
+    specs: tuple[TensorSpec, ...]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(s.nbytes for s in self.specs)
+
+
+@dataclass(frozen=True, slots=True)
+class Grant(Message):
+    KIND: ClassVar[int] = 5
+    NAME: ClassVar[str] = "GRANT"
+    xfer: int
+    seq: int
+
+
+@dataclass(frozen=True, slots=True)
+class Refuse(Message):
+    KIND: ClassVar[int] = 6
+    NAME: ClassVar[str] = "REFUSE"
+    xfer: int
+    code: str
+    detail: str
+
+
+@dataclass(frozen=True, slots=True)
+class Withdraw(Message):
+    KIND: ClassVar[int] = 7
+    NAME: ClassVar[str] = "WITHDRAW"
+    xfer: int
+
+
+@dataclass(frozen=True, slots=True)
+class Withdrawn(Message):
+    KIND: ClassVar[int] = 8
+    NAME: ClassVar[str] = "WITHDRAWN"
+    xfer: int
+
+
+@dataclass(frozen=True, slots=True)
+class DataHeader(Message):
+    KIND: ClassVar[int] = 9
+    NAME: ClassVar[str] = "DATA"
+    xfer: int
+    seq: int
+    count: int  # number of tensor frames that follow
+
+
+@dataclass(frozen=True, slots=True)
+class Done(Message):
+    KIND: ClassVar[int] = 10
+    NAME: ClassVar[str] = "DONE"
+    xfer: int
+
+
+@dataclass(frozen=True, slots=True)
+class Failed(Message):
+    KIND: ClassVar[int] = 11
+    NAME: ClassVar[str] = "FAILED"
+    xfer: int
+    code: str
+    detail: str
+
+
+@dataclass(frozen=True, slots=True)
+class Get(Message):
+    KIND: ClassVar[int] = 12
+    NAME: ClassVar[str] = "GET"
+    req: int
+    tensor_ids: tuple[str, ...]
+    reply_to: str
+
+
+@dataclass(frozen=True, slots=True)
+class GetReply(Message):
+    KIND: ClassVar[int] = 13
+    NAME: ClassVar[str] = "GET_REPLY"
+    req: int
+    code: str
+    detail: str
+
+
+@dataclass(frozen=True, slots=True)
+class NcclSetup(Message):
+    KIND: ClassVar[int] = 14
+    NAME: ClassVar[str] = "NCCL_SETUP"
+    comm: int
+    unique_id: bytes
+
+
+@dataclass(frozen=True, slots=True)
+class NcclReady(Message):
+    KIND: ClassVar[int] = 15
+    NAME: ClassVar[str] = "NCCL_READY"
+    comm: int
+    ok: bool
+    detail: str
+
+
+@dataclass(frozen=True, slots=True)
+class Ping(Message):
+    KIND: ClassVar[int] = 16
+    NAME: ClassVar[str] = "PING"
+    nonce: int
+
+
+@dataclass(frozen=True, slots=True)
+class Pong(Message):
+    KIND: ClassVar[int] = 17
+    NAME: ClassVar[str] = "PONG"
+    nonce: int
+
+
+@dataclass(frozen=True, slots=True)
+class ErrorMsg(Message):
+    KIND: ClassVar[int] = 18
+    NAME: ClassVar[str] = "ERROR"
+    code: str
+    detail: str
+
+
+@dataclass(frozen=True, slots=True)
+class Bye(Message):
+    KIND: ClassVar[int] = 19
+    NAME: ClassVar[str] = "BYE"
+
+
+ALL_MESSAGES: tuple[type[Message], ...] = (
+    Hello,
+    Welcome,
+    DataHello,
+    Reserve,
+    Grant,
+    Refuse,
+    Withdraw,
+    Withdrawn,
+    DataHeader,
+    Done,
+    Failed,
+    Get,
+    GetReply,
+    NcclSetup,
+    NcclReady,
+    Ping,
+    Pong,
+    ErrorMsg,
+    Bye,
+)
+BY_KIND: dict[int, type[Message]] = {m.KIND: m for m in ALL_MESSAGES}

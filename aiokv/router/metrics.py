@@ -22,7 +22,21 @@ from .registry import Instance
 __all__ = ["CONTENT_TYPE_LATEST", "RouterMetrics"]
 
 _LATENCY_BUCKETS = (
-    0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0,
+    0.001,
+    0.0025,
+    0.005,
+    0.01,
+    0.025,
+    0.05,
+    0.1,
+    0.25,
+    0.5,
+    1.0,
+    2.5,
+    5.0,
+    10.0,
+    30.0,
+    60.0,
 )
 _BYTES_BUCKETS = tuple(float(4**k) * 1024 for k in range(1, 12))
 
@@ -120,7 +134,7 @@ class RouterMetrics:
         seen: set[tuple[str, str]] = set()
         for inst in instances:
             counts[inst.role] += 1
-            key = (inst.role, inst.url)
+            key: tuple[str, str] = (str(inst.role), inst.url)
             seen.add(key)
             self.instance_healthy.labels(*key).set(1 if inst.healthy else 0)
             self.instance_outstanding.labels(*key).set(inst.outstanding)

@@ -186,14 +186,10 @@ class Registry:
     def live(self, role: Role, model: str | None = None) -> list[Instance]:
         """Healthy instances of ``role`` (serving ``model`` when given), in registration order."""
         return [
-            i
-            for i in self
-            if i.role == role and i.healthy and (model is None or i.model == model)
+            i for i in self if i.role == role and i.healthy and (model is None or i.model == model)
         ]
 
-    def select(
-        self, role: Role, model: str, exclude: Collection[str] = ()
-    ) -> Instance:
+    def select(self, role: Role, model: str, exclude: Collection[str] = ()) -> Instance:
         """Pick an instance by the policy.
 
         Raises :class:`UnknownModelError` when nothing serves ``model`` at all

@@ -1,0 +1,377 @@
+"""CUDA events and streams seen from asyncio: one progress task resolves futures.
+
+:class:`ProgressPoller` is the only place aiokv learns that GPU work finished.
+It never calls ``synchronize()``: it asks each registered event ``query()``
+(a non-blocking ``cudaEventQuery``) and each communicator with waiters its
+``async_error()``, and resolves the matching asyncio futures.
+
+Back-off, designed from the measurements in ``docs/benchmarks.md``: on an idle
+asyncio loop any ``asyncio.sleep(t)`` with ``0 < t < 1 ms`` costs a whole
+millisecond or more (the selector's timeout is in ms), while spinning with
+``asyncio.sleep(0)`` adds only a few µs but burns a core. So the poller
+
+1. **spins** (``sleep(0)``, other tasks still run between passes) while a
+   completion is due: for ``spin_s`` after any activity (a new registration
+   or a completion), and until the soonest ``expected_s`` hint given to
+   :meth:`ProgressPoller.wait` (plus ``spin_s``);
+2. then **backs off** with sleeps growing from ``min_sleep_s`` to
+   ``max_sleep_s`` — an op that runs longer than expected costs at most one
+   ``max_sleep_s`` of extra latency, and an idle-but-registered wait costs
+   ~nothing;
+3. **parks** on an :class:`asyncio.Event` when nothing is registered: no CPU.
+
+A waiter whose task is cancelled stays registered (with its ``keepalive``
+object, e.g. the buffers an NCCL kernel is still reading) until the event
+fires: a completion is never dropped and memory is never freed under a kernel.
+An asynchronous error on a waiter's communicator fails that waiter with
+:class:`~aiokv.NcclError`; an aborted communicator fails its waiters with
+:class:`~aiokv.TransferAbortedError`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any, Protocol, runtime_checkable
+
+import torch
+
+from ._exceptions import EngineClosedError, NcclError, TransferAbortedError
+
+__all__ = [
+    "AsyncErrorSource",
+    "EventLike",
+    "PollerStats",
+    "ProgressPoller",
+    "order_after",
+    "record_event",
+    "stream_wait",
+]
+
+_SUCCESS = 0
+_IN_PROGRESS = 7
+
+
+@runtime_checkable
+class EventLike(Protocol):
+    """Anything with a non-blocking ``query() -> bool`` (a ``torch.cuda.Event``)."""
+
+    def query(self) -> bool: ...
+
+
+@runtime_checkable
+class AsyncErrorSource(Protocol):
+    """What the poller needs of a communicator (see :class:`aiokv.nccl.Communicator`)."""
+
+    @property
+    def aborted(self) -> bool: ...
+
+    def async_error(self) -> int: ...
+
+
+# --------------------------------------------------------------------------- helpers
+
+
+def record_event(stream: torch.cuda.Stream | None = None) -> torch.cuda.Event:
+    """Record a fresh (timing-free) event on ``stream`` (default: the current stream)."""
+    ev = torch.cuda.Event(enable_timing=False)  # type: ignore[no-untyped-call]
+    ev.record(stream if stream is not None else torch.cuda.current_stream())
+    return ev
+
+
+def stream_wait(stream: torch.cuda.Stream, event: torch.cuda.Event) -> None:
+    """Make future work on ``stream`` wait for ``event`` (GPU-side; the host does not wait)."""
+    stream.wait_event(event)
+
+
+def order_after(
+    stream: torch.cuda.Stream, producer: torch.cuda.Stream | None = None
+) -> torch.cuda.Event:
+    """Order ``stream`` after everything queued so far on ``producer`` (default: current).
+
+    This is how a send stream is kept behind the compute that wrote the tensor.
+    Returns the event recorded on ``producer``.
+    """
+    ev = record_event(producer if producer is not None else torch.cuda.current_stream())
+    stream.wait_event(ev)
+    return ev
+
+
+# --------------------------------------------------------------------------- poller
+
+
+@dataclass(slots=True)
+class _Waiter:
+    event: EventLike
+    future: asyncio.Future[None]
+    comm: AsyncErrorSource | None
+    keepalive: Any
+    due: float  # perf_counter time by which completion is expected (spin until then)
+    registered: float
+    failed_at: float = 0.0
+
+
+@dataclass(slots=True)
+class PollerStats:
+    """Counters of a :class:`ProgressPoller` (see :meth:`ProgressPoller.statistics`)."""
+
+    registered: int = 0
+    completed: int = 0
+    failed: int = 0
+    fast_path: int = 0
+    passes: int = 0
+    spin_passes: int = 0
+    sleeps: int = 0
+    parks: int = 0
+    pending: int = 0
+    orphaned: int = 0  # waiters whose awaiting task went away, kept until their event fires
+    extra: dict[str, int] = field(default_factory=dict)
+
+
+class ProgressPoller:
+    """One asyncio task per engine that turns CUDA events into resolved futures.
+
+    ``wait(event, comm)`` returns a future; the task resolves it when
+    ``event.query()`` is true, or fails it when ``comm`` reports an
+    asynchronous error or was aborted. Start lazily (first ``wait``) or with
+    :meth:`start`; end with ``await stop()``.
+    """
+
+    def __init__(
+        self,
+        *,
+        spin_s: float = 0.0005,
+        min_sleep_s: float = 0.0002,
+        max_sleep_s: float = 0.002,
+        orphan_grace_s: float = 30.0,
+        clock: Callable[[], float] = time.perf_counter,
+    ) -> None:
+        if not (0 <= spin_s and 0 < min_sleep_s <= max_sleep_s):
+            raise ValueError("need spin_s >= 0 and 0 < min_sleep_s <= max_sleep_s")
+        self.spin_s = spin_s
+        self.min_sleep_s = min_sleep_s
+        self.max_sleep_s = max_sleep_s
+        self.orphan_grace_s = orphan_grace_s
+        self._clock = clock
+        self._waiters: list[_Waiter] = []
+        self._wakeup: asyncio.Future[None] | None = None  # set while the task sleeps/parks
+        self._task: asyncio.Task[None] | None = None
+        self._stopped = False
+        self._active_until = 0.0  # spin until this clock time
+        self._stats = PollerStats()
+
+    # ------------------------------------------------------------------ lifecycle
+    def start(self) -> None:
+        """Start the progress task on the running loop (idempotent)."""
+        if self._stopped:
+            raise EngineClosedError("the progress poller is stopped")
+        if self._task is None or self._task.done():
+            self._task = asyncio.get_running_loop().create_task(
+                self._run(), name="aiokv-progress-poller"
+            )
+
+    async def stop(self) -> None:
+        """Stop the task; every still-pending waiter fails with :class:`EngineClosedError`."""
+        self._stopped = True
+        task, self._task = self._task, None
+        if task is not None:
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+        waiters, self._waiters = self._waiters, []
+        for w in waiters:
+            self._fail(w, EngineClosedError("the progress poller stopped before this completed"))
+
+    @property
+    def running(self) -> bool:
+        return self._task is not None and not self._task.done()
+
+    def statistics(self) -> PollerStats:
+        self._stats.pending = len(self._waiters)
+        self._stats.orphaned = sum(1 for w in self._waiters if w.future.done())
+        return dataclasses.replace(self._stats, extra=dict(self._stats.extra))
+
+    # ------------------------------------------------------------------ waiting
+    def wait(
+        self,
+        event: EventLike,
+        comm: AsyncErrorSource | None = None,
+        *,
+        keepalive: Any = None,
+        expected_s: float | None = None,
+    ) -> asyncio.Future[None]:
+        """A future resolved once ``event.query()`` is true.
+
+        ``comm``: fail the future if that communicator errors or is aborted.
+        ``keepalive``: held until the event fires, even if the future is cancelled.
+        ``expected_s``: how long the GPU work should take; the poller spins
+        until then, so a 1 ms transfer is noticed within µs.
+        """
+        if self._stopped:
+            raise EngineClosedError("the progress poller is stopped")
+        loop = asyncio.get_running_loop()
+        fut: asyncio.Future[None] = loop.create_future()
+        if comm is not None and comm.aborted:
+            fut.set_exception(TransferAbortedError("the NCCL communicator was aborted"))
+            return fut
+        if event.query():  # fast path: already done, no registration
+            self._stats.fast_path += 1
+            fut.set_result(None)
+            return fut
+        now = self._clock()
+        due = now + (expected_s if expected_s is not None and expected_s > 0 else 0.0)
+        self._waiters.append(_Waiter(event, fut, comm, keepalive, due, now))
+        self._stats.registered += 1
+        self._active_until = max(self._active_until, due + self.spin_s)
+        self.start()
+        self._wake()
+        return fut
+
+    async def wait_event(
+        self,
+        event: EventLike,
+        comm: AsyncErrorSource | None = None,
+        *,
+        keepalive: Any = None,
+        expected_s: float | None = None,
+    ) -> None:
+        """``await`` form of :meth:`wait`."""
+        await self.wait(event, comm, keepalive=keepalive, expected_s=expected_s)
+
+    # ------------------------------------------------------------------ the task
+    def _fail(self, w: _Waiter, exc: BaseException) -> None:
+        self._stats.failed += 1
+        if not w.future.done():
+            w.future.set_exception(exc)
+            # the awaiting side may be gone already; do not warn "never retrieved"
+            w.future.exception()
+
+    def _poll_once(self) -> int:
+        """One pass over every waiter; returns how many left the list.
+
+        A communicator's failure is checked before the event: an aborted NCCL
+        kernel exits and its event fires, which must not read as success. The
+        failed waiter stays registered (keeping its buffers alive) until its
+        event fires or ``orphan_grace_s`` passes.
+        """
+        self._stats.passes += 1
+        comm_state: dict[int, BaseException | None] = {}
+        keep: list[_Waiter] = []
+        done = 0
+        now = self._clock()
+        for w in self._waiters:
+            err: BaseException | None = None
+            if w.comm is not None:
+                key = id(w.comm)
+                if key not in comm_state:
+                    comm_state[key] = self._comm_error(w.comm)
+                err = comm_state[key]
+            try:
+                fired = w.event.query()
+            except Exception as exc:  # a sticky CUDA error: the work will never complete
+                self._fail(w, TransferAbortedError(f"CUDA event query failed: {exc}"))
+                done += 1
+                continue
+            if err is not None:
+                if w.failed_at == 0.0:
+                    w.failed_at = now
+                    self._fail(w, err)
+                if fired or now - w.failed_at > self.orphan_grace_s:
+                    done += 1
+                else:
+                    keep.append(w)
+                continue
+            if fired:
+                self._stats.completed += 1
+                if not w.future.done():
+                    w.future.set_result(None)
+                done += 1
+                continue
+            keep.append(w)
+        self._waiters = keep
+        return done
+
+    @staticmethod
+    def _comm_error(comm: AsyncErrorSource) -> BaseException | None:
+        if comm.aborted:
+            return TransferAbortedError("the NCCL communicator was aborted")
+        try:
+            state = comm.async_error()
+        except Exception as exc:
+            return TransferAbortedError(f"could not query the NCCL communicator: {exc}")
+        if state in (_SUCCESS, _IN_PROGRESS):
+            return None
+        if comm.aborted:
+            return TransferAbortedError("the NCCL communicator was aborted")
+        lib = getattr(comm, "lib", None)
+        handle = getattr(comm, "handle", None)
+        if lib is not None and hasattr(lib, "error"):
+            err = lib.error(state, "NCCL communicator (asynchronous error)", handle)
+            if isinstance(err, NcclError):
+                return err
+        return NcclError(
+            f"NCCL communicator reported asynchronous error {state}",
+            code=state,
+            code_name=_result_name(state),
+        )
+
+    def _wake(self) -> None:
+        w = self._wakeup
+        if w is not None and not w.done():
+            w.set_result(None)
+
+    async def _nap(self, timeout: float | None) -> None:
+        """Sleep until :meth:`_wake` (a new registration) or ``timeout`` (None: forever)."""
+        loop = asyncio.get_running_loop()
+        fut: asyncio.Future[None] = loop.create_future()
+        self._wakeup = fut
+        timer = None if timeout is None else loop.call_later(timeout, _resolve, fut)
+        try:
+            await fut
+        finally:
+            self._wakeup = None
+            if timer is not None:
+                timer.cancel()
+
+    async def _run(self) -> None:
+        sleep = self.min_sleep_s
+        while True:
+            if not self._waiters:
+                self._stats.parks += 1
+                await self._nap(None)
+                sleep = self.min_sleep_s
+                continue
+            if self._poll_once():
+                self._active_until = max(self._active_until, self._clock() + self.spin_s)
+                sleep = self.min_sleep_s
+            if not self._waiters:
+                continue
+            if self._clock() < self._active_until:
+                self._stats.spin_passes += 1
+                await asyncio.sleep(0)
+                continue
+            self._stats.sleeps += 1
+            await self._nap(sleep)
+            sleep = min(sleep * 2, self.max_sleep_s)
+
+
+def _resolve(fut: asyncio.Future[None]) -> None:
+    if not fut.done():
+        fut.set_result(None)
+
+
+def _result_name(code: int) -> str:
+    names = {
+        1: "ncclUnhandledCudaError",
+        2: "ncclSystemError",
+        3: "ncclInternalError",
+        4: "ncclInvalidArgument",
+        5: "ncclInvalidUsage",
+        6: "ncclRemoteError",
+        8: "ncclTimeout",
+    }
+    return names.get(code, f"ncclResult({code})")

@@ -1,0 +1,408 @@
+"""``aiokv demo``: disaggregated prefill → decode of a tiny model, checked token for token.
+
+Starts the router, one prefill and one decode worker as separate processes
+(uvicorn on free loopback ports), waits until both registered, sends the
+prompts through the router (streaming), checks that every output equals the
+single-process :meth:`TinyTransformer.generate` computed here, prints per
+request TTFT and KV transfer time/rate, and exits non-zero on any mismatch
+or failure. Children are always torn down (also on Ctrl-C and errors).
+
+CPU and TCP by default; with two or more CUDA GPUs, prefill runs on cuda:0,
+decode on cuda:1 and the KV moves over NCCL.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import os
+import shutil
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import anyio
+import httpx
+import torch
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.table import Table
+
+from .model import TinyTransformer, detokenize, tokenize
+from .worker import DEFAULT_MODEL_NAME
+
+__all__ = ["RequestResult", "main", "make_prompts"]
+
+_ROUTER_CODE = "import sys; from aiokv.router import main; sys.exit(main(sys.argv[1:]))"
+_SENTENCES = [
+    "The quick brown fox jumps over the lazy dog.",
+    "Disaggregated serving splits prefill from decode.",
+    "A paged KV cache stores keys and values in fixed-size blocks.",
+    "NCCL moves tensors between GPUs without touching the host.",
+    "asyncio lets one thread wait on many things at once.",
+]
+
+
+def make_prompts(n: int) -> list[str]:
+    """``n`` deterministic prompts of varied length (one to several KV blocks)."""
+    return [
+        f"Prompt {i}: " + " ".join(_SENTENCES[(i + k) % len(_SENTENCES)] for k in range(1 + i % 3))
+        for i in range(n)
+    ]
+
+
+@dataclass(slots=True)
+class RequestResult:
+    index: int
+    prompt: str
+    expected: list[int]
+    tokens: list[int] = field(default_factory=list)
+    ttft: float | None = None
+    latency: float | None = None
+    transfer_seconds: float | None = None
+    transfer_bytes: int | None = None
+    error: str | None = None
+
+    @property
+    def ok(self) -> bool:
+        return self.error is None and self.tokens == self.expected
+
+
+class Children:
+    """Child processes started by the demo; :meth:`teardown` never leaves one behind."""
+
+    def __init__(self, logdir: Path) -> None:
+        self.logdir = logdir
+        self.procs: dict[str, subprocess.Popen[bytes]] = {}
+        self._logs: list[object] = []
+
+    def start(self, name: str, argv: list[str]) -> subprocess.Popen[bytes]:
+        log = open(self.logdir / f"{name}.log", "wb")  # closed in teardown
+        self._logs.append(log)
+        env = dict(os.environ, PYTHONUNBUFFERED="1")
+        proc = subprocess.Popen(
+            argv,
+            stdin=subprocess.DEVNULL,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            env=env,
+            start_new_session=True,  # Ctrl-C reaches only us; we stop the children ourselves
+        )
+        self.procs[name] = proc
+        return proc
+
+    def check_alive(self) -> None:
+        for name, p in self.procs.items():
+            if p.poll() is not None:
+                raise RuntimeError(f"{name} exited with code {p.returncode}\n{self.tail(name)}")
+
+    def tail(self, name: str, lines: int = 25) -> str:
+        try:
+            text = (self.logdir / f"{name}.log").read_text(errors="replace")
+        except OSError:
+            return ""
+        return "\n".join(f"  [{name}] {line}" for line in text.splitlines()[-lines:])
+
+    def teardown(self, grace: float = 5.0) -> None:
+        for p in self.procs.values():
+            if p.poll() is None:
+                with contextlib.suppress(ProcessLookupError):
+                    p.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + grace
+        for p in self.procs.values():
+            try:
+                p.wait(timeout=max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                with contextlib.suppress(ProcessLookupError):
+                    p.kill()
+                p.wait(timeout=5)
+        for f in self._logs:
+            close = getattr(f, "close", None)
+            if close is not None:
+                close()
+        self._logs.clear()
+
+
+async def _wait_file(path: Path, children: Children, within: float) -> str:
+    deadline = time.monotonic() + within
+    apath = anyio.Path(path)
+    while True:
+        if await apath.exists():
+            return (await apath.read_text()).strip()
+        children.check_alive()
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{path.name} did not appear within {within:.0f}s")
+        await asyncio.sleep(0.05)
+
+
+async def _wait_ready(client: httpx.AsyncClient, children: Children, within: float) -> None:
+    deadline = time.monotonic() + within
+    while True:
+        children.check_alive()
+        with contextlib.suppress(httpx.HTTPError):
+            r = await client.get("/healthz")
+            if r.status_code == 200 and r.json().get("ready"):
+                return
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"workers did not register with the router within {within:.0f}s")
+        await asyncio.sleep(0.1)
+
+
+def _float(h: httpx.Headers, key: str) -> float | None:
+    try:
+        return float(h[key])
+    except (KeyError, ValueError):
+        return None
+
+
+async def _one(client: httpx.AsyncClient, res: RequestResult, max_tokens: int) -> None:
+    body = {
+        "model": DEFAULT_MODEL_NAME,
+        "prompt": res.prompt,
+        "max_tokens": max_tokens,
+        "stream": True,
+    }
+    t0 = time.perf_counter()
+    try:
+        async with client.stream("POST", "/v1/completions", json=body) as r:
+            if r.status_code != 200:
+                res.error = (
+                    f"HTTP {r.status_code}: {(await r.aread()).decode(errors='replace')[:200]}"
+                )
+                return
+            res.transfer_seconds = _float(r.headers, "x-aiokv-transfer-seconds")
+            tb = _float(r.headers, "x-aiokv-transfer-bytes")
+            res.transfer_bytes = int(tb) if tb is not None else None
+            async for line in r.aiter_lines():
+                if not line.startswith("data: "):
+                    continue
+                payload = line[6:]
+                if payload == "[DONE]":
+                    break
+                data = json.loads(payload)
+                if "error" in data:
+                    res.error = str(data["error"].get("message"))
+                    return
+                if res.ttft is None:
+                    res.ttft = time.perf_counter() - t0
+                res.tokens.extend(data["choices"][0]["token_ids"])
+    except (httpx.HTTPError, ValueError, KeyError) as e:
+        res.error = f"{type(e).__name__}: {e}"
+    finally:
+        res.latency = time.perf_counter() - t0
+
+
+def _ms(x: float | None) -> str:
+    return "-" if x is None else f"{x * 1e3:.1f}"
+
+
+def _rate(nbytes: int | None, secs: float | None, unit: bool = True) -> str:
+    if not nbytes or not secs:
+        return "-"
+    return f"{nbytes / secs / 1e6:.1f}" + (" MB/s" if unit else "")
+
+
+def _report(console: Console, results: list[RequestResult], wall: float, mode: str) -> None:
+    table = Table(title=f"aiokv demo — disaggregated prefill → decode ({mode})")
+    for col, just in [
+        ("#", "right"),
+        ("prompt", "right"),
+        ("output", "left"),
+        ("TTFT ms", "right"),
+        ("KV ms", "right"),
+        ("KV KiB", "right"),
+        ("MB/s", "right"),
+        ("ok", "center"),
+    ]:
+        table.add_column(col, justify=just)  # type: ignore[arg-type]
+    for r in results:
+        mark = "[green]✓[/]" if r.ok else ("[red]error[/]" if r.error else "[red]✗[/]")
+        table.add_row(
+            str(r.index),
+            str(len(tokenize(r.prompt))),
+            detokenize(r.tokens)[:12] or (r.error or "")[:12],
+            _ms(r.ttft),
+            _ms(r.transfer_seconds),
+            "-" if r.transfer_bytes is None else f"{r.transfer_bytes / 1024:.0f}",
+            _rate(r.transfer_bytes, r.transfer_seconds, unit=False),
+            mark,
+        )
+    console.print(table)
+    ok = sum(r.ok for r in results)
+    ttfts = [r.ttft for r in results if r.ttft is not None]
+    xfer = [r.transfer_seconds for r in results if r.transfer_seconds]
+    nbytes = sum(r.transfer_bytes or 0 for r in results)
+    console.print(
+        f"{ok}/{len(results)} outputs equal single-process generate · wall {wall:.2f}s · "
+        f"TTFT mean {_ms(statistics.fmean(ttfts) if ttfts else None)} ms, "
+        f"p50 {_ms(statistics.median(ttfts) if ttfts else None)} ms · "
+        f"KV moved {nbytes / 1e6:.2f} MB in {_ms(sum(xfer) if xfer else None)} ms "
+        f"({_rate(nbytes, sum(xfer) if xfer else None)})"
+    )
+    for r in results:
+        if r.error:
+            console.print(f"[red]request {r.index} failed:[/] {r.error}")
+        elif not r.ok:
+            console.print(
+                f"[red]request {r.index} differs:[/] got {r.tokens} expected {r.expected}"
+            )
+
+
+async def _run(args: argparse.Namespace, children: Children, console: Console) -> int:
+    gpus = torch.cuda.device_count() if args.device != "cpu" else 0
+    if args.device == "cuda" and gpus < 2:
+        console.print("[red]--device cuda needs two CUDA GPUs[/]")
+        return 2
+    if gpus >= 2:
+        devices, transport, ref_device, mode = (
+            ("cuda:0", "cuda:1"),
+            "nccl",
+            "cuda:0",
+            "cuda:0 → cuda:1, NCCL",
+        )
+    else:
+        devices, transport, ref_device, mode = ("cpu", "cpu"), "tcp", "cpu", "CPU, TCP"
+    pid = str(os.getpid())
+    ready = children.logdir / "router.url"
+    children.start(
+        "router",
+        [
+            sys.executable,
+            "-c",
+            _ROUTER_CODE,
+            "--host",
+            "127.0.0.1",
+            "--port",
+            "0",
+            "--ready-file",
+            str(ready),
+            "--parent-pid",
+            pid,
+            "--log-level",
+            "warning",
+            "--policy",
+            args.policy,
+        ],
+    )
+    router_url = await _wait_file(ready, children, args.startup_timeout)
+    for role, dev in zip(("prefill", "decode"), devices, strict=True):
+        children.start(
+            role,
+            [
+                sys.executable,
+                "-m",
+                "aiokv.demo.worker",
+                "--role",
+                role,
+                "--router",
+                router_url,
+                "--device",
+                dev,
+                "--transport",
+                transport,
+                "--parent-pid",
+                pid,
+                "--log-level",
+                "warning",
+            ],
+        )
+    console.print(
+        f"router {router_url} · prefill on {devices[0]} · decode on {devices[1]} · {mode}"
+    )
+
+    # the reference, computed here while the workers start
+    prompts = make_prompts(args.prompts)
+    model = TinyTransformer(device=ref_device)
+    results = [
+        RequestResult(i, p, model.generate(tokenize(p), args.max_tokens))
+        for i, p in enumerate(prompts)
+    ]
+
+    timeout = httpx.Timeout(args.request_timeout, connect=5.0)
+    async with httpx.AsyncClient(base_url=router_url, timeout=timeout, trust_env=False) as client:
+        await _wait_ready(client, children, args.startup_timeout)
+        sem = asyncio.Semaphore(args.concurrency)
+        t0 = time.perf_counter()
+        with Progress(
+            TextColumn("[bold]requests"),
+            BarColumn(),
+            MofNCompleteColumn(),
+            TimeElapsedColumn(),
+            console=console,
+            transient=False,
+        ) as progress:
+            task = progress.add_task("requests", total=len(results))
+
+            async def go(r: RequestResult) -> None:
+                async with sem:
+                    await _one(client, r, args.max_tokens)
+                progress.advance(task)
+
+            await asyncio.gather(*(go(r) for r in results))
+        wall = time.perf_counter() - t0
+    _report(console, results, wall, mode)
+    if all(r.ok for r in results):
+        console.print(
+            "[bold green]OK[/]: disaggregated outputs are identical to single-process generation"
+        )
+        return 0
+    console.print("[bold red]FAILED[/]")
+    return 1
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    p = argparse.ArgumentParser(
+        prog="aiokv demo", description=__doc__.split("\n\n")[0] if __doc__ else None
+    )
+    p.add_argument("--prompts", type=int, default=8, help="number of prompts (default 8)")
+    p.add_argument("--max-tokens", type=int, default=16, help="tokens to generate per prompt")
+    p.add_argument("--concurrency", type=int, default=4, help="requests in flight at once")
+    p.add_argument(
+        "--device",
+        choices=("auto", "cpu", "cuda"),
+        default="auto",
+        help="auto: two GPUs → NCCL, else CPU/TCP",
+    )
+    p.add_argument("--policy", choices=("round_robin", "least_outstanding"), default="round_robin")
+    p.add_argument("--startup-timeout", type=float, default=60.0)
+    p.add_argument("--request-timeout", type=float, default=60.0)
+    p.add_argument("--keep-logs", action="store_true", help="keep the children's log folder")
+    args = p.parse_args(argv)
+    if args.prompts < 1 or args.max_tokens < 1 or args.concurrency < 1:
+        p.error("--prompts, --max-tokens and --concurrency must be >= 1")
+    console = Console()
+    torch.set_num_threads(1)  # same intra-op threading as the workers: bitwise-reproducible on CPU
+    logdir = Path(tempfile.mkdtemp(prefix="aiokv-demo-"))
+    children = Children(logdir)
+    rc = 1
+    try:
+        rc = asyncio.run(_run(args, children, console))
+    except KeyboardInterrupt:
+        console.print("[yellow]interrupted[/]")
+        rc = 130
+    except (RuntimeError, TimeoutError, OSError, httpx.HTTPError) as e:
+        console.print(f"[red]demo failed:[/] {e}")
+        for name in children.procs:
+            tail = children.tail(name)
+            if tail:
+                console.print(tail, markup=False, highlight=False)
+        rc = 1
+    finally:
+        children.teardown()
+        if args.keep_logs or rc not in (0, 130):
+            console.print(f"logs: {logdir}")
+        else:
+            shutil.rmtree(logdir, ignore_errors=True)
+    return rc
+
+
+if __name__ == "__main__":
+    sys.exit(main())

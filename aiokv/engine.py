@@ -1,0 +1,1078 @@
+"""The engine: sessions with peers, the receive store, and the public API.
+
+An :class:`Engine` listens on one zmq ROUTER socket (``config.listen``) and
+opens, lazily, one *client session* per peer it sends to: a DEALER socket for
+control messages and a second DEALER for data, both connected to the peer's
+ROUTER. Data flows client -> server inside a session; a peer that sends back
+uses its own client session. Every wait is an awaited future resolved by one
+of three tasks per engine (the ROUTER reader, the housekeeping loop, and a
+reader + poster per client session); no thread waits on anything.
+
+The rules the design keeps (see docs/design.md):
+
+* reserve before launch: nothing is put on the wire before the receiver's
+  GRANT, and the receiver grants only what fits in its byte budget, so a
+  sender waits for credit rather than the receiver dropping data;
+* one order per peer: data is posted in the receiver's grant order;
+* cancellation is honest: before its grant a transfer is withdrawn on both
+  sides; after it the transfer is committed and finishes in the background
+  while the caller gets its CancelledError at once;
+* every wait has a deadline.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import itertools
+import logging
+import secrets
+import time
+from collections import deque
+from collections.abc import Awaitable, Generator, Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import zmq
+import zmq.asyncio
+
+from ._config import EngineConfig, parse_address
+from ._exceptions import (
+    AiokvError,
+    ConfigError,
+    ConnectError,
+    ConnectTimeoutError,
+    DuplicateTensorError,
+    EngineClosedError,
+    LayoutMismatchError,
+    NegotiateTimeoutError,
+    NotPublishedError,
+    PeerLostError,
+    RefusedError,
+    RemoteProtocolError,
+    TransferAbortedError,
+    TransferError,
+    TransferTimeoutError,
+)
+from .protocol.codec import Codec, WireError, WireLimits
+from .protocol.messages import (
+    PROTOCOL_VERSION,
+    Bye,
+    DataHeader,
+    DataHello,
+    Done,
+    ErrorMsg,
+    Failed,
+    Get,
+    GetReply,
+    Grant,
+    Hello,
+    Message,
+    NcclReady,
+    NcclSetup,
+    Ping,
+    Pong,
+    Refuse,
+    Reserve,
+    TensorSpec,
+    Welcome,
+    Withdraw,
+    Withdrawn,
+)
+from .protocol.session import Role, Session, SessionState, XferState
+from .store import PeerRef, ReceiveStore, StoreStatistics
+from .transport.tcp import TcpSink, TcpSource, dtype_name
+
+__all__ = ["Engine", "EngineStatistics", "TransferHandle"]
+
+log = logging.getLogger("aiokv")
+
+_REFUSALS: dict[str, type[RefusedError]] = {
+    "duplicate": DuplicateTensorError,
+    "layout_mismatch": LayoutMismatchError,
+}
+
+
+@dataclass(slots=True)
+class EngineStatistics:
+    """Counters of one engine (a snapshot; see :meth:`Engine.statistics`)."""
+
+    address: str = ""
+    transfers_sent: int = 0
+    transfers_failed: int = 0
+    tensors_sent: int = 0
+    bytes_sent: int = 0
+    transfers_received: int = 0
+    tensors_received: int = 0
+    bytes_received: int = 0
+    refused_sent: int = 0
+    refused_received: int = 0
+    withdrawn: int = 0
+    queued_reservations: int = 0
+    gets_served: int = 0
+    peers_lost: int = 0
+    sessions_opened: int = 0
+    client_sessions: int = 0
+    server_sessions: int = 0
+    protocol_errors: dict[str, int] = field(default_factory=dict)
+    store: StoreStatistics | None = None
+
+
+# --------------------------------------------------------------------------- helpers
+
+
+def _prepare(items: Iterable[tuple[str, torch.Tensor]], max_id: int) -> tuple[list[TensorSpec], list[torch.Tensor]]:
+    specs: list[TensorSpec] = []
+    tensors: list[torch.Tensor] = []
+    seen: set[str] = set()
+    for tid, t in items:
+        if not isinstance(tid, str) or not tid or len(tid) > max_id:
+            raise ConfigError(f"tensor ids are non-empty strings of at most {max_id} characters")
+        if tid in seen:
+            raise ConfigError(f"tensor id {tid!r} given twice in one transfer")
+        seen.add(tid)
+        if not isinstance(t, torch.Tensor):
+            raise ConfigError(f"{tid!r}: expected a torch.Tensor, got {type(t).__name__}")
+        name = dtype_name(t.dtype)
+        if name is None:
+            raise ConfigError(f"{tid!r}: dtype {t.dtype} cannot be sent")
+        if t.is_cuda:
+            raise ConfigError(f"{tid!r}: CUDA tensors need the NCCL transport, which this engine lacks")
+        c = t.detach()
+        if not c.is_contiguous():
+            c = c.contiguous()
+        specs.append(TensorSpec(tid, name, tuple(c.shape)))
+        tensors.append(c)
+    if not specs:
+        raise ConfigError("nothing to send")
+    return specs, tensors
+
+
+class _Deadline:
+    """One time budget for all phases of an operation."""
+
+    __slots__ = ("at",)
+
+    def __init__(self, seconds: float) -> None:
+        self.at = time.monotonic() + seconds
+
+    def left(self, cap: float | None = None) -> float:
+        r = max(0.0, self.at - time.monotonic())
+        return r if cap is None else min(r, cap)
+
+
+async def _await_shielded(fut: asyncio.Future[Any], timeout: float) -> Any:
+    """Wait for ``fut`` at most ``timeout`` s without cancelling it on timeout/cancel."""
+    if fut.done():
+        return fut.result()
+    try:
+        return await asyncio.wait_for(asyncio.shield(fut), timeout)
+    except asyncio.TimeoutError:
+        raise TimeoutError from None
+
+
+def _retrieve(fut: asyncio.Future[Any]) -> None:
+    if not fut.cancelled():
+        fut.exception()
+
+
+# --------------------------------------------------------------------------- client side
+
+
+@dataclass(slots=True, eq=False)
+class _OutXfer:
+    xfer: int
+    specs: list[TensorSpec]
+    tensors: list[torch.Tensor]
+    granted: asyncio.Future[int]
+    done: asyncio.Future[None]
+    seq: int = -1
+    abandoned: bool = False
+
+
+class _ClientSession:
+    """This engine's session to one peer: it sends data, the peer receives."""
+
+    def __init__(self, engine: Engine, address: str) -> None:
+        self.engine = engine
+        self.address = address
+        self.sess = Session(Role.CLIENT, engine._codec)
+        ctx = engine._ctx
+        self.ctrl = ctx.socket(zmq.DEALER)
+        self.data = ctx.socket(zmq.DEALER)
+        linger = int(engine.config.timeouts.linger * 1000)
+        for s in (self.ctrl, self.data):
+            s.setsockopt(zmq.LINGER, linger)
+            s.setsockopt(zmq.IMMEDIATE, 1)
+            s.setsockopt(zmq.SNDHWM, 0)
+            s.setsockopt(zmq.RCVHWM, 0)
+            s.setsockopt(zmq.MAXMSGSIZE, engine.config.limits.max_frame_bytes)
+        engine._apply_curve_client(self.ctrl, address)
+        engine._apply_curve_client(self.data, address)
+        host, port = parse_address(address)
+        ep = f"tcp://[{host}]:{port}" if ":" in host else f"tcp://{host}:{port}"
+        self.ctrl.connect(ep)
+        self.data.connect(ep)
+        self.source = TcpSource(self.data)
+        self.welcome: asyncio.Future[Welcome] = asyncio.get_running_loop().create_future()
+        self.welcome.add_done_callback(_retrieve)
+        self.xfers: dict[int, _OutXfer] = {}
+        self.gets: dict[int, asyncio.Future[GetReply]] = {}
+        self.post_queue: asyncio.Queue[_OutXfer] = asyncio.Queue()
+        self.last_recv = time.monotonic()
+        self.last_ping = 0.0
+        self.nonce = itertools.count(1)
+        self.get_ids = itertools.count(1)
+        self.dead: BaseException | None = None
+        self.tasks: list[asyncio.Task[None]] = []
+
+    @property
+    def peer_id(self) -> str | None:
+        w = self.welcome.result() if self.welcome.done() and not self.welcome.exception() else None
+        return w.engine_id if w else None
+
+    async def open(self, timeout: float) -> None:
+        e = self.engine
+        self.tasks.append(asyncio.create_task(self._reader(), name=f"aiokv-client-reader-{self.address}"))
+        self.tasks.append(asyncio.create_task(self._poster(), name=f"aiokv-client-poster-{self.address}"))
+        hello = Hello(PROTOCOL_VERSION, e.engine_id, e.address, e._capabilities(), e.config.layout)
+        await self.ctrl.send(self.sess.send(hello))
+        try:
+            w = await _await_shielded(self.welcome, timeout)
+        except TimeoutError:
+            raise ConnectTimeoutError(f"no answer from {self.address} within {timeout:.3g}s") from None
+        await self.data.send(e._codec.encode(DataHello(w.token)))
+        self.last_recv = time.monotonic()
+
+    # ---- transfers
+    def start(self, specs: list[TensorSpec], tensors: list[torch.Tensor]) -> _OutXfer:
+        if self.dead is not None:
+            raise PeerLostError(f"session with {self.address} is gone: {self.dead}")
+        loop = asyncio.get_running_loop()
+        x = _OutXfer(self.sess.new_xfer_id(), specs, tensors, loop.create_future(), loop.create_future())
+        x.granted.add_done_callback(_retrieve)
+        x.done.add_done_callback(_retrieve)
+        data = self.sess.send(Reserve(x.xfer, "tcp", tuple(specs)))
+        self.xfers[x.xfer] = x
+        self._send_ctrl(data)
+        return x
+
+    def abandon(self, x: _OutXfer) -> None:
+        """The caller gave up. Withdraw if not granted; a granted transfer still completes."""
+        x.abandoned = True
+        if self.dead is None and self.sess.xfer_state(x.xfer) is XferState.RESERVED:
+            self._send_ctrl(self.sess.send(Withdraw(x.xfer)))
+
+    def _send_ctrl(self, data: bytes) -> None:
+        try:
+            self.ctrl.send(data, flags=zmq.NOBLOCK)
+        except zmq.ZMQError as exc:
+            self.fail(PeerLostError(f"control channel to {self.address} failed: {exc}"))
+
+    # ---- tasks
+    async def _reader(self) -> None:
+        e = self.engine
+        try:
+            while True:
+                frame = await self.ctrl.recv()
+                self.last_recv = time.monotonic()
+                try:
+                    msg = self.sess.receive(frame)
+                except RemoteProtocolError as exc:
+                    e._count_error(getattr(exc, "code", "protocol"))
+                    with contextlib.suppress(Exception):
+                        self._send_ctrl(e._codec.encode(ErrorMsg("protocol", str(exc)[:200])))
+                    self.fail(exc)
+                    return
+                self._dispatch(msg)
+        except asyncio.CancelledError:
+            raise
+        except zmq.ZMQError as exc:
+            self.fail(PeerLostError(f"control channel to {self.address} failed: {exc}"))
+
+    def _dispatch(self, msg: Message) -> None:
+        e = self.engine
+        if isinstance(msg, Welcome):
+            if not self.welcome.done():
+                self.welcome.set_result(msg)
+        elif isinstance(msg, Grant):
+            x = self.xfers[msg.xfer]
+            x.seq = msg.seq
+            if not x.granted.done():
+                x.granted.set_result(msg.seq)
+            self.post_queue.put_nowait(x)
+        elif isinstance(msg, Refuse):
+            x = self.xfers.pop(msg.xfer)
+            e._stats.refused_received += 1
+            cls = _REFUSALS.get(msg.code, RefusedError)
+            exc = cls(f"{self.address} refused the transfer: {msg.code}: {msg.detail}", code=msg.code)
+            for f in (x.granted, x.done):
+                if not f.done():
+                    f.set_exception(exc)
+        elif isinstance(msg, Withdrawn):
+            x = self.xfers.pop(msg.xfer)
+            e._stats.withdrawn += 1
+            exc2 = TransferError("withdrawn")
+            for f in (x.granted, x.done):
+                if not f.done():
+                    f.set_exception(exc2)
+        elif isinstance(msg, Done):
+            x = self.xfers.pop(msg.xfer)
+            e._stats.transfers_sent += 1
+            e._stats.tensors_sent += len(x.specs)
+            e._stats.bytes_sent += sum(s.nbytes for s in x.specs)
+            x.tensors = []
+            if not x.done.done():
+                x.done.set_result(None)
+        elif isinstance(msg, Failed):
+            x = self.xfers.pop(msg.xfer)
+            exc3 = TransferAbortedError(f"{self.address} failed the transfer: {msg.code}: {msg.detail}")
+            for f in (x.granted, x.done):
+                if not f.done():
+                    f.set_exception(exc3)
+        elif isinstance(msg, GetReply):
+            g = self.gets.pop(msg.req, None)
+            if g is not None and not g.done():
+                g.set_result(msg)
+        elif isinstance(msg, Pong):
+            pass
+        elif isinstance(msg, ErrorMsg):
+            e._count_error("peer_error")
+            self.fail(RemoteProtocolError(f"{self.address} reported a protocol error: {msg.detail}"))
+        elif isinstance(msg, Bye):
+            self.fail(PeerLostError(f"{self.address} closed the session"))
+        elif isinstance(msg, NcclReady):
+            pass
+
+    async def _poster(self) -> None:
+        try:
+            while True:
+                x = await self.post_queue.get()
+                header = DataHeader(x.xfer, x.seq, len(x.specs))
+                hb = self.sess.send(header)
+                await self.source.post(header, hb, x.tensors)
+        except asyncio.CancelledError:
+            raise
+        except (zmq.ZMQError, AiokvError) as exc:
+            self.fail(PeerLostError(f"data channel to {self.address} failed: {exc}"))
+
+    def ping(self, now: float) -> None:
+        self.last_ping = now
+        self._send_ctrl(self.sess.send(Ping(next(self.nonce))))
+
+    def fail(self, exc: BaseException) -> None:
+        """Tear the session down and fail everything waiting on it."""
+        if self.dead is not None:
+            return
+        self.dead = exc
+        e = self.engine
+        if not self.welcome.done():
+            self.welcome.set_exception(exc if isinstance(exc, AiokvError) else ConnectError(str(exc)))
+        for x in self.xfers.values():
+            for f in (x.granted, x.done):
+                if not f.done():
+                    f.set_exception(exc)
+        self.xfers.clear()
+        for g in self.gets.values():
+            if not g.done():
+                g.set_exception(exc)
+        self.gets.clear()
+        self.sess.close()
+        self.source.abort(exc)
+        for t in self.tasks:
+            if t is not asyncio.current_task():
+                t.cancel()
+        if e._clients.get(self.address) is self:
+            del e._clients[self.address]
+        if isinstance(exc, PeerLostError):
+            e._stats.peers_lost += 1
+        e._spawn(self._close_sockets())
+
+    async def _close_sockets(self) -> None:
+        for t in self.tasks:
+            t.cancel()
+        await asyncio.gather(*self.tasks, return_exceptions=True)
+        self.ctrl.close()
+        self.data.close()
+
+    async def bye(self) -> None:
+        if self.dead is None and self.sess.state is SessionState.OPEN:
+            with contextlib.suppress(Exception):
+                self._send_ctrl(self.sess.send(Bye()))
+        self.fail(EngineClosedError("engine closed"))
+
+
+# --------------------------------------------------------------------------- server side
+
+
+@dataclass(slots=True, eq=False)
+class _InXfer:
+    xfer: int
+    specs: tuple[TensorSpec, ...]
+    nbytes: int
+    discard: bool = False
+
+
+class _ServerSession:
+    """The listening end of a peer's client session: this engine receives."""
+
+    def __init__(self, engine: Engine, rid: bytes, user: str | None) -> None:
+        self.engine = engine
+        self.rid = rid
+        self.user = user  # CURVE public key of the peer, when CURVE is on
+        self.sess = Session(Role.SERVER, engine._codec)
+        self.peer: PeerRef | None = None
+        self.token = secrets.token_bytes(16)
+        self.data_rid: bytes | None = None
+        self.sink = TcpSink()
+        self.granted: dict[int, _InXfer] = {}
+        self.queued: dict[int, Reserve] = {}
+        self.queued_ids: set[str] = set()
+        self.last_recv = time.monotonic()
+        self.dead = False
+
+    @property
+    def name(self) -> str:
+        return self.peer.address if self.peer else "?"
+
+
+@dataclass(slots=True, eq=False)
+class _Queued:
+    ss: _ServerSession
+    msg: Reserve
+
+
+# --------------------------------------------------------------------------- handle
+
+
+class TransferHandle:
+    """An in-flight PUT_ASYNC: await it, or poll :meth:`done`; :meth:`cancel` gives up."""
+
+    __slots__ = ("_task",)
+
+    def __init__(self, task: asyncio.Task[None]) -> None:
+        self._task = task
+        task.add_done_callback(_retrieve)
+
+    def done(self) -> bool:
+        return self._task.done()
+
+    def cancel(self) -> bool:
+        return self._task.cancel()
+
+    def exception(self) -> BaseException | None:
+        return self._task.exception()
+
+    def __await__(self) -> Generator[Any, None, None]:
+        return self._task.__await__()
+
+
+# --------------------------------------------------------------------------- engine
+
+
+class Engine:
+    """Moves tensors between processes. Use as ``async with Engine(config) as eng``."""
+
+    def __init__(self, config: EngineConfig | None = None, **overrides: Any) -> None:
+        if config is None:
+            config = EngineConfig(**overrides)
+        elif overrides:
+            config = dataclasses.replace(config, **overrides)
+        self.config = config
+        self.engine_id = secrets.token_hex(12)
+        lim = config.limits
+        self._codec = Codec(
+            WireLimits(
+                max_frame_bytes=lim.max_frame_bytes,
+                max_tensors=lim.max_tensors_per_transfer,
+                max_ndim=lim.max_ndim,
+                max_tensor_bytes=lim.max_tensor_bytes,
+                max_id_length=lim.max_id_length,
+            )
+        )
+        self._store = ReceiveStore(capacity=lim.store_bytes, ttl=lim.ttl, resolve_peer=self._resolve_peer)
+        self._ctx: zmq.asyncio.Context = None  # type: ignore[assignment]
+        self._router: zmq.asyncio.Socket = None  # type: ignore[assignment]
+        self._address = ""
+        self._clients: dict[str, _ClientSession] = {}
+        self._connecting: dict[str, asyncio.Future[_ClientSession]] = {}
+        self._servers: dict[bytes, _ServerSession] = {}
+        self._data_rids: dict[bytes, _ServerSession] = {}
+        self._tokens: dict[bytes, _ServerSession] = {}
+        self._queue: deque[_Queued] = deque()
+        self._published: dict[str, torch.Tensor] = {}
+        self._stats = EngineStatistics()
+        self._tasks: set[asyncio.Task[Any]] = set()
+        self._main_tasks: list[asyncio.Task[None]] = []
+        self._started = False
+        self._closed = False
+
+    # ------------------------------------------------------------------ lifecycle
+    async def __aenter__(self) -> Engine:
+        await self.start()
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.aclose()
+
+    async def start(self) -> None:
+        if self._started:
+            return
+        self._started = True
+        self._ctx = zmq.asyncio.Context()
+        r = self._ctx.socket(zmq.ROUTER)
+        r.setsockopt(zmq.LINGER, int(self.config.timeouts.linger * 1000))
+        r.setsockopt(zmq.ROUTER_MANDATORY, 1)
+        r.setsockopt(zmq.RCVHWM, 0)
+        r.setsockopt(zmq.SNDHWM, 100_000)
+        r.setsockopt(zmq.MAXMSGSIZE, max(self.config.limits.max_frame_bytes, self.config.limits.max_tensor_bytes))
+        self._apply_curve_server(r)
+        host, port = parse_address(self.config.listen)
+        try:
+            r.bind(f"tcp://{host}:{port}" if ":" not in host else f"tcp://[{host}]:{port}")
+        except zmq.ZMQError as exc:
+            r.close(0)
+            self._ctx.term()
+            raise ConfigError(f"cannot listen on {self.config.listen}: {exc}") from None
+        ep = r.getsockopt(zmq.LAST_ENDPOINT).decode()
+        self._address = f"{host}:{ep.rsplit(':', 1)[1]}"
+        self._stats.address = self._address
+        self._router = r
+        self._main_tasks = [
+            asyncio.create_task(self._router_loop(), name="aiokv-router"),
+            asyncio.create_task(self._housekeeping(), name="aiokv-housekeeping"),
+        ]
+
+    @property
+    def address(self) -> str:
+        """``host:port`` this engine listens on (valid after start)."""
+        return self._address
+
+    async def aclose(self) -> None:
+        """Close every session, fail every pending operation, release sockets (bounded time)."""
+        if self._closed or not self._started:
+            self._closed = True
+            return
+        self._closed = True
+        exc = EngineClosedError("engine closed")
+        for cs in list(self._clients.values()):
+            await cs.bye()
+        for f in self._connecting.values():
+            if not f.done():
+                f.set_exception(exc)
+        for ss in list(self._servers.values()):
+            if ss.sess.state is SessionState.OPEN:
+                with contextlib.suppress(Exception):
+                    self._reply(ss, ss.sess.send(Bye()))
+            self._drop_server(ss, exc, lost=False)
+        self._store.fail_all(exc)
+        for t in self._main_tasks:
+            t.cancel()
+        pending = [*self._main_tasks, *self._tasks]
+        if pending:
+            await asyncio.wait(pending, timeout=self.config.timeouts.linger + 1.0)
+        self._router.close(linger=min(200, int(self.config.timeouts.linger * 1000)))
+        ctx = self._ctx
+        # term() waits for lingering sockets; never on the loop.
+        await asyncio.wait_for(asyncio.to_thread(ctx.term), timeout=self.config.timeouts.linger + 1.0)
+
+    def _spawn(self, coro: Awaitable[Any]) -> asyncio.Task[Any]:
+        t: asyncio.Task[Any] = asyncio.ensure_future(coro)
+        self._tasks.add(t)
+        t.add_done_callback(self._tasks.discard)
+        t.add_done_callback(_retrieve)
+        return t
+
+    def _check_open(self) -> None:
+        if not self._started:
+            raise EngineClosedError("engine not started: use 'async with Engine(...)' or await start()")
+        if self._closed:
+            raise EngineClosedError("engine closed")
+
+    def _capabilities(self) -> tuple[str, ...]:
+        return ("tcp",)
+
+    # ------------------------------------------------------------------ CURVE hooks
+    def _apply_curve_server(self, sock: zmq.Socket[Any]) -> None:
+        cc = self.config.curve
+        if cc is None:
+            return
+        sock.setsockopt(zmq.CURVE_SERVER, 1)
+        sock.setsockopt(zmq.CURVE_SECRETKEY, cc.secret_key)
+        sock.setsockopt(zmq.CURVE_PUBLICKEY, cc.public_key)
+
+    def _apply_curve_client(self, sock: zmq.Socket[Any], address: str) -> None:
+        cc = self.config.curve
+        if cc is None:
+            return
+        server_key = cc.server_keys.get(address)
+        if server_key is None:
+            raise ConfigError(f"CURVE is on but no server key is configured for {address}")
+        sock.setsockopt(zmq.CURVE_SERVERKEY, server_key)
+        sock.setsockopt(zmq.CURVE_PUBLICKEY, cc.public_key)
+        sock.setsockopt(zmq.CURVE_SECRETKEY, cc.secret_key)
+
+    # ------------------------------------------------------------------ public API
+    async def connect(self, peer: str, *, timeout: float | None = None) -> None:
+        """Open the session to ``peer`` now rather than at the first send."""
+        self._check_open()
+        await self._client(peer, _Deadline(timeout or self.config.timeouts.connect))
+
+    async def send(self, tensor_id: str, tensor: torch.Tensor, *, to: str, timeout: float | None = None) -> None:
+        """PUT: return once the peer's engine holds ``tensor`` under ``tensor_id``."""
+        await self._transfer(to, [(tensor_id, tensor)], timeout)
+
+    def send_nowait(
+        self, tensor_id: str, tensor: torch.Tensor, *, to: str, timeout: float | None = None
+    ) -> TransferHandle:
+        """PUT_ASYNC: start the transfer, return a handle to await (or cancel) later."""
+        self._check_open()
+        return TransferHandle(asyncio.create_task(self._transfer(to, [(tensor_id, tensor)], timeout)))
+
+    async def send_many(
+        self, tensors: Mapping[str, torch.Tensor], *, to: str, timeout: float | None = None
+    ) -> None:
+        """PUT many tensors under one negotiation; return once the peer holds all."""
+        await self._transfer(to, list(tensors.items()), timeout)
+
+    async def recv(self, tensor_id: str, *, frm: str | None = None, timeout: float | None = None) -> torch.Tensor:
+        """Collect a tensor from the receive store, waiting for it up to ``timeout``."""
+        self._check_open()
+        fut = self._store.wait_future(tensor_id, frm)
+        t = timeout if timeout is not None else self.config.timeouts.transfer
+        try:
+            if not fut.done():
+                await asyncio.wait_for(asyncio.shield(fut), t)
+        except asyncio.TimeoutError:
+            raise TransferTimeoutError(f"tensor {tensor_id!r} did not arrive within {t:.3g}s") from None
+        except asyncio.CancelledError:
+            # Never lose a tensor to a cancelled collector: if it was handed over, put it back.
+            if fut.done() and not fut.cancelled() and fut.exception() is None:
+                peer, value = fut.result()
+                self._store.put_back(tensor_id, peer, value, value.numel() * value.element_size())
+            raise
+        finally:
+            if not fut.done():
+                fut.cancel()
+            self._store.forget_waiter(tensor_id, fut)
+        _peer, result = fut.result()
+        self._pump_queue()
+        return result  # type: ignore[no-any-return]
+
+    async def recv_many(
+        self, tensor_ids: Sequence[str], *, frm: str | None = None, timeout: float | None = None
+    ) -> dict[str, torch.Tensor]:
+        """Collect several tensors under one deadline."""
+        dl = _Deadline(timeout if timeout is not None else self.config.timeouts.transfer)
+        out: dict[str, torch.Tensor] = {}
+        for tid in tensor_ids:
+            out[tid] = await self.recv(tid, frm=frm, timeout=dl.left())
+        return out
+
+    def publish(self, tensor_id: str, tensor: torch.Tensor) -> None:
+        """GET mode, producer side: make ``tensor`` available to peers' :meth:`get`."""
+        self._check_open()
+        _prepare([(tensor_id, tensor)], self.config.limits.max_id_length)
+        if tensor_id not in self._published and len(self._published) >= self.config.limits.max_published:
+            raise ConfigError(f"more than {self.config.limits.max_published} published tensors")
+        self._published[tensor_id] = tensor
+
+    def unpublish(self, tensor_id: str) -> bool:
+        return self._published.pop(tensor_id, None) is not None
+
+    async def get(self, tensor_id: str, *, frm: str, timeout: float | None = None) -> torch.Tensor:
+        """GET mode, consumer side: ask ``frm`` for a published tensor and wait for it."""
+        self._check_open()
+        dl = _Deadline(timeout if timeout is not None else self.config.timeouts.transfer)
+        cs = await self._client(frm, dl)
+        req = next(cs.get_ids)
+        reply: asyncio.Future[GetReply] = asyncio.get_running_loop().create_future()
+        reply.add_done_callback(_retrieve)
+        cs.gets[req] = reply
+        cs._send_ctrl(cs.sess.send(Get(req, (tensor_id,), self._address)))
+        peer_id = cs.peer_id
+        try:
+            r = await _await_shielded(reply, dl.left())
+        except TimeoutError:
+            cs.gets.pop(req, None)
+            raise TransferTimeoutError(f"GET {tensor_id!r} from {frm}: no reply in time") from None
+        if r.code == "not_published":
+            raise NotPublishedError(f"{frm} does not publish {tensor_id!r}")
+        if r.code != "ok":
+            raise TransferAbortedError(f"GET {tensor_id!r} from {frm} failed: {r.code}: {r.detail}")
+        return await self.recv(tensor_id, frm=peer_id or frm, timeout=dl.left())
+
+    def statistics(self) -> EngineStatistics:
+        s = dataclasses.replace(self._stats, protocol_errors=dict(self._stats.protocol_errors))
+        s.store = self._store.statistics()
+        s.client_sessions = len(self._clients)
+        s.server_sessions = len(self._servers)
+        s.queued_reservations = len(self._queue)
+        return s
+
+    # ------------------------------------------------------------------ sending
+    async def _client(self, address: str, dl: _Deadline) -> _ClientSession:
+        cs = self._clients.get(address)
+        if cs is not None and cs.dead is None:
+            return cs
+        fut = self._connecting.get(address)
+        if fut is None:
+            fut = asyncio.get_running_loop().create_future()
+            fut.add_done_callback(_retrieve)
+            self._connecting[address] = fut
+            self._spawn(self._open_client(address, fut, dl.left(self.config.timeouts.connect)))
+        try:
+            return await _await_shielded(fut, dl.left())  # type: ignore[no-any-return]
+        except TimeoutError:
+            raise ConnectTimeoutError(f"could not connect to {address} in time") from None
+
+    async def _open_client(self, address: str, fut: asyncio.Future[_ClientSession], timeout: float) -> None:
+        cs: _ClientSession | None = None
+        try:
+            parse_address(address)
+            cs = _ClientSession(self, address)
+            await cs.open(timeout)
+            self._clients[address] = cs
+            self._stats.sessions_opened += 1
+            if not fut.done():
+                fut.set_result(cs)
+        except BaseException as exc:
+            if cs is not None:
+                cs.fail(exc if isinstance(exc, AiokvError) else ConnectError(str(exc)))
+            if not fut.done():
+                if isinstance(exc, asyncio.CancelledError):
+                    fut.set_exception(EngineClosedError("engine closed while connecting"))
+                else:
+                    fut.set_exception(exc if isinstance(exc, AiokvError) else ConnectError(f"{address}: {exc}"))
+            if isinstance(exc, asyncio.CancelledError):
+                raise
+        finally:
+            if self._connecting.get(address) is fut:
+                del self._connecting[address]
+
+    async def _transfer(self, to: str, items: list[tuple[str, torch.Tensor]], timeout: float | None) -> None:
+        self._check_open()
+        T = self.config.timeouts
+        dl = _Deadline(timeout if timeout is not None else T.transfer)
+        specs, tensors = _prepare(items, self.config.limits.max_id_length)
+        cs = await self._client(to, dl)
+        x = cs.start(specs, tensors)
+        try:
+            try:
+                await _await_shielded(x.granted, dl.left(T.negotiate))
+            except TimeoutError:
+                raise NegotiateTimeoutError(f"{to} granted no room within the deadline") from None
+            try:
+                await _await_shielded(x.done, dl.left())
+            except TimeoutError:
+                raise TransferTimeoutError(f"transfer to {to} did not complete within the deadline") from None
+        except BaseException:
+            cs.abandon(x)
+            self._stats.transfers_failed += 1
+            raise
+
+    # ------------------------------------------------------------------ receiving
+    def _resolve_peer(self, addr: str) -> str | None:
+        cs = self._clients.get(addr)
+        if cs is not None and cs.peer_id:
+            return cs.peer_id
+        for ss in self._servers.values():
+            if ss.peer is not None and ss.peer.address == addr:
+                return ss.peer.engine_id
+        return None
+
+    def _count_error(self, code: str) -> None:
+        pe = self._stats.protocol_errors
+        pe[code] = pe.get(code, 0) + 1
+
+    def _reply(self, ss: _ServerSession, data: bytes) -> None:
+        try:
+            self._router.send_multipart([ss.rid, data], flags=zmq.NOBLOCK)
+        except zmq.ZMQError:
+            self._drop_server(ss, PeerLostError(f"peer {ss.name} unreachable"), lost=True)
+
+    def _reply_raw(self, rid: bytes, msg: Message) -> None:
+        with contextlib.suppress(zmq.ZMQError):
+            self._router.send_multipart([rid, self._codec.encode(msg)], flags=zmq.NOBLOCK)
+
+    async def _router_loop(self) -> None:
+        r = self._router
+        while True:
+            try:
+                parts = await r.recv_multipart(copy=False)
+            except asyncio.CancelledError:
+                raise
+            except zmq.ZMQError as exc:
+                if self._closed:
+                    return
+                log.warning("aiokv: router receive failed: %s", exc)
+                await asyncio.sleep(0.01)
+                continue
+            try:
+                self._on_router_message(parts)
+            except Exception as exc:  # the loop must survive anything a peer sends
+                self._count_error("internal")
+                log.exception("aiokv: error handling a message: %s", exc)
+
+    def _on_router_message(self, parts: list[zmq.Frame]) -> None:
+        rid = parts[0].bytes
+        if len(parts) < 2:
+            self._count_error("malformed")
+            return
+        ss = self._data_rids.get(rid)
+        if ss is not None:
+            self._on_data(ss, parts[1:])
+            return
+        ss = self._servers.get(rid)
+        if len(parts) != 2:
+            self._count_error("malformed")
+            self._reply_raw(rid, ErrorMsg("protocol", "control messages are one frame"))
+            if ss is not None:
+                self._drop_server(ss, RemoteProtocolError("malformed control message"), lost=True)
+            return
+        frame = parts[1]
+        if ss is None:
+            self._on_new_connection(rid, frame)
+            return
+        ss.last_recv = time.monotonic()
+        try:
+            msg = ss.sess.receive(frame.buffer)
+        except RemoteProtocolError as exc:
+            self._count_error(getattr(exc, "code", "protocol"))
+            self._reply_raw(rid, ErrorMsg("protocol", str(exc)[:200]))
+            self._drop_server(ss, exc, lost=True)
+            return
+        self._on_server_message(ss, msg)
+
+    def _on_new_connection(self, rid: bytes, frame: zmq.Frame) -> None:
+        try:
+            msg = self._codec.decode(frame.buffer)
+        except WireError as exc:
+            self._count_error(exc.code)
+            self._reply_raw(rid, ErrorMsg("protocol", str(exc)[:200]))
+            return
+        user = None
+        if self.config.curve is not None:
+            with contextlib.suppress(zmq.ZMQError):
+                user = frame.get("User-Id")
+        if isinstance(msg, DataHello):
+            ss = self._tokens.pop(msg.token, None)
+            if ss is None or ss.data_rid is not None or (ss.user is not None and ss.user != user):
+                self._count_error("bad_token")
+                self._reply_raw(rid, ErrorMsg("protocol", "unknown data-connection token"))
+                return
+            ss.data_rid = rid
+            self._data_rids[rid] = ss
+            return
+        if not isinstance(msg, Hello):
+            self._count_error("no_session")
+            self._reply_raw(rid, ErrorMsg("protocol", f"{msg.NAME} before HELLO"))
+            return
+        ss = _ServerSession(self, rid, user)
+        try:
+            ss.sess.receive_message(msg)
+        except RemoteProtocolError as exc:
+            self._count_error("version")
+            self._reply_raw(rid, ErrorMsg("version", str(exc)[:200]))
+            return
+        if self.config.layout is not None and msg.layout is not None:
+            err = self._layout_error(msg.layout)
+            if err:
+                self._count_error("layout_mismatch")
+                self._reply_raw(rid, ErrorMsg("layout_mismatch", err))
+                return
+        ss.peer = PeerRef(msg.engine_id, msg.listen)
+        self._servers[rid] = ss
+        self._tokens[ss.token] = ss
+        w = Welcome(PROTOCOL_VERSION, self.engine_id, self._address, self._capabilities(), self.config.layout, ss.token)
+        self._reply(ss, ss.sess.send(w))
+
+    def _layout_error(self, theirs: dict[str, str | int]) -> str | None:
+        try:
+            from .kv.layouts import check_compatible, layout_from_wire
+        except ImportError:  # pragma: no cover - kv package always present
+            return None
+        try:
+            mine = layout_from_wire(dict(self.config.layout or {}))
+            other = layout_from_wire(dict(theirs))
+            check_compatible(other, mine)
+        except AiokvError as exc:
+            return str(exc)[:500]
+        return None
+
+    def _on_server_message(self, ss: _ServerSession, msg: Message) -> None:
+        if isinstance(msg, Reserve):
+            self._on_reserve(ss, msg)
+        elif isinstance(msg, Withdraw):
+            if msg.xfer in ss.queued:
+                res = ss.queued.pop(msg.xfer)
+                for s in res.specs:
+                    ss.queued_ids.discard(s.tensor_id)
+                self._queue = deque(q for q in self._queue if not (q.ss is ss and q.msg.xfer == msg.xfer))
+                self._reply(ss, ss.sess.send(Withdrawn(msg.xfer)))
+                self._stats.withdrawn += 1
+            elif msg.xfer in ss.granted:
+                ss.granted[msg.xfer].discard = True
+        elif isinstance(msg, Ping):
+            self._reply(ss, ss.sess.send(Pong(msg.nonce)))
+        elif isinstance(msg, Get):
+            self._on_get(ss, msg)
+        elif isinstance(msg, Failed):
+            inx = ss.granted.pop(msg.xfer, None)
+            if inx is not None and ss.peer is not None:
+                self._store.cancel(ss.peer, [s.tensor_id for s in inx.specs], TransferAbortedError(msg.detail))
+                self._pump_queue()
+        elif isinstance(msg, (Bye, ErrorMsg)):
+            self._drop_server(ss, PeerLostError(f"peer {ss.name} closed the session"), lost=False)
+        elif isinstance(msg, NcclSetup):
+            self._reply(ss, ss.sess.send(NcclReady(msg.comm, False, "NCCL is not available on this engine")))
+
+    def _on_reserve(self, ss: _ServerSession, msg: Reserve) -> None:
+        assert ss.peer is not None
+        lim = self.config.limits
+        code, detail = "", ""
+        if self._closed:
+            code, detail = "closing", "engine closing"
+        elif msg.transport != "tcp":
+            code, detail = "transport", f"transport {msg.transport!r} not available"
+        elif msg.nbytes > lim.store_bytes:
+            code, detail = "too_large", f"{msg.nbytes} bytes exceed the receive budget of {lim.store_bytes}"
+        elif len(ss.queued) >= lim.max_pending_reserves:
+            code, detail = "busy", "too many queued reservations"
+        else:
+            ids = [s.tensor_id for s in msg.specs]
+            try:
+                self._store.check_free(ss.peer, ids)
+                if ss.queued_ids.intersection(ids):
+                    raise DuplicateTensorError("duplicate")
+            except DuplicateTensorError:
+                code, detail = "duplicate", "a tensor id of this transfer is already held or in flight"
+        if code:
+            self._stats.refused_sent += 1
+            self._reply(ss, ss.sess.send(Refuse(msg.xfer, code, detail)))
+            return
+        if not self._queue and self._try_grant(ss, msg):
+            return
+        ss.queued[msg.xfer] = msg
+        ss.queued_ids.update(s.tensor_id for s in msg.specs)
+        self._queue.append(_Queued(ss, msg))
+
+    def _try_grant(self, ss: _ServerSession, msg: Reserve) -> bool:
+        assert ss.peer is not None
+        if not self._store.try_reserve(ss.peer, [(s.tensor_id, s.nbytes) for s in msg.specs]):
+            return False
+        seq = ss.sess.next_grant_seq
+        inx = _InXfer(msg.xfer, msg.specs, msg.nbytes)
+        ss.granted[msg.xfer] = inx
+        fut = ss.sink.expect(seq, msg.xfer, msg.specs)
+        fut.add_done_callback(lambda f: self._on_landed(ss, inx, f))
+        self._reply(ss, ss.sess.send(Grant(msg.xfer, seq)))
+        return True
+
+    def _pump_queue(self) -> None:
+        while self._queue:
+            q = self._queue[0]
+            if q.ss.dead or q.msg.xfer not in q.ss.queued:
+                self._queue.popleft()
+                continue
+            if not self._try_grant(q.ss, q.msg):
+                return
+            self._queue.popleft()
+            del q.ss.queued[q.msg.xfer]
+            for s in q.msg.specs:
+                q.ss.queued_ids.discard(s.tensor_id)
+
+    def _on_data(self, ss: _ServerSession, frames: list[zmq.Frame]) -> None:
+        try:
+            header = self._codec.decode(frames[0].buffer)
+            if not isinstance(header, DataHeader):
+                raise RemoteProtocolError(f"{header.NAME} on the data connection")
+            ss.sess.receive_message(header)
+            ss.sink.feed(header, frames[1:])
+        except RemoteProtocolError as exc:
+            self._count_error(getattr(exc, "code", "protocol"))
+            self._reply_raw(ss.rid, ErrorMsg("protocol", str(exc)[:200]))
+            self._drop_server(ss, exc, lost=True)
+
+    def _on_landed(self, ss: _ServerSession, inx: _InXfer, fut: asyncio.Future[list[torch.Tensor]]) -> None:
+        if ss.dead or fut.cancelled():
+            return
+        ss.granted.pop(inx.xfer, None)
+        assert ss.peer is not None
+        exc = fut.exception()
+        ids = [s.tensor_id for s in inx.specs]
+        if exc is not None:
+            self._store.cancel(ss.peer, ids, exc)
+            self._reply(ss, ss.sess.send(Failed(inx.xfer, "aborted", str(exc)[:200])))
+            self._pump_queue()
+            return
+        if inx.discard:
+            self._store.cancel(ss.peer, ids, None)
+            self._pump_queue()
+        else:
+            for spec, t in zip(inx.specs, fut.result()):
+                self._store.land(ss.peer, spec.tensor_id, t)
+            self._stats.transfers_received += 1
+            self._stats.tensors_received += len(inx.specs)
+            self._stats.bytes_received += inx.nbytes
+        self._reply(ss, ss.sess.send(Done(inx.xfer)))
+
+    def _on_get(self, ss: _ServerSession, msg: Get) -> None:
+        missing = [t for t in msg.tensor_ids if t not in self._published]
+        if missing:
+            self._reply(ss, ss.sess.send(GetReply(msg.req, "not_published", f"{missing[0]!r} is not published")))
+            return
+        items = [(t, self._published[t]) for t in msg.tensor_ids]
+        self._spawn(self._serve_get(ss, msg, items))
+
+    async def _serve_get(self, ss: _ServerSession, msg: Get, items: list[tuple[str, torch.Tensor]]) -> None:
+        try:
+            await self._transfer(msg.reply_to, items, None)
+            code, detail = "ok", ""
+            self._stats.gets_served += 1
+        except AiokvError as exc:
+            code, detail = "internal", f"{type(exc).__name__}: {exc}"[:300]
+        if not ss.dead and ss.sess.state is SessionState.OPEN:
+            self._reply(ss, ss.sess.send(GetReply(msg.req, code, detail)))
+
+    def _drop_server(self, ss: _ServerSession, exc: BaseException, *, lost: bool) -> None:
+        if ss.dead:
+            return
+        ss.dead = True
+        if lost:
+            self._stats.peers_lost += 1
+        self._servers.pop(ss.rid, None)
+        self._tokens.pop(ss.token, None)
+        if ss.data_rid is not None:
+            self._data_rids.pop(ss.data_rid, None)
+        ss.sink.abort(exc)
+        if ss.peer is not None:
+            err = exc if isinstance(exc, AiokvError) else PeerLostError(str(exc))
+            if not isinstance(err, PeerLostError):
+                err = PeerLostError(f"peer {ss.name} lost: {err}")
+            self._store.peer_lost(ss.peer, err)
+        ss.queued.clear()
+        ss.granted.clear()
+        ss.sess.close()
+        self._queue = deque(q for q in self._queue if q.ss is not ss)
+        self._pump_queue()
+
+    # ------------------------------------------------------------------ upkeep
+    async def _housekeeping(self) -> None:
+        T = self.config.timeouts
+        tick = min(T.heartbeat_interval / 2, 0.25)
+        while True:
+            await asyncio.sleep(tick)
+            now = time.monotonic()
+            for cs in list(self._clients.values()):
+                if now - cs.last_recv > T.heartbeat_timeout:
+                    cs.fail(PeerLostError(f"no heartbeat from {cs.address} for {now - cs.last_recv:.2f}s"))
+                elif now - cs.last_ping >= T.heartbeat_interval:
+                    cs.ping(now)
+            for ss in list(self._servers.values()):
+                if now - ss.last_recv > T.heartbeat_timeout:
+                    self._drop_server(ss, PeerLostError(f"no heartbeat from {ss.name}"), lost=True)
+            if self._store.expire(now):
+                self._pump_queue()

@@ -1,0 +1,47 @@
+"""Paged KV caches: layouts (FlashAttention, FlashInfer, MLA) and the gather/scatter core.
+
+See :mod:`aiokv.kv.layouts` for the layouts and their wire form, and
+:mod:`aiokv.kv.ops` for the staging packing order and the implementations.
+"""
+
+from __future__ import annotations
+
+from .layouts import (
+    DTYPES,
+    FlashAttentionLayout,
+    FlashInferLayout,
+    KVLayout,
+    MLALayout,
+    check_compatible,
+    layout_from_wire,
+)
+from .ops import (
+    BoundCaches,
+    Impl,
+    LayerChunker,
+    Lease,
+    PoolStatistics,
+    StagingPool,
+    StagingSlice,
+    gather_blocks,
+    scatter_blocks,
+)
+
+__all__ = [
+    "DTYPES",
+    "BoundCaches",
+    "FlashAttentionLayout",
+    "FlashInferLayout",
+    "Impl",
+    "KVLayout",
+    "LayerChunker",
+    "Lease",
+    "MLALayout",
+    "PoolStatistics",
+    "StagingPool",
+    "StagingSlice",
+    "check_compatible",
+    "gather_blocks",
+    "layout_from_wire",
+    "scatter_blocks",
+]

@@ -1,0 +1,332 @@
+"""An NCCL communicator driven from an asyncio event loop.
+
+Nothing here blocks the loop: the communicator is created non-blocking
+(``ncclConfig_t.blocking = 0``) and its state is polled with
+``ncclCommGetAsyncError`` between ``await asyncio.sleep(...)`` calls.
+``send``/``recv`` only enqueue work on a CUDA stream and return at once;
+completion is found by recording a CUDA event after them (see
+:class:`aiokv.cuda.ProgressPoller`).
+
+Non-blocking mode detail: an enqueue call (or ``ncclGroupEnd``) may return
+``ncclInProgress`` — typically the first operation to a peer, while NCCL
+connects to it in the background. Until :meth:`Communicator.wait_ready`
+returns, the kernel is not on the stream yet, so record the completion event
+only after that (and post no other call on this communicator meanwhile;
+``send``/``recv`` refuse with ``ncclInvalidUsage``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import ctypes
+import time
+from collections.abc import Iterator
+
+import torch
+
+from .._exceptions import AiokvTimeoutError, ConfigError, NcclError, TransferAbortedError
+from .library import IN_PROGRESS, SUCCESS, NcclLibrary, load_library, result_name
+
+__all__ = ["Communicator", "get_unique_id"]
+
+# poll back-off while NCCL works in its own threads (init, connect, finalize)
+_POLL_MIN_S = 0.0005
+_POLL_MAX_S = 0.02
+_ABORTED = 5  # ncclInvalidUsage: what async_error() reports for a dead communicator
+
+
+def get_unique_id(lib: NcclLibrary | None = None) -> bytes:
+    """A fresh ``ncclUniqueId`` (128 bytes) for rank 0 to hand to its peers."""
+    return (lib or load_library()).get_unique_id()
+
+
+async def _backoff_sleep(delay: float) -> float:
+    await asyncio.sleep(delay)
+    return min(delay * 2, _POLL_MAX_S)
+
+
+class Communicator:
+    """One NCCL communicator (in aiokv: a pair of ranks) bound to one CUDA device.
+
+    Create with :meth:`create`; close with :meth:`aclose` (or :meth:`abort`).
+    Not thread-safe: use it from one event loop.
+    """
+
+    def __init__(
+        self,
+        lib: NcclLibrary,
+        handle: int,
+        *,
+        rank: int,
+        nranks: int,
+        device: torch.device,
+        timeout: float,
+    ) -> None:
+        self._lib = lib
+        self._handle: int | None = handle
+        self.rank = rank
+        self.nranks = nranks
+        self.device = device
+        self.timeout = timeout
+        self._pending = False  # an enqueue returned ncclInProgress
+        self._aborted = False
+        self._dead_code = SUCCESS
+        #: seconds the last :meth:`abort` took (None until one ran)
+        self.last_abort_s: float | None = None
+
+    # ------------------------------------------------------------------ creation
+    @classmethod
+    async def create(
+        cls,
+        unique_id: bytes,
+        rank: int,
+        nranks: int,
+        device: torch.device,
+        *,
+        timeout: float,
+        max_ctas: int | None = None,
+        lib: NcclLibrary | None = None,
+    ) -> Communicator:
+        """``ncclCommInitRankConfig`` with ``blocking = 0``, polled from the loop.
+
+        Raises :class:`AiokvTimeoutError` (after aborting the half-made
+        communicator) when init does not finish within ``timeout`` seconds —
+        e.g. the peer never joins — and :class:`NcclError` when it fails.
+        ``max_ctas`` caps the CTAs (channels) this communicator's kernels use.
+        """
+        if not 0 <= rank < nranks:
+            raise ConfigError(f"rank {rank} is outside 0..{nranks - 1}")
+        if timeout <= 0:
+            raise ConfigError(f"timeout must be positive, got {timeout}")
+        device = torch.device(device)
+        if device.type != "cuda" or device.index is None:
+            raise ConfigError(f"an NCCL communicator needs an indexed CUDA device, got {device}")
+        lib = lib or load_library()
+        lib.require_nonblocking()
+        uid = lib.unique_id_from_bytes(unique_id)
+        config = lib.make_config(blocking=False, max_ctas=max_ctas)
+        handle = ctypes.c_void_p(None)
+        deadline = time.monotonic() + timeout
+        # NCCL binds the communicator to the current device (no-op context for fakes on CPU)
+        ctx = torch.cuda.device(device) if torch.cuda.is_available() else contextlib.nullcontext()
+        with ctx:
+            rc = int(
+                lib.ncclCommInitRankConfig(
+                    ctypes.byref(handle), nranks, uid, rank, ctypes.byref(config)
+                )
+            )
+        if handle.value is None:
+            lib.check(rc, "ncclCommInitRankConfig")
+            raise NcclError(
+                "ncclCommInitRankConfig returned no communicator",
+                code=3,
+                code_name="ncclInternalError",
+            )
+        self = cls(lib, handle.value, rank=rank, nranks=nranks, device=device, timeout=timeout)
+        if rc not in (SUCCESS, IN_PROGRESS):
+            err = lib.error(rc, "ncclCommInitRankConfig", handle.value)
+            self.abort()
+            raise err
+        try:
+            await self._poll_until_settled(
+                deadline, f"NCCL communicator init (rank {rank} of {nranks} on {device})"
+            )
+        except BaseException:
+            self.abort()
+            raise
+        return self
+
+    async def _poll_until_settled(self, deadline: float, what: str) -> None:
+        delay = _POLL_MIN_S
+        while True:
+            state = self.async_error()
+            if state == SUCCESS:
+                return
+            if state != IN_PROGRESS:
+                raise self._lib.error(state, what, self._handle)
+            if time.monotonic() >= deadline:
+                raise AiokvTimeoutError(
+                    f"{what} did not finish within {self.timeout:g} s; communicator aborted"
+                )
+            delay = await _backoff_sleep(delay)
+
+    # ------------------------------------------------------------------ state
+    @property
+    def handle(self) -> int | None:
+        """The raw ``ncclComm_t`` (None once aborted or closed)."""
+        return self._handle
+
+    @property
+    def aborted(self) -> bool:
+        return self._aborted
+
+    @property
+    def closed(self) -> bool:
+        """True once aborted or closed: no call may be posted any more."""
+        return self._handle is None
+
+    @property
+    def pending(self) -> bool:
+        """True while an enqueue that returned ``ncclInProgress`` has not settled."""
+        return self._pending
+
+    @property
+    def lib(self) -> NcclLibrary:
+        return self._lib
+
+    def async_error(self) -> int:
+        """``ncclCommGetAsyncError``: 0 fine, 7 in progress, else the error code.
+
+        A dead communicator reports the error that killed it, or
+        ``ncclInvalidUsage`` (5) when it was aborted / closed by us.
+        """
+        if self._handle is None:
+            return self._dead_code or _ABORTED
+        state = self._lib.comm_async_error(self._handle)
+        if state == SUCCESS:
+            self._pending = False
+        return state
+
+    def check(self) -> None:
+        """Raise :class:`NcclError` if the communicator has an asynchronous error."""
+        state = self.async_error()
+        if state not in (SUCCESS, IN_PROGRESS):
+            if self._handle is None:
+                raise TransferAbortedError(f"NCCL communicator on {self.device} was aborted")
+            raise self._lib.error(state, "NCCL communicator", self._handle)
+
+    async def wait_ready(self, timeout: float | None = None) -> None:
+        """Wait until a pending enqueue (``ncclInProgress``) has settled; raise on error."""
+        if not self._pending:
+            return
+        limit = self.timeout if timeout is None else timeout
+        await self._poll_until_settled(time.monotonic() + limit, "NCCL enqueue")
+        self._pending = False
+
+    def _live_handle(self, what: str) -> int:
+        h = self._handle
+        if h is None:
+            raise TransferAbortedError(
+                f"{what}: the NCCL communicator on {self.device} is "
+                f"{'aborted' if self._aborted else 'closed'}"
+            )
+        if self._pending and self.async_error() == IN_PROGRESS:
+            raise NcclError(
+                f"{what}: a previous NCCL call is still in progress; await wait_ready() first",
+                code=5,
+                code_name="ncclInvalidUsage",
+            )
+        return h
+
+    # ------------------------------------------------------------------ data
+    def _args(self, tensor: torch.Tensor, peer: int, what: str) -> tuple[int, int, int]:
+        if not 0 <= peer < self.nranks or peer == self.rank:
+            raise ConfigError(f"{what}: peer {peer} is not another rank of 0..{self.nranks - 1}")
+        if tensor.device != self.device:
+            raise ConfigError(
+                f"{what}: tensor is on {tensor.device}, communicator on {self.device}"
+            )
+        if not tensor.is_contiguous():
+            raise ConfigError(f"{what}: tensor must be contiguous")
+        return tensor.data_ptr(), tensor.numel(), self._lib.dtype(tensor.dtype)
+
+    def _enqueue(
+        self, fn_name: str, tensor: torch.Tensor, peer: int, stream: torch.cuda.Stream
+    ) -> int:
+        handle = self._live_handle(fn_name)
+        ptr, count, dt = self._args(tensor, peer, fn_name)
+        rc = int(getattr(self._lib, fn_name)(ptr, count, dt, peer, handle, stream.cuda_stream))
+        if rc == IN_PROGRESS:
+            self._pending = True
+        return self._lib.check(rc, fn_name, handle, allow_in_progress=True)
+
+    def send(self, tensor: torch.Tensor, peer: int, stream: torch.cuda.Stream) -> int:
+        """Enqueue ``ncclSend`` of a contiguous tensor on ``stream``; returns at once.
+
+        Returns 0, or ``ncclInProgress`` (7): then await :meth:`wait_ready`
+        before recording the completion event.
+        """
+        return self._enqueue("ncclSend", tensor, peer, stream)
+
+    def recv(self, tensor: torch.Tensor, peer: int, stream: torch.cuda.Stream) -> int:
+        """Enqueue ``ncclRecv`` into a contiguous tensor on ``stream``; see :meth:`send`."""
+        return self._enqueue("ncclRecv", tensor, peer, stream)
+
+    @contextlib.contextmanager
+    def group(self) -> Iterator[None]:
+        """``ncclGroupStart`` … ``ncclGroupEnd``: the sends/recvs inside launch together.
+
+        ``ncclGroupEnd`` runs even when the body raises (NCCL needs the pair
+        balanced). If it returns ``ncclInProgress``, :attr:`pending` is set.
+        """
+        self._live_handle("ncclGroupStart")
+        self._lib.check(self._lib.ncclGroupStart(), "ncclGroupStart")
+        try:
+            yield
+        finally:
+            rc = int(self._lib.ncclGroupEnd())
+            if rc == IN_PROGRESS:
+                self._pending = True
+            self._lib.check(rc, "ncclGroupEnd", self._handle, allow_in_progress=True)
+
+    # ------------------------------------------------------------------ teardown
+    def abort(self) -> None:
+        """``ncclCommAbort``: stop every operation in flight and free the communicator.
+
+        Returns promptly (non-blocking communicator; the time taken is kept in
+        :attr:`last_abort_s`); idempotent; never raises. Afterwards every call
+        raises :class:`TransferAbortedError`.
+        """
+        h = self._handle
+        if h is None:
+            return
+        if self._dead_code == SUCCESS:
+            try:
+                state = self._lib.comm_async_error(h)
+            except NcclError:
+                state = SUCCESS
+            if state not in (SUCCESS, IN_PROGRESS):
+                self._dead_code = state
+        self._handle = None
+        self._aborted = True
+        self._pending = False
+        t0 = time.perf_counter()
+        with contextlib.suppress(Exception):
+            self._lib.ncclCommAbort(h)
+        self.last_abort_s = time.perf_counter() - t0
+
+    async def aclose(self, timeout: float | None = None) -> None:
+        """Finalize then destroy, polled from the loop; aborts instead past ``timeout``.
+
+        ``ncclCommFinalize`` flushes what was posted, which needs the peer to
+        match it; when that does not happen within ``timeout`` (default: the
+        communicator's), or anything fails, the communicator is aborted.
+        Cancellation aborts too, then propagates.
+        """
+        h = self._handle
+        if h is None:
+            return
+        limit = self.timeout if timeout is None else timeout
+        deadline = time.monotonic() + limit
+        try:
+            rc = int(self._lib.ncclCommFinalize(h))
+            self._lib.check(rc, "ncclCommFinalize", h, allow_in_progress=True)
+            await self._poll_until_settled(deadline, "ncclCommFinalize")
+        except (AiokvTimeoutError, NcclError):
+            self.abort()  # the bounded fallback; aclose() itself does not raise for it
+            return
+        except BaseException:
+            self.abort()
+            raise
+        # quiescent: destroy only frees local resources and cannot hang on the peer
+        self._handle = None
+        with contextlib.suppress(Exception):
+            self._lib.ncclCommDestroy(h)
+
+    def __repr__(self) -> str:
+        state = "aborted" if self._aborted else ("closed" if self._handle is None else "open")
+        return (
+            f"<Communicator rank={self.rank}/{self.nranks} device={self.device} {state}"
+            f"{' dead=' + result_name(self._dead_code) if self._dead_code else ''}>"
+        )

@@ -98,7 +98,7 @@ class EngineConfig:
     limits: Limits = field(default_factory=Limits)
     curve: CurveConfig | None = None
     nccl_max_channels: int | None = None
-    layout: dict[str, object] | None = None  # KV layout offered at HELLO (see aiokv.kv)
+    layout: dict[str, str | int] | None = None  # KV layout offered at HELLO (see aiokv.kv)
 
     def __post_init__(self) -> None:
         parse_address(self.listen)

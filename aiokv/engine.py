@@ -536,7 +536,7 @@ class Engine:
             r.close(0)
             self._ctx.term()
             raise ConfigError(f"cannot listen on {self.config.listen}: {exc}") from None
-        ep = r.getsockopt(zmq.LAST_ENDPOINT).decode()
+        ep = bytes(r.getsockopt(zmq.LAST_ENDPOINT)).decode()
         self._address = f"{host}:{ep.rsplit(':', 1)[1]}"
         self._stats.address = self._address
         self._router = r
@@ -856,7 +856,8 @@ class Engine:
         user = None
         if self.config.curve is not None:
             with contextlib.suppress(zmq.ZMQError):
-                user = frame.get("User-Id")
+                uid = frame.get("User-Id")
+                user = str(uid) if uid is not None else None
         if isinstance(msg, DataHello):
             ss = self._tokens.pop(msg.token, None)
             if ss is None or ss.data_rid is not None or (ss.user is not None and ss.user != user):

@@ -48,7 +48,7 @@ from .messages import (
     Withdrawn,
 )
 
-__all__ = ["Codec", "WireLimits", "WireError"]
+__all__ = ["Codec", "WireError", "WireLimits"]
 
 MAX_U63 = (1 << 63) - 1
 MAX_DIM = 1 << 40

@@ -96,13 +96,13 @@ class XferState(enum.Enum):
 
 
 C, S = Role.CLIENT, Role.SERVER
-I, HS, O, X = SessionState.IDLE, SessionState.HELLO_SENT, SessionState.OPEN, SessionState.CLOSED
+IDLE, HS, OPEN = SessionState.IDLE, SessionState.HELLO_SENT, SessionState.OPEN
 
 # (role of the sender, message type, role of this end is implied by direction)
 # -> {state before: state after}, from the point of view of BOTH ends.
 CONN_TRANSITIONS: dict[tuple[Role, type[Message]], dict[Role, dict[SessionState, SessionState]]] = {
-    (C, Hello): {C: {I: HS}, S: {I: O}},
-    (S, Welcome): {C: {HS: O}, S: {O: O}},
+    (C, Hello): {C: {IDLE: HS}, S: {IDLE: OPEN}},
+    (S, Welcome): {C: {HS: OPEN}, S: {OPEN: OPEN}},
 }
 
 R, W, G, SE, E = (

@@ -32,7 +32,7 @@ import time
 from collections import deque
 from collections.abc import Awaitable, Generator, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import zmq
@@ -84,6 +84,10 @@ from .protocol.messages import (
 from .protocol.session import Role, Session, SessionState, XferState
 from .store import PeerRef, ReceiveStore, StoreStatistics
 from .transport.tcp import TcpSink, TcpSource, dtype_name
+
+if TYPE_CHECKING:
+    from .cuda import ProgressPoller
+    from .transport.nccl import NcclSink, NcclSource
 
 __all__ = ["Engine", "EngineStatistics", "TransferHandle"]
 
@@ -138,8 +142,6 @@ def _prepare(items: Iterable[tuple[str, torch.Tensor]], max_id: int) -> tuple[li
         name = dtype_name(t.dtype)
         if name is None:
             raise ConfigError(f"{tid!r}: dtype {t.dtype} cannot be sent")
-        if t.is_cuda:
-            raise ConfigError(f"{tid!r}: CUDA tensors need the NCCL transport, which this engine lacks")
         c = t.detach()
         if not c.is_contiguous():
             c = c.contiguous()
@@ -148,6 +150,14 @@ def _prepare(items: Iterable[tuple[str, torch.Tensor]], max_id: int) -> tuple[li
     if not specs:
         raise ConfigError("nothing to send")
     return specs, tensors
+
+
+@dataclass(slots=True)
+class _Staged:
+    specs: list[TensorSpec]
+    tensors: list[torch.Tensor]
+    ready: Any  # torch.cuda.Event for CUDA tensors
+    cuda: bool
 
 
 class _Deadline:
@@ -190,6 +200,9 @@ class _OutXfer:
     done: asyncio.Future[None]
     seq: int = -1
     abandoned: bool = False
+    transport: str = "tcp"
+    ready: Any = None  # CUDA event: the producer's stream reached the send
+    sent: Any = None  # NCCL: future of the send's completion on this side
 
 
 class _ClientSession:
@@ -216,6 +229,9 @@ class _ClientSession:
         self.ctrl.connect(ep)
         self.data.connect(ep)
         self.source = TcpSource(self.data)
+        self.nccl: NcclSource | None = None
+        self.nccl_setup: asyncio.Future[None] | None = None
+        self.nccl_ready: asyncio.Future[NcclReady] | None = None
         self.welcome: asyncio.Future[Welcome] = asyncio.get_running_loop().create_future()
         self.welcome.add_done_callback(_retrieve)
         self.xfers: dict[int, _OutXfer] = {}
@@ -247,17 +263,72 @@ class _ClientSession:
         self.last_recv = time.monotonic()
 
     # ---- transfers
-    def start(self, specs: list[TensorSpec], tensors: list[torch.Tensor]) -> _OutXfer:
+    def start(
+        self, specs: list[TensorSpec], tensors: list[torch.Tensor], transport: str = "tcp", ready: Any = None
+    ) -> _OutXfer:
         if self.dead is not None:
             raise PeerLostError(f"session with {self.address} is gone: {self.dead}")
         loop = asyncio.get_running_loop()
         x = _OutXfer(self.sess.new_xfer_id(), specs, tensors, loop.create_future(), loop.create_future())
+        x.transport = transport
+        x.ready = ready
         x.granted.add_done_callback(_retrieve)
         x.done.add_done_callback(_retrieve)
-        data = self.sess.send(Reserve(x.xfer, "tcp", tuple(specs)))
+        data = self.sess.send(Reserve(x.xfer, transport, tuple(specs)))
         self.xfers[x.xfer] = x
         self._send_ctrl(data)
         return x
+
+    @property
+    def peer_caps(self) -> tuple[str, ...]:
+        if self.welcome.done() and not self.welcome.exception():
+            return self.welcome.result().capabilities
+        return ()
+
+    async def ensure_nccl(self, timeout: float) -> None:
+        """Create this session's communicator (rank 0 here, rank 1 at the peer) once."""
+        if self.nccl is not None:
+            return
+        if self.nccl_setup is None:
+            self.nccl_setup = asyncio.get_running_loop().create_future()
+            self.nccl_setup.add_done_callback(_retrieve)
+            self.engine._spawn(self._setup_nccl(self.nccl_setup, timeout))
+        try:
+            await _await_shielded(self.nccl_setup, timeout)
+        except TimeoutError:
+            raise ConnectTimeoutError(f"NCCL set-up with {self.address} timed out") from None
+
+    async def _setup_nccl(self, fut: asyncio.Future[None], timeout: float) -> None:
+        from .nccl.comm import Communicator, get_unique_id
+        from .transport.nccl import NcclSource
+
+        e = self.engine
+        try:
+            uid = get_unique_id()
+            self.nccl_ready = asyncio.get_running_loop().create_future()
+            self.nccl_ready.add_done_callback(_retrieve)
+            self._send_ctrl(self.sess.send(NcclSetup(1, uid)))
+            device = torch.device(e.config.device)
+            comm = await Communicator.create(uid, 0, 2, device, timeout=timeout, max_ctas=e.config.nccl_max_channels)
+            try:
+                ready = await _await_shielded(self.nccl_ready, timeout)
+            except BaseException:
+                comm.abort()
+                raise
+            if not ready.ok:
+                comm.abort()
+                raise ConnectError(f"{self.address} could not set up NCCL: {ready.detail}")
+            if self.dead is not None:
+                comm.abort()
+                raise PeerLostError(f"session with {self.address} is gone")
+            self.nccl = NcclSource(comm, e._get_poller(), device)
+            fut.set_result(None)
+        except BaseException as exc:
+            self.nccl_setup = None
+            if not fut.done():
+                fut.set_exception(exc if isinstance(exc, AiokvError) else ConnectError(f"NCCL set-up failed: {exc}"))
+            if isinstance(exc, asyncio.CancelledError):
+                raise
 
     def abandon(self, x: _OutXfer) -> None:
         """The caller gave up. Withdraw if not granted; a granted transfer still completes."""
@@ -344,7 +415,8 @@ class _ClientSession:
         elif isinstance(msg, Bye):
             self.fail(PeerLostError(f"{self.address} closed the session"))
         elif isinstance(msg, NcclReady):
-            pass
+            if self.nccl_ready is not None and not self.nccl_ready.done():
+                self.nccl_ready.set_result(msg)
 
     async def _poster(self) -> None:
         try:
@@ -352,7 +424,12 @@ class _ClientSession:
                 x = await self.post_queue.get()
                 header = DataHeader(x.xfer, x.seq, len(x.specs))
                 hb = self.sess.send(header)
-                await self.source.post(header, hb, x.tensors)
+                if x.transport == "nccl":
+                    assert self.nccl is not None
+                    x.sent = await self.nccl.post(header, hb, x.tensors, x.ready)
+                    x.sent.add_done_callback(_retrieve)
+                else:
+                    await self.source.post(header, hb, x.tensors)
         except asyncio.CancelledError:
             raise
         except (zmq.ZMQError, AiokvError) as exc:
@@ -381,6 +458,10 @@ class _ClientSession:
         self.gets.clear()
         self.sess.close()
         self.source.abort(exc)
+        if self.nccl is not None:
+            self.nccl.abort(exc)
+        if self.nccl_ready is not None and not self.nccl_ready.done():
+            self.nccl_ready.set_exception(exc)
         for t in self.tasks:
             if t is not asyncio.current_task():
                 t.cancel()
@@ -413,6 +494,8 @@ class _InXfer:
     specs: tuple[TensorSpec, ...]
     nbytes: int
     discard: bool = False
+    seq: int = -1
+    transport: str = "tcp"
 
 
 class _ServerSession:
@@ -427,6 +510,7 @@ class _ServerSession:
         self.token = secrets.token_bytes(16)
         self.data_rid: bytes | None = None
         self.sink = TcpSink()
+        self.nccl: NcclSink | None = None
         self.granted: dict[int, _InXfer] = {}
         self.queued: dict[int, Reserve] = {}
         self.queued_ids: set[str] = set()
@@ -508,6 +592,9 @@ class Engine:
         self._main_tasks: list[asyncio.Task[None]] = []
         self._started = False
         self._closed = False
+        self._nccl_ok = False
+        self._nccl_why = "not started"
+        self._poller: ProgressPoller | None = None
 
     # ------------------------------------------------------------------ lifecycle
     async def __aenter__(self) -> Engine:
@@ -521,6 +608,13 @@ class Engine:
         if self._started:
             return
         self._started = True
+        if self.config.transport != "tcp":
+            from .transport.nccl import nccl_available
+
+            self._nccl_ok, self._nccl_why = nccl_available(self.config.device)
+            if self.config.transport == "nccl" and not self._nccl_ok:
+                self._started = False
+                raise ConfigError(f"transport='nccl' but NCCL cannot be used: {self._nccl_why}")
         self._ctx = zmq.asyncio.Context()
         r = self._ctx.socket(zmq.ROUTER)
         r.setsockopt(zmq.LINGER, int(self.config.timeouts.linger * 1000))
@@ -568,6 +662,8 @@ class Engine:
                     self._reply(ss, ss.sess.send(Bye()))
             self._drop_server(ss, exc, lost=False)
         self._store.fail_all(exc)
+        if self._poller is not None:
+            await self._poller.stop()
         for t in self._main_tasks:
             t.cancel()
         pending = [*self._main_tasks, *self._tasks]
@@ -592,7 +688,14 @@ class Engine:
             raise EngineClosedError("engine closed")
 
     def _capabilities(self) -> tuple[str, ...]:
-        return ("tcp",)
+        return ("tcp", "nccl") if self._nccl_ok else ("tcp",)
+
+    def _get_poller(self) -> ProgressPoller:
+        if self._poller is None:
+            from .cuda import ProgressPoller
+
+            self._poller = ProgressPoller()
+        return self._poller
 
     # ------------------------------------------------------------------ CURVE hooks
     def _apply_curve_server(self, sock: zmq.Socket[Any]) -> None:
@@ -622,20 +725,20 @@ class Engine:
 
     async def send(self, tensor_id: str, tensor: torch.Tensor, *, to: str, timeout: float | None = None) -> None:
         """PUT: return once the peer's engine holds ``tensor`` under ``tensor_id``."""
-        await self._transfer(to, [(tensor_id, tensor)], timeout)
+        await self._transfer(to, self._stage([(tensor_id, tensor)]), timeout)
 
     def send_nowait(
         self, tensor_id: str, tensor: torch.Tensor, *, to: str, timeout: float | None = None
     ) -> TransferHandle:
         """PUT_ASYNC: start the transfer, return a handle to await (or cancel) later."""
-        self._check_open()
-        return TransferHandle(asyncio.create_task(self._transfer(to, [(tensor_id, tensor)], timeout)))
+        staged = self._stage([(tensor_id, tensor)])
+        return TransferHandle(asyncio.create_task(self._transfer(to, staged, timeout)))
 
     async def send_many(
         self, tensors: Mapping[str, torch.Tensor], *, to: str, timeout: float | None = None
     ) -> None:
         """PUT many tensors under one negotiation; return once the peer holds all."""
-        await self._transfer(to, list(tensors.items()), timeout)
+        await self._transfer(to, self._stage(list(tensors.items())), timeout)
 
     async def recv(self, tensor_id: str, *, frm: str | None = None, timeout: float | None = None) -> torch.Tensor:
         """Collect a tensor from the receive store, waiting for it up to ``timeout``."""
@@ -752,13 +855,59 @@ class Engine:
             if self._connecting.get(address) is fut:
                 del self._connecting[address]
 
-    async def _transfer(self, to: str, items: list[tuple[str, torch.Tensor]], timeout: float | None) -> None:
+    def _stage(self, items: list[tuple[str, torch.Tensor]]) -> _Staged:
+        """Check and prepare tensors at call time (captures the caller's CUDA stream)."""
+        self._check_open()
+        specs, tensors = _prepare(items, self.config.limits.max_id_length)
+        cuda = [t.is_cuda for t in tensors]
+        ready = None
+        if any(cuda):
+            if not all(cuda):
+                raise ConfigError("one transfer cannot mix CPU and CUDA tensors")
+            from .transport.nccl import capture_ready
+
+            devs = {t.device for t in tensors}
+            if len(devs) != 1:
+                raise ConfigError("all CUDA tensors of one transfer must be on one device")
+            ready = capture_ready(tensors)
+        return _Staged(specs, tensors, ready, any(cuda))
+
+    async def _to_host(self, st: _Staged) -> list[torch.Tensor]:
+        """TCP fallback for CUDA tensors: copy into pinned host memory without blocking the loop."""
+        from .cuda import record_event
+
+        dev = st.tensors[0].device
+        stream = torch.cuda.Stream(device=dev)  # type: ignore[no-untyped-call]
+        stream.wait_event(st.ready)
+        hosts = [torch.empty(t.shape, dtype=t.dtype, pin_memory=True) for t in st.tensors]
+        with torch.cuda.stream(stream):
+            for h, t in zip(hosts, st.tensors):
+                h.copy_(t, non_blocking=True)
+        ev = record_event(stream)
+        await self._get_poller().wait(ev, keepalive=(st.tensors, hosts))
+        return hosts
+
+    async def _transfer(self, to: str, st: _Staged, timeout: float | None) -> None:
         self._check_open()
         T = self.config.timeouts
         dl = _Deadline(timeout if timeout is not None else T.transfer)
-        specs, tensors = _prepare(items, self.config.limits.max_id_length)
         cs = await self._client(to, dl)
-        x = cs.start(specs, tensors)
+        transport = "tcp"
+        tensors = st.tensors
+        if st.cuda:
+            use_nccl = self._nccl_ok and "nccl" in cs.peer_caps and self.config.transport != "tcp"
+            if use_nccl:
+                if st.tensors[0].device != torch.device(self.config.device):
+                    raise ConfigError(
+                        f"tensors are on {st.tensors[0].device}, the engine's NCCL device is {self.config.device}"
+                    )
+                await cs.ensure_nccl(dl.left(T.connect))
+                transport = "nccl"
+            elif self.config.transport == "nccl":
+                raise ConfigError(f"transport='nccl' but {to} cannot receive over NCCL")
+            else:
+                tensors = await self._to_host(st)
+        x = cs.start(st.specs, tensors, transport, st.ready)
         try:
             try:
                 await _await_shielded(x.granted, dl.left(T.negotiate))
@@ -928,7 +1077,31 @@ class Engine:
         elif isinstance(msg, (Bye, ErrorMsg)):
             self._drop_server(ss, PeerLostError(f"peer {ss.name} closed the session"), lost=False)
         elif isinstance(msg, NcclSetup):
-            self._reply(ss, ss.sess.send(NcclReady(msg.comm, False, "NCCL is not available on this engine")))
+            if not self._nccl_ok or ss.nccl is not None:
+                why = self._nccl_why if not self._nccl_ok else "this session already has a communicator"
+                self._reply(ss, ss.sess.send(NcclReady(msg.comm, False, why[:300])))
+            else:
+                self._spawn(self._setup_server_nccl(ss, msg))
+
+    async def _setup_server_nccl(self, ss: _ServerSession, msg: NcclSetup) -> None:
+        from .nccl.comm import Communicator
+        from .transport.nccl import NcclSink
+
+        device = torch.device(self.config.device)
+        try:
+            comm = await Communicator.create(
+                msg.unique_id, 1, 2, device, timeout=self.config.timeouts.connect,
+                max_ctas=self.config.nccl_max_channels,
+            )
+        except AiokvError as exc:
+            if not ss.dead:
+                self._reply(ss, ss.sess.send(NcclReady(msg.comm, False, str(exc)[:300])))
+            return
+        if ss.dead:
+            comm.abort()
+            return
+        ss.nccl = NcclSink(comm, self._get_poller(), device)
+        self._reply(ss, ss.sess.send(NcclReady(msg.comm, True, "")))
 
     def _on_reserve(self, ss: _ServerSession, msg: Reserve) -> None:
         assert ss.peer is not None
@@ -936,8 +1109,8 @@ class Engine:
         code, detail = "", ""
         if self._closed:
             code, detail = "closing", "engine closing"
-        elif msg.transport != "tcp":
-            code, detail = "transport", f"transport {msg.transport!r} not available"
+        elif msg.transport == "nccl" and ss.nccl is None:
+            code, detail = "transport", "NCCL is not set up for this session"
         elif msg.nbytes > lim.store_bytes:
             code, detail = "too_large", f"{msg.nbytes} bytes exceed the receive budget of {lim.store_bytes}"
         elif len(ss.queued) >= lim.max_pending_reserves:
@@ -965,9 +1138,10 @@ class Engine:
         if not self._store.try_reserve(ss.peer, [(s.tensor_id, s.nbytes) for s in msg.specs]):
             return False
         seq = ss.sess.next_grant_seq
-        inx = _InXfer(msg.xfer, msg.specs, msg.nbytes)
+        inx = _InXfer(msg.xfer, msg.specs, msg.nbytes, seq=seq, transport=msg.transport)
         ss.granted[msg.xfer] = inx
-        fut = ss.sink.expect(seq, msg.xfer, msg.specs)
+        sink: Any = ss.nccl if msg.transport == "nccl" else ss.sink
+        fut = sink.expect(seq, msg.xfer, msg.specs)
         fut.add_done_callback(lambda f: self._on_landed(ss, inx, f))
         self._reply(ss, ss.sess.send(Grant(msg.xfer, seq)))
         return True
@@ -1003,6 +1177,12 @@ class Engine:
         ss.granted.pop(inx.xfer, None)
         assert ss.peer is not None
         exc = fut.exception()
+        if exc is None and inx.transport == "nccl":
+            # NCCL matched the receive in posting order: that is this transfer's DATA.
+            try:
+                ss.sess.receive_message(DataHeader(inx.xfer, inx.seq, len(inx.specs)))
+            except RemoteProtocolError as perr:
+                exc = perr
         ids = [s.tensor_id for s in inx.specs]
         if exc is not None:
             self._store.cancel(ss.peer, ids, exc)
@@ -1030,7 +1210,7 @@ class Engine:
 
     async def _serve_get(self, ss: _ServerSession, msg: Get, items: list[tuple[str, torch.Tensor]]) -> None:
         try:
-            await self._transfer(msg.reply_to, items, None)
+            await self._transfer(msg.reply_to, self._stage(items), None)
             code, detail = "ok", ""
             self._stats.gets_served += 1
         except AiokvError as exc:
@@ -1049,6 +1229,8 @@ class Engine:
         if ss.data_rid is not None:
             self._data_rids.pop(ss.data_rid, None)
         ss.sink.abort(exc)
+        if ss.nccl is not None:
+            ss.nccl.abort(exc)
         if ss.peer is not None:
             err = exc if isinstance(exc, AiokvError) else PeerLostError(str(exc))
             if not isinstance(err, PeerLostError):

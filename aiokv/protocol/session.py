@@ -27,7 +27,7 @@ Transfer (keyed by ``xfer``, numbered by the client)::
     s  REFUSE      RESERVED|WITHDRAWING  -> (end)
     c  WITHDRAW    RESERVED              -> WITHDRAWING
     s  WITHDRAWN   WITHDRAWING           -> (end)
-    c  DATA        GRANTED               -> SENT         only in seq order
+    c  DATA        GRANTED               -> SENT         only in seq order (per data plane)
     s  DONE        SENT                  -> (end)
     *  FAILED      any live state        -> (end)
 
@@ -139,6 +139,7 @@ class _Xfer:
     state: XferState
     nbytes: int = 0
     seq: int = -1
+    transport: str = "tcp"
 
 
 @dataclass(slots=True)
@@ -152,7 +153,10 @@ class Session:
     peer_welcome: Welcome | None = None
     next_xfer: int = 0  # client: next transfer number to hand out
     next_grant_seq: int = 0  # server: next sequence number to grant
-    next_data_seq: int = 0  # both: next sequence number of DATA (client sends / server expects)
+    # both ends: the last DATA sequence number per transport. Each data plane
+    # must carry its transfers in grant order; grants are numbered across
+    # transports, so each plane sees an increasing subsequence.
+    last_data_seq: dict[str, int] = field(default_factory=dict)
     _xfers: dict[int, _Xfer] = field(default_factory=dict)
     _gets: set[int] = field(default_factory=set)
     _ncclsetups: set[int] = field(default_factory=set)
@@ -277,16 +281,17 @@ class Session:
             x.seq = msg.seq
         elif isinstance(msg, DataHeader):
             assert x is not None
-            if msg.seq != x.seq or msg.seq != self.next_data_seq:
+            last = self.last_data_seq.get(x.transport, -1)
+            if msg.seq != x.seq or msg.seq <= last:
                 raise err(
                     f"DATA for transfer {xfer_id} with seq {msg.seq}; "
-                    f"granted {x.seq}, next expected {self.next_data_seq}"
+                    f"granted {x.seq}, last {x.transport} data was {last}"
                 )
-            self.next_data_seq += 1
+            self.last_data_seq[x.transport] = msg.seq
         if after is XferState.END:
             del self._xfers[xfer_id]
         elif x is None:
             assert isinstance(msg, Reserve)
-            self._xfers[xfer_id] = _Xfer(after, nbytes=msg.nbytes)
+            self._xfers[xfer_id] = _Xfer(after, nbytes=msg.nbytes, transport=msg.transport)
         else:
             x.state = after

@@ -1,0 +1,184 @@
+"""GPU tensors over NCCL point-to-point, one communicator per session.
+
+A session's data flows one way (client -> server), so its communicator only
+ever carries sends on the client (rank 0) and receives on the server
+(rank 1). Each end posts on a stream of its own for this session, strictly
+in grant order; so both ends post the same sequence of operations whatever
+the concurrency above them, and a dead peer stalls only its own stream.
+
+Completion is never waited for on the loop: an event is recorded after the
+posted operations and the engine's :class:`~aiokv.cuda.ProgressPoller`
+resolves the future when it fires (or fails it when the communicator
+reports an error or is aborted).
+
+Stream ordering: :func:`capture_ready` records an event on the caller's
+current stream when ``send`` is called; the send stream waits for it on the
+device, so a kernel still writing the tensor finishes before NCCL reads it.
+On the receiving side the buffer is allocated on the device's current stream
+and the receive stream waits for that stream first, so memory the caching
+allocator hands back is never written while an earlier owner still reads it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+from collections.abc import Sequence
+from dataclasses import dataclass
+import torch
+
+from .._exceptions import TransferAbortedError
+from ..cuda import ProgressPoller, record_event
+from ..nccl.comm import Communicator
+from ..protocol.messages import DataHeader, TensorSpec
+from .tcp import torch_dtype
+
+__all__ = ["NcclSink", "NcclSource", "capture_ready"]
+
+_ids = itertools.count(1)
+
+
+def capture_ready(tensors: Sequence[torch.Tensor]) -> torch.cuda.Event:
+    """Record, on the caller's current stream, the point the tensors are ready at."""
+    return record_event(torch.cuda.current_stream(tensors[0].device))
+
+
+class NcclSource:
+    """Client end: posts ``ncclSend`` of each granted transfer, in grant order."""
+
+    name = "nccl"
+
+    def __init__(self, comm: Communicator, poller: ProgressPoller, device: torch.device) -> None:
+        self.comm = comm
+        self.poller = poller
+        self.device = device
+        self.stream = torch.cuda.Stream(device=device)  # type: ignore[no-untyped-call]
+        self._dead: BaseException | None = None
+
+    async def post(
+        self,
+        header: DataHeader,
+        header_bytes: bytes,
+        tensors: Sequence[torch.Tensor],
+        ready: torch.cuda.Event | None = None,
+    ) -> asyncio.Future[None]:
+        if self._dead is not None or self.comm.closed:
+            raise TransferAbortedError(f"NCCL link aborted: {self._dead}")
+        if ready is not None:
+            self.stream.wait_event(ready)
+        with torch.cuda.device(self.device), self.comm.group():
+            for t in tensors:
+                if t.numel():
+                    self.comm.send(t, 1, self.stream)
+        if self.comm.pending:
+            await self.comm.wait_ready()
+        ev = record_event(self.stream)
+        # the tensors stay referenced until the send has read them
+        return self.poller.wait(ev, self.comm, keepalive=list(tensors))
+
+    def abort(self, exc: BaseException) -> None:
+        self._dead = exc
+        self.comm.abort()
+
+    async def aclose(self) -> None:
+        self.abort(TransferAbortedError("closed"))
+
+
+@dataclass(slots=True)
+class _Expected:
+    seq: int
+    xfer: int
+    specs: Sequence[TensorSpec]
+    fut: asyncio.Future[list[torch.Tensor]]
+
+
+class NcclSink:
+    """Server end: posts ``ncclRecv`` for each grant, in grant order, into fresh buffers."""
+
+    name = "nccl"
+
+    def __init__(self, comm: Communicator, poller: ProgressPoller, device: torch.device) -> None:
+        self.comm = comm
+        self.poller = poller
+        self.device = device
+        self.stream = torch.cuda.Stream(device=device)  # type: ignore[no-untyped-call]
+        self._queue: asyncio.Queue[_Expected] = asyncio.Queue()
+        self._dead: BaseException | None = None
+        self._task = asyncio.get_running_loop().create_task(self._run(), name=f"aiokv-nccl-sink-{next(_ids)}")
+        self._inflight: list[_Expected] = []
+
+    def expect(self, header_seq: int, xfer: int, specs: Sequence[TensorSpec]) -> asyncio.Future[list[torch.Tensor]]:
+        fut: asyncio.Future[list[torch.Tensor]] = asyncio.get_running_loop().create_future()
+        if self._dead is not None:
+            fut.set_exception(TransferAbortedError(f"NCCL link aborted: {self._dead}"))
+            return fut
+        self._queue.put_nowait(_Expected(header_seq, xfer, specs, fut))
+        return fut
+
+    async def _run(self) -> None:
+        while True:
+            e = await self._queue.get()
+            try:
+                out = self._post(e)
+                if self.comm.pending:
+                    await self.comm.wait_ready()
+                ev = record_event(self.stream)
+            except Exception as exc:
+                self.abort(exc)
+                if not e.fut.done():
+                    e.fut.set_exception(TransferAbortedError(f"posting NCCL receive failed: {exc}"))
+                return
+            done = self.poller.wait(ev, self.comm, keepalive=out)
+            done.add_done_callback(lambda f, e=e, out=out: self._landed(e, out, f))  # type: ignore[misc]
+
+    def _post(self, e: _Expected) -> list[torch.Tensor]:
+        dev = self.device
+        with torch.cuda.device(dev):
+            alloc_stream = torch.cuda.current_stream(dev)
+            out = [torch.empty(s.shape, dtype=torch_dtype(s.dtype), device=dev) for s in e.specs]
+            self.stream.wait_stream(alloc_stream)
+            with self.comm.group():
+                for t in out:
+                    if t.numel():
+                        self.comm.recv(t, 0, self.stream)
+        return out
+
+    @staticmethod
+    def _landed(e: _Expected, out: list[torch.Tensor], f: asyncio.Future[None]) -> None:
+        if e.fut.done():
+            return
+        if f.cancelled():
+            e.fut.set_exception(TransferAbortedError("receive cancelled"))
+        elif f.exception() is not None:
+            exc = f.exception()
+            assert exc is not None
+            e.fut.set_exception(exc)
+        else:
+            e.fut.set_result(out)
+
+    def abort(self, exc: BaseException) -> None:
+        if self._dead is None:
+            self._dead = exc
+        self.comm.abort()
+        while not self._queue.empty():
+            e = self._queue.get_nowait()
+            if not e.fut.done():
+                e.fut.set_exception(TransferAbortedError(f"NCCL link aborted: {exc}"))
+        if self._task is not asyncio.current_task():
+            self._task.cancel()
+
+
+def nccl_available(device: str) -> tuple[bool, str]:
+    """Whether this process can run the NCCL transport on ``device`` (and why not)."""
+    if not device.startswith("cuda"):
+        return False, "the engine's device is not CUDA"
+    try:
+        if not torch.cuda.is_available():
+            return False, "CUDA is not available"
+        from ..nccl.library import load_library
+
+        lib = load_library()
+        lib.require_nonblocking()
+    except Exception as exc:
+        return False, str(exc)
+    return True, ""

@@ -163,6 +163,8 @@ async def _abort(rank: int, uid: bytes, flag: Path) -> dict[str, Any]:
                 break
             await asyncio.sleep(0.05)
         comm.abort()
+        out["abort_call_s"] = comm.abort_call_s
+        out["abort_finished"] = await comm.wait_aborted(timeout=30)
         out["abort_s"] = comm.last_abort_s
         await poller.stop()
         return out
@@ -183,10 +185,25 @@ async def _abort(rank: int, uid: bytes, flag: Path) -> dict[str, Any]:
     t1 = time.perf_counter()
     await asyncio.sleep(0.01)
     out["loop_lag_s"] = time.perf_counter() - t1 - 0.01
+    # a ticker measures the largest loop stall from here on (abort included)
+    lag = {"max": 0.0}
+    stop_tick = asyncio.Event()
+
+    async def ticker() -> None:
+        last = time.perf_counter()
+        while not stop_tick.is_set():
+            await asyncio.sleep(0.001)
+            now = time.perf_counter()
+            lag["max"] = max(lag["max"], now - last)
+            last = now
+
+    x = torch.full((1 << 24,), 2.0, device=dev)  # allocated before: no cudaMalloc during teardown
+    tick = asyncio.ensure_future(ticker())
+    await asyncio.sleep(0.02)
     t2 = time.perf_counter()
     comm.abort()
-    out["abort_s"] = comm.last_abort_s
     out["abort_wall_s"] = time.perf_counter() - t2
+    out["abort_call_s"] = comm.abort_call_s
     try:
         await asyncio.wait_for(fut, 5)
         out["waiter"] = "completed"
@@ -195,14 +212,26 @@ async def _abort(rank: int, uid: bytes, flag: Path) -> dict[str, Any]:
     except Exception as exc:
         out["waiter"] = repr(exc)
     out["waiter_s"] = time.perf_counter() - t2
-    # a new kernel on the same device completes promptly
+    out["max_loop_stall_abort_s"] = lag["max"]  # abort() until its waiter failed: aiokv alone
+    # a new kernel on the same device completes promptly (while NCCL tears down)
     t3 = time.perf_counter()
-    x = torch.full((1 << 24,), 2.0, device=dev)
     y = (x * 3).sum()
     ev = record_event(torch.cuda.current_stream(dev))
     await asyncio.wait_for(poller.wait(ev), 10)
     out["new_kernel_s"] = time.perf_counter() - t3
     out["new_kernel_ok"] = float(y.item()) == 6.0 * (1 << 24)
+    out["abort_finished"] = await comm.wait_aborted(timeout=30)
+    out["abort_s"] = comm.last_abort_s  # ncclCommAbort on its helper thread
+    out["abort_total_s"] = time.perf_counter() - t2
+    # the aborted send's stream drains too (its kernel was stopped)
+    try:
+        await asyncio.wait_for(poller.wait(record_event(stream)), 10)
+        out["aborted_stream_drained"] = True
+    except (asyncio.TimeoutError, TimeoutError):
+        out["aborted_stream_drained"] = False
+    stop_tick.set()
+    await tick
+    out["max_loop_stall_s"] = lag["max"]
     _set_flag(flag)
     await poller.stop()
     return out
@@ -223,7 +252,7 @@ def _worker_main(argv: list[str]) -> None:
 # --------------------------------------------------------------------------- test side
 
 
-def _run_pair(mode: str, *extra: str, timeout: float = 240) -> list[dict[str, Any]]:
+def _run_pair(mode: str, *extra: str, timeout: float = 120) -> list[dict[str, Any]]:
     from aiokv.nccl import get_unique_id
 
     uid = get_unique_id().hex()
@@ -274,10 +303,16 @@ def test_abort_returns_promptly_and_device_recovers(tmp_path: Path) -> None:
     assert "unexpected" not in r0
     assert r0["timed_out_after_s"] >= 1.9
     assert r0["loop_lag_s"] < 0.05
-    assert r0["abort_wall_s"] < 1.0, r0
+    assert r0["abort_wall_s"] < 0.05, r0  # abort() returns at once
     assert r0["waiter"] == "TransferAbortedError" and r0["waiter_s"] < 1.0
     assert r0["new_kernel_ok"] and r0["new_kernel_s"] < 1.0, r0
-    assert r1["abort_s"] < 5.0
+    assert r0["abort_finished"] and r0["abort_total_s"] < 5.0, r0
+    assert r0["aborted_stream_drained"]
+    # the event loop never stalls on aiokv's abort path; the whole window also holds the
+    # test's own CUDA calls racing NCCL's teardown (measured 58 ms with an allocation there)
+    assert r0["max_loop_stall_abort_s"] < 0.05, r0
+    assert r0["max_loop_stall_s"] < 0.5, r0
+    assert r1["abort_finished"] and r1["abort_call_s"] < 0.05
 
 
 if __name__ == "__main__":

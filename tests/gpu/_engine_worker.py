@@ -1,0 +1,151 @@
+"""Worker process for the two-GPU engine tests (run by test_engine_nccl_gpu.py).
+
+Roles talk to the test through stdout lines ``KEY value`` and stdin commands.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import sys
+import time
+
+import torch
+
+import aiokv
+
+DTYPES = [torch.bfloat16, torch.float16, torch.float32, torch.int8, torch.uint8, torch.float8_e4m3fn]
+SIZES = [1 << 10, 4 << 10, 64 << 10, 1 << 20, 4 << 20, 16 << 20, 64 << 20]
+
+
+def say(key: str, value: object) -> None:
+    print(f"{key} {json.dumps(value)}", flush=True)
+
+
+def make(i: int, seed: int, device: torch.device) -> torch.Tensor:
+    """Tensor number i of a deterministic mixed set (size, dtype, shape, contiguity)."""
+    g = torch.Generator(device=device)
+    g.manual_seed(seed * 100_003 + i)
+    # mostly small, a few large
+    size = SIZES[i % 5] if i % 50 else SIZES[5 + (i // 50) % 2]
+    dt = DTYPES[i % len(DTYPES)]
+    n = size // torch.empty(0, dtype=dt).element_size()
+    raw = torch.randint(0, 255, (n,), generator=g, device=device, dtype=torch.uint8) if dt.itemsize == 1 else None
+    if raw is not None:
+        t = raw.view(dt)
+    else:
+        t = torch.randn(n, generator=g, device=device, dtype=torch.float32).to(dt)
+    if i % 7 == 0 and n >= 64:
+        t = t.view(-1, 8).t()  # non-contiguous
+    return t
+
+
+def same(a: torch.Tensor, b: torch.Tensor) -> bool:
+    if a.shape != b.shape or a.dtype != b.dtype:
+        return False
+    return bool(torch.equal(a.contiguous().view(torch.uint8), b.contiguous().view(torch.uint8)))
+
+
+async def bidir(eng: aiokv.Engine, me: int, peer: str, count: int, dev: torch.device) -> None:
+    """Send ``count`` tensors to the peer while receiving ``count`` from it; verify bytes."""
+    t0 = time.perf_counter()
+    handles = [eng.send_nowait(f"b{me}-{i}", make(i, me, dev), to=peer) for i in range(count)]
+    other = 1 - me
+    bad = 0
+    for i in range(count):
+        got = await eng.recv(f"b{other}-{i}", timeout=120)
+        if got.device != dev or not same(got, make(i, other, dev).contiguous()):
+            bad += 1
+    for h in handles:
+        await h
+    say("BIDIR", {"bad": bad, "count": count, "seconds": time.perf_counter() - t0})
+
+
+async def main() -> None:
+    role = sys.argv[1]
+    dev = torch.device(sys.argv[2])
+    torch.cuda.set_device(dev)
+    cfg = aiokv.EngineConfig(
+        listen="127.0.0.1:0",
+        device=str(dev),
+        limits=aiokv.Limits(store_bytes=8 << 30),
+        timeouts=aiokv.Timeouts(transfer=120.0, connect=60.0),
+    )
+    async with aiokv.Engine(cfg) as eng:
+        say("ADDR", eng.address)
+        loop = asyncio.get_running_loop()
+        reader = asyncio.StreamReader()
+        await loop.connect_read_pipe(lambda: asyncio.StreamReaderProtocol(reader), sys.stdin)
+        while True:
+            line = (await reader.readline()).decode().strip()
+            if not line or line == "quit":
+                break
+            cmd, *args = line.split()
+            if cmd == "bidir":
+                await bidir(eng, int(args[0]), args[1], int(args[2]), dev)
+            elif cmd == "modes":  # PUT, PUT_ASYNC, GET towards args[0]
+                peer = args[0]
+                a = torch.arange(1000, device=dev, dtype=torch.float32)
+                await eng.send("put", a, to=peer)
+                h = eng.send_nowait("putasync", a * 2, to=peer)
+                await h
+                eng.publish("pub", a * 3)
+                say("MODES", "sent")
+            elif cmd == "check_modes":
+                peer = args[0]
+                ok = same(await eng.recv("put", timeout=60), torch.arange(1000, device=dev, dtype=torch.float32))
+                ok &= same(await eng.recv("putasync", timeout=60), torch.arange(1000, device=dev, dtype=torch.float32) * 2)
+                got = await eng.get("pub", frm=peer, timeout=60)
+                ok &= same(got, torch.arange(1000, device=dev, dtype=torch.float32) * 3)
+                say("MODES_OK", ok)
+            elif cmd == "ordering":  # a kernel still writing the tensor when send is called
+                peer = args[0]
+                t = torch.zeros(64 << 20, device=dev, dtype=torch.uint8)
+                torch.cuda._sleep(200_000_000)  # ~0.1 s of GPU time on the current stream
+                t.fill_(7)
+                t0 = time.perf_counter()
+                await eng.send("ordered", t, to=peer)
+                say("ORDERING_SENT", time.perf_counter() - t0)
+            elif cmd == "check_ordering":
+                got = await eng.recv("ordered", timeout=60)
+                say("ORDERING_OK", bool((got == 7).all().item()))
+            elif cmd == "victim":  # start a big transfer whose data never gets posted, then wait to be killed
+                peer = args[0]
+                await eng.send("warm", torch.ones(16, device=dev), to=peer)  # communicator up
+                t = torch.empty(1 << 30, device=dev, dtype=torch.uint8)
+                torch.cuda._sleep(2_000_000_000_000)  # the producer kernel "never" finishes
+                t.fill_(1)
+                eng.send_nowait("doomed", t, to=peer)
+                say("VICTIM_SENDING", time.time())
+            elif cmd == "wait_doomed":
+                t0 = time.time()
+                try:
+                    await eng.recv("doomed", timeout=60)
+                    say("DOOMED", {"error": None})
+                except aiokv.AiokvError as exc:
+                    t1 = time.time()
+                    # a new kernel on this device completes promptly
+                    k0 = time.perf_counter()
+                    x = torch.ones(1 << 20, device=dev).sum()
+                    ev = torch.cuda.Event()
+                    ev.record()
+                    while not ev.query():
+                        await asyncio.sleep(0.001)
+                    say(
+                        "DOOMED",
+                        {
+                            "error": type(exc).__name__,
+                            "raised_at": t1,
+                            "waited": t1 - t0,
+                            "kernel_s": time.perf_counter() - k0,
+                            "kernel_ok": float(x.item()) == float(1 << 20),
+                        },
+                    )
+            elif cmd == "stats":
+                st = eng.statistics()
+                say("STATS", {"peers_lost": st.peers_lost, "errors": st.protocol_errors})
+    say("BYE", True)
+
+
+if __name__ == "__main__":
+    asyncio.run(main())

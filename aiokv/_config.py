@@ -47,6 +47,7 @@ class Limits:
     max_pending_reserves: int = 4096  # queued reservations per session
     ttl: float = 120.0  # uncollected tensors expire after this many seconds
     max_published: int = 100_000
+    idle_session: float = 600.0  # close a session (and its communicator) unused this long
 
     def __post_init__(self) -> None:
         for f in dataclasses.fields(self):

@@ -239,6 +239,7 @@ class _ClientSession:
         self.post_queue: asyncio.Queue[_OutXfer] = asyncio.Queue()
         self.last_recv = time.monotonic()
         self.last_ping = 0.0
+        self.last_used = time.monotonic()
         self.nonce = itertools.count(1)
         self.get_ids = itertools.count(1)
         self.dead: BaseException | None = None
@@ -246,6 +247,10 @@ class _ClientSession:
 
     @property
     def peer_id(self) -> str | None:
+        """The peer's identity: its CURVE key when CURVE is on, else the id it announced."""
+        cc = self.engine.config.curve
+        if cc is not None:
+            return "curve:" + cc.server_keys[self.address].decode()
         w = self.welcome.result() if self.welcome.done() and not self.welcome.exception() else None
         return w.engine_id if w else None
 
@@ -254,9 +259,12 @@ class _ClientSession:
         self.tasks.append(asyncio.create_task(self._reader(), name=f"aiokv-client-reader-{self.address}"))
         self.tasks.append(asyncio.create_task(self._poster(), name=f"aiokv-client-poster-{self.address}"))
         hello = Hello(PROTOCOL_VERSION, e.engine_id, e.address, e._capabilities(), e.config.layout)
-        await self.ctrl.send(self.sess.send(hello))
+        dl = _Deadline(timeout)
         try:
-            w = await _await_shielded(self.welcome, timeout)
+            # With IMMEDIATE set, the HELLO send itself waits until a peer is connected:
+            # bound it by the connect deadline too (nothing listening must not hang).
+            await asyncio.wait_for(self.ctrl.send(self.sess.send(hello)), dl.left())
+            w = await _await_shielded(self.welcome, dl.left())
         except TimeoutError:
             raise ConnectTimeoutError(f"no answer from {self.address} within {timeout:.3g}s") from None
         await self.data.send(e._codec.encode(DataHello(w.token)))
@@ -272,6 +280,7 @@ class _ClientSession:
         x = _OutXfer(self.sess.new_xfer_id(), specs, tensors, loop.create_future(), loop.create_future())
         x.transport = transport
         x.ready = ready
+        self.last_used = time.monotonic()
         x.granted.add_done_callback(_retrieve)
         x.done.add_done_callback(_retrieve)
         data = self.sess.send(Reserve(x.xfer, transport, tuple(specs)))
@@ -478,11 +487,11 @@ class _ClientSession:
         self.ctrl.close()
         self.data.close()
 
-    async def bye(self) -> None:
+    async def bye(self, exc: BaseException | None = None) -> None:
         if self.dead is None and self.sess.state is SessionState.OPEN:
             with contextlib.suppress(Exception):
                 self._send_ctrl(self.sess.send(Bye()))
-        self.fail(EngineClosedError("engine closed"))
+        self.fail(exc or EngineClosedError("engine closed"))
 
 
 # --------------------------------------------------------------------------- server side
@@ -556,6 +565,16 @@ class TransferHandle:
 # --------------------------------------------------------------------------- engine
 
 
+class _KeyCheck:
+    """ZAP credentials provider: which CURVE client keys may connect."""
+
+    def __init__(self, allowed: frozenset[bytes] | None) -> None:
+        self.allowed = allowed
+
+    def callback(self, domain: str, key: bytes) -> bool:
+        return self.allowed is None or key in self.allowed
+
+
 class Engine:
     """Moves tensors between processes. Use as ``async with Engine(config) as eng``."""
 
@@ -595,6 +614,7 @@ class Engine:
         self._nccl_ok = False
         self._nccl_why = "not started"
         self._poller: ProgressPoller | None = None
+        self._auth: Any = None
 
     # ------------------------------------------------------------------ lifecycle
     async def __aenter__(self) -> Engine:
@@ -670,6 +690,8 @@ class Engine:
         if pending:
             await asyncio.wait(pending, timeout=self.config.timeouts.linger + 1.0)
         self._router.close(linger=min(200, int(self.config.timeouts.linger * 1000)))
+        if self._auth is not None:
+            self._auth.stop()
         ctx = self._ctx
         # term() waits for lingering sockets; never on the loop.
         await asyncio.wait_for(asyncio.to_thread(ctx.term), timeout=self.config.timeouts.linger + 1.0)
@@ -702,6 +724,13 @@ class Engine:
         cc = self.config.curve
         if cc is None:
             return
+        from zmq.auth.asyncio import AsyncioAuthenticator
+
+        auth = AsyncioAuthenticator(self._ctx)
+        auth.start()
+        auth.configure_curve_callback("aiokv", credentials_provider=_KeyCheck(cc.allowed_clients))
+        self._auth = auth
+        sock.setsockopt(zmq.ZAP_DOMAIN, b"aiokv")
         sock.setsockopt(zmq.CURVE_SERVER, 1)
         sock.setsockopt(zmq.CURVE_SECRETKEY, cc.secret_key)
         sock.setsockopt(zmq.CURVE_PUBLICKEY, cc.public_key)
@@ -1033,7 +1062,8 @@ class Engine:
                 self._count_error("layout_mismatch")
                 self._reply_raw(rid, ErrorMsg("layout_mismatch", err))
                 return
-        ss.peer = PeerRef(msg.engine_id, msg.listen)
+        # With CURVE the peer is who its authenticated key says, not what it announces.
+        ss.peer = PeerRef(f"curve:{user}" if user else msg.engine_id, msg.listen)
         self._servers[rid] = ss
         self._tokens[ss.token] = ss
         w = Welcome(PROTOCOL_VERSION, self.engine_id, self._address, self._capabilities(), self.config.layout, ss.token)
@@ -1249,8 +1279,12 @@ class Engine:
         while True:
             await asyncio.sleep(tick)
             now = time.monotonic()
+            idle = self.config.limits.idle_session
             for cs in list(self._clients.values()):
-                if now - cs.last_recv > T.heartbeat_timeout:
+                if not cs.xfers and not cs.gets and now - cs.last_used > idle:
+                    # idle eviction: frees the session and its communicator
+                    await cs.bye(ConnectError(f"session with {cs.address} closed after being idle"))
+                elif now - cs.last_recv > T.heartbeat_timeout:
                     cs.fail(PeerLostError(f"no heartbeat from {cs.address} for {now - cs.last_recv:.2f}s"))
                 elif now - cs.last_ping >= T.heartbeat_interval:
                     cs.ping(now)

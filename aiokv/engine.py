@@ -430,15 +430,26 @@ class _ClientSession:
     async def _poster(self) -> None:
         try:
             while True:
-                x = await self.post_queue.get()
-                header = DataHeader(x.xfer, x.seq, len(x.specs))
-                hb = self.sess.send(header)
-                if x.transport == "nccl":
-                    assert self.nccl is not None
-                    x.sent = await self.nccl.post(header, hb, x.tensors, x.ready)
-                    x.sent.add_done_callback(_retrieve)
-                else:
-                    await self.source.post(header, hb, x.tensors)
+                batch = [await self.post_queue.get()]
+                while not self.post_queue.empty() and len(batch) < 64:
+                    batch.append(self.post_queue.get_nowait())
+                i = 0
+                while i < len(batch):
+                    x = batch[i]
+                    if x.transport == "nccl":
+                        # consecutive NCCL transfers go out as one group, still in grant order
+                        j = i
+                        while j < len(batch) and batch[j].transport == "nccl":
+                            self.sess.send(DataHeader(batch[j].xfer, batch[j].seq, len(batch[j].specs)))
+                            j += 1
+                        assert self.nccl is not None
+                        sent = await self.nccl.post_many([(b.tensors, b.ready) for b in batch[i:j]])
+                        sent.add_done_callback(_retrieve)
+                        i = j
+                    else:
+                        header = DataHeader(x.xfer, x.seq, len(x.specs))
+                        await self.source.post(header, self.sess.send(header), x.tensors)
+                        i += 1
         except asyncio.CancelledError:
             raise
         except (zmq.ZMQError, AiokvError) as exc:

@@ -25,6 +25,7 @@ import asyncio
 import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass
+
 import torch
 
 from .._exceptions import TransferAbortedError
@@ -36,6 +37,7 @@ from .tcp import torch_dtype
 __all__ = ["NcclSink", "NcclSource", "capture_ready"]
 
 _ids = itertools.count(1)
+_MAX_BATCH = 64
 
 
 def capture_ready(tensors: Sequence[torch.Tensor]) -> torch.cuda.Event:
@@ -62,19 +64,29 @@ class NcclSource:
         tensors: Sequence[torch.Tensor],
         ready: torch.cuda.Event | None = None,
     ) -> asyncio.Future[None]:
+        return await self.post_many([(tensors, ready)])
+
+    async def post_many(
+        self, items: Sequence[tuple[Sequence[torch.Tensor], torch.cuda.Event | None]]
+    ) -> asyncio.Future[None]:
+        """Post several granted transfers (consecutive in grant order) as one NCCL group."""
         if self._dead is not None or self.comm.closed:
             raise TransferAbortedError(f"NCCL link aborted: {self._dead}")
-        if ready is not None:
-            self.stream.wait_event(ready)
+        for _, ready in items:
+            if ready is not None:
+                self.stream.wait_event(ready)
+        keep: list[torch.Tensor] = []
         with torch.cuda.device(self.device), self.comm.group():
-            for t in tensors:
-                if t.numel():
-                    self.comm.send(t, 1, self.stream)
+            for tensors, _ in items:
+                for t in tensors:
+                    if t.numel():
+                        self.comm.send(t, 1, self.stream)
+                    keep.append(t)
         if self.comm.pending:
             await self.comm.wait_ready()
         ev = record_event(self.stream)
         # the tensors stay referenced until the send has read them
-        return self.poller.wait(ev, self.comm, keepalive=list(tensors))
+        return self.poller.wait(ev, self.comm, keepalive=keep)
 
     def abort(self, exc: BaseException) -> None:
         self._dead = exc
@@ -117,44 +129,53 @@ class NcclSink:
 
     async def _run(self) -> None:
         while True:
-            e = await self._queue.get()
+            batch = [await self._queue.get()]
+            # everything granted meanwhile is posted as one group (one kernel launch)
+            while not self._queue.empty() and len(batch) < _MAX_BATCH:
+                batch.append(self._queue.get_nowait())
             try:
-                out = self._post(e)
+                outs = self._post(batch)
                 if self.comm.pending:
                     await self.comm.wait_ready()
                 ev = record_event(self.stream)
             except Exception as exc:
                 self.abort(exc)
-                if not e.fut.done():
-                    e.fut.set_exception(TransferAbortedError(f"posting NCCL receive failed: {exc}"))
+                for e in batch:
+                    if not e.fut.done():
+                        e.fut.set_exception(TransferAbortedError(f"posting NCCL receive failed: {exc}"))
                 return
-            done = self.poller.wait(ev, self.comm, keepalive=out)
-            done.add_done_callback(lambda f, e=e, out=out: self._landed(e, out, f))  # type: ignore[misc]
+            done = self.poller.wait(ev, self.comm, keepalive=outs)
+            done.add_done_callback(lambda f, b=batch, o=outs: self._landed(b, o, f))  # type: ignore[misc]
 
-    def _post(self, e: _Expected) -> list[torch.Tensor]:
+    def _post(self, batch: list[_Expected]) -> list[list[torch.Tensor]]:
         dev = self.device
         with torch.cuda.device(dev):
             alloc_stream = torch.cuda.current_stream(dev)
-            out = [torch.empty(s.shape, dtype=torch_dtype(s.dtype), device=dev) for s in e.specs]
+            outs = [
+                [torch.empty(s.shape, dtype=torch_dtype(s.dtype), device=dev) for s in e.specs]
+                for e in batch
+            ]
             self.stream.wait_stream(alloc_stream)
             with self.comm.group():
-                for t in out:
-                    if t.numel():
-                        self.comm.recv(t, 0, self.stream)
-        return out
+                for out in outs:
+                    for t in out:
+                        if t.numel():
+                            self.comm.recv(t, 0, self.stream)
+        return outs
 
     @staticmethod
-    def _landed(e: _Expected, out: list[torch.Tensor], f: asyncio.Future[None]) -> None:
-        if e.fut.done():
-            return
-        if f.cancelled():
-            e.fut.set_exception(TransferAbortedError("receive cancelled"))
-        elif f.exception() is not None:
-            exc = f.exception()
-            assert exc is not None
-            e.fut.set_exception(exc)
-        else:
-            e.fut.set_result(out)
+    def _landed(batch: list[_Expected], outs: list[list[torch.Tensor]], f: asyncio.Future[None]) -> None:
+        for e, out in zip(batch, outs):
+            if e.fut.done():
+                continue
+            if f.cancelled():
+                e.fut.set_exception(TransferAbortedError("receive cancelled"))
+            elif f.exception() is not None:
+                exc = f.exception()
+                assert exc is not None
+                e.fut.set_exception(exc)
+            else:
+                e.fut.set_result(out)
 
     def abort(self, exc: BaseException) -> None:
         if self._dead is None:

@@ -275,6 +275,7 @@ async def serve_app(
             on_started()
 
     watcher = asyncio.create_task(_watch())
+
     async def _serve() -> None:
         try:
             await server.serve(sockets=[sock])

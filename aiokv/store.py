@@ -284,11 +284,12 @@ class ReceiveStore:
 
     def _raise_if_expired(self, tid: str, frm: str | None) -> None:
         if frm is None:
-            key = f"\x00{tid}"
+            keys = [f"\x00{tid}"]
         else:
+            # ``frm`` may be an address or an engine id (see _matches)
             eid = self.resolve_peer(frm)
-            key = f"{eid}\x00{tid}" if eid else f"{frm}\x01{tid}"
-        if key in self._tombstones:
+            keys = [f"{frm}\x00{tid}", f"{frm}\x01{tid}"] + ([f"{eid}\x00{tid}"] if eid else [])
+        if any(k in self._tombstones for k in keys):
             raise ExpiredError(f"tensor {tid!r} expired before it was collected (TTL {self.ttl}s)")
 
 

@@ -15,7 +15,7 @@ import subprocess
 import sys
 from collections.abc import AsyncIterator
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import httpx
 import pytest
@@ -104,9 +104,10 @@ async def test_workers_in_process_chat_and_completions() -> None:
     try:
         async with contextlib.AsyncExitStack() as stack:
             router_url = await stack.enter_async_context(running(create_router_app(RouterConfig())))
-            for role in ("prefill", "decode"):
+            roles: tuple[Literal["prefill", "decode"], ...] = ("prefill", "decode")
+            for role in roles:
                 sock = bind_socket("127.0.0.1", 0)
-                cfg = WorkerConfig(role=role, router_url=router_url, heartbeat_interval=0.2)  # type: ignore[arg-type]
+                cfg = WorkerConfig(role=role, router_url=router_url, heartbeat_interval=0.2)
                 app = create_worker_app(cfg, socket_url(sock))
                 await stack.enter_async_context(running(app, sock))
             client = await stack.enter_async_context(

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import math
 import threading
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -57,7 +57,7 @@ def detokenize(tokens: Sequence[int]) -> str:
     return "".join(_ALPHABET[t % len(_ALPHABET)] for t in tokens)
 
 
-def chat_prompt(messages: Sequence[dict[str, object]]) -> str:
+def chat_prompt(messages: Sequence[Mapping[str, object]]) -> str:
     """Flatten OpenAI chat messages into one prompt string."""
     parts = []
     for m in messages:

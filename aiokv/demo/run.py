@@ -383,6 +383,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     logdir = Path(tempfile.mkdtemp(prefix="aiokv-demo-"))
     children = Children(logdir)
     rc = 1
+
+    def on_sigterm(signum: int, frame: object) -> None:
+        raise KeyboardInterrupt  # tear down like Ctrl-C
+
+    previous = signal.signal(signal.SIGTERM, on_sigterm)
     try:
         rc = asyncio.run(_run(args, children, console))
     except KeyboardInterrupt:
@@ -396,6 +401,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 console.print(tail, markup=False, highlight=False)
         rc = 1
     finally:
+        signal.signal(signal.SIGTERM, previous)
         children.teardown()
         if args.keep_logs or rc not in (0, 130):
             console.print(f"logs: {logdir}")

@@ -415,8 +415,12 @@ def create_app(cfg: WorkerConfig, url: str = "") -> FastAPI:
             head_dim=mc.head_dim,
             dtype="float32",
         )
+        # the layout is offered at connection set-up: incompatible peers are refused early
         engine_cfg = aiokv.EngineConfig(
-            listen=cfg.kv_listen, device=cfg.device, transport=cfg.transport
+            listen=cfg.kv_listen,
+            device=cfg.device,
+            transport=cfg.transport,
+            layout=w.layout.to_wire(),
         )
 
         async def on_engine(engine: Any) -> None:

@@ -6,6 +6,7 @@ See :mod:`aiokv.kv.layouts` for the layouts and their wire form, and
 
 from __future__ import annotations
 
+from .connector import ConnectorStatistics, KVConnector
 from .layouts import (
     DTYPES,
     FlashAttentionLayout,
@@ -30,9 +31,11 @@ from .ops import (
 __all__ = [
     "DTYPES",
     "BoundCaches",
+    "ConnectorStatistics",
     "FlashAttentionLayout",
     "FlashInferLayout",
     "Impl",
+    "KVConnector",
     "KVLayout",
     "LayerChunker",
     "Lease",

@@ -157,6 +157,7 @@ class Session:
     # must carry its transfers in grant order; grants are numbered across
     # transports, so each plane sees an increasing subsequence.
     last_data_seq: dict[str, int] = field(default_factory=dict)
+    max_xfer_seen: int = 0  # highest transfer number RESERVEd in this session
     _xfers: dict[int, _Xfer] = field(default_factory=dict)
     _gets: set[int] = field(default_factory=set)
     _ncclsetups: set[int] = field(default_factory=set)
@@ -269,6 +270,8 @@ class Session:
         xfer_id: int = msg.xfer  # type: ignore[attr-defined]
         x = self._xfers.get(xfer_id)
         before = x.state if x else None
+        if x is None and isinstance(msg, Withdraw) and 0 < xfer_id <= self.max_xfer_seen:
+            return  # it crossed this end's REFUSE/FAILED: the transfer is already gone
         after = table.get(before)
         if after is None:
             where = before.value if before else "no such transfer"
@@ -293,5 +296,6 @@ class Session:
         elif x is None:
             assert isinstance(msg, Reserve)
             self._xfers[xfer_id] = _Xfer(after, nbytes=msg.nbytes, transport=msg.transport)
+            self.max_xfer_seen = max(self.max_xfer_seen, xfer_id)
         else:
             x.state = after

@@ -1,0 +1,597 @@
+"""KV transfer benchmark: :class:`~aiokv.kv.KVConnector` vs a raw baseline, same run.
+
+    python -m aiokv.kv.bench --workload short --transport nccl --json
+    python -m aiokv.kv.bench --workload tiny --transport tcp --json     # CPU smoke test
+
+Two processes (spawned), a producer and a consumer, each with an
+:class:`aiokv.Engine` and a paged cache in the FlashAttention layout of
+``docs/benchmarks.md`` (Llama-3-8B geometry: 32 layers, 8 KV heads, head dim 128,
+block 16, bf16). Workloads: ``short`` 64 requests x 256 tokens, ``long`` 16 x
+4096, ``tiny`` 4 layers, 8 x 64 tokens, float32 (CPU smoke test). Block tables
+are random permutations of a cache 25 % larger than needed, different on each
+side. ``--transport nccl`` puts the producer on ``cuda:0`` and the consumer on
+``cuda:1``; ``tcp`` uses CPU caches.
+
+Each iteration: the consumer zeroes its cache, posts a ``recv_request`` for every
+request, signals the producer and starts the clock; the producer sends all
+requests (``--concurrency`` at once); the clock stops when the last block is in
+place (after a device synchronisation on GPU). Effective rate = bytes landed /
+that wall time. The consumer then checks every block bit-exactly against the
+producer's cache, which it regenerates from the seed. The raw reference in the
+same run, same clock and same signalling: for ``nccl``, torch.distributed
+(a 2-rank NCCL group over a TCP store on loopback) sending the same bytes as one
+message per request; for ``tcp``, a pyzmq PUSH/PULL of the same messages.
+Latency: ``--latency-n`` one-at-a-time requests of 256 tokens (fewer for
+``tiny``), from the producer's call to the last block in place on the consumer
+(``time.perf_counter`` is CLOCK_MONOTONIC, shared by processes of one host).
+
+Output (``--json``): one JSON line with ``workload, transport, aiokv_gbps,
+raw_gbps, ratio, ok, p50_ms, p99_ms`` and details. GB/s are 1e9 bytes/s;
+figures are medians over ``--iters``. Exit status 0 iff ok.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import multiprocessing as mp
+import os
+import queue
+import socket
+import statistics
+import sys
+import time
+import traceback
+import warnings
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass
+from multiprocessing.connection import Connection
+from typing import Any
+
+__all__ = ["WORKLOADS", "Workload", "main"]
+
+MiB = 1 << 20
+GiB = 1 << 30
+
+
+@dataclass(frozen=True, slots=True)
+class Workload:
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    block_size: int
+    dtype: str
+    requests: int
+    tokens: int
+
+    @property
+    def blocks_per_request(self) -> int:
+        return -(-self.tokens // self.block_size)
+
+    @property
+    def num_blocks(self) -> int:
+        return self.requests * self.blocks_per_request * 5 // 4 + 1
+
+
+WORKLOADS: dict[str, Workload] = {
+    "short": Workload(32, 8, 128, 16, "bfloat16", 64, 256),
+    "long": Workload(32, 8, 128, 16, "bfloat16", 16, 4096),
+    "tiny": Workload(4, 8, 128, 16, "float32", 8, 64),
+}
+
+
+# --------------------------------------------------------------------------- shared helpers
+
+
+def _layout(w: Workload) -> Any:
+    from .layouts import FlashAttentionLayout
+
+    return FlashAttentionLayout(
+        num_layers=w.num_layers,
+        num_blocks=w.num_blocks,
+        block_size=w.block_size,
+        num_kv_heads=w.num_kv_heads,
+        head_dim=w.head_dim,
+        dtype=w.dtype,
+    )
+
+
+def _tables(w: Workload, seed: int, side: int) -> list[list[int]]:
+    """Random, non-contiguous block tables (one per request) of one side."""
+    import torch
+
+    g = torch.Generator().manual_seed(seed * 1000 + side)
+    perm = torch.randperm(w.num_blocks, generator=g).tolist()
+    k = w.blocks_per_request
+    return [perm[r * k : (r + 1) * k] for r in range(w.requests)]
+
+
+def _alloc(layout: Any, device: Any, seed: int | None) -> tuple[Any, list[Any]]:
+    """One stacked allocation; filled with seeded random bytes when ``seed`` is given."""
+    import torch
+
+    big = torch.empty(
+        (layout.num_layers, *layout.layer_shape()), dtype=layout.torch_dtype, device=device
+    )
+    raw = big.view(torch.uint8)
+    if seed is None:
+        raw.zero_()
+    else:
+        g = torch.Generator(device=device).manual_seed(seed)
+        raw.random_(0, 256, generator=g)
+    return big, list(big.unbind(0))
+
+
+def _sync(device: Any) -> None:
+    import torch
+
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+class _Chan:
+    """The producer<->consumer control pipe (blocking reads happen on a thread)."""
+
+    def __init__(self, conn: Connection) -> None:
+        self.conn = conn
+
+    def send(self, *msg: Any) -> None:
+        self.conn.send(msg)
+
+    async def recv(self, expect: str, timeout: float = 600.0) -> tuple[Any, ...]:
+        def get() -> tuple[Any, ...]:
+            if not self.conn.poll(timeout):
+                raise TimeoutError(f"no {expect!r} from the other process in {timeout}s")
+            m: tuple[Any, ...] = self.conn.recv()
+            return m
+
+        msg = await asyncio.to_thread(get)
+        if msg[0] == "error":
+            raise RuntimeError(f"the other process failed: {msg[1]}")
+        if msg[0] != expect:
+            raise RuntimeError(f"expected {expect!r}, got {msg[0]!r}")
+        return msg
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port: int = s.getsockname()[1]
+        return port
+
+
+# --------------------------------------------------------------------------- the two roles
+
+
+async def _producer(a: dict[str, Any], chan: _Chan) -> dict[str, Any]:
+    import torch
+
+    import aiokv
+
+    from .connector import KVConnector
+
+    w = WORKLOADS[a["workload"]]
+    nccl = a["transport"] == "nccl"
+    device = torch.device("cuda:0" if nccl else "cpu")
+    if nccl:
+        torch.cuda.set_device(device)
+    layout = _layout(w)
+    _big, caches = _alloc(layout, device, a["seed"])
+    tables = _tables(w, a["seed"], 0)
+    req_bytes = layout.request_nbytes(w.blocks_per_request)
+    cfg = aiokv.EngineConfig(
+        device=str(device),
+        transport=a["transport"],
+        layout=layout.to_wire(),
+        timeouts=aiokv.Timeouts(transfer=a["timeout"], negotiate=a["timeout"]),
+        limits=aiokv.Limits(store_bytes=4 * GiB),
+    )
+    pg = _raw_setup(a, rank=0)
+    out: dict[str, Any] = {}
+    async with aiokv.Engine(cfg) as eng:
+        (_, to, raw_ep) = await chan.recv("addr")
+        con = KVConnector(
+            eng, layout, caches, chunk_bytes=a["chunk_bytes"], staging_bytes=a["staging_bytes"]
+        )
+        sem = asyncio.Semaphore(a["concurrency"])
+
+        async def one(rid: str, ids: list[int]) -> None:
+            async with sem:
+                await con.send_request(rid, ids, to=to)
+
+        raw_src = torch.empty(req_bytes, dtype=torch.uint8, device=device).random_(0, 256)
+        push = _zmq_push(raw_ep) if not nccl else None
+        try:
+            while True:
+                msg = await chan.recv("cmd")
+                cmd = msg[1]
+                if cmd == "stop":
+                    break
+                if cmd == "aiokv":
+                    it = msg[2]
+                    await asyncio.gather(*(one(f"i{it}r{r}", tables[r]) for r in range(w.requests)))
+                elif cmd == "raw":
+                    if nccl:
+                        await asyncio.to_thread(_nccl_raw, pg, raw_src, w.requests, 0)
+                    else:
+                        await asyncio.to_thread(_zmq_raw_push, push, raw_src, w.requests)
+                elif cmd == "lat":
+                    n_blocks = msg[3]
+                    t = time.perf_counter()
+                    await con.send_request(f"lat{msg[2]}", tables[0][:n_blocks], to=to)
+                    chan.send("t", t)
+                    continue
+                chan.send("ack")
+        finally:
+            if push is not None:
+                push.close(linger=0)
+        out["connector"] = asdict(con.statistics())
+        await con.aclose()
+    _raw_teardown(pg)
+    return out
+
+
+async def _consumer(a: dict[str, Any], chan: _Chan) -> dict[str, Any]:
+    import torch
+
+    import aiokv
+
+    from .connector import KVConnector
+
+    w = WORKLOADS[a["workload"]]
+    nccl = a["transport"] == "nccl"
+    device = torch.device("cuda:1" if nccl else "cpu")
+    if nccl:
+        torch.cuda.set_device(device)
+    layout = _layout(w)
+    big, caches = _alloc(layout, device, None)
+    expected, _ = _alloc(layout, device, a["seed"])  # the producer's cache, regenerated
+    src_tables = _tables(w, a["seed"], 0)
+    tables = _tables(w, a["seed"], 1)
+    req_bytes = layout.request_nbytes(w.blocks_per_request)
+    total = w.requests * req_bytes
+    cfg = aiokv.EngineConfig(
+        device=str(device),
+        transport=a["transport"],
+        layout=layout.to_wire(),
+        timeouts=aiokv.Timeouts(transfer=a["timeout"], negotiate=a["timeout"]),
+        limits=aiokv.Limits(store_bytes=4 * GiB),
+    )
+    bd = layout.block_dim + 1  # in the stacked [L, ...] view
+
+    def check(reqs: Sequence[int], n_blocks: int | None = None) -> bool:
+        ok = True
+        for r in reqs:
+            s = torch.tensor(src_tables[r][:n_blocks], device=device)
+            d = torch.tensor(tables[r][:n_blocks], device=device)
+            want = expected.view(torch.uint8).index_select(bd, s)
+            got = big.view(torch.uint8).index_select(bd, d)
+            ok = ok and bool(torch.equal(want, got))
+        return ok
+
+    pg = _raw_setup(a, rank=1)
+    pull, raw_ep = _zmq_pull() if not nccl else (None, "")
+    raw_dst = torch.empty(req_bytes, dtype=torch.uint8, device=device)
+    res: dict[str, Any] = {"aiokv_s": [], "raw_s": [], "ok": True, "lat_end": []}
+    async with aiokv.Engine(cfg) as eng:
+        chan.send("addr", eng.address, raw_ep)
+        con = KVConnector(eng, layout, caches, chunk_bytes=a["chunk_bytes"])
+        try:
+            for it in range(-1, a["iters"]):  # iteration -1 warms up (sessions, NCCL, kernels)
+                big.zero_()
+                _sync(device)
+                tasks = [
+                    asyncio.ensure_future(con.recv_request(f"i{it}r{r}", tables[r]))
+                    for r in range(w.requests)
+                ]
+                await asyncio.sleep(0)
+                t0 = time.perf_counter()
+                chan.send("cmd", "aiokv", it)
+                await asyncio.gather(*tasks)
+                _sync(device)
+                t1 = time.perf_counter()
+                await chan.recv("ack")
+                ok = check(range(w.requests))
+                res["ok"] = res["ok"] and ok
+                if it >= 0:
+                    res["aiokv_s"].append(t1 - t0)
+                # the raw reference, interleaved so both see the same machine state
+                t0 = time.perf_counter()
+                chan.send("cmd", "raw")
+                if nccl:
+                    await asyncio.to_thread(_nccl_raw, pg, raw_dst, w.requests, 1)
+                else:
+                    await asyncio.to_thread(_zmq_raw_pull, pull, w.requests, req_bytes)
+                _sync(device)
+                t1 = time.perf_counter()
+                await chan.recv("ack")
+                if it >= 0:
+                    res["raw_s"].append(t1 - t0)
+            # latency: one request at a time
+            n_blocks = min(w.blocks_per_request, max(1, 256 // w.block_size))
+            res["latency_tokens"] = n_blocks * w.block_size
+            starts: list[float] = []
+            for i in range(a["latency_warmup"] + a["latency_n"]):
+                task = asyncio.ensure_future(con.recv_request(f"lat{i}", tables[0][:n_blocks]))
+                await asyncio.sleep(0)
+                chan.send("cmd", "lat", i, n_blocks)
+                await task
+                _sync(device)
+                t_end = time.perf_counter()
+                (_, t_start) = await chan.recv("t")
+                if i >= a["latency_warmup"]:
+                    starts.append(t_start)
+                    res["lat_end"].append(t_end)
+            big.zero_()
+            res["ok"] = res["ok"] and not check([0], n_blocks)  # sanity: the check can fail
+            res["lat_start"] = starts
+            chan.send("cmd", "stop")
+        finally:
+            if pull is not None:
+                pull.close(linger=0)
+        res["connector"] = asdict(con.statistics())
+        await con.aclose()
+    _raw_teardown(pg)
+    res["bytes"] = total
+    return res
+
+
+# --------------------------------------------------------------------------- raw baselines
+
+
+def _raw_setup(a: dict[str, Any], rank: int) -> Any:
+    if a["transport"] != "nccl":
+        return None
+    import torch
+    import torch.distributed as dist
+
+    dist.init_process_group(
+        "nccl",
+        init_method=f"tcp://127.0.0.1:{a['dist_port']}",
+        rank=rank,
+        world_size=2,
+    )
+    # warm the P2P connection up with one request-sized message
+    buf = torch.zeros(1 * MiB, dtype=torch.uint8, device=f"cuda:{rank}")
+    if rank == 0:
+        dist.send(buf, dst=1)
+    else:
+        dist.recv(buf, src=0)
+    torch.cuda.synchronize()
+    return dist.group.WORLD
+
+
+def _raw_teardown(pg: Any) -> None:
+    if pg is None:
+        return
+    import torch.distributed as dist
+
+    dist.destroy_process_group()
+
+
+def _nccl_raw(pg: Any, buf: Any, n: int, rank: int) -> None:
+    import torch
+    import torch.distributed as dist
+
+    works: list[Any] = (
+        [dist.isend(buf, dst=1) for _ in range(n)]
+        if rank == 0
+        else [dist.irecv(buf, src=0) for _ in range(n)]
+    )
+    for wk in works:
+        if wk is not None:
+            wk.wait()
+    torch.cuda.synchronize()
+
+
+def _zmq_pull() -> tuple[Any, str]:
+    import zmq
+
+    ctx: Any = zmq.Context.instance()
+    s: Any = ctx.socket(zmq.PULL)
+    s.setsockopt(zmq.RCVHWM, 0)
+    port = s.bind_to_random_port("tcp://127.0.0.1")
+    return s, f"tcp://127.0.0.1:{port}"
+
+
+def _zmq_push(ep: str) -> Any:
+    import zmq
+
+    s: Any = zmq.Context.instance().socket(zmq.PUSH)
+    s.setsockopt(zmq.SNDHWM, 0)
+    s.connect(ep)
+    return s
+
+
+def _zmq_raw_push(sock: Any, buf: Any, n: int) -> None:
+    from ..transport.tcp import tensor_buffer
+
+    mv = tensor_buffer(buf)
+    for _ in range(n):
+        sock.send(mv, copy=False)
+
+
+def _zmq_raw_pull(sock: Any, n: int, nbytes: int) -> None:
+    for _ in range(n):
+        f = sock.recv(copy=False)
+        if len(f.buffer) != nbytes:
+            raise RuntimeError(f"raw pull got {len(f.buffer)} bytes, expected {nbytes}")
+
+
+# --------------------------------------------------------------------------- process plumbing
+
+
+def _child(role: str, a: dict[str, Any], conn: Connection, results: Any) -> None:
+    warnings.simplefilter("ignore")
+    fn = _producer if role == "producer" else _consumer
+    chan = _Chan(conn)
+    try:
+        coro = fn(a, chan)
+        if a["loop"] == "uvloop":
+            import uvloop
+
+            out = uvloop.run(coro)
+        else:
+            out = asyncio.run(coro)
+        results.put((role, "ok", out))
+    except BaseException as exc:
+        detail = f"{type(exc).__name__}: {exc}"
+        with _suppress():
+            conn.send(("error", detail))
+        results.put((role, "error", detail + "\n" + traceback.format_exc()))
+
+
+class _suppress:
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, *exc: object) -> bool:
+        return True
+
+
+def _pct(xs: list[float], p: float) -> float:
+    s = sorted(xs)
+    if not s:
+        return float("nan")
+    k = min(len(s) - 1, max(0, round(p / 100 * (len(s) - 1))))
+    return s[k]
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(
+        prog="python -m aiokv.kv.bench", description=__doc__.split("\n")[0]
+    )
+    ap.add_argument("--workload", choices=sorted(WORKLOADS), default="tiny")
+    ap.add_argument("--transport", choices=["tcp", "nccl"], default="tcp")
+    ap.add_argument("--json", action="store_true", help="print one JSON line")
+    ap.add_argument("--iters", type=int, default=3, help="timed iterations (median reported)")
+    ap.add_argument("--concurrency", type=int, default=8, help="requests in flight (producer)")
+    ap.add_argument("--chunk-mib", type=float, default=64.0)
+    ap.add_argument("--staging-mib", type=float, default=None)
+    ap.add_argument("--latency-n", type=int, default=50)
+    ap.add_argument("--latency-warmup", type=int, default=5)
+    ap.add_argument("--seed", type=int, default=1234)
+    ap.add_argument("--timeout", type=float, default=120.0)
+    ap.add_argument("--loop", choices=["uvloop", "asyncio"], default=None)
+    args = ap.parse_args(argv)
+    if args.iters < 1 or args.latency_n < 1 or args.concurrency < 1:
+        ap.error("--iters, --latency-n and --concurrency must be >= 1")
+    loop = args.loop
+    if loop is None:
+        try:
+            import uvloop  # noqa: F401
+
+            loop = "uvloop"
+        except ImportError:
+            loop = "asyncio"
+    w = WORKLOADS[args.workload]
+    layout = _layout(w)
+    chunk = int(args.chunk_mib * MiB)
+    req_bytes = layout.request_nbytes(w.blocks_per_request)
+    if args.staging_mib is not None:
+        staging = int(args.staging_mib * MiB)
+    else:
+        staging = min(2 * GiB, max(4 * chunk, 2 * args.concurrency * min(chunk, req_bytes)))
+    if args.transport == "nccl":
+        import torch
+
+        n = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if n < 2:
+            print(f"--transport nccl needs 2 CUDA GPUs, found {n}", file=sys.stderr)
+            return 2
+    a: dict[str, Any] = {
+        "workload": args.workload,
+        "transport": args.transport,
+        "iters": args.iters,
+        "concurrency": args.concurrency,
+        "chunk_bytes": chunk,
+        "staging_bytes": staging,
+        "latency_n": args.latency_n,
+        "latency_warmup": args.latency_warmup,
+        "seed": args.seed,
+        "timeout": args.timeout,
+        "loop": loop,
+        "dist_port": _free_port(),
+    }
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    pc, cc = ctx.Pipe()
+    procs = {
+        "producer": ctx.Process(target=_child, args=("producer", a, pc, results), daemon=True),
+        "consumer": ctx.Process(target=_child, args=("consumer", a, cc, results), daemon=True),
+    }
+    for p in procs.values():
+        p.start()
+    got: dict[str, tuple[str, Any]] = {}
+    deadline = time.monotonic() + args.timeout * (args.iters + 3) + 120
+    while len(got) < 2 and time.monotonic() < deadline:
+        try:
+            role, status, out = results.get(timeout=1.0)
+            got[role] = (status, out)
+        except queue.Empty:
+            if all(not p.is_alive() for p in procs.values()) and results.empty():
+                break
+    for p in procs.values():
+        p.join(timeout=10)
+        if p.is_alive():
+            p.kill()
+    rec: dict[str, Any] = {
+        "workload": args.workload,
+        "transport": args.transport,
+        "aiokv_gbps": 0.0,
+        "raw_gbps": 0.0,
+        "ratio": 0.0,
+        "ok": False,
+        "p50_ms": None,
+        "p99_ms": None,
+    }
+    errors = {r: out for r, (st, out) in got.items() if st != "ok"}
+    missing = [r for r in procs if r not in got]
+    if errors or missing:
+        rec["error"] = "; ".join(
+            [f"{r}: {e.splitlines()[0] if e else e}" for r, e in errors.items()]
+            + [f"{r}: no result (exit code {procs[r].exitcode})" for r in missing]
+        )
+        for r, e in errors.items():
+            print(f"--- {r} failed:\n{e}", file=sys.stderr)
+    else:
+        c = got["consumer"][1]
+        total = c["bytes"]
+        t_aiokv = statistics.median(c["aiokv_s"])
+        t_raw = statistics.median(c["raw_s"])
+        lat = [(e - s) * 1e3 for s, e in zip(c["lat_start"], c["lat_end"])]
+        rec.update(
+            aiokv_gbps=round(total / t_aiokv / 1e9, 4),
+            raw_gbps=round(total / t_raw / 1e9, 4),
+            ratio=round(t_raw / t_aiokv, 4),
+            ok=bool(c["ok"]),
+            p50_ms=round(_pct(lat, 50), 4),
+            p99_ms=round(_pct(lat, 99), 4),
+            latency_tokens=c["latency_tokens"],
+            latency_n=len(lat),
+            bytes=total,
+            requests=w.requests,
+            tokens=w.tokens,
+            iters=args.iters,
+            aiokv_seconds=[round(x, 6) for x in c["aiokv_s"]],
+            raw_seconds=[round(x, 6) for x in c["raw_s"]],
+            raw="torch.distributed NCCL send/recv, one message per request"
+            if args.transport == "nccl"
+            else "pyzmq PUSH/PULL, one message per request",
+            chunk_bytes=chunk,
+            staging_bytes=staging,
+            concurrency=args.concurrency,
+            loop=loop,
+            pid=os.getpid(),
+        )
+    if args.json:
+        print(json.dumps(rec), flush=True)
+    else:
+        for k, v in rec.items():
+            print(f"{k:>16}: {v}")
+    return 0 if rec["ok"] else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,654 @@
+"""KVConnector: move a request's paged KV blocks between two engines.
+
+A producer (prefill) calls :meth:`KVConnector.send_request` with the request's
+block ids in ITS cache; a consumer (decode) calls :meth:`KVConnector.recv_request`
+with the block ids it allocated in ITS cache. The blocks travel coalesced: all
+layers of a request go as one tensor under one negotiation when they fit one
+chunk (``chunk_bytes``), else as a few large chunks of whole layers, pipelined
+so that chunk i+1 is gathered while chunk i is on the wire.
+
+Chunk names and sizes
+---------------------
+Both sides derive the chunk plan from ``(layout, len(block_ids), chunk_bytes)``
+with :class:`~aiokv.kv.LayerChunker`::
+
+    LayerChunker(layout, n_blocks).chunks(max_bytes=chunk_bytes)
+
+Chunk ``i`` is sent under the tensor id ``f"{request_id}#kv{i}"`` as a uint8
+tensor of shape ``(len(chunk.layers), n_blocks * layout.block_nbytes())``: its
+bytes are exactly :func:`~aiokv.kv.gather_blocks` of those layers (see
+:mod:`aiokv.kv.ops` for the packing order); uint8 keeps every dtype, fp8
+included, bit-exact. The consumer checks each chunk's shape (which pins both the
+layer count and the block count) before scattering it, and raises
+:class:`~aiokv.LayoutMismatchError` (a :class:`~aiokv.TransferError`, ``code``
+``"kv_size_mismatch"``) without touching the cache on a mismatch — different
+block counts, or different ``chunk_bytes`` on the two sides. A 1-D uint8 chunk of
+the right byte count is also accepted.
+
+Layer-wise streaming (:meth:`KVConnector.save_layer`) sends layer ``l`` as
+``f"{request_id}#L{l}"`` of shape ``(1, n_blocks * block_nbytes)``.
+
+Layout compatibility (kind, layers, block size, heads, head dim, dtype) is
+checked by the engines at session set-up when both are built with
+``EngineConfig(layout=layout.to_wire())``: an incompatible peer is refused
+before any data moves.
+
+Devices
+-------
+On CUDA, gathers and scatters are enqueued on the CURRENT stream and nothing
+here synchronises: the engine's NCCL transport orders its send after the
+current stream, and hands received tensors out ordered for it. On CPU the copies
+are plain torch ops; large ones (``thread_min_bytes``) run on a small thread
+pool so the event loop keeps serving sockets meanwhile (a cancelled operation
+still waits for its copy to finish before it releases memory or returns).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import functools
+import time
+from collections import deque
+from collections.abc import Awaitable, Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any, Protocol, TypeVar
+
+import torch
+
+from .._exceptions import (
+    AiokvTimeoutError,
+    ConfigError,
+    EngineClosedError,
+    LayoutMismatchError,
+    TransferTimeoutError,
+)
+from .layouts import KVLayout
+from .ops import (
+    BoundCaches,
+    LayerChunker,
+    Lease,
+    PoolStatistics,
+    StagingPool,
+    StagingSlice,
+    gather_blocks,
+    scatter_blocks,
+)
+
+
+class EngineLike(Protocol):
+    """What the connector needs of an :class:`aiokv.Engine` (typed structurally)."""
+
+    def send_nowait(
+        self, tensor_id: str, tensor: torch.Tensor, *, to: str, timeout: float | None = None
+    ) -> Awaitable[None]: ...
+
+    async def recv(
+        self, tensor_id: str, *, frm: str | None = None, timeout: float | None = None
+    ) -> torch.Tensor: ...
+
+
+__all__ = ["ConnectorStatistics", "EngineLike", "KVConnector"]
+
+MiB = 1 << 20
+T = TypeVar("T")
+
+_DEFAULT_TIMEOUT = 60.0
+
+
+@dataclass(slots=True)
+class ConnectorStatistics:
+    """Counters of one connector (a snapshot; see :meth:`KVConnector.statistics`).
+
+    ``*_seconds`` are the summed wall times of the completed requests (from the
+    call until the last chunk was acknowledged / scattered).
+    """
+
+    requests_sent: int = 0
+    requests_received: int = 0
+    send_failures: int = 0
+    recv_failures: int = 0
+    bytes_sent: int = 0
+    bytes_received: int = 0
+    chunks_sent: int = 0
+    chunks_received: int = 0
+    send_seconds: float = 0.0
+    recv_seconds: float = 0.0
+    staging: PoolStatistics | None = field(default=None)
+
+
+@dataclass(slots=True, eq=False)
+class _LayerSave:
+    to: str
+    n_blocks: int
+    started: float
+    tasks: dict[int, asyncio.Task[BaseException | None]] = field(default_factory=dict)
+
+
+class KVConnector:
+    """Moves paged KV blocks of requests between engines (see the module docstring).
+
+    ``engine``: a started :class:`aiokv.Engine`. ``layout``: this side's
+    :class:`~aiokv.kv.KVLayout`. ``caches``: the per-layer cache tensors (or one
+    stacked tensor). ``staging_bytes``: size of the send staging pool, allocated
+    on the caches' device at the first send (default ``4 * chunk_bytes``, at
+    least one whole request of the largest chunk seen is never required: a chunk
+    larger than the pool is gathered into a temporary buffer). ``chunk_bytes``:
+    the largest chunk (whole layers; at least one layer) — must be equal on both
+    sides. ``max_inflight``: chunks of one request in flight at once.
+
+    Give both engines ``EngineConfig(layout=layout.to_wire())`` so that
+    incompatible layouts are refused at connection set-up.
+    """
+
+    def __init__(
+        self,
+        engine: EngineLike,
+        layout: KVLayout,
+        caches: Sequence[torch.Tensor] | torch.Tensor | BoundCaches,
+        *,
+        staging_bytes: int | None = None,
+        chunk_bytes: int = 64 * MiB,
+        max_inflight: int = 4,
+        thread_min_bytes: int = 4 * MiB,
+    ) -> None:
+        if not isinstance(layout, KVLayout):
+            raise ConfigError(f"layout must be a KVLayout, got {type(layout).__name__}")
+        if type(chunk_bytes) is not int or chunk_bytes <= 0:
+            raise ConfigError(f"chunk_bytes must be a positive int, got {chunk_bytes!r}")
+        if staging_bytes is not None and (type(staging_bytes) is not int or staging_bytes <= 0):
+            raise ConfigError(f"staging_bytes must be a positive int, got {staging_bytes!r}")
+        if type(max_inflight) is not int or max_inflight <= 0:
+            raise ConfigError(f"max_inflight must be a positive int, got {max_inflight!r}")
+        self.engine = engine
+        self.layout = layout
+        if isinstance(caches, BoundCaches):
+            if caches.layout != layout:
+                raise ConfigError("BoundCaches was bound to a different layout")
+            self.caches = caches
+        else:
+            self.caches = BoundCaches(layout, caches)
+        self.device = self.caches.device
+        self.chunk_bytes = chunk_bytes
+        self.staging_bytes = staging_bytes if staging_bytes is not None else 4 * chunk_bytes
+        self.max_inflight = max_inflight
+        self.thread_min_bytes = thread_min_bytes
+        self._pool: StagingPool | None = None
+        self._executor: ThreadPoolExecutor | None = None
+        self._finished_sending: set[str] = set()
+        self._finished_receiving: set[str] = set()
+        self._sending: set[str] = set()
+        self._receiving: set[str] = set()
+        self._saves: dict[str, _LayerSave] = {}
+        self._background: set[asyncio.Task[BaseException | None]] = set()
+        self._stats = ConnectorStatistics()
+        self._closed = False
+
+    # ------------------------------------------------------------------ helpers
+
+    def chunk_plan(self, n_blocks: int) -> list[StagingSlice]:
+        """The chunks a request of ``n_blocks`` blocks travels in (same on both sides)."""
+        if n_blocks == 0:
+            return []
+        return LayerChunker(self.layout, n_blocks).chunks(max_bytes=self.chunk_bytes)
+
+    @staticmethod
+    def chunk_name(request_id: str, index: int) -> str:
+        return f"{request_id}#kv{index}"
+
+    @staticmethod
+    def layer_name(request_id: str, layer: int) -> str:
+        return f"{request_id}#L{layer}"
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise EngineClosedError("KVConnector closed")
+
+    @staticmethod
+    def _check_rid(request_id: str) -> None:
+        if not isinstance(request_id, str) or not request_id:
+            raise ConfigError(f"request_id must be a non-empty string, got {request_id!r}")
+
+    def _host_ids(
+        self, block_ids: torch.Tensor | Sequence[int], *, unique: bool, what: str
+    ) -> torch.Tensor:
+        """Block ids as a checked 1-D int64 CPU tensor."""
+        nb = self.layout.num_blocks
+        if isinstance(block_ids, torch.Tensor):
+            if block_ids.dim() != 1 or block_ids.dtype.is_floating_point or block_ids.is_complex():
+                raise ConfigError(
+                    f"{what}: block ids must be a 1-D integer tensor, got {block_ids.dtype} "
+                    f"of shape {tuple(block_ids.shape)}"
+                )
+            host = block_ids.detach().to("cpu", torch.int64)
+        else:
+            if isinstance(block_ids, (str, bytes)):
+                raise ConfigError(f"{what}: block ids must be a sequence of ints or a tensor")
+            try:
+                seq = list(block_ids)
+            except TypeError:
+                raise ConfigError(
+                    f"{what}: block ids must be a sequence of ints or a tensor"
+                ) from None
+            if not all(type(i) is int for i in seq):
+                raise ConfigError(f"{what}: block ids must be ints")
+            host = torch.tensor(seq, dtype=torch.int64)
+        n = host.numel()
+        if n:
+            lo, hi = (int(v) for v in torch.aminmax(host))
+            if lo < 0 or hi >= nb:
+                raise ConfigError(f"{what}: block ids must be in [0, {nb}), got [{lo}, {hi}]")
+            if unique and torch.unique(host).numel() != n:
+                raise ConfigError(f"{what}: duplicate block ids")
+        return host.contiguous()
+
+    def _op_ids(self, host: torch.Tensor) -> torch.Tensor:
+        """The ids as gather/scatter want them: checked host tensor on CPU, device copy on GPU."""
+        if self.device.type == "cpu" or host.numel() == 0:
+            return host
+        try:
+            pinned = host.pin_memory()
+        except RuntimeError:
+            return host.to(self.device)
+        return pinned.to(self.device, non_blocking=True)
+
+    def _get_executor(self) -> ThreadPoolExecutor:
+        if self._executor is None:
+            self._executor = ThreadPoolExecutor(max_workers=2, thread_name_prefix="aiokv-kv")
+        return self._executor
+
+    async def _copy(self, fn: Callable[[], T], nbytes: int) -> T:
+        """Run a cache copy: inline on GPU (async on the stream) or for small CPU copies,
+        else on a worker thread. On cancellation, wait for a running copy to finish."""
+        if self.device.type != "cpu" or nbytes < self.thread_min_bytes:
+            return fn()
+        fut = asyncio.get_running_loop().run_in_executor(self._get_executor(), fn)
+        try:
+            return await asyncio.shield(fut)
+        except asyncio.CancelledError:
+            while not fut.done():
+                try:
+                    await asyncio.shield(fut)
+                except asyncio.CancelledError:
+                    continue
+                except BaseException:
+                    break
+            raise
+
+    def _get_pool(self) -> StagingPool:
+        if self._pool is None:
+            self._pool = StagingPool(self.staging_bytes, self.device)
+        return self._pool
+
+    async def _lease(self, nbytes: int, deadline: float) -> Lease | None:
+        pool = self._get_pool()
+        if pool._round(nbytes) > pool.capacity:
+            return None  # larger than the whole pool: gather into a temporary buffer
+        try:
+            return await pool.alloc(nbytes, timeout=max(0.0, deadline - time.monotonic()))
+        except AiokvTimeoutError as exc:
+            raise TransferTimeoutError(
+                f"no staging room for {nbytes} bytes in time: {exc}"
+            ) from None
+
+    def _track(
+        self, handle: Awaitable[None], lease: Lease | None, keep: torch.Tensor
+    ) -> asyncio.Task[BaseException | None]:
+        """A task that waits for the send to finish, then gives the staging back.
+
+        It returns the send's exception (or None) instead of raising, so a failure
+        nobody waits for is never logged as unretrieved.
+        """
+
+        async def settle() -> BaseException | None:
+            try:
+                await handle
+                return None
+            except BaseException as exc:  # reported to the waiter
+                return exc
+            finally:
+                if lease is not None:
+                    lease.release()
+                del keep_ref[:]
+
+        keep_ref = [keep]  # the staged tensor stays alive until the send finished
+        task = asyncio.ensure_future(settle())
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+        return task
+
+    async def _stage_and_send(
+        self,
+        name: str,
+        host_ids: torch.Tensor,
+        ids: torch.Tensor,
+        layers: range,
+        to: str,
+        deadline: float,
+    ) -> asyncio.Task[BaseException | None]:
+        n = host_ids.numel()
+        nbytes = len(layers) * n * self.layout.block_nbytes()
+        lease = await self._lease(nbytes, deadline)
+        try:
+            out = lease.tensor if lease is not None else None
+            stage = await self._copy(
+                functools.partial(
+                    gather_blocks, self.caches, self.layout, ids, out=out, layers=layers
+                ),
+                nbytes,
+            )
+            view = stage.view(len(layers), n * self.layout.block_nbytes())
+            handle = self.engine.send_nowait(
+                name, view, to=to, timeout=max(0.0, deadline - time.monotonic())
+            )
+        except BaseException:
+            if lease is not None:
+                lease.release()
+            raise
+        return self._track(handle, lease, view)
+
+    @staticmethod
+    async def _result(task: asyncio.Task[BaseException | None]) -> None:
+        exc = await asyncio.shield(task)
+        if exc is not None:
+            raise exc
+
+    def _deadline(self, timeout: float | None) -> float:
+        if timeout is None:
+            timeout = getattr(
+                getattr(getattr(self.engine, "config", None), "timeouts", None),
+                "transfer",
+                _DEFAULT_TIMEOUT,
+            )
+        if not isinstance(timeout, (int, float)) or not timeout >= 0:
+            raise ConfigError(f"timeout must be >= 0 or None, got {timeout!r}")
+        return time.monotonic() + float(timeout)
+
+    # ------------------------------------------------------------------ producer
+
+    async def send_request(
+        self,
+        request_id: str,
+        block_ids: torch.Tensor | Sequence[int],
+        *,
+        to: str,
+        timeout: float | None = None,
+    ) -> None:
+        """Send all layers of the request's blocks to the engine at ``to``.
+
+        Returns once the peer's engine holds every chunk (the consumer then
+        scatters them with :meth:`recv_request`). Raises the engine's errors
+        (:class:`~aiokv.TransferTimeoutError`, :class:`~aiokv.PeerError`,
+        :class:`~aiokv.RefusedError`, ...). On failure or cancellation, chunks
+        already committed to the wire finish in the background; their staging is
+        released when they do.
+        """
+        self._check_open()
+        self._check_rid(request_id)
+        deadline = self._deadline(timeout)
+        host = self._host_ids(block_ids, unique=False, what="send_request")
+        if request_id in self._sending:
+            raise ConfigError(f"request {request_id!r} is already being sent")
+        self._sending.add(request_id)
+        t0 = time.perf_counter()
+        inflight: deque[asyncio.Task[BaseException | None]] = deque()
+        try:
+            plan = self.chunk_plan(host.numel())
+            ids = self._op_ids(host)
+            for i, s in enumerate(plan):
+                while len(inflight) >= self.max_inflight:
+                    await self._result(inflight.popleft())
+                inflight.append(
+                    await self._stage_and_send(
+                        self.chunk_name(request_id, i), host, ids, s.layers, to, deadline
+                    )
+                )
+            while inflight:
+                await self._result(inflight.popleft())
+        except BaseException:
+            self._stats.send_failures += 1
+            raise
+        finally:
+            self._sending.discard(request_id)
+        st = self._stats
+        st.requests_sent += 1
+        st.chunks_sent += len(plan)
+        st.bytes_sent += self.layout.request_nbytes(host.numel())
+        st.send_seconds += time.perf_counter() - t0
+        self._finished_sending.add(request_id)
+
+    def save_layer(
+        self,
+        request_id: str,
+        layer: int,
+        block_ids: torch.Tensor | Sequence[int],
+        *,
+        to: str,
+        timeout: float | None = None,
+    ) -> None:
+        """Start sending one layer of a request (call after the layer's KV is written).
+
+        Non-blocking: gathers the layer into staging (the current CUDA stream on a
+        GPU) and starts ``send_nowait`` of ``f"{request_id}#L{layer}"``. Then
+        ``await wait_saved(request_id)`` once every layer was saved. ``timeout``
+        bounds each layer's transfer. Must be called from the event loop's thread.
+        """
+        self._check_open()
+        self._check_rid(request_id)
+        if type(layer) is not int or not 0 <= layer < self.layout.num_layers:
+            raise ConfigError(
+                f"layer must be an int in [0, {self.layout.num_layers}), got {layer!r}"
+            )
+        host = self._host_ids(block_ids, unique=False, what="save_layer")
+        n = host.numel()
+        save = self._saves.get(request_id)
+        if save is None:
+            save = _LayerSave(to, n, time.perf_counter())
+            self._saves[request_id] = save
+        elif save.to != to or save.n_blocks != n:
+            raise ConfigError(
+                f"save_layer({request_id!r}, {layer}): {n} blocks to {to} but earlier layers "
+                f"had {save.n_blocks} blocks to {save.to}"
+            )
+        if layer in save.tasks:
+            raise ConfigError(f"layer {layer} of {request_id!r} was already saved")
+        deadline = self._deadline(timeout)
+        nbytes = n * self.layout.block_nbytes()
+        lease: Lease | None = None
+        if nbytes:
+            pool = self._get_pool()
+            if pool._round(nbytes) <= pool.capacity:
+                lease = pool.try_alloc(nbytes)
+        try:
+            out = lease.tensor if lease is not None else None
+            ids = self._op_ids(host)
+            stage = gather_blocks(
+                self.caches, self.layout, ids, out=out, layers=range(layer, layer + 1)
+            )
+            view = stage.view(1, nbytes)
+            handle = self.engine.send_nowait(
+                self.layer_name(request_id, layer),
+                view,
+                to=to,
+                timeout=max(0.0, deadline - time.monotonic()),
+            )
+        except BaseException:
+            if lease is not None:
+                lease.release()
+            raise
+        save.tasks[layer] = self._track(handle, lease, view)
+
+    async def wait_saved(self, request_id: str) -> None:
+        """Wait until every layer saved with :meth:`save_layer` is held by the peer.
+
+        Raises the first layer's error, or :class:`~aiokv.ConfigError` when not all
+        ``num_layers`` layers were saved (the consumer would wait for them) or the
+        request is unknown. On success the request joins :meth:`finished_sending`.
+        """
+        save = self._saves.pop(request_id, None)
+        if save is None:
+            raise ConfigError(f"no layers of {request_id!r} are being saved")
+        failed: BaseException | None = None
+        try:
+            for layer in sorted(save.tasks):
+                exc = await asyncio.shield(save.tasks[layer])
+                if exc is not None and failed is None:
+                    failed = exc
+        except BaseException:
+            self._stats.send_failures += 1
+            raise
+        if failed is not None:
+            self._stats.send_failures += 1
+            raise failed
+        missing = [i for i in range(self.layout.num_layers) if i not in save.tasks]
+        if missing:
+            self._stats.send_failures += 1
+            raise ConfigError(
+                f"request {request_id!r}: layers {missing[:8]}{'...' if len(missing) > 8 else ''} "
+                "were never saved"
+            )
+        st = self._stats
+        st.requests_sent += 1
+        st.chunks_sent += len(save.tasks)
+        st.bytes_sent += self.layout.request_nbytes(save.n_blocks)
+        st.send_seconds += time.perf_counter() - save.started
+        self._finished_sending.add(request_id)
+
+    # ------------------------------------------------------------------ consumer
+
+    def _check_chunk(
+        self, name: str, t: torch.Tensor, n_layers: int, n_blocks: int
+    ) -> torch.Tensor:
+        """The chunk as a 1-D uint8 buffer on the cache device, or LayoutMismatchError."""
+        row = n_blocks * self.layout.block_nbytes()
+        want = n_layers * row
+        got = t.numel() * t.element_size()
+        shape = tuple(t.shape)
+        ok = t.dtype == torch.uint8 and (shape == (n_layers, row) or shape == (want,))
+        if not ok:
+            raise LayoutMismatchError(
+                f"KV chunk {name!r} has dtype {t.dtype} and shape {shape} ({got} bytes); "
+                f"expected uint8 ({n_layers}, {row}) = {n_layers} layers x {n_blocks} blocks x "
+                f"{self.layout.block_nbytes()} bytes ({want} bytes). The two sides disagree on "
+                "the number of blocks of the request, on chunk_bytes, or on the KV layout",
+                code="kv_size_mismatch",
+            )
+        if not t.is_contiguous():
+            t = t.contiguous()
+        t = t.reshape(-1)
+        if t.device != self.device:
+            t = t.to(self.device, non_blocking=True)
+        elif t.is_cuda:
+            t.record_stream(torch.cuda.current_stream(t.device))
+        return t
+
+    async def recv_request(
+        self,
+        request_id: str,
+        block_ids: torch.Tensor | Sequence[int],
+        *,
+        frm: str | None = None,
+        timeout: float | None = None,
+        layerwise: bool = False,
+    ) -> None:
+        """Collect the request's KV and write it into the local cache at ``block_ids``.
+
+        ``block_ids`` are THIS side's (distinct) block ids, as many as the producer
+        sent. ``frm``: the producer's engine address or id (None: any peer).
+        ``layerwise``: the producer used :meth:`save_layer` instead of
+        :meth:`send_request`. Everything waits under one deadline (``timeout``,
+        default the engine's transfer timeout).
+
+        Returns once every chunk is scattered; the request then joins
+        :meth:`finished_receiving`. On timeout, cancellation or error it raises
+        and the request is NOT marked finished: its blocks may be partly written
+        and must be treated as not received. A chunk of the wrong size raises
+        :class:`~aiokv.LayoutMismatchError` and is never scattered.
+        """
+        self._check_open()
+        self._check_rid(request_id)
+        deadline = self._deadline(timeout)
+        host = self._host_ids(block_ids, unique=True, what="recv_request")
+        n = host.numel()
+        if request_id in self._receiving:
+            raise ConfigError(f"request {request_id!r} is already being received")
+        self._receiving.add(request_id)
+        t0 = time.perf_counter()
+        try:
+            if layerwise:
+                L = self.layout.num_layers
+                items = (
+                    [(self.layer_name(request_id, li), range(li, li + 1)) for li in range(L)]
+                    if n
+                    else []
+                )
+            else:
+                items = [
+                    (self.chunk_name(request_id, i), s.layers)
+                    for i, s in enumerate(self.chunk_plan(n))
+                ]
+            ids = self._op_ids(host)
+            for name, layers in items:
+                left = max(0.0, deadline - time.monotonic())
+                raw = await self.engine.recv(name, frm=frm, timeout=left)
+                chunk = self._check_chunk(name, raw, len(layers), n)
+                del raw
+                await self._copy(
+                    functools.partial(
+                        scatter_blocks, chunk, self.caches, self.layout, ids, layers=layers
+                    ),
+                    chunk.numel(),
+                )
+                del chunk
+        except BaseException:
+            self._stats.recv_failures += 1
+            raise
+        finally:
+            self._receiving.discard(request_id)
+        st = self._stats
+        st.requests_received += 1
+        st.chunks_received += len(items)
+        st.bytes_received += self.layout.request_nbytes(n)
+        st.recv_seconds += time.perf_counter() - t0
+        self._finished_receiving.add(request_id)
+
+    # ------------------------------------------------------------------ tracking
+
+    def finished_sending(self) -> set[str]:
+        """Request ids fully sent since the last call (their blocks may be freed)."""
+        out, self._finished_sending = self._finished_sending, set()
+        return out
+
+    def finished_receiving(self) -> set[str]:
+        """Request ids fully received and scattered since the last call."""
+        out, self._finished_receiving = self._finished_receiving, set()
+        return out
+
+    def statistics(self) -> ConnectorStatistics:
+        s = dataclasses.replace(self._stats)
+        s.staging = self._pool.statistics() if self._pool is not None else None
+        return s
+
+    # ------------------------------------------------------------------ lifecycle
+
+    async def aclose(self, timeout: float = 5.0) -> None:
+        """Refuse new work, wait (bounded) for in-flight sends, free the worker threads."""
+        self._closed = True
+        pending: list[asyncio.Task[Any]] = list(self._background)
+        for save in self._saves.values():
+            pending.extend(save.tasks.values())
+        self._saves.clear()
+        if pending:
+            await asyncio.wait(pending, timeout=timeout)
+        if self._executor is not None:
+            ex, self._executor = self._executor, None
+            with contextlib.suppress(Exception):
+                ex.shutdown(wait=False)
+
+    async def __aenter__(self) -> KVConnector:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.aclose()

@@ -1,0 +1,107 @@
+"""The ``aiokv`` command: help, the TCP transport benchmark, doctor, clear errors."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from aiokv import cli
+
+ROOT = Path(__file__).resolve().parents[1]
+KEYS = {"transport", "size_bytes", "iters", "aiokv_gbps", "raw_gbps", "ratio", "max_loop_stall_ms"}
+
+
+def _aiokv(*args: str, timeout: float = 60) -> subprocess.CompletedProcess[str]:
+    env = dict(os.environ)
+    env["PYTHONPATH"] = str(ROOT) + (
+        os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else ""
+    )
+    env.setdefault("PYTHONWARNINGS", "ignore:Failed to initialize NumPy")
+    return subprocess.run(
+        [sys.executable, "-m", "aiokv", *args],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        stdin=subprocess.DEVNULL,
+    )
+
+
+def test_help_lists_every_command() -> None:
+    r = _aiokv("--help")
+    assert r.returncode == 0, r.stderr
+    for cmd in ("demo", "router", "doctor", "bench"):
+        assert cmd in r.stdout
+
+
+def test_no_command_prints_help_and_fails(capsys: pytest.CaptureFixture[str]) -> None:
+    assert cli.main([]) == 2
+    assert "usage: aiokv" in capsys.readouterr().out
+
+
+def test_bench_transport_help() -> None:
+    r = _aiokv("bench", "transport", "--help")
+    assert r.returncode == 0, r.stderr
+    assert "--transport" in r.stdout and "--sizes" in r.stdout
+
+
+def test_bad_sizes_are_refused() -> None:
+    with pytest.raises(SystemExit) as e:
+        cli.main(["bench", "transport", "--sizes", "x"])
+    assert e.value.code == 2
+
+
+@pytest.mark.timeout(120)
+def test_bench_transport_tcp_json() -> None:
+    r = _aiokv(
+        "bench",
+        "transport",
+        "--transport",
+        "tcp",
+        "--json",
+        "--sizes",
+        "1",
+        "--iters",
+        "3",
+        timeout=110,
+    )
+    assert r.returncode == 0, r.stderr
+    lines = [ln for ln in r.stdout.splitlines() if ln.strip()]
+    assert len(lines) == 1, r.stdout
+    row = json.loads(lines[0])
+    assert KEYS <= row.keys()
+    assert row["transport"] == "tcp"
+    assert row["size_bytes"] == 1 << 20
+    assert row["iters"] == 3
+    assert row["aiokv_gbps"] > 0 and row["raw_gbps"] > 0
+    assert row["ratio"] == pytest.approx(row["aiokv_gbps"] / row["raw_gbps"], rel=0.01)
+    assert len(row["aiokv_gbps_all"]) == len(row["raw_gbps_all"]) == 3
+
+
+def test_doctor_exits_zero_without_gpu() -> None:
+    pytest.importorskip("aiokv.doctor")
+    r = _aiokv("doctor")
+    assert r.returncode == 0, r.stderr
+    assert "torch" in r.stdout
+
+
+def test_missing_part_is_a_clear_error(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    real = cli.importlib.import_module
+
+    def fake_import(name: str, package: str | None = None) -> object:
+        if name == "aiokv.kv.bench":
+            raise ImportError("simulated: not installed")
+        return real(name, package)
+
+    monkeypatch.setattr(cli.importlib, "import_module", fake_import)
+    rc = cli.main(["bench", "kv"])
+    assert rc == 2
+    assert "aiokv.kv.bench is not available" in capsys.readouterr().err

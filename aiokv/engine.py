@@ -32,7 +32,7 @@ import time
 from collections import deque
 from collections.abc import Awaitable, Generator, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 import zmq
@@ -240,6 +240,7 @@ class _ClientSession:
         self.last_recv = time.monotonic()
         self.last_ping = 0.0
         self.last_used = time.monotonic()
+        self.outbox: list[bytes] = []
         self.nonce = itertools.count(1)
         self.get_ids = itertools.count(1)
         self.dead: BaseException | None = None
@@ -346,9 +347,29 @@ class _ClientSession:
             self._send_ctrl(self.sess.send(Withdraw(x.xfer)))
 
     def _send_ctrl(self, data: bytes) -> None:
+        """Queue a control message; everything queued in one loop pass leaves as one zmq message."""
+        if self.dead is not None:
+            return
+        self.outbox.append(data)
+        if len(self.outbox) == 1:
+            asyncio.get_running_loop().call_soon(self._flush)
+
+    def _flush(self) -> None:
+        frames, self.outbox = self.outbox, []
+        if not frames or self.dead is not None:
+            return
         try:
-            self.ctrl.send(data, flags=zmq.NOBLOCK)
+            fut = cast("asyncio.Future[Any]", self.ctrl.send_multipart(frames))
         except zmq.ZMQError as exc:
+            self.fail(PeerLostError(f"control channel to {self.address} failed: {exc}"))
+            return
+        fut.add_done_callback(self._sent)
+
+    def _sent(self, fut: asyncio.Future[Any]) -> None:
+        if fut.cancelled():
+            return
+        exc = fut.exception()
+        if exc is not None:
             self.fail(PeerLostError(f"control channel to {self.address} failed: {exc}"))
 
     # ---- tasks
@@ -356,17 +377,21 @@ class _ClientSession:
         e = self.engine
         try:
             while True:
-                frame = await self.ctrl.recv()
+                frames = await self.ctrl.recv_multipart()
                 self.last_recv = time.monotonic()
-                try:
-                    msg = self.sess.receive(frame)
-                except RemoteProtocolError as exc:
-                    e._count_error(getattr(exc, "code", "protocol"))
-                    with contextlib.suppress(Exception):
-                        self._send_ctrl(e._codec.encode(ErrorMsg("protocol", str(exc)[:200])))
-                    self.fail(exc)
-                    return
-                self._dispatch(msg)
+                for frame in frames:
+                    try:
+                        msg = self.sess.receive(frame)
+                    except RemoteProtocolError as exc:
+                        e._count_error(getattr(exc, "code", "protocol"))
+                        with contextlib.suppress(Exception):
+                            err = e._codec.encode(ErrorMsg("protocol", str(exc)[:200]))
+                            cast("asyncio.Future[Any]", self.ctrl.send(err)).add_done_callback(_retrieve)
+                        self.fail(exc)
+                        return
+                    self._dispatch(msg)
+                    if self.dead is not None:
+                        return
         except asyncio.CancelledError:
             raise
         except zmq.ZMQError as exc:
@@ -502,6 +527,7 @@ class _ClientSession:
         if self.dead is None and self.sess.state is SessionState.OPEN:
             with contextlib.suppress(Exception):
                 self._send_ctrl(self.sess.send(Bye()))
+                self._flush()  # now: fail() below stops the session's queue
         self.fail(exc or EngineClosedError("engine closed"))
 
 
@@ -536,6 +562,7 @@ class _ServerSession:
         self.queued_ids: set[str] = set()
         self.last_recv = time.monotonic()
         self.dead = False
+        self.outbox: list[bytes] = []
 
     @property
     def name(self) -> str:
@@ -979,14 +1006,33 @@ class Engine:
         pe[code] = pe.get(code, 0) + 1
 
     def _reply(self, ss: _ServerSession, data: bytes) -> None:
+        """Queue a control message to ``ss``; one zmq message per session per loop pass."""
+        ss.outbox.append(data)
+        if len(ss.outbox) == 1:
+            asyncio.get_running_loop().call_soon(self._flush_reply, ss)
+
+    def _flush_reply(self, ss: _ServerSession) -> None:
+        frames, ss.outbox = ss.outbox, []
+        if not frames or self._router.closed:
+            return
         try:
-            self._router.send_multipart([ss.rid, data], flags=zmq.NOBLOCK)
+            fut = cast("asyncio.Future[Any]", self._router.send_multipart([ss.rid, *frames]))
         except zmq.ZMQError:
             self._drop_server(ss, PeerLostError(f"peer {ss.name} unreachable"), lost=True)
+            return
+
+        def sent(f: asyncio.Future[Any]) -> None:
+            if not f.cancelled() and f.exception() is not None:
+                self._drop_server(ss, PeerLostError(f"peer {ss.name} unreachable"), lost=True)
+
+        fut.add_done_callback(sent)
 
     def _reply_raw(self, rid: bytes, msg: Message) -> None:
-        with contextlib.suppress(zmq.ZMQError):
-            self._router.send_multipart([rid, self._codec.encode(msg)], flags=zmq.NOBLOCK)
+        try:
+            f = self._router.send_multipart([rid, self._codec.encode(msg)])
+            cast("asyncio.Future[Any]", f).add_done_callback(_retrieve)
+        except zmq.ZMQError:
+            pass
 
     async def _router_loop(self) -> None:
         r = self._router
@@ -1017,25 +1063,32 @@ class Engine:
             self._on_data(ss, parts[1:])
             return
         ss = self._servers.get(rid)
-        if len(parts) != 2:
-            self._count_error("malformed")
-            self._reply_raw(rid, ErrorMsg("protocol", "control messages are one frame"))
-            if ss is not None:
-                self._drop_server(ss, RemoteProtocolError("malformed control message"), lost=True)
-            return
-        frame = parts[1]
+        frames = parts[1:]
         if ss is None:
-            self._on_new_connection(rid, frame)
+            # a new connection: its first message must be one HELLO (or DATA_HELLO) frame
+            if len(frames) != 1:
+                self._count_error("malformed")
+                self._reply_raw(rid, ErrorMsg("protocol", "the first message is one HELLO frame"))
+                return
+            self._on_new_connection(rid, frames[0])
+            return
+        if len(frames) > 4096:
+            self._count_error("malformed")
+            self._reply_raw(rid, ErrorMsg("protocol", "too many frames in one message"))
+            self._drop_server(ss, RemoteProtocolError("too many frames"), lost=True)
             return
         ss.last_recv = time.monotonic()
-        try:
-            msg = ss.sess.receive(frame.buffer)
-        except RemoteProtocolError as exc:
-            self._count_error(getattr(exc, "code", "protocol"))
-            self._reply_raw(rid, ErrorMsg("protocol", str(exc)[:200]))
-            self._drop_server(ss, exc, lost=True)
-            return
-        self._on_server_message(ss, msg)
+        for frame in frames:  # a client sends several control messages as one zmq message
+            try:
+                msg = ss.sess.receive(frame.buffer)
+            except RemoteProtocolError as exc:
+                self._count_error(getattr(exc, "code", "protocol"))
+                self._reply_raw(rid, ErrorMsg("protocol", str(exc)[:200]))
+                self._drop_server(ss, exc, lost=True)
+                return
+            self._on_server_message(ss, msg)
+            if ss.dead:
+                return
 
     def _on_new_connection(self, rid: bytes, frame: zmq.Frame) -> None:
         try:

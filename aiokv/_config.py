@@ -48,6 +48,7 @@ class Limits:
     ttl: float = 120.0  # uncollected tensors expire after this many seconds
     max_published: int = 100_000
     idle_session: float = 600.0  # close a session (and its communicator) unused this long
+    max_client_sessions: int = 256  # beyond this, the least recently used idle session is closed
 
     def __post_init__(self) -> None:
         for f in dataclasses.fields(self):

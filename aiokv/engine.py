@@ -900,10 +900,21 @@ class Engine:
         except TimeoutError:
             raise ConnectTimeoutError(f"could not connect to {address} in time") from None
 
+    async def _evict_lru(self) -> None:
+        """Keep at most ``max_client_sessions``: close the least recently used idle ones."""
+        limit = self.config.limits.max_client_sessions
+        while len(self._clients) >= limit:
+            idle = [c for c in self._clients.values() if not c.xfers and not c.gets]
+            if not idle:
+                return  # all busy: allow the overshoot rather than fail a live transfer
+            lru = min(idle, key=lambda c: c.last_used)
+            await lru.bye(ConnectError(f"session with {lru.address} closed to make room"))
+
     async def _open_client(self, address: str, fut: asyncio.Future[_ClientSession], timeout: float) -> None:
         cs: _ClientSession | None = None
         try:
             parse_address(address)
+            await self._evict_lru()
             cs = _ClientSession(self, address)
             await cs.open(timeout)
             self._clients[address] = cs
@@ -1238,6 +1249,7 @@ class Engine:
         ss.granted[msg.xfer] = inx
         sink: Any = ss.nccl if msg.transport == "nccl" else ss.sink
         fut = sink.expect(seq, msg.xfer, msg.specs)
+        fut.add_done_callback(_retrieve)  # a sink aborted after the session died is not an error to log
         fut.add_done_callback(lambda f: self._on_landed(ss, inx, f))
         self._reply(ss, ss.sess.send(Grant(msg.xfer, seq)))
         return True

@@ -183,6 +183,11 @@ async def _await_shielded(fut: asyncio.Future[Any], timeout: float) -> Any:
         raise TimeoutError from None
 
 
+def _resolve(fut: asyncio.Future[None]) -> None:
+    if not fut.done():
+        fut.set_result(None)
+
+
 def _retrieve(fut: asyncio.Future[Any]) -> None:
     if not fut.cancelled():
         fut.exception()
@@ -203,6 +208,18 @@ class _OutXfer:
     transport: str = "tcp"
     ready: Any = None  # CUDA event: the producer's stream reached the send
     sent: Any = None  # NCCL: future of the send's completion on this side
+    released: asyncio.Future[None] | None = None  # set once nothing reads the tensors any more
+
+    def release_when_idle(self) -> None:
+        """Resolve ``released`` once the data plane is done with the source buffers."""
+        rel = self.released
+        if rel is None or rel.done():
+            return
+        sent = self.sent
+        if sent is not None and not sent.done():
+            sent.add_done_callback(lambda _f: _resolve(rel))
+        else:
+            rel.set_result(None)
 
 
 class _ClientSession:
@@ -281,6 +298,7 @@ class _ClientSession:
         x = _OutXfer(self.sess.new_xfer_id(), specs, tensors, loop.create_future(), loop.create_future())
         x.transport = transport
         x.ready = ready
+        x.released = loop.create_future()
         self.last_used = time.monotonic()
         x.granted.add_done_callback(_retrieve)
         x.done.add_done_callback(_retrieve)
@@ -410,6 +428,7 @@ class _ClientSession:
             self.post_queue.put_nowait(x)
         elif isinstance(msg, Refuse):
             x = self.xfers.pop(msg.xfer)
+            x.release_when_idle()
             e._stats.refused_received += 1
             cls = _REFUSALS.get(msg.code, RefusedError)
             exc = cls(f"{self.address} refused the transfer: {msg.code}: {msg.detail}", code=msg.code)
@@ -418,6 +437,7 @@ class _ClientSession:
                     f.set_exception(exc)
         elif isinstance(msg, Withdrawn):
             x = self.xfers.pop(msg.xfer)
+            x.release_when_idle()
             e._stats.withdrawn += 1
             exc2 = TransferError("withdrawn")
             for f in (x.granted, x.done):
@@ -429,10 +449,12 @@ class _ClientSession:
             e._stats.tensors_sent += len(x.specs)
             e._stats.bytes_sent += sum(s.nbytes for s in x.specs)
             x.tensors = []
+            x.release_when_idle()
             if not x.done.done():
                 x.done.set_result(None)
         elif isinstance(msg, Failed):
             x = self.xfers.pop(msg.xfer)
+            x.release_when_idle()
             exc3 = TransferAbortedError(f"{self.address} failed the transfer: {msg.code}: {msg.detail}")
             for f in (x.granted, x.done):
                 if not f.done():
@@ -445,7 +467,10 @@ class _ClientSession:
             pass
         elif isinstance(msg, ErrorMsg):
             e._count_error("peer_error")
-            self.fail(RemoteProtocolError(f"{self.address} reported a protocol error: {msg.detail}"))
+            if msg.code == "layout_mismatch":
+                self.fail(LayoutMismatchError(f"{self.address} refused the session: {msg.detail}", code=msg.code))
+            else:
+                self.fail(RemoteProtocolError(f"{self.address} reported a protocol error: {msg.detail}"))
         elif isinstance(msg, Bye):
             self.fail(PeerLostError(f"{self.address} closed the session"))
         elif isinstance(msg, NcclReady):
@@ -470,6 +495,8 @@ class _ClientSession:
                         assert self.nccl is not None
                         sent = await self.nccl.post_many([(b.tensors, b.ready) for b in batch[i:j]])
                         sent.add_done_callback(_retrieve)
+                        for b in batch[i:j]:
+                            b.sent = sent
                         i = j
                     else:
                         header = DataHeader(x.xfer, x.seq, len(x.specs))
@@ -496,6 +523,7 @@ class _ClientSession:
             for f in (x.granted, x.done):
                 if not f.done():
                     f.set_exception(exc)
+            x.release_when_idle()  # after an abort the poller settles ``sent``
         self.xfers.clear()
         for g in self.gets.values():
             if not g.done():
@@ -579,13 +607,25 @@ class _Queued:
 
 
 class TransferHandle:
-    """An in-flight PUT_ASYNC: await it, or poll :meth:`done`; :meth:`cancel` gives up."""
+    """An in-flight PUT_ASYNC: await it, or poll :meth:`done`; :meth:`cancel` gives up.
 
-    __slots__ = ("_task",)
+    Awaiting the handle tells the outcome. A transfer the receiver had granted
+    cannot be recalled, so after a timeout or :meth:`cancel` the engine may still
+    be reading the tensor: await :meth:`released` before reusing its memory.
+    """
 
-    def __init__(self, task: asyncio.Task[None]) -> None:
+    __slots__ = ("_released", "_task")
+
+    def __init__(self, task: asyncio.Task[None], released: asyncio.Future[None]) -> None:
         self._task = task
+        self._released = released
         task.add_done_callback(_retrieve)
+
+    async def released(self) -> None:
+        """Wait until no part of aiokv reads the sent tensor any more (never raises)."""
+        with contextlib.suppress(asyncio.CancelledError, Exception):
+            await asyncio.wait({self._task})
+        await asyncio.shield(self._released)
 
     def done(self) -> bool:
         return self._task.done()
@@ -801,7 +841,9 @@ class Engine:
     ) -> TransferHandle:
         """PUT_ASYNC: start the transfer, return a handle to await (or cancel) later."""
         staged = self._stage([(tensor_id, tensor)])
-        return TransferHandle(asyncio.create_task(self._transfer(to, staged, timeout)))
+        released: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        task = asyncio.create_task(self._transfer(to, staged, timeout, released))
+        return TransferHandle(task, released)
 
     async def send_many(
         self, tensors: Mapping[str, torch.Tensor], *, to: str, timeout: float | None = None
@@ -967,7 +1009,24 @@ class Engine:
         await self._get_poller().wait(ev, keepalive=(st.tensors, hosts))
         return hosts
 
-    async def _transfer(self, to: str, st: _Staged, timeout: float | None) -> None:
+    async def _transfer(
+        self, to: str, st: _Staged, timeout: float | None, released: asyncio.Future[None] | None = None
+    ) -> None:
+        linked: list[bool] = []
+        try:
+            await self._transfer_inner(to, st, timeout, released, linked)
+        finally:
+            if released is not None and not linked and not released.done():
+                released.set_result(None)  # nothing was handed to the data plane
+
+    async def _transfer_inner(
+        self,
+        to: str,
+        st: _Staged,
+        timeout: float | None,
+        released: asyncio.Future[None] | None,
+        linked: list[bool],
+    ) -> None:
         self._check_open()
         T = self.config.timeouts
         dl = _Deadline(timeout if timeout is not None else T.transfer)
@@ -988,6 +1047,9 @@ class Engine:
             else:
                 tensors = await self._to_host(st)
         x = cs.start(st.specs, tensors, transport, st.ready)
+        if released is not None and x.released is not None:
+            linked.append(True)
+            x.released.add_done_callback(lambda _f: _resolve(released))
         try:
             try:
                 await _await_shielded(x.granted, dl.left(T.negotiate))

@@ -51,7 +51,7 @@ import dataclasses
 import functools
 import time
 from collections import deque
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Callable, Generator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, Protocol, TypeVar
@@ -78,12 +78,20 @@ from .ops import (
 )
 
 
+class SendHandle(Protocol):
+    """What ``send_nowait`` returns: awaitable outcome, plus when the buffer is free."""
+
+    def __await__(self) -> Generator[Any, None, None]: ...
+
+    async def released(self) -> None: ...
+
+
 class EngineLike(Protocol):
     """What the connector needs of an :class:`aiokv.Engine` (typed structurally)."""
 
     def send_nowait(
         self, tensor_id: str, tensor: torch.Tensor, *, to: str, timeout: float | None = None
-    ) -> Awaitable[None]: ...
+    ) -> SendHandle: ...
 
     async def recv(
         self, tensor_id: str, *, frm: str | None = None, timeout: float | None = None
@@ -294,7 +302,7 @@ class KVConnector:
             ) from None
 
     def _track(
-        self, handle: Awaitable[None], lease: Lease | None, keep: torch.Tensor
+        self, handle: SendHandle, lease: Lease | None, keep: torch.Tensor
     ) -> asyncio.Task[BaseException | None]:
         """A task that waits for the send to finish, then gives the staging back.
 
@@ -303,15 +311,18 @@ class KVConnector:
         """
 
         async def settle() -> BaseException | None:
+            err: BaseException | None = None
             try:
                 await handle
-                return None
             except BaseException as exc:  # reported to the waiter
-                return exc
-            finally:
-                if lease is not None:
-                    lease.release()
-                del keep_ref[:]
+                err = exc
+            # A granted transfer that timed out may still be read by the data plane:
+            # the staging goes back to the pool only once the engine is done with it.
+            await handle.released()
+            if lease is not None:
+                lease.release()
+            del keep_ref[:]
+            return err
 
         keep_ref = [keep]  # the staged tensor stays alive until the send finished
         task = asyncio.ensure_future(settle())

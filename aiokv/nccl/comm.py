@@ -141,8 +141,15 @@ class Communicator:
             raise
         return self
 
-    async def _poll_until_settled(self, deadline: float, what: str) -> None:
+    async def _poll_until_settled(self, deadline: float, what: str, spin_s: float = 0.0) -> None:
+        """Poll ``ncclCommGetAsyncError`` until not in progress.
+
+        ``spin_s``: first re-check on every loop pass (``sleep(0)``) for this long.
+        An enqueue that returned ``ncclInProgress`` settles within microseconds,
+        and a millisecond-granular timer sleep would add ~1 ms to every post.
+        """
         delay = _POLL_MIN_S
+        spin_until = time.monotonic() + spin_s
         while True:
             state = self.async_error()
             if state == SUCCESS:
@@ -153,6 +160,9 @@ class Communicator:
                 raise AiokvTimeoutError(
                     f"{what} did not finish within {self.timeout:g} s; communicator aborted"
                 )
+            if time.monotonic() < spin_until:
+                await asyncio.sleep(0)
+                continue
             delay = await _backoff_sleep(delay)
 
     # ------------------------------------------------------------------ state
@@ -205,7 +215,7 @@ class Communicator:
         if not self._pending:
             return
         limit = self.timeout if timeout is None else timeout
-        await self._poll_until_settled(time.monotonic() + limit, "NCCL enqueue")
+        await self._poll_until_settled(time.monotonic() + limit, "NCCL enqueue", spin_s=0.05)
         self._pending = False
 
     def _live_handle(self, what: str) -> int:

@@ -571,8 +571,12 @@ async def _nccl_parent(
                     emit(res)
                     del t
         finally:
+            # both ranks tear the process group down at the same time, off the loop and
+            # bounded: one rank destroying it alone can wait for the other forever
             with contextlib.suppress(Exception):
-                dist.destroy_process_group()
+                await ctl.send({"op": "dist_destroy"})
+                await asyncio.wait_for(asyncio.to_thread(dist.destroy_process_group), 30)
+                await ctl.recv(30)
 
     await _with_receiver(args, body)
     return results
@@ -621,6 +625,10 @@ async def _nccl_child(ns: argparse.Namespace) -> None:
                         await asyncio.to_thread(_dist_init, 1, msg["port"], 1)
                         dist_on = True
                         await ack.send(b'{"ok": true}')
+                    elif op == "dist_destroy":
+                        dist_on = False
+                        await asyncio.wait_for(asyncio.to_thread(dist.destroy_process_group), 30)
+                        await ack.send(b'{"ok": true}')
                     elif op == "aiokv":
                         ticker.reset()
                         n = 0
@@ -634,9 +642,10 @@ async def _nccl_child(ns: argparse.Namespace) -> None:
                     elif op == "raw":
                         buf = torch.empty(msg["size"], dtype=torch.uint8, device=dev)
                         await ack.send(b'{"ok": true}')
+                        ticker.reset()
                         await asyncio.to_thread(_raw_nccl_recv, buf, msg["n"])
                         del buf
-                        await ack.send(b'{"ok": true}')
+                        await ack.send(json.dumps({"ok": True, "stall": ticker.max_late}).encode())
                 except Exception as exc:
                     await ack.send(json.dumps({"error": f"{type(exc).__name__}: {exc}"}).encode())
                     return
@@ -644,7 +653,7 @@ async def _nccl_child(ns: argparse.Namespace) -> None:
         await ticker.stop()
         if dist_on:
             with contextlib.suppress(Exception):
-                dist.destroy_process_group()
+                await asyncio.wait_for(asyncio.to_thread(dist.destroy_process_group), 10)
         for s in (cmd, ack):
             s.close(linger=1000)
         ctx.term()

@@ -176,9 +176,9 @@ async def role_producer(a: dict[str, Any]) -> None:
 
 
 async def role_putget(a: dict[str, Any]) -> None:
-    import aiokv
-
     from _procs import random_tensor as rt
+
+    import aiokv
 
     async with aiokv.Engine(aiokv.EngineConfig()) as eng:
         await eng.send("pg-put", rt(4096, torch.bfloat16, 1, 1), to=a["to"], timeout=20)

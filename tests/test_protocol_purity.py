@@ -52,7 +52,7 @@ def test_protocol_package_imports_cleanly_without_io_modules() -> None:
     import subprocess
     import sys
 
-    code = (
+    code = (  # noqa: UP031
         "import sys, importlib.util\n"
         "spec = importlib.util.spec_from_file_location('aiokv', %r, submodule_search_locations=[%r])\n"
         "pkg = importlib.util.module_from_spec(spec); sys.modules['aiokv'] = pkg\n"  # skip aiokv/__init__ (it imports the engine)

@@ -258,7 +258,7 @@ class Codec:
         body = [msg.KIND]
         for f in fields(msg):  # type: ignore[arg-type]
             body.append(_to_wire(getattr(msg, f.name)))
-        return msgpack.packb(body, use_bin_type=True)  # type: ignore[no-any-return]
+        return msgpack.packb(body, use_bin_type=True)
 
     def decode(self, data: bytes | bytearray | memoryview) -> Message:
         if len(data) > self.limits.max_frame_bytes:

@@ -62,7 +62,7 @@ async def bidir(eng: aiokv.Engine, me: int, peer: str, count: int, dev: torch.de
 
 
 async def main() -> None:
-    role = sys.argv[1]
+    _role = sys.argv[1]  # kept for the command line shape
     dev = torch.device(sys.argv[2])
     torch.cuda.set_device(dev)
     cfg = aiokv.EngineConfig(

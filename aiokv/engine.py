@@ -174,13 +174,31 @@ class _Deadline:
 
 
 async def _await_shielded(fut: asyncio.Future[Any], timeout: float) -> Any:
-    """Wait for ``fut`` at most ``timeout`` s without cancelling it on timeout/cancel."""
+    """Wait for ``fut`` at most ``timeout`` s without cancelling it on timeout/cancel.
+
+    Raises TimeoutError on timeout; cancelling the caller leaves ``fut`` alone.
+    (A waiter future and a timer: cheaper than ``wait_for(shield(...))``, which
+    creates a task per wait, on the hot path of every transfer.)
+    """
     if fut.done():
         return fut.result()
+    loop = asyncio.get_running_loop()
+    waiter: asyncio.Future[None] = loop.create_future()
+
+    def wake(_: object = None) -> None:
+        if not waiter.done():
+            waiter.set_result(None)
+
+    fut.add_done_callback(wake)
+    timer = loop.call_later(timeout, wake)
     try:
-        return await asyncio.wait_for(asyncio.shield(fut), timeout)
-    except asyncio.TimeoutError:
-        raise TimeoutError from None
+        await waiter
+    finally:
+        timer.cancel()
+        fut.remove_done_callback(wake)
+    if fut.done():
+        return fut.result()
+    raise TimeoutError
 
 
 def _resolve(fut: asyncio.Future[None]) -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import os
 from dataclasses import dataclass, field
 
 from ._exceptions import ConfigError
@@ -100,6 +101,12 @@ class EngineConfig:
     limits: Limits = field(default_factory=Limits)
     curve: CurveConfig | None = None
     nccl_max_channels: int | None = None
+    # Blocking NCCL communicators (init and a warm-up exchange on a worker thread) make
+    # every later enqueue a plain launch; non-blocking ones need settle-polling after
+    # enqueues. Default from AIOKV_NCCL_BLOCKING_OPS (read once, never written).
+    nccl_blocking_ops: bool = field(
+        default_factory=lambda: os.environ.get("AIOKV_NCCL_BLOCKING_OPS", "0") == "1"
+    )
     layout: dict[str, str | int] | None = None  # KV layout offered at HELLO (see aiokv.kv)
 
     def __post_init__(self) -> None:

@@ -218,7 +218,7 @@ class ProgressPoller:
         if comm is not None and comm.aborted:
             fut.set_exception(TransferAbortedError("the NCCL communicator was aborted"))
             return fut
-        if event.query():  # fast path: already done, no registration
+        if not self._waiters and event.query():  # fast path: nothing earlier pending
             self._stats.fast_path += 1
             fut.set_result(None)
             return fut

@@ -355,7 +355,12 @@ class _ClientSession:
             self.nccl_ready.add_done_callback(_retrieve)
             self._send_ctrl(self.sess.send(NcclSetup(1, uid)))
             device = torch.device(e.config.device)
-            comm = await Communicator.create(uid, 0, 2, device, timeout=timeout, max_ctas=e.config.nccl_max_channels)
+            blocking = e.config.nccl_blocking_ops
+            comm = await Communicator.create(
+                uid, 0, 2, device, timeout=timeout, max_ctas=e.config.nccl_max_channels, blocking_ops=blocking
+            )
+            if blocking:
+                await comm.warmup(timeout)
             try:
                 ready = await _await_shielded(self.nccl_ready, timeout)
             except BaseException:
@@ -1276,10 +1281,13 @@ class Engine:
 
         device = torch.device(self.config.device)
         try:
+            blocking = self.config.nccl_blocking_ops
             comm = await Communicator.create(
                 msg.unique_id, 1, 2, device, timeout=self.config.timeouts.connect,
-                max_ctas=self.config.nccl_max_channels,
+                max_ctas=self.config.nccl_max_channels, blocking_ops=blocking,
             )
+            if blocking:
+                await comm.warmup(self.config.timeouts.connect)
         except AiokvError as exc:
             if not ss.dead:
                 self._reply(ss, ss.sess.send(NcclReady(msg.comm, False, str(exc)[:300])))

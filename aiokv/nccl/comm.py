@@ -23,6 +23,7 @@ import ctypes
 import threading
 import time
 from collections.abc import Iterator
+from typing import Any
 
 import torch
 
@@ -91,8 +92,16 @@ class Communicator:
         timeout: float,
         max_ctas: int | None = None,
         lib: NcclLibrary | None = None,
+        blocking_ops: bool = False,
     ) -> Communicator:
         """``ncclCommInitRankConfig`` with ``blocking = 0``, polled from the loop.
+
+        ``blocking_ops=True`` makes a *blocking* communicator instead, whose
+        init runs on a worker thread (awaited, bounded by ``timeout``): its
+        enqueue calls then never return ``ncclInProgress``, so posting needs
+        no settle-polling. Call :meth:`warmup` on both ranks before the first
+        real operation so that NCCL's lazy connection set-up happens on a
+        thread too, not inside an enqueue on the event loop.
 
         Raises :class:`AiokvTimeoutError` (after aborting the half-made
         communicator) when init does not finish within ``timeout`` seconds —
@@ -109,6 +118,8 @@ class Communicator:
         lib = lib or load_library()
         lib.require_nonblocking()
         uid = lib.unique_id_from_bytes(unique_id)
+        if blocking_ops:
+            return await cls._create_blocking(lib, uid, rank, nranks, device, timeout, max_ctas)
         config = lib.make_config(blocking=False, max_ctas=max_ctas)
         handle = ctypes.c_void_p(None)
         deadline = time.monotonic() + timeout
@@ -140,6 +151,80 @@ class Communicator:
             self.abort()
             raise
         return self
+
+    @classmethod
+    async def _create_blocking(
+        cls,
+        lib: NcclLibrary,
+        uid: Any,
+        rank: int,
+        nranks: int,
+        device: torch.device,
+        timeout: float,
+        max_ctas: int | None,
+    ) -> Communicator:
+        config = lib.make_config(blocking=True, max_ctas=max_ctas)
+        handle = ctypes.c_void_p(None)
+
+        def init() -> int:
+            with torch.cuda.device(device):
+                return int(lib.ncclCommInitRankConfig(ctypes.byref(handle), nranks, uid, rank, ctypes.byref(config)))
+
+        fut = asyncio.get_running_loop().run_in_executor(None, init)
+        try:
+            rc = await asyncio.wait_for(asyncio.shield(fut), timeout)
+        except (asyncio.TimeoutError, asyncio.CancelledError) as exc:
+            # The thread is inside NCCL's init and cannot be interrupted; when it
+            # returns, the communicator it made is aborted.
+            def cleanup(f: asyncio.Future[int]) -> None:
+                if handle.value is not None:
+                    with contextlib.suppress(Exception):
+                        lib.ncclCommAbort(handle.value)
+
+            fut.add_done_callback(cleanup)
+            if isinstance(exc, asyncio.CancelledError):
+                raise
+            raise AiokvTimeoutError(
+                f"NCCL communicator init (rank {rank} of {nranks} on {device}) did not finish "
+                f"within {timeout:g} s"
+            ) from None
+        if rc != SUCCESS or handle.value is None:
+            if handle.value is not None:
+                with contextlib.suppress(Exception):
+                    lib.ncclCommAbort(handle.value)
+            lib.check(rc, "ncclCommInitRankConfig")
+            raise NcclError("ncclCommInitRankConfig returned no communicator", code=3, code_name="ncclInternalError")
+        return cls(lib, handle.value, rank=rank, nranks=nranks, device=device, timeout=timeout)
+
+    async def warmup(self, timeout: float | None = None) -> None:
+        """Exchange one byte with the peer rank on a worker thread (connects NCCL's p2p).
+
+        Both ranks must call it. Bounded by ``timeout``; on timeout the
+        communicator is aborted (which also releases the thread) and
+        :class:`AiokvTimeoutError` is raised.
+        """
+        if self.nranks != 2:
+            return
+        peer = 1 - self.rank
+        buf = torch.zeros(1, dtype=torch.uint8, device=self.device)
+        stream = torch.cuda.Stream(device=self.device)  # type: ignore[no-untyped-call]
+
+        def run() -> None:
+            with torch.cuda.device(self.device):
+                with self.group():
+                    if self.rank == 0:
+                        self.send(buf, peer, stream)
+                    else:
+                        self.recv(buf, peer, stream)
+                stream.synchronize()  # type: ignore[no-untyped-call]
+
+        limit = self.timeout if timeout is None else timeout
+        fut = asyncio.get_running_loop().run_in_executor(None, run)
+        try:
+            await asyncio.wait_for(asyncio.shield(fut), limit)
+        except asyncio.TimeoutError:
+            self.abort()
+            raise AiokvTimeoutError(f"NCCL warm-up with rank {peer} did not finish within {limit:g} s") from None
 
     async def _poll_until_settled(self, deadline: float, what: str, spin_s: float = 0.0) -> None:
         """Poll ``ncclCommGetAsyncError`` until not in progress.

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -117,7 +118,7 @@ class NcclSink:
         self._queue: asyncio.Queue[_Expected] = asyncio.Queue()
         self._dead: BaseException | None = None
         self._task = asyncio.get_running_loop().create_task(self._run(), name=f"aiokv-nccl-sink-{next(_ids)}")
-        self._inflight: list[_Expected] = []
+        self._landing: deque[tuple[list[_Expected], list[list[torch.Tensor]], asyncio.Future[None]]] = deque()
 
     def expect(self, header_seq: int, xfer: int, specs: Sequence[TensorSpec]) -> asyncio.Future[list[torch.Tensor]]:
         fut: asyncio.Future[list[torch.Tensor]] = asyncio.get_running_loop().create_future()
@@ -145,7 +146,11 @@ class NcclSink:
                         e.fut.set_exception(TransferAbortedError(f"posting NCCL receive failed: {exc}"))
                 return
             done = self.poller.wait(ev, self.comm, keepalive=outs)
-            done.add_done_callback(lambda f, b=batch, o=outs: self._landed(b, o, f))  # type: ignore[misc]
+            # Batches land strictly in posting order: a later batch's event may be
+            # seen first (the poller's pass, or its fast path), though the stream
+            # finished the earlier one before it.
+            self._landing.append((batch, outs, done))
+            done.add_done_callback(self._drain)
 
     def _post(self, batch: list[_Expected]) -> list[list[torch.Tensor]]:
         dev = self.device
@@ -162,6 +167,11 @@ class NcclSink:
                         if t.numel():
                             self.comm.recv(t, 0, self.stream)
         return outs
+
+    def _drain(self, _f: asyncio.Future[None] | None = None) -> None:
+        while self._landing and self._landing[0][2].done():
+            batch, outs, f = self._landing.popleft()
+            self._landed(batch, outs, f)
 
     @staticmethod
     def _landed(batch: list[_Expected], outs: list[list[torch.Tensor]], f: asyncio.Future[None]) -> None:
@@ -181,6 +191,11 @@ class NcclSink:
         if self._dead is None:
             self._dead = exc
         self.comm.abort()
+        while self._landing:
+            batch, _outs, _f = self._landing.popleft()
+            for e in batch:
+                if not e.fut.done():
+                    e.fut.set_exception(TransferAbortedError(f"NCCL link aborted: {exc}"))
         while not self._queue.empty():
             e = self._queue.get_nowait()
             if not e.fut.done():

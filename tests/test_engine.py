@@ -11,9 +11,9 @@ from typing import Any
 
 import pytest
 import torch
+from _procs import DTYPES, free_port, random_tensor, same_bytes
 
 import aiokv
-from _procs import DTYPES, free_port, random_tensor, same_bytes
 
 pytestmark = [pytest.mark.anyio]
 KiB, MiB = 1024, 1024 * 1024
@@ -246,7 +246,7 @@ async def test_cancel_send_waiting_for_credit_withdraws_it() -> None:
         await b.recv("fill", timeout=5)  # room again; the withdrawn send must not come
         with pytest.raises(aiokv.TransferTimeoutError):
             await b.recv("waits", timeout=0.5)
-        assert b.statistics().store.used if False else True  # noqa: SIM210 (keep flake quiet)
+        assert b.statistics().store.used if False else True
         s = b.statistics().store
         assert s is not None and s.reserved_bytes == 0 and s.pending_tensors == 0
         # the session is healthy and the id is free

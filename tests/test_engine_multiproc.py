@@ -15,9 +15,9 @@ from typing import Any
 
 import pytest
 import torch
+from _procs import backend_name, make_case, random_tensor, same_bytes
 
 import aiokv
-from _procs import backend_name, make_case, random_tensor, same_bytes
 
 pytestmark = [pytest.mark.anyio]
 MiB = 1024 * 1024

@@ -17,11 +17,11 @@ import pytest
 import torch
 import zmq
 import zmq.asyncio
+from _procs import same_bytes
 
 import aiokv
 from aiokv.protocol import messages as m
 from aiokv.protocol.codec import Codec
-from _procs import same_bytes
 
 pytestmark = [pytest.mark.anyio, pytest.mark.timeout(60)]
 CODEC = Codec()

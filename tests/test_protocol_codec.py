@@ -11,7 +11,14 @@ from hypothesis import strategies as st
 
 import aiokv
 from aiokv.protocol import messages as m
-from aiokv.protocol.codec import MAX_DETAIL, NCCL_ID_BYTES, TOKEN_BYTES, Codec, WireError, WireLimits
+from aiokv.protocol.codec import (
+    MAX_DETAIL,
+    NCCL_ID_BYTES,
+    TOKEN_BYTES,
+    Codec,
+    WireError,
+    WireLimits,
+)
 
 pytestmark = pytest.mark.timeout(120)
 

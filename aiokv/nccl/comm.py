@@ -216,7 +216,7 @@ class Communicator:
                         self.send(buf, peer, stream)
                     else:
                         self.recv(buf, peer, stream)
-                stream.synchronize()  # type: ignore[no-untyped-call]
+                stream.synchronize()
 
         limit = self.timeout if timeout is None else timeout
         fut = asyncio.get_running_loop().run_in_executor(None, run)

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, fields
-from typing import Any
+from typing import Any, cast
 
 import msgpack
 
@@ -258,7 +258,7 @@ class Codec:
         body = [msg.KIND]
         for f in fields(msg):  # type: ignore[arg-type]
             body.append(_to_wire(getattr(msg, f.name)))
-        return msgpack.packb(body, use_bin_type=True)
+        return cast(bytes, msgpack.packb(body, use_bin_type=True))
 
     def decode(self, data: bytes | bytearray | memoryview) -> Message:
         if len(data) > self.limits.max_frame_bytes:

@@ -1,0 +1,315 @@
+"""Fault-injecting proxies for the reliability tests (loopback only).
+
+:class:`FaultProxy` is an asyncio zmq proxy between an aiokv client and an
+engine: a ROUTER bound on its own port; for each routing id that connects it
+opens a DEALER to the real engine and forwards both ways. Every control
+message is decoded with the aiokv codec (read-only) so faults can target one
+message kind in one direction:
+
+* ``drop``      the frame is not forwarded;
+* ``duplicate`` the frame is forwarded twice;
+* ``delay``     the frame (its whole zmq message) is forwarded ``seconds`` later;
+* ``cut``       from this frame on, nothing more is forwarded in either
+  direction (``close=True`` also closes the DEALERs to the engine).
+
+A client corks several control messages into one multipart zmq message; the
+proxy applies control faults frame by frame. A data message (``[DATA header,
+tensor frames...]``) is treated as one unit.
+
+:class:`TcpRelay` is a byte-level TCP relay that keeps a copy of everything it
+relays (for the clear-text capture test under CURVE).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Any
+
+import zmq
+import zmq.asyncio
+
+from aiokv._exceptions import RemoteProtocolError
+from aiokv.protocol.codec import Codec, WireLimits
+from aiokv.protocol.messages import DataHeader, Message
+
+C2S, S2C = "c2s", "s2c"
+_codec = Codec(WireLimits(max_frame_bytes=1 << 30))
+
+
+def kind_of(frame: bytes | memoryview) -> str:
+    """NAME of the message in a control frame, or ``"?"`` when it does not decode."""
+    try:
+        return _codec.decode(frame).NAME
+    except RemoteProtocolError:
+        return "?"
+
+
+@dataclass
+class Fault:
+    """One rule. ``kind`` is a message NAME (``"GRANT"``, ``"DATA"``, ...) or None for any.
+
+    The rule fires on matches number ``after`` .. ``after + times - 1`` (``times``
+    None = every later match).
+    """
+
+    direction: str
+    kind: str | None
+    action: str  # drop | duplicate | delay | cut
+    after: int = 0
+    times: int | None = 1
+    seconds: float = 0.0
+    close: bool = False
+    seen: int = 0
+    fired: int = 0
+
+    def matches(self, direction: str, kind: str) -> bool:
+        if direction != self.direction or (self.kind is not None and kind != self.kind):
+            return False
+        n = self.seen
+        self.seen += 1
+        if n < self.after or (self.times is not None and n >= self.after + self.times):
+            return False
+        self.fired += 1
+        return True
+
+
+@dataclass
+class _Conn:
+    rid: bytes
+    dealer: zmq.asyncio.Socket
+    task: asyncio.Task[None] | None = None
+
+
+@dataclass
+class FaultProxy:
+    """``FaultProxy(target="127.0.0.1:PORT")``; ``await start()``; connect clients to ``address``."""
+
+    target: str
+    faults: list[Fault] = field(default_factory=list)
+    counts: Counter[tuple[str, str]] = field(default_factory=Counter)
+    cut_now: bool = False
+
+    def __post_init__(self) -> None:
+        self._ctx: zmq.asyncio.Context | None = None
+        self._router: zmq.asyncio.Socket | None = None
+        self._conns: dict[bytes, _Conn] = {}
+        self._tasks: set[asyncio.Task[Any]] = set()
+        self.address = ""
+
+    async def start(self) -> FaultProxy:
+        self._ctx = zmq.asyncio.Context()
+        r = self._ctx.socket(zmq.ROUTER)
+        r.setsockopt(zmq.LINGER, 0)
+        r.setsockopt(zmq.RCVHWM, 0)
+        r.setsockopt(zmq.SNDHWM, 0)
+        port = r.bind_to_random_port("tcp://127.0.0.1")
+        self._router = r
+        self.address = f"127.0.0.1:{port}"
+        self._spawn(self._front())
+        return self
+
+    async def __aenter__(self) -> FaultProxy:
+        return await self.start()
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.aclose()
+
+    def add(self, *faults: Fault) -> None:
+        self.faults.extend(faults)
+
+    def cut(self, close: bool = False) -> None:
+        """Stop forwarding in both directions (a black hole); ``close`` also drops the engine side."""
+        self.cut_now = True
+        if close:
+            for c in self._conns.values():
+                c.dealer.close(0)
+
+    async def aclose(self) -> None:
+        for t in list(self._tasks):
+            t.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        for c in self._conns.values():
+            if not c.dealer.closed:
+                c.dealer.close(0)
+        if self._router is not None:
+            self._router.close(0)
+        if self._ctx is not None:
+            self._ctx.term()
+            self._ctx = None
+
+    # ---------------------------------------------------------------- internals
+    def _spawn(self, coro: Any) -> None:
+        t = asyncio.ensure_future(coro)
+        self._tasks.add(t)
+        t.add_done_callback(self._tasks.discard)
+
+    def _actions(self, direction: str, kind: str) -> list[Fault]:
+        return [f for f in self.faults if f.matches(direction, kind)]
+
+    def _filter(self, direction: str, frames: list[bytes]) -> tuple[list[bytes], float]:
+        """Apply the faults to one zmq message; returns the frames to forward and a delay."""
+        if self.cut_now:
+            return [], 0.0
+        first = kind_of(frames[0]) if frames else "?"
+        delay = 0.0
+        if first == DataHeader.NAME:  # a data message: one unit
+            self.counts[(direction, "DATA")] += 1
+            out = frames
+            for f in self._actions(direction, "DATA"):
+                if f.action == "drop":
+                    out = []
+                elif f.action == "duplicate":
+                    out = frames  # sent twice below
+                    delay = -1.0
+                elif f.action == "delay":
+                    delay = max(delay, f.seconds)
+                elif f.action == "cut":
+                    self.cut(f.close)
+                    return [], 0.0
+            return out, delay
+        out: list[bytes] = []
+        for fr in frames:
+            k = kind_of(fr)
+            self.counts[(direction, k)] += 1
+            copies = 1
+            for f in self._actions(direction, k):
+                if f.action == "drop":
+                    copies = 0
+                elif f.action == "duplicate":
+                    copies = 2
+                elif f.action == "delay":
+                    delay = max(delay, f.seconds)
+                elif f.action == "cut":
+                    self.cut(f.close)
+                    return out, delay
+            out.extend([fr] * copies)
+        return out, delay
+
+    async def _forward(self, sock: zmq.asyncio.Socket, prefix: list[bytes], frames: list[bytes], delay: float) -> None:
+        if delay > 0:
+            await asyncio.sleep(delay)
+        if sock.closed or (self.cut_now and delay > 0):
+            return
+        with contextlib.suppress(zmq.ZMQError):
+            await sock.send_multipart(prefix + frames, copy=False)
+            if delay < 0:  # duplicated data message
+                await sock.send_multipart(prefix + frames, copy=False)
+
+    async def _front(self) -> None:
+        assert self._router is not None and self._ctx is not None
+        while True:
+            parts = await self._router.recv_multipart()
+            rid, frames = parts[0], parts[1:]
+            conn = self._conns.get(rid)
+            if conn is None:
+                if self.cut_now:
+                    continue
+                d = self._ctx.socket(zmq.DEALER)
+                d.setsockopt(zmq.LINGER, 0)
+                d.setsockopt(zmq.RCVHWM, 0)
+                d.setsockopt(zmq.SNDHWM, 0)
+                d.connect(f"tcp://{self.target}")
+                conn = _Conn(rid, d)
+                self._conns[rid] = conn
+                conn.task = asyncio.ensure_future(self._back(conn))
+                self._tasks.add(conn.task)
+                conn.task.add_done_callback(self._tasks.discard)
+            if conn.dealer.closed:
+                continue
+            out, delay = self._filter(C2S, frames)
+            if not out:
+                continue
+            if delay:
+                self._spawn(self._forward(conn.dealer, [], out, delay))
+            else:
+                await self._forward(conn.dealer, [], out, 0.0)
+
+    async def _back(self, conn: _Conn) -> None:
+        assert self._router is not None
+        with contextlib.suppress(zmq.ZMQError):
+            while not conn.dealer.closed:
+                frames = await conn.dealer.recv_multipart()
+                out, delay = self._filter(S2C, frames)
+                if not out:
+                    continue
+                if delay:
+                    self._spawn(self._forward(self._router, [conn.rid], out, delay))
+                else:
+                    await self._forward(self._router, [conn.rid], out, 0.0)
+
+
+def decode_all(frames: list[bytes]) -> list[Message]:
+    return [_codec.decode(f) for f in frames]
+
+
+class TcpRelay:
+    """A byte-level TCP relay ``127.0.0.1:port -> target`` that records every byte both ways."""
+
+    def __init__(self, target: str) -> None:
+        host, _, port = target.rpartition(":")
+        self.target = (host, int(port))
+        self.c2s = bytearray()
+        self.s2c = bytearray()
+        self.address = ""
+        self._server: asyncio.base_events.Server | None = None
+        self._tasks: set[asyncio.Task[Any]] = set()
+        self._writers: list[asyncio.StreamWriter] = []
+
+    async def start(self) -> TcpRelay:
+        self._server = await asyncio.start_server(self._handle, "127.0.0.1", 0)
+        port = self._server.sockets[0].getsockname()[1]
+        self.address = f"127.0.0.1:{port}"
+        return self
+
+    async def __aenter__(self) -> TcpRelay:
+        return await self.start()
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.aclose()
+
+    @property
+    def captured(self) -> bytes:
+        return bytes(self.c2s) + bytes(self.s2c)
+
+    async def _pipe(self, r: asyncio.StreamReader, w: asyncio.StreamWriter, buf: bytearray) -> None:
+        try:
+            while True:
+                data = await r.read(1 << 16)
+                if not data:
+                    break
+                buf += data
+                w.write(data)
+                await w.drain()
+        except (ConnectionError, OSError):
+            pass
+        finally:
+            with contextlib.suppress(Exception):
+                w.close()
+
+    async def _handle(self, r: asyncio.StreamReader, w: asyncio.StreamWriter) -> None:
+        try:
+            ur, uw = await asyncio.open_connection(*self.target)
+        except OSError:
+            w.close()
+            return
+        self._writers += [w, uw]
+        t1 = asyncio.ensure_future(self._pipe(r, uw, self.c2s))
+        t2 = asyncio.ensure_future(self._pipe(ur, w, self.s2c))
+        self._tasks.update((t1, t2))
+        await asyncio.gather(t1, t2, return_exceptions=True)
+
+    async def aclose(self) -> None:
+        if self._server is not None:
+            self._server.close()
+        for w in self._writers:
+            with contextlib.suppress(Exception):
+                w.close()
+        for t in list(self._tasks):
+            t.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        if self._server is not None:
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(self._server.wait_closed(), 2)

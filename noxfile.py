@@ -51,7 +51,7 @@ def typecheck(session: nox.Session) -> None:
 def tests(session: nox.Session) -> None:
     """The CPU test suite (GPU tests are marked and left out)."""
     _install(session)
-    session.run("pytest", "-q", "-m", "not gpu and not multi_gpu", *session.posargs)
+    session.run("pytest", "-q", "-m", "not gpu and not multi_gpu and not slow", *session.posargs)
 
 
 @nox.session(python=PYTHON, reuse_venv=True)

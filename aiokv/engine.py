@@ -261,6 +261,9 @@ class _ClientSession:
         engine._apply_curve_client(self.data, address)
         host, port = parse_address(address)
         ep = f"tcp://[{host}]:{port}" if ":" in host else f"tcp://{host}:{port}"
+        # A zmq DEALER reconnects by itself; a peer that restarted on the same port
+        # must not see this session's messages. Watch for the connection dropping.
+        self.monitor = self.ctrl.get_monitor_socket(zmq.EVENT_DISCONNECTED)
         self.ctrl.connect(ep)
         self.data.connect(ep)
         self.source = TcpSource(self.data)
@@ -294,6 +297,7 @@ class _ClientSession:
         e = self.engine
         self.tasks.append(asyncio.create_task(self._reader(), name=f"aiokv-client-reader-{self.address}"))
         self.tasks.append(asyncio.create_task(self._poster(), name=f"aiokv-client-poster-{self.address}"))
+        self.tasks.append(asyncio.create_task(self._watch(), name=f"aiokv-client-monitor-{self.address}"))
         hello = Hello(PROTOCOL_VERSION, e.engine_id, e.address, e._capabilities(), e.config.layout)
         dl = _Deadline(timeout)
         try:
@@ -301,9 +305,15 @@ class _ClientSession:
             # bound it by the connect deadline too (nothing listening must not hang).
             await asyncio.wait_for(self.ctrl.send(self.sess.send(hello)), dl.left())
             w = await _await_shielded(self.welcome, dl.left())
+            await self.data.send(e._codec.encode(DataHello(w.token)))
         except TimeoutError:
             raise ConnectTimeoutError(f"no answer from {self.address} within {timeout:.3g}s") from None
-        await self.data.send(e._codec.encode(DataHello(w.token)))
+        except asyncio.CancelledError:
+            # Closing the sockets of a session that failed meanwhile cancels their
+            # pending sends: report why the session failed, not a cancellation.
+            if self.dead is not None:
+                raise (self.dead if isinstance(self.dead, AiokvError) else ConnectError(str(self.dead))) from None
+            raise
         self.last_recv = time.monotonic()
 
     # ---- transfers
@@ -567,10 +577,37 @@ class _ClientSession:
             e._stats.peers_lost += 1
         e._spawn(self._close_sockets())
 
+    async def _watch(self) -> None:
+        """Fail the session as soon as its control connection drops (peer died or restarted)."""
+        from zmq.utils.monitor import parse_monitor_message
+
+        try:
+            while True:
+                frames = await self.monitor.recv_multipart()
+                event = parse_monitor_message(frames)
+                if event["event"] == zmq.EVENT_DISCONNECTED:
+                    if self.welcome.done():
+                        self.fail(PeerLostError(f"connection to {self.address} closed"))
+                    else:
+                        self.fail(
+                            ConnectError(
+                                f"{self.address} closed the connection during the handshake "
+                                "(not an aiokv engine, or a CURVE key it does not accept)"
+                            )
+                        )
+                    return
+        except asyncio.CancelledError:
+            raise
+        except (zmq.ZMQError, ValueError):
+            return
+
     async def _close_sockets(self) -> None:
         for t in self.tasks:
             t.cancel()
         await asyncio.gather(*self.tasks, return_exceptions=True)
+        with contextlib.suppress(zmq.ZMQError):
+            self.ctrl.disable_monitor()
+        self.monitor.close(linger=0)
         self.ctrl.close()
         self.data.close()
 

@@ -192,7 +192,7 @@ def test_fuzz_session_receive_from_every_state() -> None:
     def make(count: list[int]) -> Any:
         @given(st.sampled_from(range(len(bases))), st.lists(frames, min_size=1, max_size=8))
         def inner(i: int, seq: list[bytes]) -> None:
-            name, base = bases[i]
+            _name, base = bases[i]
             s = _clone(base)
             for fr in seq:
                 count[0] += 1

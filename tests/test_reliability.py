@@ -470,10 +470,7 @@ async def test_sigstop_peer_transfer_times_out_aclose_bounded(procs: Any) -> Non
 @pytest.mark.anyio
 @ASYNCIO_ONLY
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize("how", ["kill9", "quit", pytest.param("kill9-stale", marks=pytest.mark.xfail(
-    strict=True, reason="known defect: the stale session's DEALER reconnects to the new process; its PING gets "
-    "ERROR 'PING before HELLO' and the first send fails with RemoteProtocolError (the stale session is refused, "
-    "never reused; sends 2..100 succeed). See docs/reliability.md row 5."))])
+@pytest.mark.parametrize("how", ["kill9", "quit", "kill9-stale"])
 async def test_peer_restart_same_port_next_100_transfers_succeed(procs: Any, how: str) -> None:
     """Row 5 (TCP): a peer restarts on the same port; no stale session is reused.
 
@@ -564,15 +561,27 @@ async def test_resources_back_after_10000_connect_disconnect_cycles() -> None:
 
 @pytest.mark.anyio
 @ASYNCIO_ONLY
-@pytest.mark.timeout(180)
-@pytest.mark.xfail(strict=False, reason="failed in its first run (while a long fuzz shared the 2 cores); "
-                   "not yet diagnosed - see docs/reliability.md rows 8-9")
+@pytest.mark.timeout(240)
+async def test_2000_concurrent_sends_into_10x_slower_consumer_stay_under_cap() -> None:
+    """Rows 8-10, CI size: 4 producers x 500 concurrent sends (see the 10,000 variant)."""
+    await _slow_consumer(4, 500)
+
+
+@pytest.mark.anyio
+@ASYNCIO_ONLY
+@pytest.mark.slow
+@pytest.mark.timeout(1800)
 async def test_10000_concurrent_sends_into_10x_slower_consumer_stay_under_cap() -> None:
-    """Rows 8-10: 4 producers x 2,500 concurrent sends of 4 KiB; the consumer collects 10x slower
-    than the producers can send (calibrated on this machine); the store never exceeds its cap,
-    producers wait on credit, every send has an outcome and every success lands exactly once."""
+    """Rows 8-10: 4 producers x 2,500 concurrent sends of 4 KiB (run outside CI: at a consumer
+    10x slower than the producers, on the 2-core machine this takes several minutes)."""
+    await _slow_consumer(4, 2500)
+
+
+async def _slow_consumer(n_prod: int, per: int) -> None:
+    """The consumer collects 10x slower than the producers can send (calibrated on this
+    machine); the store never exceeds its cap, producers wait on credit, every send has an
+    outcome and every success lands exactly once."""
     cap = 256 * KiB
-    n_prod, per = 4, 2500
     size = 1024  # float32 elements: 4 KiB
     # calibrate: how fast can the producers send into an uncapped receiver?
     async with engines(cfg(), cfg()) as (p, r):
@@ -581,14 +590,15 @@ async def test_10000_concurrent_sends_into_10x_slower_consumer_stay_under_cap() 
         await asyncio.gather(*(p.send(f"cal{i}", torch.ones(size), to=r.address, timeout=60) for i in range(1000)))
         prod_rate = 1000 / (time.monotonic() - t0)
     cons_rate = prod_rate / 10
-    async with engines(cfg(store_bytes=cap), *(cfg() for _ in range(n_prod))) as (cons, *prods):
+    patient = aiokv.Timeouts(negotiate=900.0, transfer=900.0)  # producers wait on credit
+    async with engines(cfg(store_bytes=cap), *(cfg(patient) for _ in range(n_prod))) as (cons, *prods):
         for p in prods:
             await p.connect(cons.address)
         outcomes: dict[str, str] = {}
 
         async def one(p: aiokv.Engine, tid: str, v: float) -> None:
             try:
-                await p.send(tid, torch.full((size,), v), to=cons.address, timeout=150)
+                await p.send(tid, torch.full((size,), v), to=cons.address)
                 outcomes[tid] = "ok"
             except aiokv.AiokvError as exc:
                 outcomes[tid] = f"{type(exc).__name__}:{getattr(exc, 'code', '')}"
@@ -618,7 +628,7 @@ async def test_10000_concurrent_sends_into_10x_slower_consumer_stay_under_cap() 
         st = cons.statistics()
         assert st.store is not None
         n_ok = sum(1 for o in outcomes.values() if o == "ok")
-        record("10k_slow_consumer", sends=len(ids), ok=n_ok, errors={o: list(outcomes.values()).count(o) for o in set(outcomes.values()) if o != "ok"},
+        record(f"{len(ids)}_slow_consumer", sends=len(ids), ok=n_ok, errors={o: list(outcomes.values()).count(o) for o in set(outcomes.values()) if o != "ok"},
                collected=collected, cap=cap, peak=st.store.peak_bytes, max_used_sampled=max_used, max_queued=max_queued,
                producer_rate_per_s=prod_rate, consumer_rate_per_s=len(ids) / took, seconds=took)
         assert len(outcomes) == len(ids)  # every send has an outcome

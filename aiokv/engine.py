@@ -458,7 +458,17 @@ class _ClientSession:
             x.seq = msg.seq
             if not x.granted.done():
                 x.granted.set_result(msg.seq)
-            self.post_queue.put_nowait(x)
+            if x.transport == "tcp":
+                # zmq queues sends in call order: post at once, in grant order
+                header = DataHeader(x.xfer, x.seq, len(x.specs))
+                try:
+                    sent = self.source.post_nowait(self.sess.send(header), x.tensors)
+                except (zmq.ZMQError, AiokvError) as perr:
+                    self.fail(PeerLostError(f"data channel to {self.address} failed: {perr}"))
+                    return
+                sent.add_done_callback(self._data_sent)
+            else:
+                self.post_queue.put_nowait(x)
         elif isinstance(msg, Refuse):
             x = self.xfers.pop(msg.xfer)
             x.release_when_idle()
@@ -539,6 +549,10 @@ class _ClientSession:
             raise
         except (zmq.ZMQError, AiokvError) as exc:
             self.fail(PeerLostError(f"data channel to {self.address} failed: {exc}"))
+
+    def _data_sent(self, fut: asyncio.Future[Any]) -> None:
+        if not fut.cancelled() and fut.exception() is not None:
+            self.fail(PeerLostError(f"data channel to {self.address} failed: {fut.exception()}"))
 
     def ping(self, now: float) -> None:
         self.last_ping = now
@@ -1398,16 +1412,20 @@ class Engine:
             if not isinstance(header, DataHeader):
                 raise RemoteProtocolError(f"{header.NAME} on the data connection")
             ss.sess.receive_message(header)
-            ss.sink.feed(header, frames[1:])
+            inx = ss.granted.get(header.xfer)
+            fut = ss.sink.feed(header, frames[1:])
+            if inx is not None:
+                self._on_landed(ss, inx, fut)  # now, not a loop pass later
         except RemoteProtocolError as exc:
             self._count_error(getattr(exc, "code", "protocol"))
             self._reply_raw(ss.rid, ErrorMsg("protocol", str(exc)[:200]))
             self._drop_server(ss, exc, lost=True)
 
     def _on_landed(self, ss: _ServerSession, inx: _InXfer, fut: asyncio.Future[list[torch.Tensor]]) -> None:
-        if ss.dead or fut.cancelled():
+        if ss.dead or fut.cancelled() or not fut.done():
             return
-        ss.granted.pop(inx.xfer, None)
+        if ss.granted.pop(inx.xfer, None) is None:
+            return  # already handled (TCP lands synchronously; the callback comes later)
         assert ss.peer is not None
         exc = fut.exception()
         if exc is None and inx.transport == "nccl":

@@ -18,7 +18,7 @@ from __future__ import annotations
 import asyncio
 import ctypes
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, cast
 
 import torch
 import zmq
@@ -77,11 +77,15 @@ class TcpSource:
         self._dead: BaseException | None = None
 
     async def post(self, header: DataHeader, header_bytes: bytes, tensors: Sequence[torch.Tensor]) -> None:
+        await self.post_nowait(header_bytes, tensors)
+
+    def post_nowait(self, header_bytes: bytes, tensors: Sequence[torch.Tensor]) -> asyncio.Future[Any]:
+        """Queue one data message now (zmq keeps call order); the future says when it left."""
         if self._dead is not None:
             raise TransferAbortedError(f"TCP link aborted: {self._dead}")
         frames: list[Any] = [header_bytes]
         frames.extend(tensor_buffer(t) for t in tensors)
-        await self._sock.send_multipart(frames, copy=False)
+        return cast("asyncio.Future[Any]", self._sock.send_multipart(frames, copy=False))
 
     def abort(self, exc: BaseException) -> None:
         self._dead = exc
@@ -103,8 +107,11 @@ class TcpSink:
         self._expected[xfer] = (specs, fut)
         return fut
 
-    def feed(self, header: DataHeader, frames: Sequence[zmq.Frame]) -> None:
-        """Land one data message. Raises RemoteProtocolError if it does not match its grant."""
+    def feed(self, header: DataHeader, frames: Sequence[zmq.Frame]) -> asyncio.Future[list[torch.Tensor]]:
+        """Land one data message and return its (resolved) future.
+
+        Raises RemoteProtocolError if it does not match its grant.
+        """
         entry = self._expected.get(header.xfer)
         if entry is None:
             raise RemoteProtocolError(f"data for transfer {header.xfer} that was not granted")
@@ -128,6 +135,7 @@ class TcpSink:
                 out.append(torch.frombuffer(fr.buffer, dtype=dt).view(spec.shape))
         if not fut.done():
             fut.set_result(out)
+        return fut
 
     def abort(self, exc: BaseException) -> None:
         for _, fut in self._expected.values():

@@ -141,6 +141,21 @@ async def main() -> None:
                             "kernel_ok": float(x.item()) == float(1 << 20),
                         },
                     )
+            elif cmd == "mem":  # device memory as torch and the driver see it
+                torch.cuda.synchronize(dev)
+                free, _total = torch.cuda.mem_get_info(dev)
+                say("MEM", {"allocated": torch.cuda.memory_allocated(dev), "free": free})
+            elif cmd == "burst":  # args: peer, count — PUT count small tensors, report failures
+                peer, count = args[0], int(args[1])
+                ok = 0
+                errors: list[str] = []
+                for i in range(count):
+                    try:
+                        await eng.send(f"burst-{time.time_ns()}-{i}", torch.full((4096,), float(i), device=dev), to=peer, timeout=30)
+                        ok += 1
+                    except aiokv.AiokvError as exc:
+                        errors.append(type(exc).__name__)
+                say("BURST", {"ok": ok, "errors": errors})
             elif cmd == "stats":
                 st = eng.statistics()
                 say("STATS", {"peers_lost": st.peers_lost, "errors": st.protocol_errors})

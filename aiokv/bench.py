@@ -74,6 +74,7 @@ class SizeResult:
     raw_max_loop_stall_ms: float | None = None
     ratio_paired_median: float = float("nan")
     loop: str = "asyncio"
+    sender_nccl: dict[str, float] = field(default_factory=dict)  # sender engine's NCCL counters
 
     def as_dict(self) -> dict[str, Any]:
         return {
@@ -94,6 +95,7 @@ class SizeResult:
                 None if self.raw_max_loop_stall_ms is None else round(self.raw_max_loop_stall_ms, 3)
             ),
             "loop": self.loop,
+            **({"sender_nccl": self.sender_nccl} if self.sender_nccl else {}),
         }
 
 
@@ -567,6 +569,7 @@ async def _nccl_parent(
                         rsecs = await _raw_nccl_phase(t, ctl, iters, size, args.timeout)
                         raw.append(size * iters / rsecs / 1e9)
                     res = _summarise("nccl", size, iters, args, ours, raw, stall)
+                    res.sender_nccl = {k: round(v, 6) for k, v in eng.statistics().nccl.items()}
                     results.append(res)
                     emit(res)
                     del t

@@ -122,6 +122,9 @@ class EngineStatistics:
     server_sessions: int = 0
     protocol_errors: dict[str, int] = field(default_factory=dict)
     store: StoreStatistics | None = None
+    #: NCCL data plane: live communicators, enqueues that had to settle (count,
+    #: total and max seconds), and the progress poller's counters
+    nccl: dict[str, float] = field(default_factory=dict)
 
 
 # --------------------------------------------------------------------------- helpers
@@ -998,6 +1001,20 @@ class Engine:
         s.client_sessions = len(self._clients)
         s.server_sessions = len(self._servers)
         s.queued_reservations = len(self._queue)
+        comms = [cs.nccl.comm for cs in self._clients.values() if cs.nccl is not None]
+        comms += [ss.nccl.comm for ss in self._servers.values() if ss.nccl is not None]
+        if comms or self._poller is not None:
+            n: dict[str, float] = {
+                "communicators": len(comms),
+                "settles": sum(c.settles for c in comms),
+                "settle_s": sum(c.settle_s for c in comms),
+                "settle_max_s": max((c.settle_max_s for c in comms), default=0.0),
+            }
+            if self._poller is not None:
+                for k, v in dataclasses.asdict(self._poller.statistics()).items():
+                    if isinstance(v, int):
+                        n[f"poller_{k}"] = v
+            s.nccl = n
         return s
 
     # ------------------------------------------------------------------ sending

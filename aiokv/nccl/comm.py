@@ -79,6 +79,10 @@ class Communicator:
         self.last_abort_s: float | None = None
         #: seconds :meth:`abort` blocked its caller (None until called)
         self.abort_call_s: float | None = None
+        #: enqueues that returned ncclInProgress and were awaited, and the time spent settling
+        self.settles = 0
+        self.settle_s = 0.0
+        self.settle_max_s = 0.0
 
     # ------------------------------------------------------------------ creation
     @classmethod
@@ -300,7 +304,12 @@ class Communicator:
         if not self._pending:
             return
         limit = self.timeout if timeout is None else timeout
+        t0 = time.perf_counter()
         await self._poll_until_settled(time.monotonic() + limit, "NCCL enqueue", spin_s=0.05)
+        dt = time.perf_counter() - t0
+        self.settles += 1
+        self.settle_s += dt
+        self.settle_max_s = max(self.settle_max_s, dt)
         self._pending = False
 
     def _live_handle(self, what: str) -> int:

@@ -1,8 +1,7 @@
 #!/usr/bin/env bash
 # Everything that needs the 2-GPU machine, in one device command (device time is scarce).
 #   run (kind nvidia-h200-x2, carry .whl .whl2):  bash benchmarks/gpu_session.sh
-# .whl: the pyzmq wheel; .whl2: fastapi/uvicorn/httpx/rich/prometheus-client/opentelemetry-api
-# and their pure-python deps for the demo (see docs/benchmarks.md, "Running GPU work").
+# .whl / .whl2: wheels the device lacks — make them first with benchmarks/fetch_device_wheels.sh
 # Writes its outputs under $OUT (or ./gpu-out) and prints a short summary.
 set -uo pipefail
 OUT="${OUT:-$PWD/gpu-out}"

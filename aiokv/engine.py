@@ -282,6 +282,7 @@ class _ClientSession:
         self.last_ping = 0.0
         self.last_used = time.monotonic()
         self.outbox: list[bytes] = []
+        self.suspect = False  # missed its heartbeat once; judged on the next tick
         self.nonce = itertools.count(1)
         self.get_ids = itertools.count(1)
         self.dead: BaseException | None = None
@@ -668,6 +669,7 @@ class _ServerSession:
         self.last_recv = time.monotonic()
         self.dead = False
         self.outbox: list[bytes] = []
+        self.suspect = False
 
     @property
     def name(self) -> str:
@@ -1523,11 +1525,21 @@ class Engine:
                     # idle eviction: frees the session and its communicator
                     await cs.bye(ConnectError(f"session with {cs.address} closed after being idle"))
                 elif now - cs.last_recv > T.heartbeat_timeout:
-                    cs.fail(PeerLostError(f"no heartbeat from {cs.address} for {now - cs.last_recv:.2f}s"))
-                elif now - cs.last_ping >= T.heartbeat_interval:
-                    cs.ping(now)
+                    # Judge on the second look: after a stall of this loop the peer's answers
+                    # may be waiting unread, and the readers run before the next tick.
+                    if cs.suspect:
+                        cs.fail(PeerLostError(f"no heartbeat from {cs.address} for {now - cs.last_recv:.2f}s"))
+                    cs.suspect = True
+                else:
+                    cs.suspect = False
+                    if now - cs.last_ping >= T.heartbeat_interval:
+                        cs.ping(now)
             for ss in list(self._servers.values()):
-                if now - ss.last_recv > T.heartbeat_timeout:
+                if now - ss.last_recv <= T.heartbeat_timeout:
+                    ss.suspect = False
+                elif ss.suspect:  # second look, as for client sessions
                     self._drop_server(ss, PeerLostError(f"no heartbeat from {ss.name}"), lost=True)
+                else:
+                    ss.suspect = True
             if self._store.expire(now):
                 self._pump_queue()

@@ -28,9 +28,10 @@ import dataclasses
 import itertools
 import logging
 import secrets
+import threading
 import time
 from collections import deque
-from collections.abc import Awaitable, Generator, Iterable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Generator, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, cast
 
@@ -202,6 +203,32 @@ async def _await_shielded(fut: asyncio.Future[Any], timeout: float) -> Any:
     if fut.done():
         return fut.result()
     raise TimeoutError
+
+
+def _in_thread(fn: Callable[[], object], name: str) -> asyncio.Future[None]:
+    """Run a blocking call on a short-lived daemon thread; a future for its end."""
+    loop = asyncio.get_running_loop()
+    fut: asyncio.Future[None] = loop.create_future()
+
+    def done(exc: BaseException | None) -> None:
+        if fut.done():
+            return
+        if exc is None:
+            fut.set_result(None)
+        else:
+            fut.set_exception(exc)
+
+    def run() -> None:
+        err: BaseException | None = None
+        try:
+            fn()
+        except BaseException as exc:  # reported to the awaiting side
+            err = exc
+        with contextlib.suppress(RuntimeError):  # the loop may be gone (caller timed out)
+            loop.call_soon_threadsafe(done, err)
+
+    threading.Thread(target=run, name=name, daemon=True).start()
+    return fut
 
 
 def _resolve(fut: asyncio.Future[None]) -> None:
@@ -670,6 +697,7 @@ class _ServerSession:
         self.dead = False
         self.outbox: list[bytes] = []
         self.suspect = False
+        self.fds: list[int] = []  # the connections' descriptors (router monitor events)
 
     @property
     def name(self) -> str:
@@ -761,6 +789,8 @@ class Engine:
         self._servers: dict[bytes, _ServerSession] = {}
         self._data_rids: dict[bytes, _ServerSession] = {}
         self._tokens: dict[bytes, _ServerSession] = {}
+        self._fd_sessions: dict[int, _ServerSession] = {}
+        self._router_mon: zmq.asyncio.Socket = None  # type: ignore[assignment]
         self._queue: deque[_Queued] = deque()
         self._published: dict[str, torch.Tensor] = {}
         self._stats = EngineStatistics()
@@ -811,9 +841,13 @@ class Engine:
         self._address = f"{host}:{ep.rsplit(':', 1)[1]}"
         self._stats.address = self._address
         self._router = r
+        # Connection events, so a peer whose process died is dropped at once rather
+        # than after its heartbeat timeout.
+        self._router_mon = r.get_monitor_socket(zmq.EVENT_ACCEPTED | zmq.EVENT_DISCONNECTED)
         self._main_tasks = [
             asyncio.create_task(self._router_loop(), name="aiokv-router"),
             asyncio.create_task(self._housekeeping(), name="aiokv-housekeeping"),
+            asyncio.create_task(self._router_watch(), name="aiokv-router-monitor"),
         ]
 
     @property
@@ -846,12 +880,17 @@ class Engine:
         pending = [*self._main_tasks, *self._tasks]
         if pending:
             await asyncio.wait(pending, timeout=self.config.timeouts.linger + 1.0)
+        with contextlib.suppress(zmq.ZMQError):
+            self._router.disable_monitor()
+        self._router_mon.close(linger=0)
         self._router.close(linger=min(200, int(self.config.timeouts.linger * 1000)))
         if self._auth is not None:
             self._auth.stop()
         ctx = self._ctx
         # term() waits for lingering sockets; never on the loop.
-        await asyncio.wait_for(asyncio.to_thread(ctx.term), timeout=self.config.timeouts.linger + 1.0)
+        # On a thread of its own that ends with it (the default executor would keep its
+        # threads for the life of the process).
+        await asyncio.wait_for(_in_thread(ctx.term, "aiokv-zmq-term"), timeout=self.config.timeouts.linger + 1.0)
 
     def _spawn(self, coro: Awaitable[Any]) -> asyncio.Task[Any]:
         t: asyncio.Task[Any] = asyncio.ensure_future(coro)
@@ -1256,6 +1295,50 @@ class Engine:
             if ss.dead:
                 return
 
+    async def _router_watch(self) -> None:
+        """Drop the session of a connection the moment it closes (peer died or left).
+
+        Events are matched to sessions by the connection's file descriptor. A
+        descriptor can be reused at once by a new connection, whose ACCEPTED event
+        then follows the DISCONNECTED one in the same batch: such an ambiguous
+        close is left to the heartbeat.
+        """
+        from zmq.utils.monitor import parse_monitor_message
+
+        mon = self._router_mon
+        try:
+            while True:
+                batch = [parse_monitor_message(await mon.recv_multipart())]
+                while True:
+                    try:
+                        frames = await mon.recv_multipart(flags=zmq.NOBLOCK)
+                    except zmq.Again:
+                        break
+                    batch.append(parse_monitor_message(frames))
+                for i, ev in enumerate(batch):
+                    if ev["event"] != zmq.EVENT_DISCONNECTED:
+                        continue
+                    fd = int(ev["value"])
+                    reused = any(
+                        later["event"] == zmq.EVENT_ACCEPTED and int(later["value"]) == fd
+                        for later in batch[i + 1 :]
+                    )
+                    ss = self._fd_sessions.get(fd)
+                    if ss is not None and not reused:
+                        self._drop_server(ss, PeerLostError(f"connection from {ss.name} closed"), lost=True)
+        except asyncio.CancelledError:
+            raise
+        except (zmq.ZMQError, ValueError):
+            return
+
+    def _bind_fd(self, ss: _ServerSession, frame: zmq.Frame) -> None:
+        try:
+            fd = int(frame.get(zmq.SRCFD))
+        except (zmq.ZMQError, AttributeError, TypeError, ValueError):
+            return
+        ss.fds.append(fd)
+        self._fd_sessions[fd] = ss
+
     def _on_new_connection(self, rid: bytes, frame: zmq.Frame) -> None:
         try:
             msg = self._codec.decode(frame.buffer)
@@ -1276,6 +1359,7 @@ class Engine:
                 return
             ss.data_rid = rid
             self._data_rids[rid] = ss
+            self._bind_fd(ss, frame)
             return
         if not isinstance(msg, Hello):
             self._count_error("no_session")
@@ -1297,6 +1381,7 @@ class Engine:
         # With CURVE the peer is who its authenticated key says, not what it announces.
         ss.peer = PeerRef(f"curve:{user}" if user else msg.engine_id, msg.listen)
         self._servers[rid] = ss
+        self._bind_fd(ss, frame)
         self._tokens[ss.token] = ss
         w = Welcome(PROTOCOL_VERSION, self.engine_id, self._address, self._capabilities(), self.config.layout, ss.token)
         self._reply(ss, ss.sess.send(w))
@@ -1498,6 +1583,9 @@ class Engine:
         self._tokens.pop(ss.token, None)
         if ss.data_rid is not None:
             self._data_rids.pop(ss.data_rid, None)
+        for fd in ss.fds:
+            if self._fd_sessions.get(fd) is ss:
+                del self._fd_sessions[fd]
         ss.sink.abort(exc)
         if ss.nccl is not None:
             ss.nccl.abort(exc)

@@ -108,7 +108,8 @@ async def settle_and_compare(before: dict[str, int], what: str, timeout: float =
         if all(now[k] <= before[k] for k in before):
             return now
         if time.monotonic() > dl:
-            raise AssertionError(f"{what}: resources not back to their starting level: {before} -> {now}")
+            names = sorted(t.name for t in threading.enumerate())
+            raise AssertionError(f"{what}: resources not back to their starting level: {before} -> {now}; threads {names}")
         await asyncio.sleep(0.05)
 
 

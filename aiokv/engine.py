@@ -337,7 +337,7 @@ class _ClientSession:
             await asyncio.wait_for(self.ctrl.send(self.sess.send(hello)), dl.left())
             w = await _await_shielded(self.welcome, dl.left())
             await self.data.send(e._codec.encode(DataHello(w.token)))
-        except TimeoutError:
+        except (TimeoutError, asyncio.TimeoutError):  # the latter differs on Python 3.10
             raise ConnectTimeoutError(f"no answer from {self.address} within {timeout:.3g}s") from None
         except asyncio.CancelledError:
             # Closing the sockets of a session that failed meanwhile cancels their

@@ -29,7 +29,12 @@ import sys
 import time
 import traceback
 import warnings
-from typing import Any
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    import aiokv
 
 with warnings.catch_warnings():
     warnings.simplefilter("ignore", UserWarning)
@@ -52,6 +57,32 @@ DTYPES = [
     torch.uint8,
     torch.bool,
 ]
+
+
+@asynccontextmanager
+async def engines(
+    *configs: aiokv.EngineConfig, close_timeout: float = 10.0
+) -> AsyncIterator[list[aiokv.Engine]]:
+    """Start engines for a test; close every one (bounded) afterwards."""
+    import aiokv
+
+    es = [aiokv.Engine(c) for c in configs]
+    try:
+        for e in es:
+            await e.start()
+        yield es
+    finally:
+        for e in es:
+            await asyncio.wait_for(e.aclose(), close_timeout)
+
+
+async def wait_until(pred: Any, timeout: float, what: str = "") -> None:
+    """Poll ``pred()`` until true; fail the test after ``timeout`` seconds."""
+    dl = time.monotonic() + timeout
+    while not pred():
+        if time.monotonic() > dl:
+            raise AssertionError(f"timed out waiting for {what or pred}")
+        await asyncio.sleep(0.002)
 
 
 def free_port() -> int:

@@ -5,13 +5,11 @@ from __future__ import annotations
 import asyncio
 import json
 import time
-from collections.abc import AsyncIterator
-from contextlib import asynccontextmanager
 from typing import Any
 
 import pytest
 import torch
-from _procs import DTYPES, free_port, random_tensor, same_bytes
+from _procs import DTYPES, engines, free_port, random_tensor, same_bytes, wait_until
 
 import aiokv
 
@@ -29,24 +27,6 @@ def cfg(**limits: Any) -> aiokv.EngineConfig:
     return aiokv.EngineConfig(limits=aiokv.Limits(**limits)) if limits else aiokv.EngineConfig()
 
 
-@asynccontextmanager
-async def engines(*configs: aiokv.EngineConfig) -> AsyncIterator[list[aiokv.Engine]]:
-    es = [aiokv.Engine(c) for c in configs]
-    try:
-        for e in es:
-            await e.start()
-        yield es
-    finally:
-        for e in es:
-            await asyncio.wait_for(e.aclose(), 5)
-
-
-async def wait_until(pred: Any, timeout: float, what: str = "") -> None:
-    dl = time.monotonic() + timeout
-    while not pred():
-        if time.monotonic() > dl:
-            raise AssertionError(f"timed out waiting for {what or pred}")
-        await asyncio.sleep(0.002)
 
 
 # --------------------------------------------------------------------------- API basics

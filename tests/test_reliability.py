@@ -22,7 +22,6 @@ import threading
 import time
 import warnings
 from collections.abc import AsyncIterator
-from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any
 
@@ -33,6 +32,7 @@ with warnings.catch_warnings():
     import torch
 
 import zmq
+from _procs import engines, wait_until
 
 import aiokv
 
@@ -59,24 +59,6 @@ def cfg(timeouts: aiokv.Timeouts | None = None, **limits: Any) -> aiokv.EngineCo
     )
 
 
-@asynccontextmanager
-async def engines(*configs: aiokv.EngineConfig) -> AsyncIterator[list[aiokv.Engine]]:
-    es = [aiokv.Engine(c) for c in configs]
-    try:
-        for e in es:
-            await e.start()
-        yield es
-    finally:
-        for e in es:
-            await asyncio.wait_for(e.aclose(), 10)
-
-
-async def wait_until(pred: Any, timeout: float, what: str = "") -> None:
-    dl = time.monotonic() + timeout
-    while not pred():
-        if time.monotonic() > dl:
-            raise AssertionError(f"timed out waiting for {what or pred}")
-        await asyncio.sleep(0.002)
 
 
 def same(a: torch.Tensor, b: torch.Tensor) -> bool:

@@ -441,15 +441,7 @@ async def _tcp_child(ns: argparse.Namespace) -> None:
                     if op == "quit":
                         return
                     if op == "aiokv":
-                        ticker.reset()
-                        n = 0
-                        for i in range(msg["n"]):
-                            x = await eng.recv(f"{msg['tag']}#{i}", timeout=120.0)
-                            n += x.numel()
-                            del x
-                        await ack.send(
-                            json.dumps({"ok": True, "bytes": n, "stall": ticker.max_late}).encode()
-                        )
+                        await _collect(eng, msg, ticker, ack)
                     elif op == "raw":
                         ticker.reset()
                         n = 0
@@ -468,6 +460,17 @@ async def _tcp_child(ns: argparse.Namespace) -> None:
         for s in (cmd, ack, pull):
             s.close(linger=1000)
         ctx.term()
+
+
+async def _collect(eng: Any, msg: dict[str, Any], ticker: _Ticker, ack: Any) -> None:
+    """Receiver side of an aiokv phase: collect ``n`` tensors, acknowledge with the stall seen."""
+    ticker.reset()
+    n = 0
+    for i in range(msg["n"]):
+        x = await eng.recv(f"{msg['tag']}#{i}", timeout=120.0)
+        n += x.numel()
+        del x
+    await ack.send(json.dumps({"ok": True, "bytes": n, "stall": ticker.max_late}).encode())
 
 
 def tcp_transport(
@@ -633,15 +636,7 @@ async def _nccl_child(ns: argparse.Namespace) -> None:
                         await asyncio.wait_for(asyncio.to_thread(dist.destroy_process_group), 30)
                         await ack.send(b'{"ok": true}')
                     elif op == "aiokv":
-                        ticker.reset()
-                        n = 0
-                        for i in range(msg["n"]):
-                            x = await eng.recv(f"{msg['tag']}#{i}", timeout=120.0)
-                            n += x.numel()
-                            del x
-                        await ack.send(
-                            json.dumps({"ok": True, "bytes": n, "stall": ticker.max_late}).encode()
-                        )
+                        await _collect(eng, msg, ticker, ack)
                     elif op == "raw":
                         buf = torch.empty(msg["size"], dtype=torch.uint8, device=dev)
                         await ack.send(b'{"ok": true}')

@@ -141,8 +141,8 @@ async def main() -> None:
                             "kernel_ok": float(x.item()) == float(1 << 20),
                         },
                     )
-            elif cmd == "mem":  # device memory as torch and the driver see it
-                torch.cuda.synchronize(dev)
+            elif cmd == "mem":  # device memory as torch and the driver see it (no device sync:
+                # a receive stuck on a dead peer must not block this process)
                 free, _total = torch.cuda.mem_get_info(dev)
                 say("MEM", {"allocated": torch.cuda.memory_allocated(dev), "free": free})
             elif cmd == "burst":  # args: peer, count — PUT count small tensors, report failures

@@ -1,0 +1,16 @@
+#!/usr/bin/env bash
+# The main job from a fresh clone, set-up included: a venv (.venv, shared with .ci/run),
+# the pinned CPU torch first (an unpinned torch would pull a multi-GB CUDA build; on a GPU
+# machine pre-install your CUDA torch in .venv and this keeps it), the project with its demo
+# extra, then `aiokv demo` (extra arguments are passed on, e.g. --prompts 16).
+set -euo pipefail
+cd "$(dirname "${BASH_SOURCE[0]}")/.."
+PY="${PYTHON:-python3.11}"
+command -v "$PY" >/dev/null 2>&1 || PY=python3
+[[ -x .venv/bin/python ]] || "$PY" -m venv .venv
+# shellcheck disable=SC1091
+. .venv/bin/activate
+export PIP_DISABLE_PIP_VERSION_CHECK=1
+python -c "import torch" 2>/dev/null || python -m pip install -q torch==2.13.0
+python -m pip install -q -e '.[demo]'
+exec aiokv demo "$@"

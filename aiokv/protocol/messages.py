@@ -37,7 +37,8 @@ BYE          both       orderly close
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import math
+from dataclasses import dataclass, field
 from typing import ClassVar
 
 PROTOCOL_VERSION = 1
@@ -83,22 +84,20 @@ REFUSE_CODES = (
 
 @dataclass(frozen=True, slots=True)
 class TensorSpec:
-    """Name, dtype and shape of one tensor; ``nbytes`` is derived, never trusted."""
+    """Name, dtype and shape of one tensor; ``nbytes`` is derived (once), never trusted."""
 
     tensor_id: str
     dtype: str
     shape: tuple[int, ...]
+    nbytes: int = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        # computed once: the hot path asks for it several times per transfer
+        object.__setattr__(self, "nbytes", self.numel * ALLOWED_DTYPES.get(self.dtype, 0))
 
     @property
     def numel(self) -> int:
-        n = 1
-        for d in self.shape:
-            n *= d
-        return n
-
-    @property
-    def nbytes(self) -> int:
-        return self.numel * ALLOWED_DTYPES[self.dtype]
+        return math.prod(self.shape)
 
 
 class Message:

@@ -252,7 +252,6 @@ class _OutXfer:
     granted: asyncio.Future[int]
     done: asyncio.Future[None]
     seq: int = -1
-    abandoned: bool = False
     transport: str = "tcp"
     ready: Any = None  # CUDA event: the producer's stream reached the send
     sent: Any = None  # NCCL: future of the send's completion on this side
@@ -424,7 +423,6 @@ class _ClientSession:
 
     def abandon(self, x: _OutXfer) -> None:
         """The caller gave up. Withdraw if not granted; a granted transfer still completes."""
-        x.abandoned = True
         if self.dead is None and self.sess.xfer_state(x.xfer) is XferState.RESERVED:
             self._send_ctrl(self.sess.send(Withdraw(x.xfer)))
 
@@ -552,30 +550,22 @@ class _ClientSession:
                 self.nccl_ready.set_result(msg)
 
     async def _poster(self) -> None:
+        """Posts granted NCCL transfers (TCP ones leave straight from the GRANT).
+
+        Everything granted meanwhile goes out as one NCCL group, in grant order.
+        """
         try:
             while True:
                 batch = [await self.post_queue.get()]
                 while not self.post_queue.empty() and len(batch) < 64:
                     batch.append(self.post_queue.get_nowait())
-                i = 0
-                while i < len(batch):
-                    x = batch[i]
-                    if x.transport == "nccl":
-                        # consecutive NCCL transfers go out as one group, still in grant order
-                        j = i
-                        while j < len(batch) and batch[j].transport == "nccl":
-                            self.sess.send(DataHeader(batch[j].xfer, batch[j].seq, len(batch[j].specs)))
-                            j += 1
-                        assert self.nccl is not None
-                        sent = await self.nccl.post_many([(b.tensors, b.ready) for b in batch[i:j]])
-                        sent.add_done_callback(_retrieve)
-                        for b in batch[i:j]:
-                            b.sent = sent
-                        i = j
-                    else:
-                        header = DataHeader(x.xfer, x.seq, len(x.specs))
-                        await self.source.post(header, self.sess.send(header), x.tensors)
-                        i += 1
+                for b in batch:
+                    self.sess.send(DataHeader(b.xfer, b.seq, len(b.specs)))
+                assert self.nccl is not None
+                sent = await self.nccl.post_many([(b.tensors, b.ready) for b in batch])
+                sent.add_done_callback(_retrieve)
+                for b in batch:
+                    b.sent = sent
         except asyncio.CancelledError:
             raise
         except (zmq.ZMQError, AiokvError) as exc:

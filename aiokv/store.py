@@ -24,7 +24,6 @@ from typing import Any
 from ._exceptions import (
     DuplicateTensorError,
     ExpiredError,
-    PeerLostError,
     TransferAbortedError,
 )
 
@@ -292,6 +291,3 @@ class ReceiveStore:
         if any(k in self._tombstones for k in keys):
             raise ExpiredError(f"tensor {tid!r} expired before it was collected (TTL {self.ttl}s)")
 
-
-def peer_lost_error(peer: PeerRef, why: str) -> PeerLostError:
-    return PeerLostError(f"peer {peer.address} lost: {why}")

@@ -57,6 +57,7 @@ from ._exceptions import (
     TransferError,
     TransferTimeoutError,
 )
+from .cuda import _resolve
 from .protocol.codec import Codec, WireError, WireLimits
 from .protocol.messages import (
     PROTOCOL_VERSION,
@@ -229,11 +230,6 @@ def _in_thread(fn: Callable[[], object], name: str) -> asyncio.Future[None]:
 
     threading.Thread(target=run, name=name, daemon=True).start()
     return fut
-
-
-def _resolve(fut: asyncio.Future[None]) -> None:
-    if not fut.done():
-        fut.set_result(None)
 
 
 def _retrieve(fut: asyncio.Future[Any]) -> None:

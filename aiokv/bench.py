@@ -166,12 +166,30 @@ def _defaults(args: argparse.Namespace) -> tuple[list[int], list[int]]:
     return sizes, iters
 
 
-def _run_loop(coro: Any, loop: str) -> Any:
-    if loop == "uvloop":
-        import uvloop
+def _run_loop(coro: Any, loop: str, role: str = "sender") -> Any:
+    prof_dir = os.environ.get("AIOKV_BENCH_PROFILE")  # diagnostics: cProfile each process
+    prof = None
+    if prof_dir:
+        import cProfile
 
-        return uvloop.run(coro)
-    return asyncio.run(coro)
+        prof = cProfile.Profile()
+        prof.enable()
+    try:
+        if loop == "uvloop":
+            import uvloop
+
+            return uvloop.run(coro)
+        return asyncio.run(coro)
+    finally:
+        if prof is not None and prof_dir:
+            import io
+            import pstats
+
+            prof.disable()
+            out = io.StringIO()
+            pstats.Stats(prof, stream=out).sort_stats("tottime").print_stats(45)
+            with open(os.path.join(prof_dir, f"profile-{role}.txt"), "w") as fh:
+                fh.write(out.getvalue())
 
 
 # --------------------------------------------------------------------------- control channel
@@ -743,7 +761,7 @@ def _receiver_main(argv: Sequence[str]) -> int:
     p.add_argument("--parent-pid", type=int, default=None)
     ns = p.parse_args(argv)
     try:
-        _run_loop(_child(ns), ns.loop)
+        _run_loop(_child(ns), ns.loop, role="receiver")
     except KeyboardInterrupt:
         return 130
     return 0

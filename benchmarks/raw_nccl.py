@@ -28,7 +28,7 @@ _REPO = Path(__file__).resolve().parents[1]
 MiB = 1 << 20
 
 
-def _worker(rank: int, uid_hex: str, sizes: list[int], repeats: int, min_bytes: int) -> None:
+def _worker(rank: int, uid_hex: str, sizes: list[int], repeats: int, min_bytes: int, variant: str) -> None:
     import torch
 
     from aiokv.nccl.library import NcclLibrary, load_library
@@ -55,13 +55,31 @@ def _worker(rank: int, uid_hex: str, sizes: list[int], repeats: int, min_bytes: 
         lib.check(lib.ncclGroupEnd(), "ncclGroupEnd")
         stream.synchronize()
 
+    fn = lib.ncclSend if rank == 0 else lib.ncclRecv
+    name = "ncclSend" if rank == 0 else "ncclRecv"
+    # buffers a receiver rotates through, as aiokv's receive side does (one per message in flight)
+    ring = [buf] + [torch.empty_like(buf) for _ in range(3)] if "rotate" in variant else [buf]
+    side = torch.cuda.Stream(dev)
+
     def batch(size: int, n: int) -> None:
-        ptr = buf.data_ptr()
-        fn = lib.ncclSend if rank == 0 else lib.ncclRecv
-        for _ in range(n):
+        inflight: list[torch.cuda.Event] = []
+        for i in range(n):
+            ptr = ring[i % len(ring)].data_ptr()
+            if "event" in variant:  # order after another stream, as aiokv's posting does
+                stream.wait_event(side.record_event())
+            if "group" in variant:
+                lib.check(lib.ncclGroupStart(), "ncclGroupStart")
             rc = fn(ptr, size, u8, peer, h, s)
             if rc:
-                lib.check(rc, "ncclSend" if rank == 0 else "ncclRecv", h)
+                lib.check(rc, name, h)
+            if "group" in variant:
+                lib.check(lib.ncclGroupEnd(), "ncclGroupEnd")
+            if "depth" in variant:  # at most 3 messages posted ahead, as grants allow
+                inflight.append(stream.record_event())
+                while len(inflight) > 3:
+                    while not inflight[0].query():
+                        pass
+                    inflight.pop(0)
 
     for size in sizes:
         iters = max(20, min(2000, min_bytes // size))
@@ -84,6 +102,7 @@ def _worker(rank: int, uid_hex: str, sizes: list[int], repeats: int, min_bytes: 
                 json.dumps(
                     {
                         "size_bytes": size,
+                        "variant": variant,
                         "gbps": round(gbps, 2),
                         "us_per_msg": round(size / (gbps * 1e9) * 1e6, 2),
                         "iters": iters,
@@ -104,11 +123,17 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--sizes-mib", default="1,4,16,32,128,512")
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--min-bytes-per-repeat", type=int, default=4 << 30)
+    ap.add_argument(
+        "--variant",
+        default="plain",
+        help="posting pattern: plain, or a '+'-joined mix of group (each op in its own NCCL group), "
+        "rotate (receiver cycles 4 buffers), event (stream waits on an event per op), depth (<=3 ahead)",
+    )
     ap.add_argument("--worker", nargs=2, metavar=("RANK", "UID"), help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     sizes = [int(float(x) * MiB) for x in args.sizes_mib.split(",") if x]
     if args.worker:
-        _worker(int(args.worker[0]), args.worker[1], sizes, args.repeats, args.min_bytes_per_repeat)
+        _worker(int(args.worker[0]), args.worker[1], sizes, args.repeats, args.min_bytes_per_repeat, args.variant)
         return 0
 
     import torch
@@ -128,6 +153,8 @@ def main(argv: list[str] | None = None) -> int:
         str(args.repeats),
         "--min-bytes-per-repeat",
         str(args.min_bytes_per_repeat),
+        "--variant",
+        args.variant,
     ]
     procs = [
         subprocess.Popen([sys.executable, __file__, *common, "--worker", str(r), uid], env=env)

@@ -120,6 +120,8 @@ async def main() -> None:
             elif cmd == "wait_doomed":
                 t0 = time.time()
                 try:
+                    # the victim's warm-up tensor first: only the doomed transfer is left in flight
+                    await eng.recv("warm", timeout=60)
                     await eng.recv("doomed", timeout=60)
                     say("DOOMED", {"error": None})
                 except aiokv.AiokvError as exc:
@@ -144,7 +146,8 @@ async def main() -> None:
             elif cmd == "mem":  # device memory as torch and the driver see it (no device sync:
                 # a receive stuck on a dead peer must not block this process)
                 free, _total = torch.cuda.mem_get_info(dev)
-                say("MEM", {"allocated": torch.cuda.memory_allocated(dev), "free": free})
+                pend = eng._poller.statistics().pending if eng._poller is not None else 0
+                say("MEM", {"allocated": torch.cuda.memory_allocated(dev), "free": free, "poller_pending": pend})
             elif cmd == "burst":  # args: peer, count — PUT count small tensors, report failures
                 peer, count = args[0], int(args[1])
                 ok = 0

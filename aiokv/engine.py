@@ -33,7 +33,7 @@ import time
 from collections import deque
 from collections.abc import Awaitable, Callable, Generator, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, cast
+from typing import TYPE_CHECKING, Any
 
 import torch
 import zmq
@@ -57,6 +57,7 @@ from ._exceptions import (
     TransferError,
     TransferTimeoutError,
 )
+from ._zsock import LoopSocket, monitor_socket
 from .cuda import _resolve
 from .protocol.codec import Codec, WireError, WireLimits
 from .protocol.messages import (
@@ -132,7 +133,9 @@ class EngineStatistics:
 # --------------------------------------------------------------------------- helpers
 
 
-def _prepare(items: Iterable[tuple[str, torch.Tensor]], max_id: int) -> tuple[list[TensorSpec], list[torch.Tensor]]:
+def _prepare(
+    items: Iterable[tuple[str, torch.Tensor]], max_id: int
+) -> tuple[list[TensorSpec], list[torch.Tensor]]:
     specs: list[TensorSpec] = []
     tensors: list[torch.Tensor] = []
     seen: set[str] = set()
@@ -272,25 +275,27 @@ class _ClientSession:
         self.engine = engine
         self.address = address
         self.sess = Session(Role.CLIENT, engine._codec)
-        ctx = engine._ctx
-        self.ctrl = ctx.socket(zmq.DEALER)
-        self.data = ctx.socket(zmq.DEALER)
+        ctx = engine._sctx
+        ctrl = ctx.socket(zmq.DEALER)
+        data = ctx.socket(zmq.DEALER)
         linger = int(engine.config.timeouts.linger * 1000)
-        for s in (self.ctrl, self.data):
+        for s in (ctrl, data):
             s.setsockopt(zmq.LINGER, linger)
             s.setsockopt(zmq.IMMEDIATE, 1)
             s.setsockopt(zmq.SNDHWM, 0)
             s.setsockopt(zmq.RCVHWM, 0)
             s.setsockopt(zmq.MAXMSGSIZE, engine.config.limits.max_frame_bytes)
-        engine._apply_curve_client(self.ctrl, address)
-        engine._apply_curve_client(self.data, address)
+        engine._apply_curve_client(ctrl, address)
+        engine._apply_curve_client(data, address)
         host, port = parse_address(address)
         ep = f"tcp://[{host}]:{port}" if ":" in host else f"tcp://{host}:{port}"
         # A zmq DEALER reconnects by itself; a peer that restarted on the same port
         # must not see this session's messages. Watch for the connection dropping.
-        self.monitor = self.ctrl.get_monitor_socket(zmq.EVENT_DISCONNECTED)
-        self.ctrl.connect(ep)
-        self.data.connect(ep)
+        self.monitor = monitor_socket(ctrl, engine._ctx, zmq.EVENT_DISCONNECTED)
+        ctrl.connect(ep)
+        data.connect(ep)
+        self.ctrl = LoopSocket(ctrl, self._on_ctrl, self._on_socket_error)
+        self.data = LoopSocket(data, None, self._on_socket_error)
         self.source = TcpSource(self.data)
         self.nccl: NcclSource | None = None
         self.nccl_setup: asyncio.Future[None] | None = None
@@ -321,35 +326,48 @@ class _ClientSession:
 
     async def open(self, timeout: float) -> None:
         e = self.engine
-        self.tasks.append(asyncio.create_task(self._reader(), name=f"aiokv-client-reader-{self.address}"))
-        self.tasks.append(asyncio.create_task(self._poster(), name=f"aiokv-client-poster-{self.address}"))
-        self.tasks.append(asyncio.create_task(self._watch(), name=f"aiokv-client-monitor-{self.address}"))
+        self.tasks.append(
+            asyncio.create_task(self._poster(), name=f"aiokv-client-poster-{self.address}")
+        )
+        self.tasks.append(
+            asyncio.create_task(self._watch(), name=f"aiokv-client-monitor-{self.address}")
+        )
         hello = Hello(PROTOCOL_VERSION, e.engine_id, e.address, e._capabilities(), e.config.layout)
         dl = _Deadline(timeout)
         try:
             # With IMMEDIATE set, the HELLO send itself waits until a peer is connected:
             # bound it by the connect deadline too (nothing listening must not hang).
-            await asyncio.wait_for(self.ctrl.send(self.sess.send(hello)), dl.left())
+            await asyncio.wait_for(self.ctrl.send_wait([self.sess.send(hello)]), dl.left())
             w = await _await_shielded(self.welcome, dl.left())
-            await self.data.send(e._codec.encode(DataHello(w.token)))
+            await self.data.send_wait([e._codec.encode(DataHello(w.token))])
         except (TimeoutError, asyncio.TimeoutError):  # the latter differs on Python 3.10
-            raise ConnectTimeoutError(f"no answer from {self.address} within {timeout:.3g}s") from None
+            raise ConnectTimeoutError(
+                f"no answer from {self.address} within {timeout:.3g}s"
+            ) from None
         except asyncio.CancelledError:
             # Closing the sockets of a session that failed meanwhile cancels their
             # pending sends: report why the session failed, not a cancellation.
             if self.dead is not None:
-                raise (self.dead if isinstance(self.dead, AiokvError) else ConnectError(str(self.dead))) from None
+                raise (
+                    self.dead if isinstance(self.dead, AiokvError) else ConnectError(str(self.dead))
+                ) from None
             raise
         self.last_recv = time.monotonic()
 
     # ---- transfers
     def start(
-        self, specs: list[TensorSpec], tensors: list[torch.Tensor], transport: str = "tcp", ready: Any = None
+        self,
+        specs: list[TensorSpec],
+        tensors: list[torch.Tensor],
+        transport: str = "tcp",
+        ready: Any = None,
     ) -> _OutXfer:
         if self.dead is not None:
             raise PeerLostError(f"session with {self.address} is gone: {self.dead}")
         loop = asyncio.get_running_loop()
-        x = _OutXfer(self.sess.new_xfer_id(), specs, tensors, loop.create_future(), loop.create_future())
+        x = _OutXfer(
+            self.sess.new_xfer_id(), specs, tensors, loop.create_future(), loop.create_future()
+        )
         x.transport = transport
         x.ready = ready
         x.released = loop.create_future()
@@ -393,7 +411,13 @@ class _ClientSession:
             device = torch.device(e.config.device)
             blocking = e.config.nccl_blocking_ops
             comm = await Communicator.create(
-                uid, 0, 2, device, timeout=timeout, max_ctas=e.config.nccl_max_channels, blocking_ops=blocking
+                uid,
+                0,
+                2,
+                device,
+                timeout=timeout,
+                max_ctas=e.config.nccl_max_channels,
+                blocking_ops=blocking,
             )
             if blocking:
                 await comm.warmup(timeout)
@@ -413,7 +437,11 @@ class _ClientSession:
         except BaseException as exc:
             self.nccl_setup = None
             if not fut.done():
-                fut.set_exception(exc if isinstance(exc, AiokvError) else ConnectError(f"NCCL set-up failed: {exc}"))
+                fut.set_exception(
+                    exc
+                    if isinstance(exc, AiokvError)
+                    else ConnectError(f"NCCL set-up failed: {exc}")
+                )
             if isinstance(exc, asyncio.CancelledError):
                 raise
 
@@ -435,43 +463,31 @@ class _ClientSession:
         if not frames or self.dead is not None:
             return
         try:
-            fut = cast("asyncio.Future[Any]", self.ctrl.send_multipart(frames))
+            self.ctrl.send(frames)
         except zmq.ZMQError as exc:
             self.fail(PeerLostError(f"control channel to {self.address} failed: {exc}"))
-            return
-        fut.add_done_callback(self._sent)
 
-    def _sent(self, fut: asyncio.Future[Any]) -> None:
-        if fut.cancelled():
-            return
-        exc = fut.exception()
-        if exc is not None:
-            self.fail(PeerLostError(f"control channel to {self.address} failed: {exc}"))
+    def _on_socket_error(self, exc: zmq.ZMQError) -> None:
+        self.fail(PeerLostError(f"connection to {self.address} failed: {exc}"))
 
-    # ---- tasks
-    async def _reader(self) -> None:
+    def _on_ctrl(self, frames: list[zmq.Frame]) -> None:
+        """Control messages from the peer (called by the socket's reader, in order)."""
+        if self.dead is not None:
+            return
         e = self.engine
-        try:
-            while True:
-                frames = await self.ctrl.recv_multipart()
-                self.last_recv = time.monotonic()
-                for frame in frames:
-                    try:
-                        msg = self.sess.receive(frame)
-                    except RemoteProtocolError as exc:
-                        e._count_error(getattr(exc, "code", "protocol"))
-                        with contextlib.suppress(Exception):
-                            err = e._codec.encode(ErrorMsg("protocol", str(exc)[:200]))
-                            cast("asyncio.Future[Any]", self.ctrl.send(err)).add_done_callback(_retrieve)
-                        self.fail(exc)
-                        return
-                    self._dispatch(msg)
-                    if self.dead is not None:
-                        return
-        except asyncio.CancelledError:
-            raise
-        except zmq.ZMQError as exc:
-            self.fail(PeerLostError(f"control channel to {self.address} failed: {exc}"))
+        self.last_recv = time.monotonic()
+        for frame in frames:
+            try:
+                msg = self.sess.receive(frame.buffer)
+            except RemoteProtocolError as exc:
+                e._count_error(getattr(exc, "code", "protocol"))
+                with contextlib.suppress(Exception):
+                    self.ctrl.send([e._codec.encode(ErrorMsg("protocol", str(exc)[:200]))])
+                self.fail(exc)
+                return
+            self._dispatch(msg)
+            if self.dead is not None:
+                return
 
     def _dispatch(self, msg: Message) -> None:
         e = self.engine
@@ -487,11 +503,10 @@ class _ClientSession:
                 # zmq queues sends in call order: post at once, in grant order
                 header = DataHeader(x.xfer, x.seq, len(x.specs))
                 try:
-                    sent = self.source.post_nowait(self.sess.send(header), x.tensors)
+                    self.source.post_nowait(self.sess.send(header), x.tensors)
                 except (zmq.ZMQError, AiokvError) as perr:
                     self.fail(PeerLostError(f"data channel to {self.address} failed: {perr}"))
                     return
-                sent.add_done_callback(self._data_sent)
             else:
                 self.post_queue.put_nowait(x)
         elif isinstance(msg, Refuse):
@@ -499,7 +514,9 @@ class _ClientSession:
             x.release_when_idle()
             e._stats.refused_received += 1
             cls = _REFUSALS.get(msg.code, RefusedError)
-            exc = cls(f"{self.address} refused the transfer: {msg.code}: {msg.detail}", code=msg.code)
+            exc = cls(
+                f"{self.address} refused the transfer: {msg.code}: {msg.detail}", code=msg.code
+            )
             for f in (x.granted, x.done):
                 if not f.done():
                     f.set_exception(exc)
@@ -523,7 +540,9 @@ class _ClientSession:
         elif isinstance(msg, Failed):
             x = self.xfers.pop(msg.xfer)
             x.release_when_idle()
-            exc3 = TransferAbortedError(f"{self.address} failed the transfer: {msg.code}: {msg.detail}")
+            exc3 = TransferAbortedError(
+                f"{self.address} failed the transfer: {msg.code}: {msg.detail}"
+            )
             for f in (x.granted, x.done):
                 if not f.done():
                     f.set_exception(exc3)
@@ -536,9 +555,15 @@ class _ClientSession:
         elif isinstance(msg, ErrorMsg):
             e._count_error("peer_error")
             if msg.code == "layout_mismatch":
-                self.fail(LayoutMismatchError(f"{self.address} refused the session: {msg.detail}", code=msg.code))
+                self.fail(
+                    LayoutMismatchError(
+                        f"{self.address} refused the session: {msg.detail}", code=msg.code
+                    )
+                )
             else:
-                self.fail(RemoteProtocolError(f"{self.address} reported a protocol error: {msg.detail}"))
+                self.fail(
+                    RemoteProtocolError(f"{self.address} reported a protocol error: {msg.detail}")
+                )
         elif isinstance(msg, Bye):
             self.fail(PeerLostError(f"{self.address} closed the session"))
         elif isinstance(msg, NcclReady):
@@ -567,10 +592,6 @@ class _ClientSession:
         except (zmq.ZMQError, AiokvError) as exc:
             self.fail(PeerLostError(f"data channel to {self.address} failed: {exc}"))
 
-    def _data_sent(self, fut: asyncio.Future[Any]) -> None:
-        if not fut.cancelled() and fut.exception() is not None:
-            self.fail(PeerLostError(f"data channel to {self.address} failed: {fut.exception()}"))
-
     def ping(self, now: float) -> None:
         self.last_ping = now
         self._send_ctrl(self.sess.send(Ping(next(self.nonce))))
@@ -582,7 +603,9 @@ class _ClientSession:
         self.dead = exc
         e = self.engine
         if not self.welcome.done():
-            self.welcome.set_exception(exc if isinstance(exc, AiokvError) else ConnectError(str(exc)))
+            self.welcome.set_exception(
+                exc if isinstance(exc, AiokvError) else ConnectError(str(exc))
+            )
         for x in self.xfers.values():
             for f in (x.granted, x.done):
                 if not f.done():
@@ -637,7 +660,7 @@ class _ClientSession:
             t.cancel()
         await asyncio.gather(*self.tasks, return_exceptions=True)
         with contextlib.suppress(zmq.ZMQError):
-            self.ctrl.disable_monitor()
+            self.ctrl.sock.disable_monitor()
         self.monitor.close(linger=0)
         self.ctrl.close()
         self.data.close()
@@ -766,9 +789,12 @@ class Engine:
                 max_id_length=lim.max_id_length,
             )
         )
-        self._store = ReceiveStore(capacity=lim.store_bytes, ttl=lim.ttl, resolve_peer=self._resolve_peer)
+        self._store = ReceiveStore(
+            capacity=lim.store_bytes, ttl=lim.ttl, resolve_peer=self._resolve_peer
+        )
         self._ctx: zmq.asyncio.Context = None  # type: ignore[assignment]
-        self._router: zmq.asyncio.Socket = None  # type: ignore[assignment]
+        self._sctx: zmq.Context[Any] = None  # type: ignore[assignment]
+        self._router: LoopSocket = None  # type: ignore[assignment]
         self._address = ""
         self._clients: dict[str, _ClientSession] = {}
         self._connecting: dict[str, asyncio.Future[_ClientSession]] = {}
@@ -809,12 +835,17 @@ class Engine:
                 self._started = False
                 raise ConfigError(f"transport='nccl' but NCCL cannot be used: {self._nccl_why}")
         self._ctx = zmq.asyncio.Context()
-        r = self._ctx.socket(zmq.ROUTER)
+        # the hot sockets are plain ones on the same zmq context, run by LoopSocket
+        self._sctx = zmq.Context.shadow(self._ctx.underlying)
+        r = self._sctx.socket(zmq.ROUTER)
         r.setsockopt(zmq.LINGER, int(self.config.timeouts.linger * 1000))
         r.setsockopt(zmq.ROUTER_MANDATORY, 1)
         r.setsockopt(zmq.RCVHWM, 0)
         r.setsockopt(zmq.SNDHWM, 100_000)
-        r.setsockopt(zmq.MAXMSGSIZE, max(self.config.limits.max_frame_bytes, self.config.limits.max_tensor_bytes))
+        r.setsockopt(
+            zmq.MAXMSGSIZE,
+            max(self.config.limits.max_frame_bytes, self.config.limits.max_tensor_bytes),
+        )
         self._apply_curve_server(r)
         host, port = parse_address(self.config.listen)
         try:
@@ -826,12 +857,11 @@ class Engine:
         ep = bytes(r.getsockopt(zmq.LAST_ENDPOINT)).decode()
         self._address = f"{host}:{ep.rsplit(':', 1)[1]}"
         self._stats.address = self._address
-        self._router = r
         # Connection events, so a peer whose process died is dropped at once rather
         # than after its heartbeat timeout.
-        self._router_mon = r.get_monitor_socket(zmq.EVENT_ACCEPTED | zmq.EVENT_DISCONNECTED)
+        self._router_mon = monitor_socket(r, self._ctx, zmq.EVENT_ACCEPTED | zmq.EVENT_DISCONNECTED)
+        self._router = LoopSocket(r, self._on_router_frames, self._on_router_error)
         self._main_tasks = [
-            asyncio.create_task(self._router_loop(), name="aiokv-router"),
             asyncio.create_task(self._housekeeping(), name="aiokv-housekeeping"),
             asyncio.create_task(self._router_watch(), name="aiokv-router-monitor"),
         ]
@@ -867,7 +897,7 @@ class Engine:
         if pending:
             await asyncio.wait(pending, timeout=self.config.timeouts.linger + 1.0)
         with contextlib.suppress(zmq.ZMQError):
-            self._router.disable_monitor()
+            self._router.sock.disable_monitor()
         self._router_mon.close(linger=0)
         self._router.close(linger=min(200, int(self.config.timeouts.linger * 1000)))
         if self._auth is not None:
@@ -876,7 +906,9 @@ class Engine:
         # term() waits for lingering sockets; never on the loop.
         # On a thread of its own that ends with it (the default executor would keep its
         # threads for the life of the process).
-        await asyncio.wait_for(_in_thread(ctx.term, "aiokv-zmq-term"), timeout=self.config.timeouts.linger + 1.0)
+        await asyncio.wait_for(
+            _in_thread(ctx.term, "aiokv-zmq-term"), timeout=self.config.timeouts.linger + 1.0
+        )
 
     def _spawn(self, coro: Awaitable[Any]) -> asyncio.Task[Any]:
         t: asyncio.Task[Any] = asyncio.ensure_future(coro)
@@ -887,7 +919,9 @@ class Engine:
 
     def _check_open(self) -> None:
         if not self._started:
-            raise EngineClosedError("engine not started: use 'async with Engine(...)' or await start()")
+            raise EngineClosedError(
+                "engine not started: use 'async with Engine(...)' or await start()"
+            )
         if self._closed:
             raise EngineClosedError("engine closed")
 
@@ -936,7 +970,9 @@ class Engine:
         self._check_open()
         await self._client(peer, _Deadline(timeout or self.config.timeouts.connect))
 
-    async def send(self, tensor_id: str, tensor: torch.Tensor, *, to: str, timeout: float | None = None) -> None:
+    async def send(
+        self, tensor_id: str, tensor: torch.Tensor, *, to: str, timeout: float | None = None
+    ) -> None:
         """PUT: return once the peer's engine holds ``tensor`` under ``tensor_id``."""
         await self._transfer(to, self._stage([(tensor_id, tensor)]), timeout)
 
@@ -955,7 +991,9 @@ class Engine:
         """PUT many tensors under one negotiation; return once the peer holds all."""
         await self._transfer(to, self._stage(list(tensors.items())), timeout)
 
-    async def recv(self, tensor_id: str, *, frm: str | None = None, timeout: float | None = None) -> torch.Tensor:
+    async def recv(
+        self, tensor_id: str, *, frm: str | None = None, timeout: float | None = None
+    ) -> torch.Tensor:
         """Collect a tensor from the receive store, waiting for it up to ``timeout``."""
         self._check_open()
         fut = self._store.wait_future(tensor_id, frm)
@@ -964,7 +1002,9 @@ class Engine:
             if not fut.done():
                 await asyncio.wait_for(asyncio.shield(fut), t)
         except asyncio.TimeoutError:
-            raise TransferTimeoutError(f"tensor {tensor_id!r} did not arrive within {t:.3g}s") from None
+            raise TransferTimeoutError(
+                f"tensor {tensor_id!r} did not arrive within {t:.3g}s"
+            ) from None
         except asyncio.CancelledError:
             # Never lose a tensor to a cancelled collector: if it was handed over, put it back.
             if fut.done() and not fut.cancelled() and fut.exception() is None:
@@ -993,7 +1033,10 @@ class Engine:
         """GET mode, producer side: make ``tensor`` available to peers' :meth:`get`."""
         self._check_open()
         _prepare([(tensor_id, tensor)], self.config.limits.max_id_length)
-        if tensor_id not in self._published and len(self._published) >= self.config.limits.max_published:
+        if (
+            tensor_id not in self._published
+            and len(self._published) >= self.config.limits.max_published
+        ):
             raise ConfigError(f"more than {self.config.limits.max_published} published tensors")
         self._published[tensor_id] = tensor
 
@@ -1070,7 +1113,9 @@ class Engine:
             lru = min(idle, key=lambda c: c.last_used)
             await lru.bye(ConnectError(f"session with {lru.address} closed to make room"))
 
-    async def _open_client(self, address: str, fut: asyncio.Future[_ClientSession], timeout: float) -> None:
+    async def _open_client(
+        self, address: str, fut: asyncio.Future[_ClientSession], timeout: float
+    ) -> None:
         cs: _ClientSession | None = None
         try:
             parse_address(address)
@@ -1088,7 +1133,9 @@ class Engine:
                 if isinstance(exc, asyncio.CancelledError):
                     fut.set_exception(EngineClosedError("engine closed while connecting"))
                 else:
-                    fut.set_exception(exc if isinstance(exc, AiokvError) else ConnectError(f"{address}: {exc}"))
+                    fut.set_exception(
+                        exc if isinstance(exc, AiokvError) else ConnectError(f"{address}: {exc}")
+                    )
             if isinstance(exc, asyncio.CancelledError):
                 raise
         finally:
@@ -1128,7 +1175,11 @@ class Engine:
         return hosts
 
     async def _transfer(
-        self, to: str, st: _Staged, timeout: float | None, released: asyncio.Future[None] | None = None
+        self,
+        to: str,
+        st: _Staged,
+        timeout: float | None,
+        released: asyncio.Future[None] | None = None,
     ) -> None:
         linked: list[bool] = []
         try:
@@ -1176,7 +1227,9 @@ class Engine:
             try:
                 await _await_shielded(x.done, dl.left())
             except TimeoutError:
-                raise TransferTimeoutError(f"transfer to {to} did not complete within the deadline") from None
+                raise TransferTimeoutError(
+                    f"transfer to {to} did not complete within the deadline"
+                ) from None
         except BaseException:
             cs.abandon(x)
             self._stats.transfers_failed += 1
@@ -1207,42 +1260,24 @@ class Engine:
         if not frames or self._router.closed:
             return
         try:
-            fut = cast("asyncio.Future[Any]", self._router.send_multipart([ss.rid, *frames]))
+            self._router.send([ss.rid, *frames])
         except zmq.ZMQError:
             self._drop_server(ss, PeerLostError(f"peer {ss.name} unreachable"), lost=True)
-            return
-
-        def sent(f: asyncio.Future[Any]) -> None:
-            if not f.cancelled() and f.exception() is not None:
-                self._drop_server(ss, PeerLostError(f"peer {ss.name} unreachable"), lost=True)
-
-        fut.add_done_callback(sent)
 
     def _reply_raw(self, rid: bytes, msg: Message) -> None:
-        try:
-            f = self._router.send_multipart([rid, self._codec.encode(msg)])
-            cast("asyncio.Future[Any]", f).add_done_callback(_retrieve)
-        except zmq.ZMQError:
-            pass
+        with contextlib.suppress(zmq.ZMQError):
+            self._router.send([rid, self._codec.encode(msg)])
 
-    async def _router_loop(self) -> None:
-        r = self._router
-        while True:
-            try:
-                parts = await r.recv_multipart(copy=False)
-            except asyncio.CancelledError:
-                raise
-            except zmq.ZMQError as exc:
-                if self._closed:
-                    return
-                log.warning("aiokv: router receive failed: %s", exc)
-                await asyncio.sleep(0.01)
-                continue
-            try:
-                self._on_router_message(parts)
-            except Exception as exc:  # the loop must survive anything a peer sends
-                self._count_error("internal")
-                log.exception("aiokv: error handling a message: %s", exc)
+    def _on_router_frames(self, parts: list[zmq.Frame]) -> None:
+        try:
+            self._on_router_message(parts)
+        except Exception as exc:  # the loop must survive anything a peer sends
+            self._count_error("internal")
+            log.exception("aiokv: error handling a message: %s", exc)
+
+    def _on_router_error(self, exc: zmq.ZMQError) -> None:
+        if not self._closed:
+            log.warning("aiokv: router socket error: %s", exc)
 
     def _on_router_message(self, parts: list[zmq.Frame]) -> None:
         rid = parts[0].bytes
@@ -1311,7 +1346,9 @@ class Engine:
                     )
                     ss = self._fd_sessions.get(fd)
                     if ss is not None and not reused:
-                        self._drop_server(ss, PeerLostError(f"connection from {ss.name} closed"), lost=True)
+                        self._drop_server(
+                            ss, PeerLostError(f"connection from {ss.name} closed"), lost=True
+                        )
         except asyncio.CancelledError:
             raise
         except (zmq.ZMQError, ValueError):
@@ -1369,7 +1406,14 @@ class Engine:
         self._servers[rid] = ss
         self._bind_fd(ss, frame)
         self._tokens[ss.token] = ss
-        w = Welcome(PROTOCOL_VERSION, self.engine_id, self._address, self._capabilities(), self.config.layout, ss.token)
+        w = Welcome(
+            PROTOCOL_VERSION,
+            self.engine_id,
+            self._address,
+            self._capabilities(),
+            self.config.layout,
+            ss.token,
+        )
         self._reply(ss, ss.sess.send(w))
 
     def _layout_error(self, theirs: dict[str, str | int]) -> str | None:
@@ -1393,7 +1437,9 @@ class Engine:
                 res = ss.queued.pop(msg.xfer)
                 for s in res.specs:
                     ss.queued_ids.discard(s.tensor_id)
-                self._queue = deque(q for q in self._queue if not (q.ss is ss and q.msg.xfer == msg.xfer))
+                self._queue = deque(
+                    q for q in self._queue if not (q.ss is ss and q.msg.xfer == msg.xfer)
+                )
                 self._reply(ss, ss.sess.send(Withdrawn(msg.xfer)))
                 self._stats.withdrawn += 1
             elif msg.xfer in ss.granted:
@@ -1405,13 +1451,19 @@ class Engine:
         elif isinstance(msg, Failed):
             inx = ss.granted.pop(msg.xfer, None)
             if inx is not None and ss.peer is not None:
-                self._store.cancel(ss.peer, [s.tensor_id for s in inx.specs], TransferAbortedError(msg.detail))
+                self._store.cancel(
+                    ss.peer, [s.tensor_id for s in inx.specs], TransferAbortedError(msg.detail)
+                )
                 self._pump_queue()
         elif isinstance(msg, (Bye, ErrorMsg)):
             self._drop_server(ss, PeerLostError(f"peer {ss.name} closed the session"), lost=False)
         elif isinstance(msg, NcclSetup):
             if not self._nccl_ok or ss.nccl is not None:
-                why = self._nccl_why if not self._nccl_ok else "this session already has a communicator"
+                why = (
+                    self._nccl_why
+                    if not self._nccl_ok
+                    else "this session already has a communicator"
+                )
                 self._reply(ss, ss.sess.send(NcclReady(msg.comm, False, why[:300])))
             else:
                 self._spawn(self._setup_server_nccl(ss, msg))
@@ -1424,8 +1476,13 @@ class Engine:
         try:
             blocking = self.config.nccl_blocking_ops
             comm = await Communicator.create(
-                msg.unique_id, 1, 2, device, timeout=self.config.timeouts.connect,
-                max_ctas=self.config.nccl_max_channels, blocking_ops=blocking,
+                msg.unique_id,
+                1,
+                2,
+                device,
+                timeout=self.config.timeouts.connect,
+                max_ctas=self.config.nccl_max_channels,
+                blocking_ops=blocking,
             )
             if blocking:
                 await comm.warmup(self.config.timeouts.connect)
@@ -1448,7 +1505,10 @@ class Engine:
         elif msg.transport == "nccl" and ss.nccl is None:
             code, detail = "transport", "NCCL is not set up for this session"
         elif msg.nbytes > lim.store_bytes:
-            code, detail = "too_large", f"{msg.nbytes} bytes exceed the receive budget of {lim.store_bytes}"
+            code, detail = (
+                "too_large",
+                f"{msg.nbytes} bytes exceed the receive budget of {lim.store_bytes}",
+            )
         elif len(ss.queued) >= lim.max_pending_reserves:
             code, detail = "busy", "too many queued reservations"
         else:
@@ -1458,7 +1518,10 @@ class Engine:
                 if ss.queued_ids.intersection(ids):
                     raise DuplicateTensorError("duplicate")
             except DuplicateTensorError:
-                code, detail = "duplicate", "a tensor id of this transfer is already held or in flight"
+                code, detail = (
+                    "duplicate",
+                    "a tensor id of this transfer is already held or in flight",
+                )
         if code:
             self._stats.refused_sent += 1
             self._reply(ss, ss.sess.send(Refuse(msg.xfer, code, detail)))
@@ -1478,7 +1541,9 @@ class Engine:
         ss.granted[msg.xfer] = inx
         sink: Any = ss.nccl if msg.transport == "nccl" else ss.sink
         fut = sink.expect(seq, msg.xfer, msg.specs)
-        fut.add_done_callback(_retrieve)  # a sink aborted after the session died is not an error to log
+        fut.add_done_callback(
+            _retrieve
+        )  # a sink aborted after the session died is not an error to log
         fut.add_done_callback(lambda f: self._on_landed(ss, inx, f))
         self._reply(ss, ss.sess.send(Grant(msg.xfer, seq)))
         return True
@@ -1511,7 +1576,9 @@ class Engine:
             self._reply_raw(ss.rid, ErrorMsg("protocol", str(exc)[:200]))
             self._drop_server(ss, exc, lost=True)
 
-    def _on_landed(self, ss: _ServerSession, inx: _InXfer, fut: asyncio.Future[list[torch.Tensor]]) -> None:
+    def _on_landed(
+        self, ss: _ServerSession, inx: _InXfer, fut: asyncio.Future[list[torch.Tensor]]
+    ) -> None:
         if ss.dead or fut.cancelled() or not fut.done():
             return
         if ss.granted.pop(inx.xfer, None) is None:
@@ -1544,12 +1611,19 @@ class Engine:
     def _on_get(self, ss: _ServerSession, msg: Get) -> None:
         missing = [t for t in msg.tensor_ids if t not in self._published]
         if missing:
-            self._reply(ss, ss.sess.send(GetReply(msg.req, "not_published", f"{missing[0]!r} is not published")))
+            self._reply(
+                ss,
+                ss.sess.send(
+                    GetReply(msg.req, "not_published", f"{missing[0]!r} is not published")
+                ),
+            )
             return
         items = [(t, self._published[t]) for t in msg.tensor_ids]
         self._spawn(self._serve_get(ss, msg, items))
 
-    async def _serve_get(self, ss: _ServerSession, msg: Get, items: list[tuple[str, torch.Tensor]]) -> None:
+    async def _serve_get(
+        self, ss: _ServerSession, msg: Get, items: list[tuple[str, torch.Tensor]]
+    ) -> None:
         try:
             await self._transfer(msg.reply_to, self._stage(items), None)
             code, detail = "ok", ""
@@ -1602,7 +1676,11 @@ class Engine:
                     # Judge on the second look: after a stall of this loop the peer's answers
                     # may be waiting unread, and the readers run before the next tick.
                     if cs.suspect:
-                        cs.fail(PeerLostError(f"no heartbeat from {cs.address} for {now - cs.last_recv:.2f}s"))
+                        cs.fail(
+                            PeerLostError(
+                                f"no heartbeat from {cs.address} for {now - cs.last_recv:.2f}s"
+                            )
+                        )
                     cs.suspect = True
                 else:
                     cs.suspect = False

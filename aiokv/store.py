@@ -290,4 +290,3 @@ class ReceiveStore:
             keys = [f"{frm}\x00{tid}", f"{frm}\x01{tid}"] + ([f"{eid}\x00{tid}"] if eid else [])
         if any(k in self._tombstones for k in keys):
             raise ExpiredError(f"tensor {tid!r} expired before it was collected (TTL {self.ttl}s)")
-

@@ -172,7 +172,11 @@ class Communicator:
 
         def init() -> int:
             with torch.cuda.device(device):
-                return int(lib.ncclCommInitRankConfig(ctypes.byref(handle), nranks, uid, rank, ctypes.byref(config)))
+                return int(
+                    lib.ncclCommInitRankConfig(
+                        ctypes.byref(handle), nranks, uid, rank, ctypes.byref(config)
+                    )
+                )
 
         fut = asyncio.get_running_loop().run_in_executor(None, init)
         try:
@@ -197,7 +201,11 @@ class Communicator:
                 with contextlib.suppress(Exception):
                     lib.ncclCommAbort(handle.value)
             lib.check(rc, "ncclCommInitRankConfig")
-            raise NcclError("ncclCommInitRankConfig returned no communicator", code=3, code_name="ncclInternalError")
+            raise NcclError(
+                "ncclCommInitRankConfig returned no communicator",
+                code=3,
+                code_name="ncclInternalError",
+            )
         return cls(lib, handle.value, rank=rank, nranks=nranks, device=device, timeout=timeout)
 
     async def warmup(self, timeout: float | None = None) -> None:
@@ -228,7 +236,9 @@ class Communicator:
             await asyncio.wait_for(asyncio.shield(fut), limit)
         except asyncio.TimeoutError:
             self.abort()
-            raise AiokvTimeoutError(f"NCCL warm-up with rank {peer} did not finish within {limit:g} s") from None
+            raise AiokvTimeoutError(
+                f"NCCL warm-up with rank {peer} did not finish within {limit:g} s"
+            ) from None
 
     async def _poll_until_settled(self, deadline: float, what: str, spin_s: float = 0.0) -> None:
         """Poll ``ncclCommGetAsyncError`` until not in progress.

@@ -227,6 +227,9 @@ SCHEMA: dict[type[Message], tuple[Check, ...]] = {
 }
 
 
+_FIELD_NAMES: dict[type, tuple[str, ...]] = {}
+
+
 def _to_wire(v: Any) -> Any:
     if isinstance(v, TensorSpec):
         return [v.tensor_id, v.dtype, list(v.shape)]
@@ -238,10 +241,13 @@ def _to_wire(v: Any) -> Any:
 class Codec:
     """Encode messages to bytes and decode bytes to messages under :class:`WireLimits`."""
 
-    __slots__ = ("_unpack_kw", "limits")
+    __slots__ = ("_pack", "_unpack_kw", "limits")
 
     def __init__(self, limits: WireLimits | None = None) -> None:
         self.limits = limits or WireLimits()
+        # one packer per codec, reused (msgpack.packb makes a new one per call);
+        # a codec belongs to one engine, so to one thread
+        self._pack = msgpack.Packer(use_bin_type=True).pack
         n = self.limits.max_frame_bytes
         self._unpack_kw: dict[str, Any] = dict(
             raw=False,
@@ -255,10 +261,14 @@ class Codec:
         )
 
     def encode(self, msg: Message) -> bytes:
+        names = _FIELD_NAMES.get(type(msg))
+        if names is None:
+            names = _FIELD_NAMES[type(msg)] = tuple(f.name for f in fields(msg))  # type: ignore[arg-type]
         body = [msg.KIND]
-        for f in fields(msg):  # type: ignore[arg-type]
-            body.append(_to_wire(getattr(msg, f.name)))
-        return cast(bytes, msgpack.packb(body, use_bin_type=True))
+        for name in names:
+            v = getattr(msg, name)
+            body.append(_to_wire(v) if type(v) is tuple else v)
+        return cast(bytes, self._pack(body))
 
     def decode(self, data: bytes | bytearray | memoryview) -> Message:
         if len(data) > self.limits.max_frame_bytes:

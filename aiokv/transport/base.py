@@ -27,7 +27,9 @@ class SourceLink(Protocol):
 
     name: str
 
-    async def post(self, header: DataHeader, header_bytes: bytes, tensors: Sequence[torch.Tensor]) -> None:
+    async def post(
+        self, header: DataHeader, header_bytes: bytes, tensors: Sequence[torch.Tensor]
+    ) -> None:
         """Hand the tensors of one granted transfer to the wire, in sequence order."""
 
     def abort(self, exc: BaseException) -> None:
@@ -42,7 +44,9 @@ class SinkLink(Protocol):
 
     name: str
 
-    def expect(self, header_seq: int, xfer: int, specs: Sequence[TensorSpec]) -> asyncio.Future[list[torch.Tensor]]:
+    def expect(
+        self, header_seq: int, xfer: int, specs: Sequence[TensorSpec]
+    ) -> asyncio.Future[list[torch.Tensor]]:
         """Arrange for transfer ``xfer`` (granted as ``header_seq``) to land."""
 
     def abort(self, exc: BaseException) -> None:

@@ -117,10 +117,16 @@ class NcclSink:
         self.stream = torch.cuda.Stream(device=device)  # type: ignore[no-untyped-call]
         self._queue: asyncio.Queue[_Expected] = asyncio.Queue()
         self._dead: BaseException | None = None
-        self._task = asyncio.get_running_loop().create_task(self._run(), name=f"aiokv-nccl-sink-{next(_ids)}")
-        self._landing: deque[tuple[list[_Expected], list[list[torch.Tensor]], asyncio.Future[None]]] = deque()
+        self._task = asyncio.get_running_loop().create_task(
+            self._run(), name=f"aiokv-nccl-sink-{next(_ids)}"
+        )
+        self._landing: deque[
+            tuple[list[_Expected], list[list[torch.Tensor]], asyncio.Future[None]]
+        ] = deque()
 
-    def expect(self, header_seq: int, xfer: int, specs: Sequence[TensorSpec]) -> asyncio.Future[list[torch.Tensor]]:
+    def expect(
+        self, header_seq: int, xfer: int, specs: Sequence[TensorSpec]
+    ) -> asyncio.Future[list[torch.Tensor]]:
         fut: asyncio.Future[list[torch.Tensor]] = asyncio.get_running_loop().create_future()
         if self._dead is not None:
             fut.set_exception(TransferAbortedError(f"NCCL link aborted: {self._dead}"))
@@ -143,7 +149,9 @@ class NcclSink:
                 self.abort(exc)
                 for e in batch:
                     if not e.fut.done():
-                        e.fut.set_exception(TransferAbortedError(f"posting NCCL receive failed: {exc}"))
+                        e.fut.set_exception(
+                            TransferAbortedError(f"posting NCCL receive failed: {exc}")
+                        )
                 return
             done = self.poller.wait(ev, self.comm, keepalive=outs)
             # Batches land strictly in posting order: a later batch's event may be
@@ -174,7 +182,9 @@ class NcclSink:
             self._landed(batch, outs, f)
 
     @staticmethod
-    def _landed(batch: list[_Expected], outs: list[list[torch.Tensor]], f: asyncio.Future[None]) -> None:
+    def _landed(
+        batch: list[_Expected], outs: list[list[torch.Tensor]], f: asyncio.Future[None]
+    ) -> None:
         for e, out in zip(batch, outs):
             if e.fut.done():
                 continue

@@ -18,13 +18,13 @@ from __future__ import annotations
 import asyncio
 import ctypes
 from collections.abc import Sequence
-from typing import Any, cast
+from typing import Any
 
 import torch
 import zmq
-import zmq.asyncio
 
 from .._exceptions import RemoteProtocolError, TransferAbortedError
+from .._zsock import LoopSocket
 from ..protocol.messages import ALLOWED_DTYPES, DataHeader, TensorSpec
 
 __all__ = ["TcpSink", "TcpSource", "tensor_buffer", "torch_dtype"]
@@ -72,20 +72,22 @@ class TcpSource:
 
     name = "tcp"
 
-    def __init__(self, sock: zmq.asyncio.Socket) -> None:
+    def __init__(self, sock: LoopSocket) -> None:
         self._sock = sock
         self._dead: BaseException | None = None
 
-    async def post(self, header: DataHeader, header_bytes: bytes, tensors: Sequence[torch.Tensor]) -> None:
-        await self.post_nowait(header_bytes, tensors)
+    async def post(
+        self, header: DataHeader, header_bytes: bytes, tensors: Sequence[torch.Tensor]
+    ) -> None:
+        self.post_nowait(header_bytes, tensors)
 
-    def post_nowait(self, header_bytes: bytes, tensors: Sequence[torch.Tensor]) -> asyncio.Future[Any]:
-        """Queue one data message now (zmq keeps call order); the future says when it left."""
+    def post_nowait(self, header_bytes: bytes, tensors: Sequence[torch.Tensor]) -> None:
+        """Queue one data message now, zero-copy (zmq keeps call order). Raises ZMQError."""
         if self._dead is not None:
             raise TransferAbortedError(f"TCP link aborted: {self._dead}")
         frames: list[Any] = [header_bytes]
         frames.extend(tensor_buffer(t) for t in tensors)
-        return cast("asyncio.Future[Any]", self._sock.send_multipart(frames, copy=False))
+        self._sock.send(frames, copy=False)
 
     def abort(self, exc: BaseException) -> None:
         self._dead = exc
@@ -100,14 +102,20 @@ class TcpSink:
     name = "tcp"
 
     def __init__(self) -> None:
-        self._expected: dict[int, tuple[Sequence[TensorSpec], asyncio.Future[list[torch.Tensor]]]] = {}
+        self._expected: dict[
+            int, tuple[Sequence[TensorSpec], asyncio.Future[list[torch.Tensor]]]
+        ] = {}
 
-    def expect(self, header_seq: int, xfer: int, specs: Sequence[TensorSpec]) -> asyncio.Future[list[torch.Tensor]]:
+    def expect(
+        self, header_seq: int, xfer: int, specs: Sequence[TensorSpec]
+    ) -> asyncio.Future[list[torch.Tensor]]:
         fut: asyncio.Future[list[torch.Tensor]] = asyncio.get_running_loop().create_future()
         self._expected[xfer] = (specs, fut)
         return fut
 
-    def feed(self, header: DataHeader, frames: Sequence[zmq.Frame]) -> asyncio.Future[list[torch.Tensor]]:
+    def feed(
+        self, header: DataHeader, frames: Sequence[zmq.Frame]
+    ) -> asyncio.Future[list[torch.Tensor]]:
         """Land one data message and return its (resolved) future.
 
         Raises RemoteProtocolError if it does not match its grant.

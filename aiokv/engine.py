@@ -581,7 +581,7 @@ class _ClientSession:
                 while not self.post_queue.empty() and len(batch) < 64:
                     batch.append(self.post_queue.get_nowait())
                 for b in batch:
-                    self.sess.send(DataHeader(b.xfer, b.seq, len(b.specs)))
+                    self.sess.note_sent(DataHeader(b.xfer, b.seq, len(b.specs)))
                 assert self.nccl is not None
                 sent = await self.nccl.post_many([(b.tensors, b.ready) for b in batch])
                 sent.add_done_callback(_retrieve)

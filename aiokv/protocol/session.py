@@ -190,6 +190,11 @@ class Session:
         self._apply(self.role, msg, LocalProtocolError)
         return self.codec.encode(msg)
 
+    def note_sent(self, msg: Message) -> None:
+        """Like :meth:`send` for a message that travels another way (an NCCL DATA
+        header is implied by posting order): check and apply it, encode nothing."""
+        self._apply(self.role, msg, LocalProtocolError)
+
     def receive(self, data: bytes | bytearray | memoryview) -> Message:
         """Decode a frame from the peer, check and apply it, return the message."""
         try:

@@ -9,12 +9,20 @@ import asyncio
 import json
 import sys
 import time
+import types
 
 import torch
 
 import aiokv
 
-DTYPES = [torch.bfloat16, torch.float16, torch.float32, torch.int8, torch.uint8, torch.float8_e4m3fn]
+DTYPES = [
+    torch.bfloat16,
+    torch.float16,
+    torch.float32,
+    torch.int8,
+    torch.uint8,
+    torch.float8_e4m3fn,
+]
 SIZES = [1 << 10, 4 << 10, 64 << 10, 1 << 20, 4 << 20, 16 << 20, 64 << 20]
 
 
@@ -30,7 +38,11 @@ def make(i: int, seed: int, device: torch.device) -> torch.Tensor:
     size = SIZES[i % 5] if i % 50 else SIZES[5 + (i // 50) % 2]
     dt = DTYPES[i % len(DTYPES)]
     n = size // torch.empty(0, dtype=dt).element_size()
-    raw = torch.randint(0, 255, (n,), generator=g, device=device, dtype=torch.uint8) if dt.itemsize == 1 else None
+    raw = (
+        torch.randint(0, 255, (n,), generator=g, device=device, dtype=torch.uint8)
+        if dt.itemsize == 1
+        else None
+    )
     if raw is not None:
         t = raw.view(dt)
     else:
@@ -44,6 +56,33 @@ def same(a: torch.Tensor, b: torch.Tensor) -> bool:
     if a.shape != b.shape or a.dtype != b.dtype:
         return False
     return bool(torch.equal(a.contiguous().view(torch.uint8), b.contiguous().view(torch.uint8)))
+
+
+def _big_tensor_owners(min_bytes: int = 1 << 28) -> list[list[str]]:
+    """Diagnostics: for each live CUDA tensor of at least ``min_bytes``, who holds it
+    (two levels of referrers, by type and, for frames, by function)."""
+    import gc
+
+    def name(o: object) -> str:
+        if isinstance(o, types.FrameType):
+            return f"frame:{o.f_code.co_name}"
+        if isinstance(o, types.CoroutineType):
+            return f"coro:{o.__qualname__}"
+        return type(o).__qualname__
+
+    out: list[list[str]] = []
+    for obj in gc.get_objects():
+        if (
+            isinstance(obj, torch.Tensor)
+            and obj.is_cuda
+            and obj.numel() * obj.element_size() >= min_bytes
+        ):
+            rows = []
+            for r in gc.get_referrers(obj)[:6]:
+                ups = [name(u) for u in gc.get_referrers(r)[:6] if u is not out]
+                rows.append(f"{name(r)} <- {ups}")
+            out.append(rows)
+    return out
 
 
 async def bidir(eng: aiokv.Engine, me: int, peer: str, count: int, dev: torch.device) -> None:
@@ -93,8 +132,14 @@ async def main() -> None:
                 say("MODES", "sent")
             elif cmd == "check_modes":
                 peer = args[0]
-                ok = same(await eng.recv("put", timeout=60), torch.arange(1000, device=dev, dtype=torch.float32))
-                ok &= same(await eng.recv("putasync", timeout=60), torch.arange(1000, device=dev, dtype=torch.float32) * 2)
+                ok = same(
+                    await eng.recv("put", timeout=60),
+                    torch.arange(1000, device=dev, dtype=torch.float32),
+                )
+                ok &= same(
+                    await eng.recv("putasync", timeout=60),
+                    torch.arange(1000, device=dev, dtype=torch.float32) * 2,
+                )
                 got = await eng.get("pub", frm=peer, timeout=60)
                 ok &= same(got, torch.arange(1000, device=dev, dtype=torch.float32) * 3)
                 say("MODES_OK", ok)
@@ -109,7 +154,9 @@ async def main() -> None:
             elif cmd == "check_ordering":
                 got = await eng.recv("ordered", timeout=60)
                 say("ORDERING_OK", bool((got == 7).all().item()))
-            elif cmd == "victim":  # start a big transfer whose data never gets posted, then wait to be killed
+            elif (
+                cmd == "victim"
+            ):  # start a big transfer whose data never gets posted, then wait to be killed
                 peer = args[0]
                 await eng.send("warm", torch.ones(16, device=dev), to=peer)  # communicator up
                 t = torch.empty(1 << 30, device=dev, dtype=torch.uint8)
@@ -147,14 +194,27 @@ async def main() -> None:
                 # a receive stuck on a dead peer must not block this process)
                 free, _total = torch.cuda.mem_get_info(dev)
                 pend = eng._poller.statistics().pending if eng._poller is not None else 0
-                say("MEM", {"allocated": torch.cuda.memory_allocated(dev), "free": free, "poller_pending": pend})
+                say(
+                    "MEM",
+                    {
+                        "allocated": torch.cuda.memory_allocated(dev),
+                        "free": free,
+                        "poller_pending": pend,
+                        "big_tensors": _big_tensor_owners(),
+                    },
+                )
             elif cmd == "burst":  # args: peer, count — PUT count small tensors, report failures
                 peer, count = args[0], int(args[1])
                 ok = 0
                 errors: list[str] = []
                 for i in range(count):
                     try:
-                        await eng.send(f"burst-{time.time_ns()}-{i}", torch.full((4096,), float(i), device=dev), to=peer, timeout=30)
+                        await eng.send(
+                            f"burst-{time.time_ns()}-{i}",
+                            torch.full((4096,), float(i), device=dev),
+                            to=peer,
+                            timeout=30,
+                        )
                         ok += 1
                     except aiokv.AiokvError as exc:
                         errors.append(type(exc).__name__)

@@ -39,6 +39,7 @@ import torch
 import zmq
 import zmq.asyncio
 
+from . import _trace
 from ._config import EngineConfig, parse_address
 from ._exceptions import (
     AiokvError,
@@ -377,6 +378,8 @@ class _ClientSession:
         data = self.sess.send(Reserve(x.xfer, transport, tuple(specs)))
         self.xfers[x.xfer] = x
         self._send_ctrl(data)
+        if _trace.enabled:
+            _trace.mark("start", self.engine.engine_id, x.xfer)
         return x
 
     @property
@@ -497,6 +500,8 @@ class _ClientSession:
         elif isinstance(msg, Grant):
             x = self.xfers[msg.xfer]
             x.seq = msg.seq
+            if _trace.enabled:
+                _trace.mark("grant", e.engine_id, x.xfer)
             if not x.granted.done():
                 x.granted.set_result(msg.seq)
             if x.transport == "tcp":
@@ -507,6 +512,8 @@ class _ClientSession:
                 except (zmq.ZMQError, AiokvError) as perr:
                     self.fail(PeerLostError(f"data channel to {self.address} failed: {perr}"))
                     return
+                if _trace.enabled:
+                    _trace.mark("posted", e.engine_id, x.xfer)
             else:
                 self.post_queue.put_nowait(x)
         elif isinstance(msg, Refuse):
@@ -530,6 +537,8 @@ class _ClientSession:
                     f.set_exception(exc2)
         elif isinstance(msg, Done):
             x = self.xfers.pop(msg.xfer)
+            if _trace.enabled:
+                _trace.mark("done", e.engine_id, x.xfer)
             e._stats.transfers_sent += 1
             e._stats.tensors_sent += len(x.specs)
             e._stats.bytes_sent += sum(s.nbytes for s in x.specs)
@@ -587,6 +596,8 @@ class _ClientSession:
                 sent.add_done_callback(_retrieve)
                 for b in batch:
                     b.sent = sent
+                    if _trace.enabled:
+                        _trace.mark("posted", self.engine.engine_id, b.xfer)
         except asyncio.CancelledError:
             raise
         except (zmq.ZMQError, AiokvError) as exc:
@@ -693,6 +704,7 @@ class _ServerSession:
         self.engine = engine
         self.rid = rid
         self.user = user  # CURVE public key of the peer, when CURVE is on
+        self.trace_id = ""  # the engine id the peer announced (aiokv._trace joins on it)
         self.sess = Session(Role.SERVER, engine._codec)
         self.peer: PeerRef | None = None
         self.token = secrets.token_bytes(16)
@@ -1403,6 +1415,7 @@ class Engine:
                 return
         # With CURVE the peer is who its authenticated key says, not what it announces.
         ss.peer = PeerRef(f"curve:{user}" if user else msg.engine_id, msg.listen)
+        ss.trace_id = msg.engine_id
         self._servers[rid] = ss
         self._bind_fd(ss, frame)
         self._tokens[ss.token] = ss
@@ -1498,6 +1511,8 @@ class Engine:
 
     def _on_reserve(self, ss: _ServerSession, msg: Reserve) -> None:
         assert ss.peer is not None
+        if _trace.enabled:
+            _trace.mark("reserve", ss.trace_id, msg.xfer)
         lim = self.config.limits
         code, detail = "", ""
         if self._closed:
@@ -1546,6 +1561,8 @@ class Engine:
         )  # a sink aborted after the session died is not an error to log
         fut.add_done_callback(lambda f: self._on_landed(ss, inx, f))
         self._reply(ss, ss.sess.send(Grant(msg.xfer, seq)))
+        if _trace.enabled:
+            _trace.mark("granted", ss.trace_id, msg.xfer)
         return True
 
     def _pump_queue(self) -> None:
@@ -1603,6 +1620,8 @@ class Engine:
         else:
             for spec, t in zip(inx.specs, fut.result()):
                 self._store.land(ss.peer, spec.tensor_id, t)
+            if _trace.enabled:
+                _trace.mark("landed", ss.trace_id, inx.xfer)
             self._stats.transfers_received += 1
             self._stats.tensors_received += len(inx.specs)
             self._stats.bytes_received += inx.nbytes

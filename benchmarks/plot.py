@@ -35,7 +35,9 @@ def main() -> None:
     sizes = [float(r["size_mib"]) for r in nccl]  # type: ignore[arg-type]
     fig, ax = plt.subplots(figsize=(6.4, 4.0))
     ax.plot(sizes, [r["raw_gbps"] for r in nccl], "o-", label="raw NCCL send/recv (same run)")
-    ax.plot(sizes, [r["aiokv_gbps"] for r in nccl], "s-", label="aiokv Engine.send_nowait, window 16")
+    ax.plot(
+        sizes, [r["aiokv_gbps"] for r in nccl], "s-", label="aiokv Engine.send_nowait, window 16"
+    )
     ax.set_xscale("log", base=2)
     ax.set_xlabel("message size (MiB)")
     ax.set_ylabel("GB/s")
@@ -50,8 +52,18 @@ def main() -> None:
     x = range(len(kv))
     fig, ax = plt.subplots(figsize=(6.4, 4.0))
     w = 0.38
-    ax.bar([i - w / 2 for i in x], [r["raw_gbps"] for r in kv], w, label="raw NCCL, one message per request")
-    ax.bar([i + w / 2 for i in x], [r["aiokv_gbps"] for r in kv], w, label="aiokv KVConnector (gather → send → scatter)")
+    ax.bar(
+        [i - w / 2 for i in x],
+        [r["raw_gbps"] for r in kv],
+        w,
+        label="raw NCCL, one message per request",
+    )
+    ax.bar(
+        [i + w / 2 for i in x],
+        [r["aiokv_gbps"] for r in kv],
+        w,
+        label="aiokv KVConnector (gather → send → scatter)",
+    )
     ax.set_xticks(list(x), [f"{n}\n(ratio {r['ratio']:.2f})" for n, r in zip(names, kv)])
     ax.set_ylabel("GB/s landed in the consumer's paged cache")
     ax.set_title("KV workloads (Llama-3-8B geometry), 2x H200, 2026-11-30")

@@ -28,7 +28,9 @@ _REPO = Path(__file__).resolve().parents[1]
 MiB = 1 << 20
 
 
-def _worker(rank: int, uid_hex: str, sizes: list[int], repeats: int, min_bytes: int, variant: str) -> None:
+def _worker(
+    rank: int, uid_hex: str, sizes: list[int], repeats: int, min_bytes: int, variant: str
+) -> None:
     import torch
 
     from aiokv.nccl.library import NcclLibrary, load_library
@@ -133,7 +135,14 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     sizes = [int(float(x) * MiB) for x in args.sizes_mib.split(",") if x]
     if args.worker:
-        _worker(int(args.worker[0]), args.worker[1], sizes, args.repeats, args.min_bytes_per_repeat, args.variant)
+        _worker(
+            int(args.worker[0]),
+            args.worker[1],
+            sizes,
+            args.repeats,
+            args.min_bytes_per_repeat,
+            args.variant,
+        )
         return 0
 
     import torch

@@ -1,0 +1,46 @@
+"""Opt-in timeline of each transfer's steps, for finding where latency goes.
+
+Set ``AIOKV_TRACE=/some/prefix`` before the process starts: every engine in
+the process then records ``(step, transfer, time)`` at the steps below, and the
+process writes them to ``/some/prefix.<pid>.json`` when it exits. Times are
+``time.perf_counter()`` (CLOCK_MONOTONIC on Linux), so the files of two
+processes on one host share a time base; transfer numbers are the client's,
+which the server sees in RESERVE, so both ends join on them
+(``benchmarks/trace_report.py``). Off by default: each call site is one bool test.
+
+Client steps: ``start`` (RESERVE queued), ``grant`` (GRANT received),
+``posted`` (data handed to the transport), ``done`` (DONE received).
+Server steps: ``reserve`` (RESERVE received), ``granted`` (GRANT queued),
+``landed`` (data complete in the store), ``taken`` (handed to ``recv``).
+"""
+
+from __future__ import annotations
+
+import atexit
+import json
+import os
+import time
+
+__all__ = ["enabled", "mark"]
+
+_PREFIX = os.environ.get("AIOKV_TRACE", "")
+enabled = bool(_PREFIX)
+_events: list[tuple[str, str, int, float]] = []
+_LIMIT = 2_000_000  # bound the memory a forgotten trace can take
+
+
+def mark(step: str, session: str, xfer: int) -> None:
+    """Record that ``xfer`` of ``session`` reached ``step`` now."""
+    if len(_events) < _LIMIT:
+        _events.append((step, session, xfer, time.perf_counter()))
+
+
+def _dump() -> None:
+    if not _events:
+        return
+    with open(f"{_PREFIX}.{os.getpid()}.json", "w") as fh:
+        json.dump({"pid": os.getpid(), "events": _events}, fh)
+
+
+if enabled:
+    atexit.register(_dump)

@@ -21,4 +21,4 @@ python3 benchmarks/trace_report.py $T/w16.*.json --last 1000 | tee "$OUT/trace_1
 for w in short long; do
   AIOKV_TRACE=$T/kv$w timeout 60 python3 -m aiokv.kv.bench --transport nccl --workload $w --json --iters 3 2>/dev/null | tail -1
 done | tee "$OUT/kv.jsonl" | cut -c1-230
-python3 benchmarks/trace_report.py $T/kvshort.*.json --last 400 | tee "$OUT/trace_kv_latency.txt"
+python3 benchmarks/trace_report.py $T/kvshort.*.json --last 50 | tee "$OUT/trace_kv_latency.txt"

@@ -598,6 +598,7 @@ class _ClientSession:
                     b.sent = sent
                     if _trace.enabled:
                         _trace.mark("posted", self.engine.engine_id, b.xfer)
+                batch = []  # while waiting for the next grant this frame holds no tensors
         except asyncio.CancelledError:
             raise
         except (zmq.ZMQError, AiokvError) as exc:

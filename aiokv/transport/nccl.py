@@ -83,15 +83,19 @@ class NcclSource:
         for _, ready in items:
             if ready is not None:
                 self.stream.wait_event(ready)
-        keep: list[torch.Tensor] = []
-        with torch.cuda.device(self.device), self.comm.group():
-            for tensors, _ in items:
-                for t in tensors:
+        keep: list[torch.Tensor] = [t for tensors, _ in items for t in tensors]
+        try:
+            with torch.cuda.device(self.device), self.comm.group():
+                for t in keep:
                     if t.numel():
                         self.comm.send(t, 1, self.stream)
-                    keep.append(t)
-        if self.comm.pending:
-            await self.comm.wait_ready()
+            if self.comm.pending:
+                await self.comm.wait_ready()
+        except BaseException:
+            _hold_until_passed(self.poller, self.stream, keep)
+            keep = []  # a traceback keeps this frame: it must not keep the tensors
+            items = ()
+            raise
         ev = record_event(self.stream)
         # the tensors stay referenced until the send has read them
         return self.poller.wait(ev, self.comm, keepalive=keep)
@@ -153,17 +157,29 @@ class NcclSink:
                 e = self._queue.get_nowait()
                 batch.append(e)
                 nbytes += e.nbytes
+            outs: list[list[torch.Tensor]] = []
             try:
                 outs = self._post(batch)
                 if self.comm.pending:
                     await self.comm.wait_ready()
                 ev = record_event(self.stream)
-            except Exception as exc:
-                self.abort(exc)
+            except BaseException as exc:
+                # Cancelled (the session was dropped) or failed while posting: the
+                # buffers stay alive until the stream has passed them, and no frame
+                # that a traceback retains may keep them (a cancelled task keeps
+                # its CancelledError and so this frame: a 1 GiB receive buffer
+                # outlived its session that way on 2x H200).
+                _hold_until_passed(self.poller, self.stream, outs)
+                outs = []
+                if isinstance(exc, asyncio.CancelledError):
+                    batch = []
+                    raise
+                err = exc.with_traceback(None)
+                self.abort(err)
                 for e in batch:
                     if not e.fut.done():
                         e.fut.set_exception(
-                            TransferAbortedError(f"posting NCCL receive failed: {exc}")
+                            TransferAbortedError(f"posting NCCL receive failed: {err}")
                         )
                 return
             done = self.poller.wait(ev, self.comm, keepalive=outs)
@@ -172,6 +188,9 @@ class NcclSink:
             # finished the earlier one before it.
             self._landing.append((batch, outs, done))
             done.add_done_callback(self._drain)
+            # nothing of this batch stays in the frame while waiting for the next
+            batch = []
+            outs = []
 
     def _post(self, batch: list[_Expected]) -> list[list[torch.Tensor]]:
         dev = self.device
@@ -182,11 +201,16 @@ class NcclSink:
                 for e in batch
             ]
             self.stream.wait_stream(alloc_stream)
-            with self.comm.group():
-                for out in outs:
-                    for t in out:
-                        if t.numel():
-                            self.comm.recv(t, 0, self.stream)
+            flat = [t for out in outs for t in out if t.numel()]
+            try:
+                with self.comm.group():  # its end runs (and launches what was posted) on error too
+                    for t in flat:
+                        self.comm.recv(t, 0, self.stream)
+            except BaseException:
+                _hold_until_passed(self.poller, self.stream, outs)
+                outs = []
+                flat = []
+                raise
         return outs
 
     def _drain(self, _f: asyncio.Future[None] | None = None) -> None:
@@ -225,6 +249,23 @@ class NcclSink:
                 e.fut.set_exception(TransferAbortedError(f"NCCL link aborted: {exc}"))
         if self._task is not asyncio.current_task():
             self._task.cancel()
+
+
+def _hold_until_passed(poller: ProgressPoller, stream: torch.cuda.Stream, buffers: object) -> None:
+    """Keep ``buffers`` referenced until ``stream`` has passed everything queued on it.
+
+    For buffers of operations that may have been posted when posting was cut
+    short: freeing them at once could hand memory to the allocator under a
+    running (or aborting) NCCL kernel. No communicator is given, so the
+    poller waits for the event itself (an aborted kernel exits, and it fires).
+    """
+    if not buffers:
+        return
+    try:
+        fut = poller.wait(record_event(stream), None, keepalive=buffers)
+    except Exception:  # the poller is closed (engine closing): nothing left to wait with
+        return
+    fut.add_done_callback(lambda f: f.cancelled() or f.exception())
 
 
 def nccl_available(device: str) -> tuple[bool, str]:

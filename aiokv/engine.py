@@ -380,6 +380,8 @@ class _ClientSession:
         self._send_ctrl(data)
         if _trace.enabled:
             _trace.mark("start", self.engine.engine_id, x.xfer)
+        if transport == "nccl":
+            self.engine._get_poller().touch()  # the GRANT is read on a spinning loop
         return x
 
     @property
@@ -1562,6 +1564,8 @@ class Engine:
         )  # a sink aborted after the session died is not an error to log
         fut.add_done_callback(lambda f: self._on_landed(ss, inx, f))
         self._reply(ss, ss.sess.send(Grant(msg.xfer, seq)))
+        if msg.transport == "nccl":
+            self._get_poller().touch()  # a granted NCCL receive lands soon: spin for it
         if _trace.enabled:
             _trace.mark("granted", ss.trace_id, msg.xfer)
         return True

@@ -184,7 +184,9 @@ async def role_producer(a: dict[str, Any]) -> None:
     cases = [make_case(a["seed"], a["pid"], k, a["profile"]) for k in range(a["n"])]
     async with aiokv.Engine(aiokv.EngineConfig()) as eng:
         await eng.connect(a["to"], timeout=10)
-        emit("ready", address=eng.address, nbytes=sum(t.numel() * t.element_size() for _, t in cases))
+        emit(
+            "ready", address=eng.address, nbytes=sum(t.numel() * t.element_size() for _, t in cases)
+        )
         await _wait_for("go")
         t0 = time.monotonic()
         if a.get("mode") == "send_nowait":
@@ -198,11 +200,22 @@ async def role_producer(a: dict[str, Any]) -> None:
                     results.append(exc)
         else:
             results = await asyncio.gather(
-                *(eng.send(tid, t, to=a["to"], timeout=120) for tid, t in cases), return_exceptions=True
+                *(eng.send(tid, t, to=a["to"], timeout=120) for tid, t in cases),
+                return_exceptions=True,
             )
-        errors = [f"{tid}: {type(r).__name__}: {r}" for (tid, _), r in zip(cases, results) if r is not None]
+        errors = [
+            f"{tid}: {type(r).__name__}: {r}"
+            for (tid, _), r in zip(cases, results)
+            if r is not None
+        ]
         st = eng.statistics()
-        emit("done", elapsed=time.monotonic() - t0, errors=errors[:20], n_errors=len(errors), tensors_sent=st.tensors_sent)
+        emit(
+            "done",
+            elapsed=time.monotonic() - t0,
+            errors=errors[:20],
+            n_errors=len(errors),
+            tensors_sent=st.tensors_sent,
+        )
         await _wait_for("quit")
 
 

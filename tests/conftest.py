@@ -88,13 +88,17 @@ class Child:
                 ev = self.events.get_nowait()
             except queue.Empty:
                 if time.monotonic() > deadline:
-                    raise AssertionError(f"{self.role}: no {name!r} event in {timeout}s; stderr:\n{self.tail()}") from None
+                    raise AssertionError(
+                        f"{self.role}: no {name!r} event in {timeout}s; stderr:\n{self.tail()}"
+                    ) from None
                 await asyncio.sleep(0.005)
                 continue
             if ev.get("event") == name:
                 return ev
             if ev.get("event") in ("eof", "error"):
-                raise AssertionError(f"{self.role}: {ev} while waiting for {name!r}; stderr:\n{self.tail()}")
+                raise AssertionError(
+                    f"{self.role}: {ev} while waiting for {name!r}; stderr:\n{self.tail()}"
+                )
 
     def tell(self, line: str) -> None:
         assert self.proc.stdin is not None

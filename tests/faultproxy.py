@@ -188,7 +188,9 @@ class FaultProxy:
             out.extend([fr] * copies)
         return out, delay
 
-    async def _forward(self, sock: zmq.asyncio.Socket, prefix: list[bytes], frames: list[bytes], delay: float) -> None:
+    async def _forward(
+        self, sock: zmq.asyncio.Socket, prefix: list[bytes], frames: list[bytes], delay: float
+    ) -> None:
         if delay > 0:
             await asyncio.sleep(delay)
         if sock.closed or (self.cut_now and delay > 0):

@@ -27,8 +27,6 @@ def cfg(**limits: Any) -> aiokv.EngineConfig:
     return aiokv.EngineConfig(limits=aiokv.Limits(**limits)) if limits else aiokv.EngineConfig()
 
 
-
-
 # --------------------------------------------------------------------------- API basics
 
 
@@ -95,7 +93,12 @@ def _odd_tensors() -> dict[str, torch.Tensor]:
         out[f"{name}-empty"] = torch.empty((3, 0, 5), dtype=dt)
         out[f"{name}-sliced"] = random_tensor(4096, dt, 0, i + 50).view(64, -1)[3:40:3, 1::2]
     out["expanded"] = torch.arange(5, dtype=torch.float32).expand(4, 5)  # stride 0
-    out["neg-nan-bits"] = torch.tensor([float("nan"), -0.0, float("inf")]).view(torch.int32).add(1).view(torch.float32)
+    out["neg-nan-bits"] = (
+        torch.tensor([float("nan"), -0.0, float("inf")])
+        .view(torch.int32)
+        .add(1)
+        .view(torch.float32)
+    )
     return out
 
 
@@ -142,7 +145,9 @@ async def test_duplicate_id_refused_while_uncollected() -> None:
             await a.send_many({"fresh": torch.ones(1), "dup": torch.ones(1)}, to=c.address)
         # ids are per peer: b may use the same id
         await b.send("dup", torch.full((4,), 2.0), to=c.address)
-        assert same_bytes(await c.recv("dup", frm=a.address, timeout=5), torch.ones(4))  # never overwritten
+        assert same_bytes(
+            await c.recv("dup", frm=a.address, timeout=5), torch.ones(4)
+        )  # never overwritten
         assert same_bytes(await c.recv("dup", frm=b.address, timeout=5), torch.full((4,), 2.0))
         with pytest.raises(aiokv.TransferTimeoutError):  # the refused send_many delivered nothing
             await c.recv("fresh", timeout=0.2)
@@ -176,7 +181,9 @@ async def test_back_pressure_keeps_store_under_budget() -> None:
     n, size = 48, 160 * KiB
     async with engines(cfg(), cfg(store_bytes=budget)) as (a, b):
         data = {f"bp{i}": random_tensor(size, torch.float16, i % 4, i) for i in range(n)}
-        sends = [asyncio.ensure_future(a.send(k, v, to=b.address, timeout=30)) for k, v in data.items()]
+        sends = [
+            asyncio.ensure_future(a.send(k, v, to=b.address, timeout=30)) for k, v in data.items()
+        ]
         max_queued = 0
         bad = []
         for k, v in data.items():  # a collector slower than the producer
@@ -190,7 +197,14 @@ async def test_back_pressure_keeps_store_under_budget() -> None:
         await asyncio.gather(*sends)
         st = b.statistics()
         assert st.store is not None
-        record("back_pressure_1proc", budget=budget, peak=st.store.peak_bytes, max_queued=max_queued, n=n, size=size)
+        record(
+            "back_pressure_1proc",
+            budget=budget,
+            peak=st.store.peak_bytes,
+            max_queued=max_queued,
+            n=n,
+            size=size,
+        )
         assert not bad
         assert st.store.peak_bytes <= budget
         assert st.store.peak_bytes >= budget - 2 * size  # the budget was actually used
@@ -256,7 +270,9 @@ async def test_cancel_right_after_refusal_crosses_cleanly() -> None:
     async with engines(cfg(), cfg(store_bytes=1024)) as (a, b):
         await a.connect(b.address)
         for i in range(5):
-            h = a.send_nowait(f"big{i}", torch.zeros(4096), to=b.address)  # will be refused: too_large
+            h = a.send_nowait(
+                f"big{i}", torch.zeros(4096), to=b.address
+            )  # will be refused: too_large
             await asyncio.sleep(0)
             await asyncio.sleep(0)
             h.cancel()
@@ -317,13 +333,22 @@ async def test_aclose_with_transfers_in_flight() -> None:
         await e.start()
     try:
         await a.send("fill", torch.zeros(2 * MiB, dtype=torch.uint8), to=b.address)
-        queued = [asyncio.ensure_future(a.send(f"q{i}", torch.ones(MiB // 4), to=b.address, timeout=20)) for i in range(4)]
-        big = asyncio.ensure_future(c.send("big", torch.zeros(64 * MiB, dtype=torch.uint8), to=a.address, timeout=20))
+        queued = [
+            asyncio.ensure_future(a.send(f"q{i}", torch.ones(MiB // 4), to=b.address, timeout=20))
+            for i in range(4)
+        ]
+        big = asyncio.ensure_future(
+            c.send("big", torch.zeros(64 * MiB, dtype=torch.uint8), to=a.address, timeout=20)
+        )
         b_recvs = [asyncio.ensure_future(b.recv(f"r{i}", timeout=20)) for i in range(3)]
         a_recv = asyncio.ensure_future(a.recv("big", timeout=20))
         a_recv2 = asyncio.ensure_future(a.recv("never", timeout=20))
-        await wait_until(lambda: b.statistics().queued_reservations == 4, 5, "4 queued reservations on b")
-        await wait_until(lambda: big.done() or a.statistics().store.reserved_bytes > 0, 5, "big granted")  # type: ignore[union-attr]
+        await wait_until(
+            lambda: b.statistics().queued_reservations == 4, 5, "4 queued reservations on b"
+        )
+        await wait_until(
+            lambda: big.done() or a.statistics().store.reserved_bytes > 0, 5, "big granted"
+        )  # type: ignore[union-attr]
         # close the receiver b: its own waiters fail at once; a's sends to it fail (BYE) soon
         t0 = time.monotonic()
         await b.aclose()
@@ -337,15 +362,24 @@ async def test_aclose_with_transfers_in_flight() -> None:
         own = [*queued, a_recv, a_recv2]
         own_left = [f for f in own if not f.done()]
         peer_fut = [big]  # c learns of a's close by BYE, at worst by heartbeat
-        _, not_done = await asyncio.wait(peer_fut, timeout=c.config.timeouts.heartbeat_timeout + 1.0)
+        _, not_done = await asyncio.wait(
+            peer_fut, timeout=c.config.timeouts.heartbeat_timeout + 1.0
+        )
         t_peer = time.monotonic() - t0
-        record("aclose_in_flight", close_receiver_s=t_b, close_sender_s=t_a, peer_future_resolved_s=t_peer)
+        record(
+            "aclose_in_flight",
+            close_receiver_s=t_b,
+            close_sender_s=t_a,
+            peer_future_resolved_s=t_peer,
+        )
         assert t_b < 2.0 and t_a < 2.0
         assert not own_left, f"{len(own_left)} of a's futures unresolved after its aclose returned"
         assert not not_done, "c's send to a closed peer did not resolve"
         for f in [*own, *b_recvs, *peer_fut]:
             exc = f.exception()
-            assert isinstance(exc, (aiokv.EngineClosedError, aiokv.PeerLostError, aiokv.TransferAbortedError)), repr(exc)
+            assert isinstance(
+                exc, (aiokv.EngineClosedError, aiokv.PeerLostError, aiokv.TransferAbortedError)
+            ), repr(exc)
         for f in [*b_recvs, a_recv2]:  # nothing in flight: the engine's own close is the reason
             assert isinstance(f.exception(), aiokv.EngineClosedError)
         # a_recv waited on a tensor in flight from c: it reports PeerLostError("... lost: engine closed")
@@ -388,7 +422,7 @@ async def test_head_of_line_small_send_not_stuck_behind_big_one() -> None:
         await a.connect(c.address)
         await b.connect(c.address)
         big = torch.empty(big_n, dtype=torch.uint8)
-        big[:: 4096] = 7
+        big[::4096] = 7
         small = torch.arange(256, dtype=torch.int32)  # 1 KiB
         t0 = time.monotonic()
         ta = asyncio.ensure_future(a.send("big", big, to=c.address, timeout=50))
@@ -401,18 +435,30 @@ async def test_head_of_line_small_send_not_stuck_behind_big_one() -> None:
         a_was_done = ta.done()
         await ta
         t_a = time.monotonic() - t0
-        record("head_of_line", big_bytes=big_n, a_total_s=t_a, b_send_s=t_b, b_done_at_s=b_done_at, a_done_before_b=a_was_done)
+        record(
+            "head_of_line",
+            big_bytes=big_n,
+            a_total_s=t_a,
+            b_send_s=t_b,
+            b_done_at_s=b_done_at,
+            a_done_before_b=a_was_done,
+        )
         assert same_bytes(await c.recv("small", timeout=5), small)
         got = await c.recv("big", timeout=5)
         assert got.numel() == big_n and torch.equal(got[::4096], big[::4096])
-        assert not a_was_done, f"A ({t_a:.3f}s) finished before B ({b_done_at:.3f}s): no overlap measured"
+        assert not a_was_done, (
+            f"A ({t_a:.3f}s) finished before B ({b_done_at:.3f}s): no overlap measured"
+        )
         assert t_b < t_a / 4, (t_b, t_a)
 
 
 @pytest.mark.timeout(60)
 async def test_many_concurrent_sends_between_two_engines_both_ways() -> None:
     async with engines(cfg(), cfg()) as (a, b):
-        data = {f"t{i}": random_tensor(1024 + 37 * i, DTYPES[i % len(DTYPES)], i % 4, i) for i in range(300)}
+        data = {
+            f"t{i}": random_tensor(1024 + 37 * i, DTYPES[i % len(DTYPES)], i % 4, i)
+            for i in range(300)
+        }
         await asyncio.gather(
             *(a.send(k, v, to=b.address) for k, v in data.items()),
             *(b.send(k, v, to=a.address) for k, v in data.items()),

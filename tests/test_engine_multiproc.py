@@ -30,13 +30,23 @@ def record(name: str, **vals: Any) -> None:
 
 
 @pytest.mark.timeout(120)
-async def test_1000_concurrent_mixed_sends_from_two_producers(anyio_backend: Any, spawn: Any) -> None:
+async def test_1000_concurrent_mixed_sends_from_two_producers(
+    anyio_backend: Any, spawn: Any
+) -> None:
     seed, per = 20260, 500
     be = backend_name(anyio_backend)
     async with aiokv.Engine(aiokv.EngineConfig()) as cons:
         prods = [
-            spawn("producer", to=cons.address, seed=seed, pid=pid, n=per, profile="mixed", backend=be,
-                  mode="send" if pid == 1 else "send_nowait")
+            spawn(
+                "producer",
+                to=cons.address,
+                seed=seed,
+                pid=pid,
+                n=per,
+                profile="mixed",
+                backend=be,
+                mode="send" if pid == 1 else "send_nowait",
+            )
             for pid in (1, 2)
         ]
         ready = [await p.wait_event("ready", 60) for p in prods]
@@ -72,7 +82,13 @@ async def test_1000_concurrent_mixed_sends_from_two_producers(anyio_backend: Any
         for p in prods:
             p.tell("quit")
         st = cons.statistics()
-        record("mixed_1000", backend=be, total_bytes=total, seconds=t_all, peak=st.store.peak_bytes if st.store else None)
+        record(
+            "mixed_1000",
+            backend=be,
+            total_bytes=total,
+            seconds=t_all,
+            peak=st.store.peak_bytes if st.store else None,
+        )
         assert not bad, f"{len(bad)} tensors differ: {bad[:10]}"
         assert all(d["n_errors"] == 0 for d in dones), dones
         assert st.tensors_received == 2 * per
@@ -102,7 +118,15 @@ async def test_put_put_async_get_across_processes(anyio_backend: Any, spawn: Any
 async def test_slow_consumer_stays_under_budget(anyio_backend: Any, spawn: Any) -> None:
     budget, seed, n = 4 * MiB, 7, 150
     async with aiokv.Engine(aiokv.EngineConfig(limits=aiokv.Limits(store_bytes=budget))) as cons:
-        p = spawn("producer", to=cons.address, seed=seed, pid=3, n=n, profile="small", backend=backend_name(anyio_backend))
+        p = spawn(
+            "producer",
+            to=cons.address,
+            seed=seed,
+            pid=3,
+            n=n,
+            profile="small",
+            backend=backend_name(anyio_backend),
+        )
         await p.wait_event("ready", 60)
         p.tell("go")
         max_used = max_queued = 0
@@ -121,7 +145,13 @@ async def test_slow_consumer_stays_under_budget(anyio_backend: Any, spawn: Any) 
         p.tell("quit")
         st = cons.statistics()
         assert st.store is not None
-        record("slow_consumer_multiproc", budget=budget, peak=st.store.peak_bytes, max_used_sampled=max_used, max_queued=max_queued)
+        record(
+            "slow_consumer_multiproc",
+            budget=budget,
+            peak=st.store.peak_bytes,
+            max_used_sampled=max_used,
+            max_queued=max_queued,
+        )
         assert not bad and done["n_errors"] == 0
         assert st.store.peak_bytes <= budget and max_used <= budget
         assert max_queued > 0  # the producer waited for credit
@@ -146,11 +176,19 @@ async def test_kill9_producer_mid_transfer_fails_recv_fast(anyio_backend: Any, s
             await waiter
         took = time.monotonic() - t_kill
         st = cons.statistics()
-        record("kill9_detection", backend=backend_name(anyio_backend), nbytes=nbytes, seconds=took,
-               landed=st.tensors_received, heartbeat_timeout=cons.config.timeouts.heartbeat_timeout)
+        record(
+            "kill9_detection",
+            backend=backend_name(anyio_backend),
+            nbytes=nbytes,
+            seconds=took,
+            landed=st.tensors_received,
+            heartbeat_timeout=cons.config.timeouts.heartbeat_timeout,
+        )
         assert took < 5.0, took
         assert st.tensors_received == 0, "the transfer finished before the kill: not mid-transfer"
-        assert st.store is not None and st.store.reserved_bytes == 0 and st.store.pending_tensors == 0
+        assert (
+            st.store is not None and st.store.reserved_bytes == 0 and st.store.pending_tensors == 0
+        )
         assert st.peers_lost >= 1
         # the engine keeps serving other peers
         async with aiokv.Engine(aiokv.EngineConfig()) as other:

@@ -43,7 +43,13 @@ LONG = float(os.environ.get("AIOKV_FUZZ_SECONDS", "0"))
 CI_EXAMPLES = 150
 pytestmark = pytest.mark.timeout(120 if not LONG else LONG * 3 + 120)
 FIGURES = "/tmp/aiokv_reliability.jsonl"
-LIM = WireLimits(max_frame_bytes=64 * 1024, max_tensors=16, max_ndim=4, max_tensor_bytes=1 << 20, max_id_length=32)
+LIM = WireLimits(
+    max_frame_bytes=64 * 1024,
+    max_tensors=16,
+    max_ndim=4,
+    max_tensor_bytes=1 << 20,
+    max_id_length=32,
+)
 CODEC = Codec(LIM)
 
 
@@ -58,11 +64,26 @@ def run_budget(name: str, test: Any) -> int:
     t_end = time.monotonic() + LONG
     rounds = 0
     while time.monotonic() < t_end:
-        settings(max_examples=2000, deadline=None, derandomize=False, database=None,
-                 suppress_health_check=list(HealthCheck))(test(count))()  # a fresh @given each round
+        settings(
+            max_examples=2000,
+            deadline=None,
+            derandomize=False,
+            database=None,
+            suppress_health_check=list(HealthCheck),
+        )(test(count))()  # a fresh @given each round
         rounds += 1
     with open(FIGURES, "a") as f:
-        f.write(json.dumps({"test": f"fuzz_long::{name}", "seconds": LONG, "examples": count[0], "rounds": rounds}) + "\n")
+        f.write(
+            json.dumps(
+                {
+                    "test": f"fuzz_long::{name}",
+                    "seconds": LONG,
+                    "examples": count[0],
+                    "rounds": rounds,
+                }
+            )
+            + "\n"
+        )
     print(f"{name}: {count[0]} examples in {LONG:.0f}s, 0 failures")
     return count[0]
 
@@ -70,21 +91,53 @@ def run_budget(name: str, test: Any) -> int:
 # --------------------------------------------------------------------------- strategies
 
 scalar = (
-    st.none() | st.booleans() | st.integers(-(2**63), 2**64 - 1) | st.floats(allow_nan=True)
-    | st.text(max_size=40) | st.binary(max_size=200)
+    st.none()
+    | st.booleans()
+    | st.integers(-(2**63), 2**64 - 1)
+    | st.floats(allow_nan=True)
+    | st.text(max_size=40)
+    | st.binary(max_size=200)
 )
-anyobj = st.recursive(scalar, lambda ch: st.lists(ch, max_size=6) | st.dictionaries(scalar.filter(lambda x: x is not None and not isinstance(x, float)), ch, max_size=4), max_leaves=20)
-tid = st.text(min_size=1, max_size=40) | st.integers(-(2**63), 2**63) | st.binary(max_size=8) | st.none()
-dtypes = st.sampled_from(sorted(m.ALLOWED_DTYPES)) | st.sampled_from(["object", "complex64", "float128", "", "__class__"]) | st.integers(-5, 5)
+anyobj = st.recursive(
+    scalar,
+    lambda ch: (
+        st.lists(ch, max_size=6)
+        | st.dictionaries(
+            scalar.filter(lambda x: x is not None and not isinstance(x, float)), ch, max_size=4
+        )
+    ),
+    max_leaves=20,
+)
+tid = (
+    st.text(min_size=1, max_size=40)
+    | st.integers(-(2**63), 2**63)
+    | st.binary(max_size=8)
+    | st.none()
+)
+dtypes = (
+    st.sampled_from(sorted(m.ALLOWED_DTYPES))
+    | st.sampled_from(["object", "complex64", "float128", "", "__class__"])
+    | st.integers(-5, 5)
+)
 shape = st.lists(st.integers(-3, 1 << 62) | st.floats() | st.text(max_size=3), max_size=10)
-spec = st.lists(st.one_of(tid, dtypes, shape), min_size=0, max_size=4) | st.tuples(tid, dtypes, shape).map(list)
+spec = st.lists(st.one_of(tid, dtypes, shape), min_size=0, max_size=4) | st.tuples(
+    tid, dtypes, shape
+).map(list)
 
 
 def field_for(i: int) -> Any:
     return st.one_of(
-        st.integers(-1, 2**64 - 1), st.text(max_size=30), st.binary(max_size=140), st.booleans(), st.none(),
-        st.lists(spec, max_size=20), st.sampled_from(m.REFUSE_CODES), st.sampled_from(m.TRANSPORTS),
-        st.binary(min_size=16, max_size=16), st.binary(min_size=128, max_size=128), anyobj,
+        st.integers(-1, 2**64 - 1),
+        st.text(max_size=30),
+        st.binary(max_size=140),
+        st.booleans(),
+        st.none(),
+        st.lists(spec, max_size=20),
+        st.sampled_from(m.REFUSE_CODES),
+        st.sampled_from(m.TRANSPORTS),
+        st.binary(min_size=16, max_size=16),
+        st.binary(min_size=128, max_size=128),
+        anyobj,
     )
 
 
@@ -154,7 +207,10 @@ def sessions_in_every_state() -> list[tuple[str, Session]]:
     """(name, session) for every connection state x role, and open sessions with transfers
     in every transfer state."""
     out: list[tuple[str, Session]] = []
-    out += [("client-IDLE", Session(Role.CLIENT, CODEC)), ("server-IDLE", Session(Role.SERVER, CODEC))]
+    out += [
+        ("client-IDLE", Session(Role.CLIENT, CODEC)),
+        ("server-IDLE", Session(Role.SERVER, CODEC)),
+    ]
     c, s = Session(Role.CLIENT, CODEC), Session(Role.SERVER, CODEC)
     s.receive(c.send(m.Hello(1, "c", "127.0.0.1:1", ("tcp",), None)))
     out.append(("client-HELLO_SENT", c.__copy__() if hasattr(c, "__copy__") else _clone(c)))
@@ -163,7 +219,9 @@ def sessions_in_every_state() -> list[tuple[str, Session]]:
     # transfers: 1 RESERVED, 2 WITHDRAWING, 3 GRANTED, 4 SENT (client); mirrored on the server
     spec = (m.TensorSpec("t", "float32", (4,)),)
     for x in (1, 2, 3, 4):
-        s.receive(c.send(m.Reserve(c.new_xfer_id(), "tcp", (m.TensorSpec(f"t{x}", "float32", (4,)),))))
+        s.receive(
+            c.send(m.Reserve(c.new_xfer_id(), "tcp", (m.TensorSpec(f"t{x}", "float32", (4,)),)))
+        )
     c.send(m.Withdraw(2))
     s.receive(c.codec.encode(m.Withdraw(2)))
     for x in (3, 4):
@@ -230,8 +288,14 @@ def test_fuzz_garbage_frames_to_a_live_engine() -> None:
     loop = asyncio.new_event_loop()
     errors = LoopErrors()
     loop.set_exception_handler(errors)
-    limits = aiokv.Limits(max_frame_bytes=64 * 1024, max_tensors_per_transfer=16, max_ndim=4,
-                          max_tensor_bytes=1 << 20, max_id_length=32, store_bytes=8 << 20)
+    limits = aiokv.Limits(
+        max_frame_bytes=64 * 1024,
+        max_tensors_per_transfer=16,
+        max_ndim=4,
+        max_tensor_bytes=1 << 20,
+        max_id_length=32,
+        store_bytes=8 << 20,
+    )
     eng = aiokv.Engine(aiokv.EngineConfig(limits=limits))
     ctx = zmq.asyncio.Context()
     rng = random.Random(1)
@@ -260,7 +324,10 @@ def test_fuzz_garbage_frames_to_a_live_engine() -> None:
                 d.close(0)
 
         def make(count: list[int]) -> Any:
-            @given(st.lists(st.lists(frames, min_size=1, max_size=4), min_size=1, max_size=4), st.booleans())
+            @given(
+                st.lists(st.lists(frames, min_size=1, max_size=4), min_size=1, max_size=4),
+                st.booleans(),
+            )
             def inner(msgs: list[list[bytes]], in_session: bool) -> None:
                 count[0] += 1
                 loop.run_until_complete(one(msgs, in_session))
@@ -270,6 +337,7 @@ def test_fuzz_garbage_frames_to_a_live_engine() -> None:
             return inner
 
         n = run_budget("live_engine", make)
+
         # the engine is unharmed: a real transfer works, and it counted the garbage
         async def check() -> None:
             t = torch.arange(rng.randrange(1, 100), dtype=torch.int32)

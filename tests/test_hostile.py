@@ -59,8 +59,14 @@ async def test_garbage_frames_from_raw_dealer_get_errors(anyio_backend: Any) -> 
                 ([msgpack.packb({"a": 1})], "malformed"),
                 ([msgpack.packb([99, 1, 2])], "unknown_kind"),
                 ([msgpack.packb([m.Grant.KIND, "x", 1])], "bad_field"),
-                ([b"\x91" + b"\x00" * (2 << 20)], "frame_too_large"),  # over max_frame_bytes (1 MiB)
-                ([CODEC.encode(m.Reserve(1, "tcp", (m.TensorSpec("a", "uint8", (1,)),)))], "no_session"),
+                (
+                    [b"\x91" + b"\x00" * (2 << 20)],
+                    "frame_too_large",
+                ),  # over max_frame_bytes (1 MiB)
+                (
+                    [CODEC.encode(m.Reserve(1, "tcp", (m.TensorSpec("a", "uint8", (1,)),)))],
+                    "no_session",
+                ),
                 ([CODEC.encode(m.DataHello(b"\x00" * 16))], "bad_token"),
                 ([msgpack.packb([m.Reserve.KIND, 1, "tcp", [["a", "object", [1]]]])], "bad_spec"),
                 ([msgpack.packb([m.Hello.KIND, 1, 5, "x:1", [], None])], "bad_field"),
@@ -71,7 +77,10 @@ async def test_garbage_frames_from_raw_dealer_get_errors(anyio_backend: Any) -> 
                 await s.send_multipart(frames)
                 reply = await _reply(s)
                 assert isinstance(reply, m.ErrorMsg), (code, reply)
-                assert eng.statistics().protocol_errors.get(code, 0) == before + 1, (code, eng.statistics().protocol_errors)
+                assert eng.statistics().protocol_errors.get(code, 0) == before + 1, (
+                    code,
+                    eng.statistics().protocol_errors,
+                )
                 s.close()
             # a HELLO with the wrong version
             s = await _dealer(ctx, eng.address)
@@ -94,12 +103,26 @@ async def test_garbage_frames_from_raw_dealer_get_errors(anyio_backend: Any) -> 
 async def test_hostile_peer_after_handshake_is_dropped_alone(anyio_backend: Any) -> None:
     ctx = zmq.asyncio.Context()
     try:
-        async with aiokv.Engine(aiokv.EngineConfig(limits=aiokv.Limits(store_bytes=1 << 20))) as eng:
+        async with aiokv.Engine(
+            aiokv.EngineConfig(limits=aiokv.Limits(store_bytes=1 << 20))
+        ) as eng:
             async with aiokv.Engine(aiokv.EngineConfig()) as good:
                 await good.connect(eng.address)  # an honest session that must survive
-                for attack in ("grant_from_client", "data_without_grant", "dup_reserve_xfer", "huge_shape", "garbage"):
+                for attack in (
+                    "grant_from_client",
+                    "data_without_grant",
+                    "dup_reserve_xfer",
+                    "huge_shape",
+                    "garbage",
+                ):
                     s = await _dealer(ctx, eng.address)
-                    await s.send(CODEC.encode(m.Hello(m.PROTOCOL_VERSION, f"evil-{attack}", "127.0.0.1:9", ("tcp",), None)))
+                    await s.send(
+                        CODEC.encode(
+                            m.Hello(
+                                m.PROTOCOL_VERSION, f"evil-{attack}", "127.0.0.1:9", ("tcp",), None
+                            )
+                        )
+                    )
                     w = await _reply(s)
                     assert isinstance(w, m.Welcome)
                     spec = (m.TensorSpec("a", "uint8", (16,)),)
@@ -110,9 +133,15 @@ async def test_hostile_peer_after_handshake_is_dropped_alone(anyio_backend: Any)
                     elif attack == "dup_reserve_xfer":
                         await s.send(CODEC.encode(m.Reserve(1, "tcp", spec)))
                         assert isinstance(await _reply(s), m.Grant)
-                        await s.send(CODEC.encode(m.Reserve(1, "tcp", (m.TensorSpec("b", "uint8", (1,)),))))
+                        await s.send(
+                            CODEC.encode(m.Reserve(1, "tcp", (m.TensorSpec("b", "uint8", (1,)),)))
+                        )
                     elif attack == "huge_shape":
-                        await s.send(msgpack.packb([m.Reserve.KIND, 1, "tcp", [["a", "float64", [1 << 40, 1 << 40]]]]))
+                        await s.send(
+                            msgpack.packb(
+                                [m.Reserve.KIND, 1, "tcp", [["a", "float64", [1 << 40, 1 << 40]]]]
+                            )
+                        )
                     else:
                         await s.send(os.urandom(100))
                     reply = await _reply(s)
@@ -120,14 +149,22 @@ async def test_hostile_peer_after_handshake_is_dropped_alone(anyio_backend: Any)
                     s.close()
                 # over the budget but within the limits: a clean REFUSE, not an error
                 s = await _dealer(ctx, eng.address)
-                await s.send(CODEC.encode(m.Hello(m.PROTOCOL_VERSION, "greedy", "127.0.0.1:9", ("tcp",), None)))
+                await s.send(
+                    CODEC.encode(
+                        m.Hello(m.PROTOCOL_VERSION, "greedy", "127.0.0.1:9", ("tcp",), None)
+                    )
+                )
                 assert isinstance(await _reply(s), m.Welcome)
-                await s.send(CODEC.encode(m.Reserve(1, "tcp", (m.TensorSpec("a", "uint8", (2 << 20,)),))))
+                await s.send(
+                    CODEC.encode(m.Reserve(1, "tcp", (m.TensorSpec("a", "uint8", (2 << 20,)),)))
+                )
                 r = await _reply(s)
                 assert isinstance(r, m.Refuse) and r.code == "too_large"
                 s.close()
                 st = eng.statistics()
-                assert st.store is not None and st.store.reserved_bytes == 0  # the dropped sessions' grants were released
+                assert (
+                    st.store is not None and st.store.reserved_bytes == 0
+                )  # the dropped sessions' grants were released
                 t = torch.arange(10)
                 await good.send("still-fine", t, to=eng.address, timeout=10)
                 assert same_bytes(await eng.recv("still-fine", timeout=5), t)
@@ -142,7 +179,9 @@ async def test_data_connection_attacks(anyio_backend: Any) -> None:
     try:
         async with aiokv.Engine(aiokv.EngineConfig()) as eng:
             s = await _dealer(ctx, eng.address)
-            await s.send(CODEC.encode(m.Hello(m.PROTOCOL_VERSION, "evil", "127.0.0.1:9", ("tcp",), None)))
+            await s.send(
+                CODEC.encode(m.Hello(m.PROTOCOL_VERSION, "evil", "127.0.0.1:9", ("tcp",), None))
+            )
             w = await _reply(s)
             assert isinstance(w, m.Welcome)
             d = await _dealer(ctx, eng.address)
@@ -183,9 +222,16 @@ async def test_raw_tcp_garbage_and_stalled_handshakes(anyio_backend: Any) -> Non
             elif i % 4 == 1:
                 await loop.sock_sendall(s, os.urandom(4096))
             elif i % 4 == 2:  # a ZMTP-looking greeting, then nonsense
-                await loop.sock_sendall(s, b"\xff" + b"\x00" * 8 + b"\x7f\x03\x00NULL" + b"\x00" * 16 + os.urandom(512))
+                await loop.sock_sendall(
+                    s, b"\xff" + b"\x00" * 8 + b"\x7f\x03\x00NULL" + b"\x00" * 16 + os.urandom(512)
+                )
             else:  # claims a huge frame
-                await loop.sock_sendall(s, b"\xff\x00\x00\x00\x00\x00\x00\x00\x01\x7f\x03\x00NULL" + b"\x00" * 48 + b"\x02\xff" * 8)
+                await loop.sock_sendall(
+                    s,
+                    b"\xff\x00\x00\x00\x00\x00\x00\x00\x01\x7f\x03\x00NULL"
+                    + b"\x00" * 48
+                    + b"\x02\xff" * 8,
+                )
             socks.append(s)
         await asyncio.sleep(0.2)
         await _healthy(eng)  # served while the junk connections are still open

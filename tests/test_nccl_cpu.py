@@ -714,3 +714,23 @@ async def test_poller_stop_fails_pending() -> None:
         await f
     with pytest.raises(EngineClosedError):
         p.wait(FakeEvent())
+
+
+def test_poller_touch_spins_then_parks() -> None:
+    """touch() keeps the loop spinning with nothing registered, for about its window, then parks."""
+    from aiokv.cuda import ProgressPoller
+
+    async def main() -> tuple[int, int, float]:
+        p = ProgressPoller(spin_s=0.0)
+        p.touch(0.02)
+        t0 = time.perf_counter()
+        await asyncio.sleep(0.005)
+        mid = p.statistics().spin_passes
+        await asyncio.sleep(0.05)
+        st = p.statistics()
+        await p.stop()
+        return mid, st.parks, time.perf_counter() - t0
+
+    mid, parks, _ = asyncio.run(main())
+    assert mid > 0  # spinning while touched
+    assert parks >= 1  # and parked after the window

@@ -36,13 +36,15 @@ layout = st.none() | st.dictionaries(
 )
 dtype = st.sampled_from(sorted(m.ALLOWED_DTYPES))
 shape = st.lists(st.integers(0, 8), max_size=LIM.max_ndim).map(tuple)  # 8**8 * 8 B < 16 GiB
-specs = st.lists(st.tuples(ident, dtype, shape), min_size=1, max_size=8, unique_by=lambda s: s[0]).map(
-    lambda xs: tuple(m.TensorSpec(*x) for x in xs)
-)
+specs = st.lists(
+    st.tuples(ident, dtype, shape), min_size=1, max_size=8, unique_by=lambda s: s[0]
+).map(lambda xs: tuple(m.TensorSpec(*x) for x in xs))
 
 MESSAGES = {
     m.Hello: st.builds(m.Hello, u63, ident, addr, caps, layout),
-    m.Welcome: st.builds(m.Welcome, u63, ident, addr, caps, layout, st.binary(min_size=16, max_size=16)),
+    m.Welcome: st.builds(
+        m.Welcome, u63, ident, addr, caps, layout, st.binary(min_size=16, max_size=16)
+    ),
     m.DataHello: st.builds(m.DataHello, st.binary(min_size=TOKEN_BYTES, max_size=TOKEN_BYTES)),
     m.Reserve: st.builds(m.Reserve, u63, st.sampled_from(m.TRANSPORTS), specs),
     m.Grant: st.builds(m.Grant, u63, u63),
@@ -54,7 +56,9 @@ MESSAGES = {
     m.Failed: st.builds(m.Failed, u63, code, detail),
     m.Get: st.builds(m.Get, u63, st.lists(ident, min_size=1, max_size=5).map(tuple), addr),
     m.GetReply: st.builds(m.GetReply, u63, code, detail),
-    m.NcclSetup: st.builds(m.NcclSetup, u63, st.binary(min_size=NCCL_ID_BYTES, max_size=NCCL_ID_BYTES)),
+    m.NcclSetup: st.builds(
+        m.NcclSetup, u63, st.binary(min_size=NCCL_ID_BYTES, max_size=NCCL_ID_BYTES)
+    ),
     m.NcclReady: st.builds(m.NcclReady, u63, st.booleans(), detail),
     m.Ping: st.builds(m.Ping, u63),
     m.Pong: st.builds(m.Pong, u63),
@@ -110,12 +114,17 @@ msgpack_values = st.recursive(
     | st.floats(allow_nan=True)
     | st.text(max_size=20)
     | st.binary(max_size=20),
-    lambda children: st.lists(children, max_size=6) | st.dictionaries(st.text(max_size=8) | st.integers(), children, max_size=4),
+    lambda children: (
+        st.lists(children, max_size=6)
+        | st.dictionaries(st.text(max_size=8) | st.integers(), children, max_size=4)
+    ),
     max_leaves=12,
 )
 # arrays that start with a real kind: they reach the per-field checks
 near_messages = st.builds(
-    lambda kind, rest: [kind, *rest], st.sampled_from(sorted(m.BY_KIND)), st.lists(msgpack_values, max_size=7)
+    lambda kind, rest: [kind, *rest],
+    st.sampled_from(sorted(m.BY_KIND)),
+    st.lists(msgpack_values, max_size=7),
 )
 
 
@@ -124,7 +133,11 @@ near_messages = st.builds(
 def test_garbage_structures_raise_only_remote_protocol_error(obj: object) -> None:
     try:
         raw = _pack(obj)
-    except (TypeError, ValueError, OverflowError):  # not expressible in msgpack (e.g. int dict keys are fine)
+    except (
+        TypeError,
+        ValueError,
+        OverflowError,
+    ):  # not expressible in msgpack (e.g. int dict keys are fine)
         return
     try:
         msg = CODEC.decode(raw)
@@ -137,7 +150,9 @@ def test_garbage_structures_raise_only_remote_protocol_error(obj: object) -> Non
 
 @settings(max_examples=400, deadline=None)
 @given(any_message, st.data())
-def test_mutated_valid_frames_raise_only_remote_protocol_error(msg: m.Message, data: st.DataObject) -> None:
+def test_mutated_valid_frames_raise_only_remote_protocol_error(
+    msg: m.Message, data: st.DataObject
+) -> None:
     wire = bytearray(CODEC.encode(msg))
     for _ in range(data.draw(st.integers(1, 4))):
         i = data.draw(st.integers(0, len(wire) - 1))
@@ -165,7 +180,9 @@ def test_malformed_and_unknown() -> None:
     assert _reason(_pack([m.Grant.KIND, 1.0, 0])) == "bad_field"
     assert _reason(_pack([m.Grant.KIND, True, 0])) == "bad_field"
     assert _reason(_pack([m.Refuse.KIND, 1, "no-such-code", ""])) == "bad_field"
-    assert _reason(_pack([m.Reserve.KIND, 1, "carrier-pigeon", [["a", "uint8", [1]]]])) == "bad_field"
+    assert (
+        _reason(_pack([m.Reserve.KIND, 1, "carrier-pigeon", [["a", "uint8", [1]]]])) == "bad_field"
+    )
     assert _reason(_pack([m.DataHello.KIND, b"short"])) == "bad_field"
     assert _reason(_pack([m.NcclSetup.KIND, 1, b"x" * (NCCL_ID_BYTES + 1)])) == "bad_field"
     # ext types are refused by msgpack's limits
@@ -200,7 +217,10 @@ def test_too_many_tensors() -> None:
     assert isinstance(c.decode(_reserve(*four)), m.Reserve)
     assert _reason(_reserve(*four, ["t4", "uint8", [1]]), c) in ("bad_spec", "malformed")
     assert _reason(_reserve(), c) == "bad_spec"  # zero tensors
-    assert _reason(_pack([m.Get.KIND, 1, [f"t{i}" for i in range(5)], "a:1"]), c) in ("bad_field", "malformed")
+    assert _reason(_pack([m.Get.KIND, 1, [f"t{i}" for i in range(5)], "a:1"]), c) in (
+        "bad_field",
+        "malformed",
+    )
 
 
 def test_ndim_over_limit() -> None:
@@ -223,7 +243,9 @@ def test_byte_counts_over_limit() -> None:
     assert isinstance(z, m.Reserve) and z.nbytes == 0
 
 
-@pytest.mark.parametrize("dt", ["float4", "object", "complex64", "torch.float32", "", "__class__", "uint16", 5, None])
+@pytest.mark.parametrize(
+    "dt", ["float4", "object", "complex64", "torch.float32", "", "__class__", "uint16", 5, None]
+)
 def test_dtype_not_in_allow_list(dt: object) -> None:
     assert _reason(_reserve(["a", dt, [1]])) == "bad_spec"
 
@@ -252,13 +274,20 @@ def test_layout_and_caps_limits() -> None:
     assert _reason(_pack([m.Hello.KIND, 1, "e", "a:1", [], {"k": 1.5}])) == "bad_field"
     assert _reason(_pack([m.Hello.KIND, 1, "e", "a:1", [], {"k": [1]}])) == "bad_field"
     assert _reason(_pack([m.Hello.KIND, 1, "e", "x" * 300, [], None])) == "bad_field"
-    assert _reason(_pack([m.Hello.KIND, 1, "e", "a:1", [], {str(i): i for i in range(40)}])) in ("bad_field", "malformed")
+    assert _reason(_pack([m.Hello.KIND, 1, "e", "a:1", [], {str(i): i for i in range(40)}])) in (
+        "bad_field",
+        "malformed",
+    )
 
 
 def test_messages_are_frozen_and_slotted() -> None:
     for cls in m.ALL_MESSAGES:
         assert dataclasses.is_dataclass(cls)
-        assert "__dict__" not in dir(cls) or not hasattr(cls, "__dict__") or "__slots__" in cls.__dict__
+        assert (
+            "__dict__" not in dir(cls)
+            or not hasattr(cls, "__dict__")
+            or "__slots__" in cls.__dict__
+        )
     g = m.Grant(1, 2)
     with pytest.raises(dataclasses.FrozenInstanceError):
         g.seq = 3  # type: ignore[misc]

@@ -12,7 +12,17 @@ pytestmark = pytest.mark.timeout(30)
 
 PKG = Path(__file__).resolve().parent.parent / "aiokv"
 PROTOCOL = PKG / "protocol"
-FORBIDDEN_IN_PROTOCOL = {"zmq", "torch", "asyncio", "pickle", "cloudpickle", "dill", "marshal", "socket", "threading"}
+FORBIDDEN_IN_PROTOCOL = {
+    "zmq",
+    "torch",
+    "asyncio",
+    "pickle",
+    "cloudpickle",
+    "dill",
+    "marshal",
+    "socket",
+    "threading",
+}
 FORBIDDEN_ANYWHERE = {"pickle", "cPickle", "cloudpickle", "dill", "marshal", "shelve"}
 
 
@@ -29,9 +39,17 @@ def _imports(tree: ast.AST) -> set[str]:
             out.update(a.name.split(".")[0] for a in node.names)
         elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
             out.add(node.module.split(".")[0])
-        elif isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == "__import__":
+        elif (
+            isinstance(node, ast.Call)
+            and isinstance(node.func, ast.Name)
+            and node.func.id == "__import__"
+        ):
             out.add("__import__")
-        elif isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "import_module":
+        elif (
+            isinstance(node, ast.Call)
+            and isinstance(node.func, ast.Attribute)
+            and node.func.attr == "import_module"
+        ):
             out.add("importlib.import_module")
     return out
 
@@ -44,7 +62,9 @@ def test_protocol_imports_no_io(path: Path) -> None:
     # relative imports stay inside the protocol package or reach only the exception module
     for node in ast.walk(tree):
         if isinstance(node, ast.ImportFrom) and node.level >= 2:
-            assert node.module == "_exceptions", f"{path.name}: from {'.' * node.level}{node.module} import ..."
+            assert node.module == "_exceptions", (
+                f"{path.name}: from {'.' * node.level}{node.module} import ..."
+            )
 
 
 def test_protocol_package_imports_cleanly_without_io_modules() -> None:
@@ -52,15 +72,20 @@ def test_protocol_package_imports_cleanly_without_io_modules() -> None:
     import subprocess
     import sys
 
-    code = (  # noqa: UP031
-        "import sys, importlib.util\n"
-        "spec = importlib.util.spec_from_file_location('aiokv', %r, submodule_search_locations=[%r])\n"
-        "pkg = importlib.util.module_from_spec(spec); sys.modules['aiokv'] = pkg\n"  # skip aiokv/__init__ (it imports the engine)
-        "import aiokv.protocol\n"
-        "bad = sorted(m for m in ('zmq', 'torch', 'asyncio', 'pickle') if m in sys.modules)\n"
-        "print(','.join(bad))\n"
-    ) % (str(PKG / "__init__.py"), str(PKG))
-    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, cwd="/")
+    code = (
+        (  # noqa: UP031
+            "import sys, importlib.util\n"
+            "spec = importlib.util.spec_from_file_location('aiokv', %r, submodule_search_locations=[%r])\n"
+            "pkg = importlib.util.module_from_spec(spec); sys.modules['aiokv'] = pkg\n"  # skip aiokv/__init__ (it imports the engine)
+            "import aiokv.protocol\n"
+            "bad = sorted(m for m in ('zmq', 'torch', 'asyncio', 'pickle') if m in sys.modules)\n"
+            "print(','.join(bad))\n"
+        )
+        % (str(PKG / "__init__.py"), str(PKG))
+    )
+    r = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=60, cwd="/"
+    )
     assert r.returncode == 0, r.stderr
     assert r.stdout.strip() == "", f"aiokv.protocol imported {r.stdout.strip()}"
 
@@ -73,15 +98,33 @@ def test_no_pickle_eval_exec_marshal_anywhere(path: Path) -> None:
     assert not bad, f"{path}: imports {sorted(bad)}"
     for node in ast.walk(tree):
         if isinstance(node, ast.Call) and isinstance(node.func, ast.Name):
-            assert node.func.id not in ("eval", "exec", "compile", "__import__"), f"{path}:{node.lineno}: {node.func.id}()"
-        if isinstance(node, ast.Attribute) and node.attr in ("loads", "load") and isinstance(node.value, ast.Name):
-            assert node.value.id not in FORBIDDEN_ANYWHERE, f"{path}:{node.lineno}: {node.value.id}.{node.attr}"
-        if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr in ("recv_pyobj", "recv_serialized"):
+            assert node.func.id not in ("eval", "exec", "compile", "__import__"), (
+                f"{path}:{node.lineno}: {node.func.id}()"
+            )
+        if (
+            isinstance(node, ast.Attribute)
+            and node.attr in ("loads", "load")
+            and isinstance(node.value, ast.Name)
+        ):
+            assert node.value.id not in FORBIDDEN_ANYWHERE, (
+                f"{path}:{node.lineno}: {node.value.id}.{node.attr}"
+            )
+        if (
+            isinstance(node, ast.Call)
+            and isinstance(node.func, ast.Attribute)
+            and node.func.attr in ("recv_pyobj", "recv_serialized")
+        ):
             raise AssertionError(f"{path}:{node.lineno}: {node.func.attr} unpickles wire data")
     # and the plain grep the docs promise
     code_only = re.sub(r'("""|\'\'\')[\s\S]*?\1', "", src)  # docstrings may *say* "never pickle"
     code_only = re.sub(r"#.*", "", code_only)
-    for word in (r"\bpickle\b", r"(?<![\w.])eval\(", r"(?<![\w.])exec\(", r"\bmarshal\b", r"recv_pyobj"):
+    for word in (
+        r"\bpickle\b",
+        r"(?<![\w.])eval\(",
+        r"(?<![\w.])exec\(",
+        r"\bmarshal\b",
+        r"recv_pyobj",
+    ):
         assert not re.search(word, code_only), f"{path}: matches {word}"
 
 
@@ -91,7 +134,11 @@ def _decode_paths() -> list[tuple[str, ast.FunctionDef]]:
     for name in ("codec.py", "session.py"):
         tree = ast.parse((PROTOCOL / name).read_text())
         for node in ast.walk(tree):
-            if isinstance(node, ast.FunctionDef) and node.name not in ("encode", "_to_wire", "send"):
+            if isinstance(node, ast.FunctionDef) and node.name not in (
+                "encode",
+                "_to_wire",
+                "send",
+            ):
                 out.append((f"{name}:{node.name}", node))
     return out
 
@@ -100,7 +147,9 @@ def _decode_paths() -> list[tuple[str, ast.FunctionDef]]:
 def test_no_getattr_on_wire_data(where: str, fn: ast.FunctionDef) -> None:
     for node in ast.walk(fn):
         if isinstance(node, ast.Call) and isinstance(node.func, ast.Name):
-            assert node.func.id not in ("getattr", "setattr", "eval", "exec", "__import__"), f"{where}:{node.lineno}"
+            assert node.func.id not in ("getattr", "setattr", "eval", "exec", "__import__"), (
+                f"{where}:{node.lineno}"
+            )
 
 
 def test_dtype_from_wire_is_looked_up_in_a_table() -> None:

@@ -42,7 +42,11 @@ def link(sender: Session, receiver: Session, msg: m.Message) -> m.Message:
 
 
 def snap(s: Session) -> dict[str, Any]:
-    return {f.name: copy.deepcopy(getattr(s, f.name)) for f in dataclasses.fields(s) if f.name != "codec"}
+    return {
+        f.name: copy.deepcopy(getattr(s, f.name))
+        for f in dataclasses.fields(s)
+        if f.name != "codec"
+    }
 
 
 def pair_open() -> tuple[Session, Session]:
@@ -185,7 +189,11 @@ def test_every_transition_from_both_ends() -> None:
                         sender = end if direction == "send" else (S if end is C else C)
                         want = oracle(me, sender, msg, xstate)
                         before = snap(me)
-                        err_t = aiokv.LocalProtocolError if direction == "send" else aiokv.RemoteProtocolError
+                        err_t = (
+                            aiokv.LocalProtocolError
+                            if direction == "send"
+                            else aiokv.RemoteProtocolError
+                        )
                         where = f"{cname}/{end.value}/{direction} {msg.NAME} xfer={xfer} ({xstate})"
                         checked += 1
                         try:
@@ -197,7 +205,9 @@ def test_every_transition_from_both_ends() -> None:
                             if want:
                                 failures.append(f"{where}: legal but raised {exc!r}")
                             elif not isinstance(exc, err_t):
-                                failures.append(f"{where}: raised {type(exc).__name__}, want {err_t.__name__}")
+                                failures.append(
+                                    f"{where}: raised {type(exc).__name__}, want {err_t.__name__}"
+                                )
                             elif snap(me) != before:
                                 failures.append(f"{where}: state changed by a refused message")
                         else:
@@ -312,7 +322,9 @@ def test_withdraw_then_withdrawn() -> None:
         c.receive(CODEC.encode(m.Withdrawn(1)))
 
 
-@pytest.mark.parametrize("ender", [m.Refuse(1, "busy", ""), m.Failed(1, "timeout", "")], ids=["REFUSE", "FAILED"])
+@pytest.mark.parametrize(
+    "ender", [m.Refuse(1, "busy", ""), m.Failed(1, "timeout", "")], ids=["REFUSE", "FAILED"]
+)
 def test_withdraw_crosses_refuse_or_failed(ender: m.Message) -> None:
     """The server ends a transfer while the client withdraws it: neither end may call that a protocol error."""
     c, s = pair_in(XferState.RESERVED)
@@ -363,7 +375,9 @@ frames = st.one_of(
 
 @settings(max_examples=300, deadline=None)
 @given(st.sampled_from(["client", "server"]), st.lists(frames, max_size=25))
-def test_random_frames_into_receive_raise_only_remote_protocol_error(end: str, seq: list[bytes]) -> None:
+def test_random_frames_into_receive_raise_only_remote_protocol_error(
+    end: str, seq: list[bytes]
+) -> None:
     c, s = pair_in(XferState.GRANTED)
     me = c if end == "client" else s
     if end == "client":

@@ -44,7 +44,9 @@ from faultproxy import C2S, S2C, Fault, FaultProxy  # noqa: E402
 
 KiB, MiB = 1024, 1024 * 1024
 FIGURES = "/tmp/aiokv_reliability.jsonl"
-ASYNCIO_ONLY = pytest.mark.parametrize("anyio_backend", [pytest.param(("asyncio", {"debug": False}), id="asyncio")])
+ASYNCIO_ONLY = pytest.mark.parametrize(
+    "anyio_backend", [pytest.param(("asyncio", {"debug": False}), id="asyncio")]
+)
 
 
 def record(name: str, **vals: Any) -> None:
@@ -59,11 +61,15 @@ def cfg(timeouts: aiokv.Timeouts | None = None, **limits: Any) -> aiokv.EngineCo
     )
 
 
-
-
 def same(a: torch.Tensor, b: torch.Tensor) -> bool:
-    return a.dtype == b.dtype and a.shape == b.shape and bool(
-        torch.equal(a.contiguous().view(-1).view(torch.uint8), b.contiguous().view(-1).view(torch.uint8))
+    return (
+        a.dtype == b.dtype
+        and a.shape == b.shape
+        and bool(
+            torch.equal(
+                a.contiguous().view(-1).view(torch.uint8), b.contiguous().view(-1).view(torch.uint8)
+            )
+        )
     )
 
 
@@ -78,11 +84,15 @@ def snapshot() -> dict[str, int]:
         "threads": threading.active_count(),
         "os_threads": len(os.listdir("/proc/self/task")),
         "tasks": len(asyncio.all_tasks()),
-        "zmq_sockets": sum(1 for o in gc.get_objects() if issubclass(type(o), zmq.Socket) and not o.closed),
+        "zmq_sockets": sum(
+            1 for o in gc.get_objects() if issubclass(type(o), zmq.Socket) and not o.closed
+        ),
     }
 
 
-async def settle_and_compare(before: dict[str, int], what: str, timeout: float = 5.0) -> dict[str, int]:
+async def settle_and_compare(
+    before: dict[str, int], what: str, timeout: float = 5.0
+) -> dict[str, int]:
     """Wait (bounded) until every resource is back to ``before``; fail with the difference."""
     dl = time.monotonic() + timeout
     while True:
@@ -91,7 +101,9 @@ async def settle_and_compare(before: dict[str, int], what: str, timeout: float =
             return now
         if time.monotonic() > dl:
             names = sorted(t.name for t in threading.enumerate())
-            raise AssertionError(f"{what}: resources not back to their starting level: {before} -> {now}; threads {names}")
+            raise AssertionError(
+                f"{what}: resources not back to their starting level: {before} -> {now}; threads {names}"
+            )
         await asyncio.sleep(0.05)
 
 
@@ -137,9 +149,17 @@ async def test_proxy_dropped_grant_times_out_at_deadline_others_served() -> None
                 break
             except aiokv.AiokvError as exc:
                 outcomes.append(type(exc).__name__)
-        await wait_until(lambda: b.statistics().store.reserved_bytes == 0, 5, "b's reservation freed")  # type: ignore[union-attr]
-        record("proxy_drop_grant", deadline=deadline, raised_after_s=took, next_sends=outcomes,
-               a_errors=a.statistics().protocol_errors, b_errors=b.statistics().protocol_errors)
+        await wait_until(
+            lambda: b.statistics().store.reserved_bytes == 0, 5, "b's reservation freed"
+        )  # type: ignore[union-attr]
+        record(
+            "proxy_drop_grant",
+            deadline=deadline,
+            raised_after_s=took,
+            next_sends=outcomes,
+            a_errors=a.statistics().protocol_errors,
+            b_errors=b.statistics().protocol_errors,
+        )
         assert deadline <= took < deadline + 1.0, took
         assert outcomes[-1] == "ok" and len(outcomes) <= 2, outcomes
     await settle_and_compare(before, "after a dropped GRANT")
@@ -163,7 +183,12 @@ async def test_proxy_dropped_done_times_out_at_deadline_others_served() -> None:
         # the same session keeps working (a lost DONE does not desynchronise the grant order)
         await a.send("d2", torch.zeros(3), to=px.address, timeout=5)
         assert same(await b.recv("d2", timeout=5), torch.zeros(3))
-        record("proxy_drop_done", deadline=deadline, raised_after_s=took, sessions_opened=a.statistics().sessions_opened)
+        record(
+            "proxy_drop_done",
+            deadline=deadline,
+            raised_after_s=took,
+            sessions_opened=a.statistics().sessions_opened,
+        )
         assert deadline <= took < deadline + 1.0, took
         assert a.statistics().sessions_opened == 1 and b.statistics().peers_lost == 0
 
@@ -174,7 +199,9 @@ async def test_proxy_dropped_done_times_out_at_deadline_others_served() -> None:
     "direction,kind",
     [(C2S, "RESERVE"), (S2C, "GRANT"), (C2S, "DATA"), (S2C, "DONE"), (C2S, "PING"), (C2S, "HELLO")],
 )
-async def test_proxy_duplicated_frames_are_protocol_errors_engine_keeps_serving(direction: str, kind: str) -> None:
+async def test_proxy_duplicated_frames_are_protocol_errors_engine_keeps_serving(
+    direction: str, kind: str
+) -> None:
     async with engines(cfg(), cfg(), cfg()) as (a, b, c), FaultProxy(b.address) as px:
         px.add(Fault(direction, kind, "duplicate"))
         outcome = "ok"
@@ -185,7 +212,14 @@ async def test_proxy_duplicated_frames_are_protocol_errors_engine_keeps_serving(
         await wait_until(lambda: px.faults[0].fired == 1, 5, f"the {kind} duplicated")
         await asyncio.sleep(0.2)  # let the duplicate arrive and be judged
         ea, eb = a.statistics().protocol_errors, b.statistics().protocol_errors
-        record("proxy_duplicate", direction=direction, kind=kind, send=outcome, a_errors=ea, b_errors=eb)
+        record(
+            "proxy_duplicate",
+            direction=direction,
+            kind=kind,
+            send=outcome,
+            a_errors=ea,
+            b_errors=eb,
+        )
         if kind == "PING":  # a repeated heartbeat is legal: no error at all
             assert outcome == "ok" and not ea and not eb
         else:
@@ -224,7 +258,9 @@ async def test_proxy_cut_mid_transfer_peer_lost_within_heartbeat(close: bool) ->
         hb = a.config.timeouts.heartbeat_timeout
         px.add(Fault(C2S, "DATA", "cut", close=close))
         recv = asyncio.ensure_future(b.recv("big", timeout=30))
-        send = asyncio.ensure_future(a.send("big", torch.ones(8 * MiB, dtype=torch.uint8), to=px.address, timeout=30))
+        send = asyncio.ensure_future(
+            a.send("big", torch.ones(8 * MiB, dtype=torch.uint8), to=px.address, timeout=30)
+        )
         await wait_until(lambda: px.cut_now, 10, "the cut")
         t0 = time.monotonic()
         done, _ = await asyncio.wait([send, recv], timeout=hb + 3)
@@ -239,8 +275,14 @@ async def test_proxy_cut_mid_transfer_peer_lost_within_heartbeat(close: bool) ->
         assert same(await b.recv("other", timeout=5), torch.arange(3))
         s = b.statistics().store
         assert s is not None and s.reserved_bytes == 0 and s.pending_tensors == 0
-        record("proxy_cut", close=close, heartbeat_timeout=hb, **times,
-               peers_lost_a=a.statistics().peers_lost, peers_lost_b=b.statistics().peers_lost)
+        record(
+            "proxy_cut",
+            close=close,
+            heartbeat_timeout=hb,
+            **times,
+            peers_lost_a=a.statistics().peers_lost,
+            peers_lost_b=b.statistics().peers_lost,
+        )
         assert times["both_resolved_s"] <= hb + 1.0, times
     await settle_and_compare(before, "after a cut connection")
 
@@ -250,8 +292,10 @@ async def test_proxy_cut_mid_transfer_peer_lost_within_heartbeat(close: bool) ->
 async def test_proxy_delayed_control_frames_still_deliver_in_order() -> None:
     async with engines(cfg(), cfg()) as (a, b), FaultProxy(b.address) as px:
         # every 3rd GRANT and every 5th RESERVE held back 150 ms: reordering across messages
-        px.add(Fault(S2C, "GRANT", "delay", times=None, seconds=0.15),
-               Fault(C2S, "RESERVE", "delay", after=0, times=None, seconds=0.05))
+        px.add(
+            Fault(S2C, "GRANT", "delay", times=None, seconds=0.15),
+            Fault(C2S, "RESERVE", "delay", after=0, times=None, seconds=0.05),
+        )
         data = {f"t{i}": torch.full((64,), float(i)) for i in range(40)}
         await asyncio.gather(*(a.send(k, v, to=px.address, timeout=20) for k, v in data.items()))
         got = await b.recv_many(list(data), timeout=10)
@@ -267,12 +311,17 @@ class Proc:
 
     def __init__(self, role: str, **args: Any) -> None:
         env = dict(os.environ)
-        env["PYTHONPATH"] = os.pathsep.join([str(TESTS.parent), str(TESTS), env.get("PYTHONPATH", "")])
+        env["PYTHONPATH"] = os.pathsep.join(
+            [str(TESTS.parent), str(TESTS), env.get("PYTHONPATH", "")]
+        )
         env["PYTHONWARNINGS"] = "ignore"
         env.setdefault("OMP_NUM_THREADS", "1")
         self.proc = subprocess.Popen(
             [sys.executable, "-u", __file__, role, json.dumps(args)],
-            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env,
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            env=env,
         )
         self.lines: list[dict[str, Any]] = []
         self._cond = threading.Event()
@@ -299,9 +348,13 @@ class Proc:
                     ev["_taken"] = True
                     return ev
                 if ev.get("event") in ("eof", "error"):
-                    raise AssertionError(f"child: {ev} while waiting for {name}; output: {self.lines[-20:]}")
+                    raise AssertionError(
+                        f"child: {ev} while waiting for {name}; output: {self.lines[-20:]}"
+                    )
             if time.monotonic() > dl:
-                raise AssertionError(f"child: no {name!r} in {timeout}s; output: {self.lines[-20:]}")
+                raise AssertionError(
+                    f"child: no {name!r} in {timeout}s; output: {self.lines[-20:]}"
+                )
             await asyncio.sleep(0.005)
 
     def tell(self, line: str) -> None:
@@ -365,8 +418,12 @@ async def test_kill9_sender_mid_1gib_receiver_raises_fast_other_peer_continues(p
         # the same transfer without a kill, to know it is long enough to be killed in the middle
         p.tell("go timing")
         tim = await p.wait_event("sent", 60)
-        assert same(await cons.recv("timing", timeout=5)[:1] if False else (await cons.recv("timing", timeout=5))[:1],
-                    torch.full((1,), 7, dtype=torch.uint8))
+        assert same(
+            await cons.recv("timing", timeout=5)[:1]
+            if False
+            else (await cons.recv("timing", timeout=5))[:1],
+            torch.full((1,), 7, dtype=torch.uint8),
+        )
         waiter = asyncio.ensure_future(cons.recv("big", timeout=60))
         stop = asyncio.Event()
         sent_ok: list[float] = []
@@ -374,7 +431,9 @@ async def test_kill9_sender_mid_1gib_receiver_raises_fast_other_peer_continues(p
         async def keep_sending() -> None:  # another peer, all the time
             i = 0
             while not stop.is_set():
-                await other.send(f"o{i}", torch.full((1024,), float(i)), to=cons.address, timeout=10)
+                await other.send(
+                    f"o{i}", torch.full((1024,), float(i)), to=cons.address, timeout=10
+                )
                 sent_ok.append(time.monotonic())
                 assert same(await cons.recv(f"o{i}", timeout=10), torch.full((1024,), float(i)))
                 i += 1
@@ -382,7 +441,9 @@ async def test_kill9_sender_mid_1gib_receiver_raises_fast_other_peer_continues(p
 
         bg = asyncio.ensure_future(keep_sending())
         p.tell("go big")
-        await wait_until(lambda: cons.statistics().store.reserved_bytes >= nbytes, 20, "the big grant")  # type: ignore[union-attr]
+        await wait_until(
+            lambda: cons.statistics().store.reserved_bytes >= nbytes, 20, "the big grant"
+        )  # type: ignore[union-attr]
         await asyncio.sleep(min(0.3, tim["seconds"] / 4))  # bytes are on the wire now
         p.signal(signal.SIGKILL)
         t_kill = time.monotonic()
@@ -395,12 +456,22 @@ async def test_kill9_sender_mid_1gib_receiver_raises_fast_other_peer_continues(p
         during = sum(1 for t in sent_ok if t_kill <= t <= t_kill + took)
         after = sum(1 for t in sent_ok if t > t_kill + took)
         st = cons.statistics()
-        record("kill9_sender_1gib", nbytes=nbytes, uninterrupted_transfer_s=tim["seconds"], detect_s=took,
-               other_peer_sends_during_detection=during, other_peer_sends_after=after,
-               heartbeat_timeout=cons.config.timeouts.heartbeat_timeout)
-        assert tim["seconds"] > 1.0, "the transfer is too short to be killed mid-way on this machine"
+        record(
+            "kill9_sender_1gib",
+            nbytes=nbytes,
+            uninterrupted_transfer_s=tim["seconds"],
+            detect_s=took,
+            other_peer_sends_during_detection=during,
+            other_peer_sends_after=after,
+            heartbeat_timeout=cons.config.timeouts.heartbeat_timeout,
+        )
+        assert tim["seconds"] > 1.0, (
+            "the transfer is too short to be killed mid-way on this machine"
+        )
         assert took <= cons.config.timeouts.heartbeat_timeout + 1.0 and took <= 5.0, took
-        assert st.store is not None and st.store.reserved_bytes == 0 and st.store.pending_tensors == 0
+        assert (
+            st.store is not None and st.store.reserved_bytes == 0 and st.store.pending_tensors == 0
+        )
         assert during >= 1 and after >= 1, (during, after)
     p.close()
     await settle_and_compare(before, "after kill -9 of a peer")
@@ -429,11 +500,19 @@ async def test_sigstop_peer_transfer_times_out_aclose_bounded(procs: Any) -> Non
         )
         took = time.monotonic() - t0
         kinds = [type(r).__name__ for r in results]
-        assert all(isinstance(r, (aiokv.AiokvTimeoutError, aiokv.PeerLostError)) for r in results), kinds
+        assert all(
+            isinstance(r, (aiokv.AiokvTimeoutError, aiokv.PeerLostError)) for r in results
+        ), kinds
         t1 = time.monotonic()
         await a.aclose()
         close_s = time.monotonic() - t1
-        record("sigstop_peer", deadline=deadline, timed_out_after_s=took, errors=kinds, aclose_s=close_s)
+        record(
+            "sigstop_peer",
+            deadline=deadline,
+            timed_out_after_s=took,
+            errors=kinds,
+            aclose_s=close_s,
+        )
         assert took <= deadline + 1.0, took
         assert close_s <= 10.0, close_s
         # SIGCONT: the peer is unharmed and serves a new sender
@@ -493,8 +572,17 @@ async def test_peer_restart_same_port_next_100_transfers_succeed(procs: Any, how
         got = await p2.wait_event("collected", 30)
         new = a._clients.get(addr)
         st = a.statistics()
-        record("peer_restart", how=how, restart_s=restart_s, ok=results.count("ok"), failures=[r for r in results if r != "ok"][:3],
-               sessions_opened=st.sessions_opened, peers_lost=st.peers_lost, collected_ok=got["ok"], senders=got["senders"])
+        record(
+            "peer_restart",
+            how=how,
+            restart_s=restart_s,
+            ok=results.count("ok"),
+            failures=[r for r in results if r != "ok"][:3],
+            sessions_opened=st.sessions_opened,
+            peers_lost=st.peers_lost,
+            collected_ok=got["ok"],
+            senders=got["senders"],
+        )
         assert results.count("ok") == 100, results[:3]
         assert got["ok"] and got["n"] == 100
         assert new is not None and new is not old and new.peer_id == ev2["engine_id"]
@@ -518,12 +606,21 @@ async def _cycles(n: int) -> dict[str, Any]:
                 await cli.send(f"c{i}", torch.full((16,), float(i)), to=srv.address, timeout=10)
             assert (await srv.recv(f"c{i}", timeout=5))[0].item() == float(i)
         took = time.monotonic() - t0
-        await wait_until(lambda: srv.statistics().server_sessions == 0, 10, "server sessions closed")
+        await wait_until(
+            lambda: srv.statistics().server_sessions == 0, 10, "server sessions closed"
+        )
         after = await settle_and_compare(base, f"after {n} connect/disconnect cycles")
         st = srv.statistics()
         assert st.store is not None and st.store.held_bytes == 0 and st.store.reserved_bytes == 0
     final = await settle_and_compare(before, "after the server closed too")
-    return {"n": n, "seconds": took, "per_cycle_ms": 1000 * took / n, "base": base, "after": after, "final": final}
+    return {
+        "n": n,
+        "seconds": took,
+        "per_cycle_ms": 1000 * took / n,
+        "base": base,
+        "after": after,
+        "final": final,
+    }
 
 
 @pytest.mark.anyio
@@ -570,11 +667,16 @@ async def _slow_consumer(n_prod: int, per: int) -> None:
     async with engines(cfg(), cfg()) as (p, r):
         await p.connect(r.address)
         t0 = time.monotonic()
-        await asyncio.gather(*(p.send(f"cal{i}", torch.ones(size), to=r.address, timeout=60) for i in range(1000)))
+        await asyncio.gather(
+            *(p.send(f"cal{i}", torch.ones(size), to=r.address, timeout=60) for i in range(1000))
+        )
         prod_rate = 1000 / (time.monotonic() - t0)
     cons_rate = prod_rate / 10
     patient = aiokv.Timeouts(negotiate=900.0, transfer=900.0)  # producers wait on credit
-    async with engines(cfg(store_bytes=cap), *(cfg(patient) for _ in range(n_prod))) as (cons, *prods):
+    async with engines(cfg(store_bytes=cap), *(cfg(patient) for _ in range(n_prod))) as (
+        cons,
+        *prods,
+    ):
         for p in prods:
             await p.connect(cons.address)
         outcomes: dict[str, str] = {}
@@ -594,7 +696,7 @@ async def _slow_consumer(n_prod: int, per: int) -> None:
         batch = 10
         for j in range(0, len(ids), batch):  # the consumer: `batch` tensors, then a pause
             tb = time.monotonic()
-            for k, tid, v in ids[j:j + batch]:
+            for k, tid, v in ids[j : j + batch]:
                 s = cons.statistics()
                 assert s.store is not None
                 max_used = max(max_used, s.store.reserved_bytes + s.store.held_bytes)
@@ -611,9 +713,22 @@ async def _slow_consumer(n_prod: int, per: int) -> None:
         st = cons.statistics()
         assert st.store is not None
         n_ok = sum(1 for o in outcomes.values() if o == "ok")
-        record(f"{len(ids)}_slow_consumer", sends=len(ids), ok=n_ok, errors={o: list(outcomes.values()).count(o) for o in set(outcomes.values()) if o != "ok"},
-               collected=collected, cap=cap, peak=st.store.peak_bytes, max_used_sampled=max_used, max_queued=max_queued,
-               producer_rate_per_s=prod_rate, consumer_rate_per_s=len(ids) / took, seconds=took)
+        record(
+            f"{len(ids)}_slow_consumer",
+            sends=len(ids),
+            ok=n_ok,
+            errors={
+                o: list(outcomes.values()).count(o) for o in set(outcomes.values()) if o != "ok"
+            },
+            collected=collected,
+            cap=cap,
+            peak=st.store.peak_bytes,
+            max_used_sampled=max_used,
+            max_queued=max_queued,
+            producer_rate_per_s=prod_rate,
+            consumer_rate_per_s=len(ids) / took,
+            seconds=took,
+        )
         assert len(outcomes) == len(ids)  # every send has an outcome
         assert n_ok == collected == st.tensors_received and bad == 0  # nothing dropped silently
         assert st.store.peak_bytes <= cap * 1.05 and max_used <= cap
@@ -630,11 +745,21 @@ async def test_out_of_room_refused_at_once_while_others_wait_for_credit() -> Non
     cap = MiB
     async with engines(cfg(), cfg(store_bytes=cap)) as (a, b):
         await a.send("fill", torch.zeros(cap, dtype=torch.uint8), to=b.address)
-        queued = [asyncio.ensure_future(a.send(f"q{i}", torch.ones(1000), to=b.address, timeout=20)) for i in range(5)]
+        queued = [
+            asyncio.ensure_future(a.send(f"q{i}", torch.ones(1000), to=b.address, timeout=20))
+            for i in range(5)
+        ]
         await wait_until(lambda: b.statistics().queued_reservations == 5, 5)
         t0 = time.monotonic()
         with pytest.raises(aiokv.RefusedError) as ei:
-            await a.send_many({"h1": torch.zeros(cap // 2, dtype=torch.uint8), "h2": torch.zeros(cap // 2 + 1, dtype=torch.uint8)}, to=b.address, timeout=20)
+            await a.send_many(
+                {
+                    "h1": torch.zeros(cap // 2, dtype=torch.uint8),
+                    "h2": torch.zeros(cap // 2 + 1, dtype=torch.uint8),
+                },
+                to=b.address,
+                timeout=20,
+            )
         refused_s = time.monotonic() - t0
         assert ei.value.code == "too_large"
         await b.recv("fill", timeout=5)
@@ -674,21 +799,66 @@ async def test_hostile_frames_get_structured_errors_and_counters_engine_keeps_se
         ("unknown kind", False, [msgpack.packb([99, 1])], "unknown_kind"),
         ("wrong field type", False, [msgpack.packb([1, "1", "id", "addr", [], None])], "bad_field"),
         ("wrong arity", False, [msgpack.packb([1, 1])], "bad_arity"),
-        ("non-string map key", False, [msgpack.packb([1, 1, "id", "a", [], {1: 2}], strict_types=False)], "malformed"),
+        (
+            "non-string map key",
+            False,
+            [msgpack.packb([1, 1, "id", "a", [], {1: 2}], strict_types=False)],
+            "malformed",
+        ),
         ("DATA before HELLO", False, [_enc(m.DataHeader(1, 0, 1))], "no_session"),
-        ("RESERVE before HELLO", False, [_enc(m.Reserve(1, "tcp", (m.TensorSpec("t", "float32", (4,)),)))], "no_session"),
+        (
+            "RESERVE before HELLO",
+            False,
+            [_enc(m.Reserve(1, "tcp", (m.TensorSpec("t", "float32", (4,)),)))],
+            "no_session",
+        ),
         ("bad DATA_HELLO token", False, [_enc(m.DataHello(b"\x00" * 16))], "bad_token"),
-        ("dtype off the allow-list", True, [msgpack.packb([4, 1, "tcp", [["t", "object", [4]]]])], "bad_spec"),
-        ("shape over max_ndim", True, [msgpack.packb([4, 1, "tcp", [["t", "float32", [1] * 9]]])], "bad_spec"),
-        ("byte count over the limit", True, [msgpack.packb([4, 1, "tcp", [["t", "float64", [1 << 40, 1 << 40]]]])], "bad_spec"),
-        ("too many tensors", True, [msgpack.packb([4, 1, "tcp", [[f"t{i}", "uint8", [1]] for i in range(9000)]])], "malformed"),  # msgpack max_array_len trips first
-        ("non-string tensor id", True, [msgpack.packb([4, 1, "tcp", [[7, "float32", [4]]]])], "bad_field"),
-        ("negative dim", True, [msgpack.packb([4, 1, "tcp", [["t", "float32", [-4]]]])], "bad_spec"),
+        (
+            "dtype off the allow-list",
+            True,
+            [msgpack.packb([4, 1, "tcp", [["t", "object", [4]]]])],
+            "bad_spec",
+        ),
+        (
+            "shape over max_ndim",
+            True,
+            [msgpack.packb([4, 1, "tcp", [["t", "float32", [1] * 9]]])],
+            "bad_spec",
+        ),
+        (
+            "byte count over the limit",
+            True,
+            [msgpack.packb([4, 1, "tcp", [["t", "float64", [1 << 40, 1 << 40]]]])],
+            "bad_spec",
+        ),
+        (
+            "too many tensors",
+            True,
+            [msgpack.packb([4, 1, "tcp", [[f"t{i}", "uint8", [1]] for i in range(9000)]])],
+            "malformed",
+        ),  # msgpack max_array_len trips first
+        (
+            "non-string tensor id",
+            True,
+            [msgpack.packb([4, 1, "tcp", [[7, "float32", [4]]]])],
+            "bad_field",
+        ),
+        (
+            "negative dim",
+            True,
+            [msgpack.packb([4, 1, "tcp", [["t", "float32", [-4]]]])],
+            "bad_spec",
+        ),
         ("second HELLO", True, [hello], "protocol"),
         ("GRANT from a client", True, [_enc(m.Grant(1, 0))], "protocol"),
         ("unknown kind in session", True, [msgpack.packb([77])], "unknown_kind"),
         ("malformed in session", True, [b"\xff\xfe"], "malformed"),
-        ("DATA for nothing granted", True, [msgpack.packb([4, 1, "tcp", [spec_ok]]), _enc(m.DataHeader(9, 0, 1))], "protocol"),
+        (
+            "DATA for nothing granted",
+            True,
+            [msgpack.packb([4, 1, "tcp", [spec_ok]]), _enc(m.DataHeader(9, 0, 1))],
+            "protocol",
+        ),
     ]
     async with engines(cfg(), cfg()) as (eng, good):
         ctx = zmq.asyncio.Context()
@@ -713,7 +883,11 @@ async def test_hostile_frames_get_structured_errors_and_counters_engine_keeps_se
                     d.close(0)
                 err = next(r for r in replies if isinstance(r, m.ErrorMsg))
                 after = eng.statistics().protocol_errors
-                bumped = {k: after.get(k, 0) - before.get(k, 0) for k in after if after.get(k, 0) != before.get(k, 0)}
+                bumped = {
+                    k: after.get(k, 0) - before.get(k, 0)
+                    for k in after
+                    if after.get(k, 0) != before.get(k, 0)
+                }
                 results.append({"case": name, "error_code": err.code, "counter": bumped})
                 assert bumped == {code: 1}, (name, bumped)
                 # the engine keeps serving after every single one
@@ -776,8 +950,12 @@ async def test_duplicate_id_from_a_spoofed_engine_id_is_refused_never_overwrites
             d.setsockopt(zmq.LINGER, 0)
             d.connect(f"tcp://{b.address}")
             await d.send(codec.encode(m.Hello(1, a.engine_id, a.address, ("tcp",), None)))
-            assert isinstance(codec.decode((await asyncio.wait_for(d.recv_multipart(), 5))[0]), m.Welcome)
-            await d.send(codec.encode(m.Reserve(1, "tcp", (m.TensorSpec("held", "float32", (4,)),))))
+            assert isinstance(
+                codec.decode((await asyncio.wait_for(d.recv_multipart(), 5))[0]), m.Welcome
+            )
+            await d.send(
+                codec.encode(m.Reserve(1, "tcp", (m.TensorSpec("held", "float32", (4,)),)))
+            )
             r = codec.decode((await asyncio.wait_for(d.recv_multipart(), 5))[0])
             d.close(0)
         finally:
@@ -801,16 +979,27 @@ async def test_cancel_storm_frees_reservations_and_never_steals_data() -> None:
     async with engines(cfg(), cfg(store_bytes=8 * MiB)) as (a, b):
         await a.connect(b.address)
         data = {f"s{i}": torch.full((4096,), float(i)) for i in range(300)}  # 16 KiB each
-        sends = {k: asyncio.ensure_future(a.send(k, v, to=b.address, timeout=60)) for k, v in data.items()}
+        sends = {
+            k: asyncio.ensure_future(a.send(k, v, to=b.address, timeout=60))
+            for k, v in data.items()
+        }
         for k in rng.sample(sorted(sends), 150):
             await asyncio.sleep(rng.random() * 0.005)
             sends[k].cancel()
         await asyncio.gather(*sends.values(), return_exceptions=True)
         ok = [k for k, f in sends.items() if not f.cancelled() and f.exception() is None]
         assert all(f.cancelled() or f.exception() is None for f in sends.values()), [
-            repr(f.exception()) for f in sends.values() if not f.cancelled() and f.exception() is not None][:3]
-        await wait_until(lambda: b.statistics().queued_reservations == 0 and b.statistics().store.reserved_bytes == 0, 10,  # type: ignore[union-attr]
-                         "reservations back to 0")
+            repr(f.exception())
+            for f in sends.values()
+            if not f.cancelled() and f.exception() is not None
+        ][:3]
+        await wait_until(
+            lambda: (
+                b.statistics().queued_reservations == 0 and b.statistics().store.reserved_bytes == 0
+            ),
+            10,  # type: ignore[union-attr]
+            "reservations back to 0",
+        )
         # recv storm: collect everything, cancelling a third of the collectors mid-wait
         got: dict[str, int] = {}
         recvs = {k: asyncio.ensure_future(b.recv(k, timeout=0.5)) for k in data}
@@ -831,11 +1020,19 @@ async def test_cancel_storm_frees_reservations_and_never_steals_data() -> None:
                     pass
         missing = [k for k in ok if got.get(k) != 1]
         s = b.statistics().store
-        record("cancel_storm", sends=300, cancelled=sum(f.cancelled() for f in sends.values()), completed=len(ok),
-               delivered=len(got), reserved_after=s.reserved_bytes if s else None)
+        record(
+            "cancel_storm",
+            sends=300,
+            cancelled=sum(f.cancelled() for f in sends.values()),
+            completed=len(ok),
+            delivered=len(got),
+            reserved_after=s.reserved_bytes if s else None,
+        )
         assert not missing, missing[:5]
         assert all(n == 1 for n in got.values())
-        assert s is not None and s.reserved_bytes == 0 and s.held_bytes == 0 and s.pending_tensors == 0
+        assert (
+            s is not None and s.reserved_bytes == 0 and s.held_bytes == 0 and s.pending_tensors == 0
+        )
 
 
 # --------------------------------------------------------------------------- child roles

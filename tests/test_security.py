@@ -47,15 +47,26 @@ def keys() -> tuple[bytes, bytes]:
     return zmq.curve_keypair()
 
 
-def server_cfg(port: int, pub: bytes, sec: bytes, allowed: frozenset[bytes] | None) -> aiokv.EngineConfig:
-    return aiokv.EngineConfig(listen=f"127.0.0.1:{port}", curve=aiokv.CurveConfig(pub, sec, allowed))
+def server_cfg(
+    port: int, pub: bytes, sec: bytes, allowed: frozenset[bytes] | None
+) -> aiokv.EngineConfig:
+    return aiokv.EngineConfig(
+        listen=f"127.0.0.1:{port}", curve=aiokv.CurveConfig(pub, sec, allowed)
+    )
 
 
-def client_cfg(pub: bytes, sec: bytes, server_keys: dict[str, bytes], connect: float = 1.0) -> aiokv.EngineConfig:
-    return aiokv.EngineConfig(curve=aiokv.CurveConfig(pub, sec, None, server_keys), timeouts=aiokv.Timeouts(connect=connect))
+def client_cfg(
+    pub: bytes, sec: bytes, server_keys: dict[str, bytes], connect: float = 1.0
+) -> aiokv.EngineConfig:
+    return aiokv.EngineConfig(
+        curve=aiokv.CurveConfig(pub, sec, None, server_keys),
+        timeouts=aiokv.Timeouts(connect=connect),
+    )
 
 
-async def raw_dealer_gets_nothing(ctx: zmq.asyncio.Context, addr: str, mech: str, **opts: Any) -> bool:
+async def raw_dealer_gets_nothing(
+    ctx: zmq.asyncio.Context, addr: str, mech: str, **opts: Any
+) -> bool:
     """Connect a raw DEALER with a given mechanism, send a valid HELLO; True if nothing comes back."""
     d = ctx.socket(zmq.DEALER)
     d.setsockopt(zmq.LINGER, 0)
@@ -70,7 +81,9 @@ async def raw_dealer_gets_nothing(ctx: zmq.asyncio.Context, addr: str, mech: str
     d.connect(f"tcp://{addr}")
     try:
         try:
-            await asyncio.wait_for(d.send(Codec().encode(Hello(1, "intruder", "127.0.0.1:1", ("tcp",), None))), 1.0)
+            await asyncio.wait_for(
+                d.send(Codec().encode(Hello(1, "intruder", "127.0.0.1:1", ("tcp",), None))), 1.0
+            )
         except asyncio.TimeoutError:
             pass
         return not await d.poll(1000)
@@ -125,14 +138,22 @@ async def test_curve_denies_no_key_wrong_key_null_plain_and_keys_identity() -> N
         try:
             spoof.engine_id = good.engine_id  # announce another engine's id
             await good.send("x", torch.full((4,), 1.0), to=addr, timeout=5)
-            await spoof.send("x", torch.full((4,), 2.0), to=addr, timeout=5)  # a separate namespace: no clash
+            await spoof.send(
+                "x", torch.full((4,), 2.0), to=addr, timeout=5
+            )  # a separate namespace: no clash
             ids = sorted(s.peer.engine_id for s in srv._servers.values() if s.peer)
             assert ids == sorted([f"curve:{cpub.decode()}", f"curve:{c2pub.decode()}"]), ids
             got = await srv.recv("x", frm=f"curve:{cpub.decode()}", timeout=5)
-            assert torch.equal(got, torch.full((4,), 1.0))  # the spoofer could not collect under good's name
+            assert torch.equal(
+                got, torch.full((4,), 1.0)
+            )  # the spoofer could not collect under good's name
             with pytest.raises(aiokv.TransferTimeoutError):
-                await srv.recv("x", frm=good.engine_id, timeout=0.2)  # the announced id names no one
-            assert torch.equal(await srv.recv("x", frm=f"curve:{c2pub.decode()}", timeout=5), torch.full((4,), 2.0))
+                await srv.recv(
+                    "x", frm=good.engine_id, timeout=0.2
+                )  # the announced id names no one
+            assert torch.equal(
+                await srv.recv("x", frm=f"curve:{c2pub.decode()}", timeout=5), torch.full((4,), 2.0)
+            )
         finally:
             await good.aclose()
             await spoof.aclose()
@@ -151,13 +172,23 @@ async def test_wire_capture_no_clear_text_under_curve(curve: bool) -> None:
     The NCCL unique id travels in NCCL_SETUP on the same control connection as the RESERVE that
     carries the tensor id, so a tensor id absent from the capture means the unique id is too."""
     marker = "MARKER-7f3a9c-secret-tensor-id"
-    payload = torch.frombuffer(bytearray(b"PAYLOAD-plaintext-bytes-0123456789" * 32), dtype=torch.uint8)
+    payload = torch.frombuffer(
+        bytearray(b"PAYLOAD-plaintext-bytes-0123456789" * 32), dtype=torch.uint8
+    )
     spub, ssec = keys()
     cpub, csec = keys()
     port = free_port()
-    srv_cfg = server_cfg(port, spub, ssec, frozenset({cpub})) if curve else aiokv.EngineConfig(listen=f"127.0.0.1:{port}")
+    srv_cfg = (
+        server_cfg(port, spub, ssec, frozenset({cpub}))
+        if curve
+        else aiokv.EngineConfig(listen=f"127.0.0.1:{port}")
+    )
     async with aiokv.Engine(srv_cfg) as srv, TcpRelay(srv.address) as relay:
-        ccfg = client_cfg(cpub, csec, {relay.address: spub}, connect=5) if curve else aiokv.EngineConfig()
+        ccfg = (
+            client_cfg(cpub, csec, {relay.address: spub}, connect=5)
+            if curve
+            else aiokv.EngineConfig()
+        )
         async with aiokv.Engine(ccfg) as cli:
             await cli.send(marker, payload, to=relay.address, timeout=10)
             got = await srv.recv(marker, timeout=5)
@@ -165,7 +196,13 @@ async def test_wire_capture_no_clear_text_under_curve(curve: bool) -> None:
         cap = relay.captured
         found_id = marker.encode() in cap
         found_payload = b"PAYLOAD-plaintext-bytes" in cap
-        record("wire_capture", curve=curve, captured_bytes=len(cap), marker_in_clear=found_id, payload_in_clear=found_payload)
+        record(
+            "wire_capture",
+            curve=curve,
+            captured_bytes=len(cap),
+            marker_in_clear=found_id,
+            payload_in_clear=found_payload,
+        )
         assert len(cap) > 1000
         if curve:
             assert not found_id and not found_payload
@@ -188,26 +225,55 @@ FORBIDDEN = [
 # none takes a name derived from wire data.
 GETATTR_ALLOWED: dict[tuple[str, str], str] = {
     ("_config.py", "v = getattr(self, f.name)"): "dataclass field names of the config itself",
-    ("protocol/codec.py", "v = getattr(msg, name)"): "encode: field names of our own message class (cached per class)",
-    ("engine.py", 'e._count_error(getattr(exc, "code", "protocol"))'): "constant attribute name on our own exception",
-    ("engine.py", 'self._count_error(getattr(exc, "code", "protocol"))'): "constant attribute name on our own exception",
-    ("cli.py", "fn = getattr(mod, attr, None)"): "CLI entry point named by the local user's command line, not the wire",
+    (
+        "protocol/codec.py",
+        "v = getattr(msg, name)",
+    ): "encode: field names of our own message class (cached per class)",
+    (
+        "engine.py",
+        'e._count_error(getattr(exc, "code", "protocol"))',
+    ): "constant attribute name on our own exception",
+    (
+        "engine.py",
+        'self._count_error(getattr(exc, "code", "protocol"))',
+    ): "constant attribute name on our own exception",
+    (
+        "cli.py",
+        "fn = getattr(mod, attr, None)",
+    ): "CLI entry point named by the local user's command line, not the wire",
     ("router/app.py", "if getattr(self, name) <= 0:"): "config field names from a literal tuple",
     ("router/app.py", "if getattr(self, name) < 1:"): "config field names from a literal tuple",
     ("doctor.py", 'hip_v = getattr(torch.version, "hip", None)'): "constant name",
     ("demo/worker.py", 'closer = getattr(w.connector, "aclose", None)'): "constant name",
     ("demo/run.py", 'close = getattr(f, "close", None)'): "constant name",
-    ("nccl/comm.py", "rc = int(getattr(self._lib, fn_name)(ptr, count, dt, peer, handle, stream.cuda_stream))"):
-        "fn_name is 'ncclSend' or 'ncclRecv' chosen by the code",
-    ("nccl/library.py", "_dt = getattr(torch, _name, None)"): "dtype names from a literal table at import",
+    (
+        "nccl/comm.py",
+        "rc = int(getattr(self._lib, fn_name)(ptr, count, dt, peer, handle, stream.cuda_stream))",
+    ): "fn_name is 'ncclSend' or 'ncclRecv' chosen by the code",
+    (
+        "nccl/library.py",
+        "_dt = getattr(torch, _name, None)",
+    ): "dtype names from a literal table at import",
     ("nccl/library.py", 'return bool(getattr(torch.version, "hip", None))'): "constant name",
-    ("nccl/library.py", "f = getattr(handle, fn.name)"): "NCCL symbol names from the binding's own table",
-    ("nccl/library.py", "def __getattr__(self, name: str) -> Any:"): "a __getattr__ definition, not a lookup",
+    (
+        "nccl/library.py",
+        "f = getattr(handle, fn.name)",
+    ): "NCCL symbol names from the binding's own table",
+    (
+        "nccl/library.py",
+        "def __getattr__(self, name: str) -> Any:",
+    ): "a __getattr__ definition, not a lookup",
     ("kv/layouts.py", "v = getattr(self, f.name)"): "dataclass field names",
     ("kv/layouts.py", "d[f.name] = getattr(self, f.name)"): "dataclass field names",
-    ("kv/layouts.py", "a, b = getattr(producer, name), getattr(consumer, name)"): "field names from a literal tuple",
+    (
+        "kv/layouts.py",
+        "a, b = getattr(producer, name), getattr(consumer, name)",
+    ): "field names from a literal tuple",
     ("kv/connector.py", "timeout = getattr("): "constant names",
-    ("kv/connector.py", 'getattr(getattr(self.engine, "config", None), "timeouts", None),'): "constant names",
+    (
+        "kv/connector.py",
+        'getattr(getattr(self.engine, "config", None), "timeouts", None),',
+    ): "constant names",
     ("cuda.py", 'lib = getattr(comm, "lib", None)'): "constant name",
     ("cuda.py", 'handle = getattr(comm, "handle", None)'): "constant name",
 }
@@ -226,4 +292,6 @@ def test_no_pickle_eval_exec_marshal_or_wire_getattr_in_package() -> None:
                     if what == "getattr(" and (rel, code) in GETATTR_ALLOWED:
                         continue
                     hits.append(f"{rel}:{no}: {what}: {code}")
-    assert not hits, "unsafe constructs (or a new getattr to review and allow-list):\n" + "\n".join(hits)
+    assert not hits, "unsafe constructs (or a new getattr to review and allow-list):\n" + "\n".join(
+        hits
+    )

@@ -37,7 +37,12 @@ async def test_idle_session_is_closed_and_reopened_on_next_use() -> None:
 @pytest.mark.timeout(60)
 async def test_lru_cap_closes_least_recently_used_idle_session() -> None:
     cfg = aiokv.EngineConfig(limits=aiokv.Limits(max_client_sessions=2))
-    async with aiokv.Engine(cfg) as a, aiokv.Engine() as p1, aiokv.Engine() as p2, aiokv.Engine() as p3:
+    async with (
+        aiokv.Engine(cfg) as a,
+        aiokv.Engine() as p1,
+        aiokv.Engine() as p2,
+        aiokv.Engine() as p3,
+    ):
         await a.send("1", torch.ones(2), to=p1.address)
         await a.send("2", torch.ones(2), to=p2.address)
         await a.send("1b", torch.ones(2), to=p1.address)  # p1 is now the most recently used

@@ -83,7 +83,13 @@ def test_reserve_refuses_when_full_and_counts_peak() -> None:
     assert s.take_nowait("a", None) == (P, "A")
     assert s.used == 40 and s.peak == 100
     st_ = s.statistics()
-    assert (st_.reserved_bytes, st_.held_bytes, st_.pending_tensors, st_.held_tensors, st_.collected) == (40, 0, 1, 0, 1)
+    assert (
+        st_.reserved_bytes,
+        st_.held_bytes,
+        st_.pending_tensors,
+        st_.held_tensors,
+        st_.collected,
+    ) == (40, 0, 1, 0, 1)
 
 
 def test_duplicates_refused_and_ids_namespaced_per_peer() -> None:
@@ -109,7 +115,9 @@ def test_duplicates_refused_and_ids_namespaced_per_peer() -> None:
 
 @pytest.mark.anyio
 async def test_ttl_expiry_raises_expired_on_late_collect() -> None:
-    s = ReceiveStore(capacity=1000, ttl=0.05, resolve_peer=lambda a: P.engine_id if a == P.address else None)
+    s = ReceiveStore(
+        capacity=1000, ttl=0.05, resolve_peer=lambda a: P.engine_id if a == P.address else None
+    )
     for tid in ("a", "b", "c"):
         s.try_reserve(P, [(tid, 10)])
         s.land(P, tid, tid.upper())

@@ -260,6 +260,9 @@ class Codec:
             max_ext_len=0,
         )
 
+    def __deepcopy__(self, memo: dict[int, Any]) -> Codec:
+        return Codec(self.limits)  # stateless but for its packer, which cannot be copied
+
     def encode(self, msg: Message) -> bytes:
         names = _FIELD_NAMES.get(type(msg))
         if names is None:

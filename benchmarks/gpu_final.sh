@@ -1,0 +1,31 @@
+#!/usr/bin/env bash
+# The figures run: transport and KV benchmarks with non-blocking (0) and blocking (1)
+# NCCL enqueues, traced latency, the whole GPU test suite (default mode), the
+# engine/fault GPU tests with blocking enqueues, and the demo.
+#   run (kind nvidia-h200-x2, carry .whl .whl2):  bash benchmarks/gpu_final.sh
+set -uo pipefail
+OUT="${OUT:-$PWD/gpu-out}"
+mkdir -p "$OUT"
+python3 -m pip install -q --no-index --no-deps --upgrade --target /tmp/site .whl/*.whl .whl2/*.whl >/dev/null 2>&1
+export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
+P="-q -s -W ignore::pytest.PytestConfigWarning -W ignore::pytest.PytestUnknownMarkWarning -p no:cacheprovider"
+B="python3 -m aiokv bench transport --transport nccl --json --loop uvloop"
+T=/tmp/trace; rm -rf $T; mkdir -p $T
+tag() { sed "s/^{/{\"blocking_ops\": $1, /"; }
+{ AIOKV_NCCL_BLOCKING_OPS=1 timeout 80 $B --sizes 1,4,16,32,128,512 --window 16 --reps 3 2>/dev/null | tag 1
+  AIOKV_NCCL_BLOCKING_OPS=1 timeout 30 $B --sizes 1 --window 64 --reps 3 2>/dev/null | tag 1
+  AIOKV_NCCL_BLOCKING_OPS=0 timeout 60 $B --sizes 1,32,512 --window 16 --reps 3 2>/dev/null | tag 0
+} | tee "$OUT/bench_nccl.jsonl" | cut -c1-150
+for m in 1 0; do for w in short long; do
+  [ "$m$w" = "0long" ] && continue
+  AIOKV_NCCL_BLOCKING_OPS=$m AIOKV_TRACE=$T/kv$m$w timeout 40 python3 -m aiokv.kv.bench --transport nccl \
+    --workload $w --json --iters 3 2>/dev/null | tail -1 | tag $m
+done; done | tee "$OUT/kv.jsonl" | cut -c1-200
+for m in 1 0; do echo "== KV 256-token latency, blocking_ops=$m"
+  python3 benchmarks/trace_report.py $T/kv${m}short.*.json --last 50; done | tee "$OUT/traces.txt"
+timeout 200 python3 -m pytest $P --durations=5 tests/gpu/ 2>&1 | tee "$OUT/gpu_tests.txt" \
+  | grep -E "passed|failed|Error|BIDIR|KILL|SIGSTOP|RESTART|MEM"
+AIOKV_NCCL_BLOCKING_OPS=1 timeout 120 python3 -m pytest $P tests/gpu/test_engine_nccl_gpu.py \
+  tests/gpu/test_engine_faults_gpu.py tests/gpu/test_kv_connector_gpu.py 2>&1 | tee "$OUT/gpu_tests_blocking.txt" \
+  | grep -E "passed|failed|Error|SIGSTOP|MEM"
+timeout 40 python3 -m aiokv.demo.run --device auto 2>&1 | tee "$OUT/demo_gpu.txt" | tail -3

@@ -160,7 +160,10 @@ async def main() -> None:
                 peer = args[0]
                 await eng.send("warm", torch.ones(16, device=dev), to=peer)  # communicator up
                 t = torch.empty(1 << 30, device=dev, dtype=torch.uint8)
-                torch.cuda._sleep(2_000_000_000_000)  # the producer kernel "never" finishes
+                # the producer kernel outlasts the test (~30 s at ~2 GHz), but not by much:
+                # a kernel left running after its process is stopped or killed must not
+                # keep the GPU busy for the tests that follow
+                torch.cuda._sleep(60_000_000_000)
                 t.fill_(1)
                 eng.send_nowait("doomed", t, to=peer)
                 say("VICTIM_SENDING", time.time())

@@ -74,9 +74,26 @@ def main(argv: list[str] | None = None) -> int:
     if args.last or args.first:
         steps = {k: steps[k] for k in order}
     rows = report(steps)
+    spans = [(v["start"], v["done"]) for v in steps.values() if "start" in v and "done" in v]
+    if spans:
+        busy = sum(b - a for a, b in spans)
+        span = max(b for _, b in spans) - min(a for a, _ in spans)
+        rows.append(
+            {
+                "hop": "overlap",
+                "what": "transfers in flight on average (sum of transfer times / span of the trace)",
+                "n": len(spans),
+                "median_us": round(busy / span, 2) if span > 0 else 0.0,
+                "p90_us": round(span * 1e6, 1),
+            }
+        )
     for r in rows:
         if args.json:
             print(json.dumps(r))
+        elif r["hop"] == "overlap":
+            print(
+                f"{'overlap':<18} {r['median_us']} transfers in flight on average over {r['p90_us']} us, n={r['n']}"
+            )
         else:
             print(
                 f"{r['hop']:<18} median {r['median_us']:>9} us  p90 {r['p90_us']:>9} us  n={r['n']:<6} {r['what']}"

@@ -3,11 +3,7 @@
 # AIOKV_TRACE timelines joined by benchmarks/trace_report.py.
 #   run (kind nvidia-h200-x2, carry .whl .whl2):  bash benchmarks/gpu_diag.sh
 set -uo pipefail
-OUT="${OUT:-$PWD/gpu-out}"
-mkdir -p "$OUT"
-python3 -m pip install -q --no-index --no-deps --upgrade --target /tmp/site .whl/*.whl .whl2/*.whl >/dev/null 2>&1
-export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
-P="-q -s -W ignore::pytest.PytestConfigWarning -W ignore::pytest.PytestUnknownMarkWarning -p no:cacheprovider"
+. "$(dirname "${BASH_SOURCE[0]}")/_device_env.sh"
 timeout 150 python3 -m pytest $P tests/gpu/test_engine_faults_gpu.py 2>&1 | tee "$OUT/gpu_fault_tests.txt" \
   | grep -E "passed|failed|Error|SIGSTOP|RESTART|MEM"
 B="python3 -m aiokv bench transport --transport nccl --json --loop uvloop"

@@ -4,11 +4,7 @@
 # engine/fault GPU tests with blocking enqueues, and the demo.
 #   run (kind nvidia-h200-x2, carry .whl .whl2):  bash benchmarks/gpu_final.sh
 set -uo pipefail
-OUT="${OUT:-$PWD/gpu-out}"
-mkdir -p "$OUT"
-python3 -m pip install -q --no-index --no-deps --upgrade --target /tmp/site .whl/*.whl .whl2/*.whl >/dev/null 2>&1
-export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
-P="-q -s -W ignore::pytest.PytestConfigWarning -W ignore::pytest.PytestUnknownMarkWarning -p no:cacheprovider"
+. "$(dirname "${BASH_SOURCE[0]}")/_device_env.sh"
 B="python3 -m aiokv bench transport --transport nccl --json --loop uvloop"
 T=/tmp/trace; rm -rf $T; mkdir -p $T
 tag() { sed "s/^{/{\"blocking_ops\": $1, /"; }

@@ -6,7 +6,9 @@ Roles talk to the test through stdout lines ``KEY value`` and stdin commands.
 from __future__ import annotations
 
 import asyncio
+import faulthandler
 import json
+import signal
 import sys
 import time
 import types
@@ -232,4 +234,6 @@ async def main() -> None:
 
 
 if __name__ == "__main__":
+    # SIGUSR1 (sent by the tests on a timeout): every thread's Python stack to stderr
+    faulthandler.register(signal.SIGUSR1, all_threads=True)
     asyncio.run(main())

@@ -8,9 +8,11 @@ from __future__ import annotations
 
 import json
 import os
+import queue
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -26,6 +28,44 @@ pytestmark = [
 ROOT = Path(__file__).resolve().parents[2]
 
 
+class LineReader:
+    """The ``KEY json`` lines a worker prints, read on a thread so that waiting is bounded.
+
+    On a timeout the worker gets SIGUSR1 — it dumps every thread's Python stack to
+    stderr (faulthandler) — so a hang leaves a trace of where it was stuck.
+    """
+
+    def __init__(self, proc: subprocess.Popen[str]) -> None:
+        self.proc = proc
+        self.q: queue.Queue[str | None] = queue.Queue()
+        threading.Thread(target=self._pump, daemon=True).start()
+
+    def _pump(self) -> None:
+        assert self.proc.stdout is not None
+        for line in self.proc.stdout:
+            self.q.put(line)
+        self.q.put(None)
+
+    def expect(self, key: str, timeout: float) -> Any:
+        deadline = time.monotonic() + timeout
+        while True:
+            left = deadline - time.monotonic()
+            try:
+                line = self.q.get(timeout=max(0.0, left))
+            except queue.Empty:
+                if self.proc.poll() is None:
+                    self.proc.send_signal(signal.SIGUSR1)  # stack dump of the stuck worker
+                    time.sleep(1.0)
+                raise AssertionError(f"timed out after {timeout:g} s waiting for {key}") from None
+            if line is None:
+                raise AssertionError(
+                    f"worker exited (rc={self.proc.poll()}) while waiting for {key}"
+                )
+            k, _, v = line.partition(" ")
+            if k == key:
+                return json.loads(v)
+
+
 class Worker:
     def __init__(self, device: str) -> None:
         env = dict(os.environ)
@@ -38,6 +78,7 @@ class Worker:
             text=True,
             env=env,
         )
+        self.lines = LineReader(self.p)
         self.addr = self.expect("ADDR", 120)
 
     def cmd(self, line: str) -> None:
@@ -46,16 +87,7 @@ class Worker:
         self.p.stdin.flush()
 
     def expect(self, key: str, timeout: float) -> Any:
-        assert self.p.stdout is not None
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            line = self.p.stdout.readline()
-            if not line:
-                raise AssertionError(f"worker exited (rc={self.p.poll()}) while waiting for {key}")
-            k, _, v = line.partition(" ")
-            if k == key:
-                return json.loads(v)
-        raise AssertionError(f"timed out waiting for {key}")
+        return self.lines.expect(key, timeout)
 
     def close(self) -> None:
         if self.p.poll() is None:
@@ -83,12 +115,20 @@ def pair() -> Any:
         b.close()
 
 
-@pytest.mark.timeout(300)
+@pytest.mark.timeout(240)
 def test_bidirectional_1000_mixed_sends_bit_exact(pair: Any) -> None:
     a, b = pair
     a.cmd(f"bidir 0 {b.addr} 500")
     b.cmd(f"bidir 1 {a.addr} 500")
-    ra, rb = a.expect("BIDIR", 240), b.expect("BIDIR", 240)
+    # ~1 s when it works (device runs); a hang fails here with both workers' stacks
+    try:
+        ra, rb = a.expect("BIDIR", 90), b.expect("BIDIR", 30)
+    except AssertionError:
+        for w in (a, b):
+            if w.p.poll() is None:
+                w.p.send_signal(signal.SIGUSR1)
+        time.sleep(1.0)
+        raise
     print("BIDIR", ra, rb)
     assert ra["bad"] == 0 and rb["bad"] == 0
     assert ra["count"] == rb["count"] == 500

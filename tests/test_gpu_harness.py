@@ -1,7 +1,7 @@
 """The GPU tests' worker harness on CPU: bounded waits and a stack dump on a hang.
 
-tests/gpu/ only runs on the device machine; its line reader is plain Python, so
-it is checked here, where CI runs.
+tests/gpu/ only runs on the device machine; its line reader (tests/_procs.py) is
+plain Python, so it is checked here, where CI runs.
 """
 
 from __future__ import annotations
@@ -11,8 +11,7 @@ import sys
 import time
 
 import pytest
-
-from tests.gpu.test_engine_nccl_gpu import LineReader
+from _procs import LineReader
 
 CHILD = r"""
 import faulthandler, signal, sys, time

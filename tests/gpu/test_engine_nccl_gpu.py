@@ -6,19 +6,17 @@ stdin/stdout so the processes, engines and communicators are real.
 
 from __future__ import annotations
 
-import json
 import os
-import queue
 import signal
 import subprocess
 import sys
-import threading
 import time
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
+from _procs import LineReader
 
 pytestmark = [
     pytest.mark.multi_gpu,
@@ -26,44 +24,6 @@ pytestmark = [
 ]
 
 ROOT = Path(__file__).resolve().parents[2]
-
-
-class LineReader:
-    """The ``KEY json`` lines a worker prints, read on a thread so that waiting is bounded.
-
-    On a timeout the worker gets SIGUSR1 — it dumps every thread's Python stack to
-    stderr (faulthandler) — so a hang leaves a trace of where it was stuck.
-    """
-
-    def __init__(self, proc: subprocess.Popen[str]) -> None:
-        self.proc = proc
-        self.q: queue.Queue[str | None] = queue.Queue()
-        threading.Thread(target=self._pump, daemon=True).start()
-
-    def _pump(self) -> None:
-        assert self.proc.stdout is not None
-        for line in self.proc.stdout:
-            self.q.put(line)
-        self.q.put(None)
-
-    def expect(self, key: str, timeout: float) -> Any:
-        deadline = time.monotonic() + timeout
-        while True:
-            left = deadline - time.monotonic()
-            try:
-                line = self.q.get(timeout=max(0.0, left))
-            except queue.Empty:
-                if self.proc.poll() is None:
-                    self.proc.send_signal(signal.SIGUSR1)  # stack dump of the stuck worker
-                    time.sleep(1.0)
-                raise AssertionError(f"timed out after {timeout:g} s waiting for {key}") from None
-            if line is None:
-                raise AssertionError(
-                    f"worker exited (rc={self.proc.poll()}) while waiting for {key}"
-                )
-            k, _, v = line.partition(" ")
-            if k == key:
-                return json.loads(v)
 
 
 class Worker:

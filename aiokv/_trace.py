@@ -1,8 +1,9 @@
 """Opt-in timeline of each transfer's steps, for finding where latency goes.
 
 Set ``AIOKV_TRACE=/some/prefix`` before the process starts: every engine in
-the process then records ``(step, transfer, time)`` at the steps below, and the
-process writes them to ``/some/prefix.<pid>.json`` when it exits. Times are
+the process then records ``(step, client engine id, transfer, time)`` at the
+steps below, and the process writes them to ``/some/prefix.<pid>.json`` when
+it exits. Times are
 ``time.perf_counter()`` (CLOCK_MONOTONIC on Linux), so the files of two
 processes on one host share a time base; transfer numbers are the client's,
 which the server sees in RESERVE, so both ends join on them
@@ -11,7 +12,7 @@ which the server sees in RESERVE, so both ends join on them
 Client steps: ``start`` (RESERVE queued), ``grant`` (GRANT received),
 ``posted`` (data handed to the transport), ``done`` (DONE received).
 Server steps: ``reserve`` (RESERVE received), ``granted`` (GRANT queued),
-``landed`` (data complete in the store), ``taken`` (handed to ``recv``).
+``landed`` (data complete in the store).
 """
 
 from __future__ import annotations

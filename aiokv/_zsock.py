@@ -87,37 +87,30 @@ class LoopSocket:
         Raises :class:`zmq.ZMQError` for a failure other than "would block"
         (e.g. ``EHOSTUNREACH`` on a ROUTER with ``ROUTER_MANDATORY``).
         """
-        if self.closed:
-            raise zmq.ZMQError(zmq.ENOTSOCK, "socket closed")
-        if not self._backlog:
-            try:
-                self.sock.send_multipart(frames, _NOBLOCK, copy=copy)
-            except zmq.Again:
-                self._backlog.append((frames, copy, None))
-            self._check_soon()
-            return
-        self._backlog.append((frames, copy, None))
+        if not self._send_now(frames, copy):
+            self._backlog.append((frames, copy, None))
 
     async def send_wait(self, frames: Sequence[Any], *, copy: bool = True) -> None:
         """Like :meth:`send`, and wait until zmq took the message (e.g. a peer connected)."""
-        if self.closed:
-            raise zmq.ZMQError(zmq.ENOTSOCK, "socket closed")
-        if not self._backlog:
-            try:
-                self.sock.send_multipart(frames, _NOBLOCK, copy=copy)
-                self._check_soon()
-                return
-            except zmq.Again:
-                pass
+        if self._send_now(frames, copy):
+            return
         fut: asyncio.Future[None] = self._loop.create_future()
         self._backlog.append((frames, copy, fut))
-        self._check_soon()
         await fut
 
-    @property
-    def backlog(self) -> int:
-        """Messages waiting for the socket to become writable."""
-        return len(self._backlog)
+    def _send_now(self, frames: Sequence[Any], copy: bool) -> bool:
+        """Hand the message to zmq unless earlier ones wait or it would block; True if taken."""
+        if self.closed:
+            raise zmq.ZMQError(zmq.ENOTSOCK, "socket closed")
+        if self._backlog:
+            return False
+        try:
+            self.sock.send_multipart(frames, _NOBLOCK, copy=copy)
+            return True
+        except zmq.Again:
+            return False
+        finally:
+            self._check_soon()  # a send can consume the FD's edge; and a blocked one needs POLLOUT
 
     def _flush(self) -> bool:
         """Send queued messages until one would block; True if any left."""

@@ -171,16 +171,19 @@ class NcclSink:
                 # outlived its session that way on 2x H200).
                 _hold_until_passed(self.poller, self.stream, outs)
                 outs = []
-                if isinstance(exc, asyncio.CancelledError):
-                    batch = []
-                    raise
-                err = exc.with_traceback(None)
-                self.abort(err)
+                cancelled = isinstance(exc, asyncio.CancelledError)
+                if cancelled:  # abort() cancelled us mid-post: this batch is lost with the link
+                    why = f"NCCL link aborted: {self._dead}"
+                else:
+                    err = exc.with_traceback(None)
+                    self.abort(err)
+                    why = f"posting NCCL receive failed: {err}"
                 for e in batch:
                     if not e.fut.done():
-                        e.fut.set_exception(
-                            TransferAbortedError(f"posting NCCL receive failed: {err}")
-                        )
+                        e.fut.set_exception(TransferAbortedError(why))
+                batch = []
+                if cancelled:
+                    raise
                 return
             done = self.poller.wait(ev, self.comm, keepalive=outs)
             # Batches land strictly in posting order: a later batch's event may be

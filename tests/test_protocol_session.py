@@ -388,3 +388,20 @@ def test_random_frames_into_receive_raise_only_remote_protocol_error(
             me.receive(raw)
         except aiokv.RemoteProtocolError:
             assert snap(me) == before
+
+
+def test_note_sent_applies_like_send_without_encoding() -> None:
+    """NCCL data carries no header: the client notes the DATA it implied by posting."""
+    c, s = pair_open()
+    xid = c.new_xfer_id()
+    link(c, s, m.Reserve(xid, "nccl", SPEC))
+    link(s, c, m.Grant(xid, 0))
+    before = snap(c)
+    with pytest.raises(aiokv.LocalProtocolError):  # checked like send: wrong seq refused
+        c.note_sent(m.DataHeader(xid, 5, 1))
+    assert snap(c) == before
+    assert c.note_sent(m.DataHeader(xid, 0, 1)) is None
+    assert c.xfer_state(xid) is XferState.SENT
+    s.receive_message(m.DataHeader(xid, 0, 1))  # the server's side of the same posting order
+    link(s, c, m.Done(xid))
+    assert c.live_transfers == s.live_transfers == 0

@@ -148,7 +148,13 @@ class LoopSocket:
                     progressed = self._flush()
                 if ev & _POLLIN:
                     frames = sock.recv_multipart(_NOBLOCK, copy=False)
-                    self.on_message(frames)
+                    try:
+                        self.on_message(frames)
+                    except Exception:
+                        # the FD's edge is spent: without a new look, messages
+                        # already queued would wait for one that never comes
+                        self._check_soon()
+                        raise
                     progressed = True
                     n += 1
                     if n >= self.max_batch:

@@ -33,8 +33,9 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import os
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
 
@@ -47,7 +48,9 @@ __all__ = [
     "EventLike",
     "PollerStats",
     "ProgressPoller",
+    "module_loading",
     "order_after",
+    "preload_copy_kernels",
     "record_event",
     "stream_wait",
 ]
@@ -99,6 +102,33 @@ def order_after(
     ev = record_event(producer if producer is not None else torch.cuda.current_stream())
     stream.wait_event(ev)
     return ev
+
+
+def module_loading() -> str:
+    """How this process's CUDA loads kernels: ``"LAZY"`` (torch's default) or ``"EAGER"``.
+
+    Read from ``CUDA_MODULE_LOADING``, which CUDA reads once, when the context
+    is created. Under lazy loading the first launch of a kernel loads its
+    module, and that load waits until the GPU has no work left, holding the
+    context lock (every CUDA call of every thread waits behind it). An NCCL
+    kernel waiting for its peer is work left: see docs/reliability.md,
+    "First launches and NCCL".
+    """
+    return os.environ.get("CUDA_MODULE_LOADING", "LAZY").strip().upper() or "LAZY"
+
+
+def preload_copy_kernels(device: torch.device, dtypes: Iterable[torch.dtype]) -> None:
+    """Launch once, now, the kernels aiokv itself runs between NCCL operations.
+
+    aiokv's only kernel on the data path is the copy that makes a strided
+    tensor contiguous before it is sent (one kernel per dtype). Under lazy
+    module loading its first launch would wait for every queued NCCL kernel
+    (see :func:`module_loading`); launched at engine start, before any
+    communicator exists, it loads at no risk. Nothing is waited for here.
+    """
+    with torch.cuda.device(device):
+        for dt in dtypes:
+            torch.empty((2, 2), dtype=dt, device=device).t().contiguous()
 
 
 # --------------------------------------------------------------------------- poller

@@ -48,6 +48,13 @@ def doctor(out: TextIO | None = None) -> int:
         for i in range(gpus):
             p = torch.cuda.get_device_properties(i)
             say(f"  cuda:{i}     {p.name}, {p.total_memory / 2**30:.0f} GiB")
+        from .cuda import module_loading
+
+        mode = module_loading()
+        say(f"module load  {mode} (CUDA_MODULE_LOADING)")
+        if mode != "EAGER":
+            say("             NCCL both ways between two engines: launch your kernels once before,")
+            say("             or set CUDA_MODULE_LOADING=EAGER (docs/reliability.md)")
         if gpus > 1:
             say("peer access  (row can read/write column directly; NVLink or PCIe P2P)")
             for i in range(gpus):

@@ -849,6 +849,12 @@ class Engine:
             if self.config.transport == "nccl" and not self._nccl_ok:
                 self._started = False
                 raise ConfigError(f"transport='nccl' but NCCL cannot be used: {self._nccl_why}")
+            if self._nccl_ok:
+                from .cuda import preload_copy_kernels
+                from .nccl.library import mapped_dtypes
+
+                # before any communicator: a first launch later could wait on NCCL kernels
+                preload_copy_kernels(torch.device(self.config.device), mapped_dtypes())
         self._ctx = zmq.asyncio.Context()
         # the hot sockets are plain ones on the same zmq context, run by LoopSocket
         self._sctx = zmq.Context.shadow(self._ctx.underlying)

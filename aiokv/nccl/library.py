@@ -54,6 +54,7 @@ __all__ = [
     "decode_version",
     "find_library",
     "load_library",
+    "mapped_dtypes",
     "nccl_dtype",
     "result_name",
 ]
@@ -178,6 +179,11 @@ for _name, _code in (("uint32", _UINT32), ("uint64", _UINT64)):
     _dt = getattr(torch, _name, None)
     if isinstance(_dt, torch.dtype):
         DTYPE_MAP[_dt] = _code
+
+
+def mapped_dtypes() -> tuple[torch.dtype, ...]:
+    """Every torch dtype with an NCCL mapping (fp8 ones need NCCL >= 2.24 to be sent)."""
+    return (*DTYPE_MAP, *_FP8_MAP)
 
 
 def nccl_dtype(dtype: torch.dtype, version: int) -> int:

@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import faulthandler
 import json
+import os
 import signal
 import sys
 import time
@@ -87,8 +88,27 @@ def _big_tensor_owners(min_bytes: int = 1 << 28) -> list[list[str]]:
     return out
 
 
+def warm_kernels(count: int, dev: torch.device) -> None:
+    """Launch, before any NCCL traffic, every kernel :func:`bidir` runs while it moves data.
+
+    Under CUDA's lazy module loading a kernel's first launch waits until the GPU is
+    idle, holding the context lock; both workers doing so while NCCL kernels of both
+    directions wait for the other side is a deadlock (docs/reliability.md, "First
+    launches and NCCL"). Users must do the same; ``AIOKV_TEST_COLD=1`` skips it
+    (to show the hazard on a GPU).
+    """
+    if os.environ.get("AIOKV_TEST_COLD") == "1":
+        return
+    for i in range(count):
+        for seed in (0, 1):
+            t = make(i, seed, dev)
+            same(t.contiguous(), t.contiguous())
+    torch.cuda.synchronize(dev)  # before any transfer: nothing of NCCL's is queued
+
+
 async def bidir(eng: aiokv.Engine, me: int, peer: str, count: int, dev: torch.device) -> None:
     """Send ``count`` tensors to the peer while receiving ``count`` from it; verify bytes."""
+    warm_kernels(count, dev)
     t0 = time.perf_counter()
     handles = [eng.send_nowait(f"b{me}-{i}", make(i, me, dev), to=peer) for i in range(count)]
     other = 1 - me
@@ -102,6 +122,13 @@ async def bidir(eng: aiokv.Engine, me: int, peer: str, count: int, dev: torch.de
     say("BIDIR", {"bad": bad, "count": count, "seconds": time.perf_counter() - t0})
 
 
+def dump_tasks() -> None:
+    for task in asyncio.all_tasks():
+        print(f"--- task {task.get_name()}: {task.get_coro()!r}", file=sys.stderr)
+        task.print_stack(limit=12, file=sys.stderr)
+    sys.stderr.flush()
+
+
 async def main() -> None:
     _role = sys.argv[1]  # kept for the command line shape
     dev = torch.device(sys.argv[2])
@@ -113,8 +140,10 @@ async def main() -> None:
         timeouts=aiokv.Timeouts(transfer=120.0, connect=60.0),
     )
     async with aiokv.Engine(cfg) as eng:
-        say("ADDR", eng.address)
         loop = asyncio.get_running_loop()
+        # SIGUSR2 (after SIGUSR1 on a timeout): if the loop still runs, its tasks' stacks
+        loop.add_signal_handler(signal.SIGUSR2, dump_tasks)
+        say("ADDR", eng.address)
         reader = asyncio.StreamReader()
         await loop.connect_read_pipe(lambda: asyncio.StreamReaderProtocol(reader), sys.stdin)
         while True:

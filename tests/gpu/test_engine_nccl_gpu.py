@@ -80,14 +80,19 @@ def test_bidirectional_1000_mixed_sends_bit_exact(pair: Any) -> None:
     a, b = pair
     a.cmd(f"bidir 0 {b.addr} 500")
     b.cmd(f"bidir 1 {a.addr} 500")
-    # ~1 s when it works (device runs); a hang fails here with both workers' stacks
+    # a few seconds when it works (device runs; each worker first launches every kernel it
+    # will use, see _engine_worker.warm_kernels); a hang fails here with both workers' stacks
     try:
         ra, rb = a.expect("BIDIR", 90), b.expect("BIDIR", 30)
     except AssertionError:
-        for w in (a, b):
-            if w.p.poll() is None:
-                w.p.send_signal(signal.SIGUSR1)
-        time.sleep(1.0)
+        for sig in (
+            signal.SIGUSR1,
+            signal.SIGUSR2,
+        ):  # threads' stacks, then (if the loop runs) tasks'
+            for w in (a, b):
+                if w.p.poll() is None:
+                    w.p.send_signal(sig)
+            time.sleep(1.0)
         raise
     print("BIDIR", ra, rb)
     assert ra["bad"] == 0 and rb["bad"] == 0

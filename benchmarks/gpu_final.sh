@@ -24,4 +24,5 @@ timeout 200 python3 -m pytest $P --durations=5 tests/gpu/ 2>&1 | tee "$OUT/gpu_t
 AIOKV_NCCL_BLOCKING_OPS=1 timeout 120 python3 -m pytest $P tests/gpu/test_engine_nccl_gpu.py \
   tests/gpu/test_engine_faults_gpu.py tests/gpu/test_kv_connector_gpu.py 2>&1 | tee "$OUT/gpu_tests_blocking.txt" \
   | grep -E "passed|failed|Error|SIGSTOP|MEM"
+python3 -m aiokv doctor > "$OUT/doctor.txt" 2>&1
 timeout 40 python3 -m aiokv.demo.run --device auto 2>&1 | tee "$OUT/demo_gpu.txt" | tail -3

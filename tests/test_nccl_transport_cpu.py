@@ -18,6 +18,7 @@ from typing import Any
 import pytest
 import torch
 
+import aiokv
 import aiokv.transport.nccl as nccl_mod
 from aiokv import TransferAbortedError
 from aiokv.cuda import ProgressPoller
@@ -108,7 +109,10 @@ async def settle(poller: ProgressPoller, until: Any, limit: float = 5.0) -> None
 
 
 @pytest.mark.anyio
-async def test_receive_batches_are_capped_by_count_and_bytes(events: list[FakeEvent]) -> None:
+async def test_receive_batches_are_capped_by_count_and_bytes(
+    events: list[FakeEvent], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("AIOKV_NCCL_RECV_BATCH", "4,8")  # small caps, small tensors
     poller = ProgressPoller(spin_s=0.0)
     comm = FakeComm()
     sink = nccl_mod.NcclSink(comm, poller, torch.device("cpu"))  # type: ignore[arg-type]
@@ -129,8 +133,9 @@ async def test_receive_batches_are_capped_by_count_and_bytes(events: list[FakeEv
 
 @pytest.mark.anyio
 async def test_batches_land_in_posting_order_whatever_order_events_fire(
-    events: list[FakeEvent],
+    events: list[FakeEvent], monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    monkeypatch.setenv("AIOKV_NCCL_RECV_BATCH", "4,8")
     poller = ProgressPoller(spin_s=0.0)
     comm = FakeComm()
     sink = nccl_mod.NcclSink(comm, poller, torch.device("cpu"))  # type: ignore[arg-type]
@@ -175,3 +180,16 @@ async def test_cut_short_post_keeps_buffers_until_the_stream_passed_them(
     # freed as soon as the poller let go: no frame kept by the cancelled task holds it
     assert buf() is None
     await poller.stop()
+
+
+def test_recv_batch_caps_default_and_override(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("AIOKV_NCCL_RECV_BATCH", raising=False)
+    assert nccl_mod.recv_batch_caps() == (8, 128 * MiB)
+    monkeypatch.setenv("AIOKV_NCCL_RECV_BATCH", "16, 64")
+    assert nccl_mod.recv_batch_caps() == (16, 64 * MiB)
+    monkeypatch.setenv("AIOKV_NCCL_RECV_BATCH", "2,0.5")
+    assert nccl_mod.recv_batch_caps() == (2, MiB // 2)
+    for bad in ("8", "x,1", "0,8", "4,-1", "4,8,1"):
+        monkeypatch.setenv("AIOKV_NCCL_RECV_BATCH", bad)
+        with pytest.raises(aiokv.ConfigError, match="AIOKV_NCCL_RECV_BATCH"):
+            nccl_mod.recv_batch_caps()

@@ -23,13 +23,14 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import os
 from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 
-from .._exceptions import TransferAbortedError
+from .._exceptions import ConfigError, TransferAbortedError
 from ..cuda import ProgressPoller, record_event
 from ..nccl.comm import Communicator
 from ..protocol.messages import DataHeader, TensorSpec
@@ -44,8 +45,31 @@ _ids = itertools.count(1)
 # and the next grant is posted while the GPU still has queued work: with
 # unbounded batches (up to the whole window) each batch waited a full control
 # round trip with the link idle (~0.3-0.4 ms per batch on 2x H200, device run 2).
-_MAX_BATCH = 4
-_MAX_BATCH_BYTES = 8 << 20
+# They must not be too small either: posting a group costs ~300 us (the
+# non-blocking enqueue settling), and one receive per group at 32 MiB left the
+# receiver posting slower than the link (posted->landed 2.1 ms with 16 in
+# flight, device run s9r3). A batch may carry about what the link moves in one
+# post: 128 MiB. ``AIOKV_NCCL_RECV_BATCH="count,MiB"`` overrides (benchmarks).
+_MAX_BATCH = 8
+_MAX_BATCH_BYTES = 128 << 20
+ENV_RECV_BATCH = "AIOKV_NCCL_RECV_BATCH"
+
+
+def recv_batch_caps() -> tuple[int, int]:
+    """(transfers, bytes) a receive batch may hold: the defaults or ``AIOKV_NCCL_RECV_BATCH``."""
+    raw = os.environ.get(ENV_RECV_BATCH, "").strip()
+    if not raw:
+        return _MAX_BATCH, _MAX_BATCH_BYTES
+    try:
+        count_s, mib_s = raw.split(",")
+        count, mib = int(count_s), float(mib_s)
+    except ValueError:
+        raise ConfigError(
+            f'{ENV_RECV_BATCH} must be "count,MiB" (e.g. "8,128"), got {raw!r}'
+        ) from None
+    if count < 1 or mib <= 0:
+        raise ConfigError(f"{ENV_RECV_BATCH}: count >= 1 and MiB > 0, got {raw!r}")
+    return count, int(mib * (1 << 20))
 
 
 def capture_ready(tensors: Sequence[torch.Tensor]) -> torch.cuda.Event:
@@ -127,6 +151,7 @@ class NcclSink:
         self.poller = poller
         self.device = device
         self.stream = torch.cuda.Stream(device=device)  # type: ignore[no-untyped-call]
+        self._max_batch, self._max_bytes = recv_batch_caps()
         self._queue: asyncio.Queue[_Expected] = asyncio.Queue()
         self._dead: BaseException | None = None
         self._task = asyncio.get_running_loop().create_task(
@@ -153,7 +178,11 @@ class NcclSink:
             batch = [await self._queue.get()]
             # what was granted meanwhile is posted as one group (one kernel launch), up to a cap
             nbytes = batch[0].nbytes
-            while not self._queue.empty() and len(batch) < _MAX_BATCH and nbytes < _MAX_BATCH_BYTES:
+            while (
+                not self._queue.empty()
+                and len(batch) < self._max_batch
+                and nbytes < self._max_bytes
+            ):
                 e = self._queue.get_nowait()
                 batch.append(e)
                 nbytes += e.nbytes

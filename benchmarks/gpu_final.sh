@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# The figures run: transport and KV benchmarks with non-blocking (0) and blocking (1)
-# NCCL enqueues, traced latency, the whole GPU test suite (default mode), the
+# The figures run: transport benchmarks (default non-blocking enqueues: every size with
+# 16 in flight, 1 MiB with 64, 32/128 MiB with 32; blocking enqueues: 1/32/512 MiB) and
+# KV benchmarks with non-blocking (0) and blocking (1) NCCL enqueues, traced latency, the whole GPU test suite (default mode), the
 # engine/fault GPU tests with blocking enqueues, and the demo.
 #   run (kind nvidia-h200-x2, carry .whl .whl2):  bash benchmarks/gpu_final.sh
 set -uo pipefail
@@ -8,9 +9,10 @@ set -uo pipefail
 B="python3 -m aiokv bench transport --transport nccl --json --loop uvloop"
 T=/tmp/trace; rm -rf $T; mkdir -p $T
 tag() { sed "s/^{/{\"blocking_ops\": $1, /"; }
-{ AIOKV_NCCL_BLOCKING_OPS=1 timeout 80 $B --sizes 1,4,16,32,128,512 --window 16 --reps 3 2>/dev/null | tag 1
-  AIOKV_NCCL_BLOCKING_OPS=1 timeout 30 $B --sizes 1 --window 64 --reps 3 2>/dev/null | tag 1
-  AIOKV_NCCL_BLOCKING_OPS=0 timeout 60 $B --sizes 1,32,512 --window 16 --reps 3 2>/dev/null | tag 0
+{ AIOKV_NCCL_BLOCKING_OPS=0 timeout 80 $B --sizes 1,4,16,32,128,512 --window 16 --reps 3 2>/dev/null | tag 0
+  AIOKV_NCCL_BLOCKING_OPS=0 timeout 30 $B --sizes 1 --window 64 --reps 3 2>/dev/null | tag 0
+  AIOKV_NCCL_BLOCKING_OPS=0 timeout 60 $B --sizes 32,128 --window 32 --reps 3 2>/dev/null | tag 0
+  AIOKV_NCCL_BLOCKING_OPS=1 timeout 60 $B --sizes 1,32,512 --window 16 --reps 3 2>/dev/null | tag 1
 } | tee "$OUT/bench_nccl.jsonl" | cut -c1-150
 for m in 1 0; do for w in short long; do
   [ "$m$w" = "0long" ] && continue

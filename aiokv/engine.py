@@ -586,11 +586,16 @@ class _ClientSession:
 
         Everything granted meanwhile goes out as one NCCL group, in grant order.
         """
+        from .transport.nccl import send_batch_caps
+
+        max_n, max_bytes = send_batch_caps()
         try:
             while True:
                 batch = [await self.post_queue.get()]
-                while not self.post_queue.empty() and len(batch) < 64:
+                nbytes = sum(sp.nbytes for sp in batch[0].specs)
+                while not self.post_queue.empty() and len(batch) < max_n and nbytes < max_bytes:
                     batch.append(self.post_queue.get_nowait())
+                    nbytes += sum(sp.nbytes for sp in batch[-1].specs)
                 for b in batch:
                     self.sess.note_sent(DataHeader(b.xfer, b.seq, len(b.specs)))
                 assert self.nccl is not None

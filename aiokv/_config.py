@@ -25,6 +25,8 @@ class Timeouts:
     heartbeat_interval: float = 0.5
     heartbeat_timeout: float = 2.5
     linger: float = 1.0
+    #: the event loop stuck this long while NCCL work is queued: abort the communicators
+    nccl_watchdog: float = 30.0
 
     def __post_init__(self) -> None:
         for f in dataclasses.fields(self):

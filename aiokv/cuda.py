@@ -238,6 +238,11 @@ class ProgressPoller:
     def running(self) -> bool:
         return self._task is not None and not self._task.done()
 
+    @property
+    def pending(self) -> int:
+        """Completions still awaited (safe to read from another thread)."""
+        return len(self._waiters)
+
     def statistics(self) -> PollerStats:
         self._stats.pending = len(self._waiters)
         self._stats.orphaned = sum(1 for w in self._waiters if w.future.done())

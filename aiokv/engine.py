@@ -90,7 +90,9 @@ from .store import PeerRef, ReceiveStore, StoreStatistics
 from .transport.tcp import TcpSink, TcpSource, dtype_name
 
 if TYPE_CHECKING:
+    from ._watchdog import LoopWatchdog
     from .cuda import ProgressPoller
+    from .nccl.comm import Communicator
     from .transport.nccl import NcclSink, NcclSource
 
 __all__ = ["Engine", "EngineStatistics", "TransferHandle"]
@@ -833,6 +835,7 @@ class Engine:
         self._nccl_ok = False
         self._nccl_why = "not started"
         self._poller: ProgressPoller | None = None
+        self._watchdog: LoopWatchdog | None = None
         self._auth: Any = None
 
     # ------------------------------------------------------------------ lifecycle
@@ -915,6 +918,8 @@ class Engine:
                     self._reply(ss, ss.sess.send(Bye()))
             self._drop_server(ss, exc, lost=False)
         self._store.fail_all(exc)
+        if self._watchdog is not None:
+            self._watchdog.stop()
         if self._poller is not None:
             await self._poller.stop()
         for t in self._main_tasks:
@@ -961,7 +966,40 @@ class Engine:
             # Spin (yielding) for 20 ms after any activity: a sleeping poller on a
             # millisecond-granular loop adds ~1-2 ms to every completion (benchmarks.md).
             self._poller = ProgressPoller(spin_s=0.02)
+            from ._watchdog import LoopWatchdog
+
+            poller = self._poller
+            self._watchdog = LoopWatchdog(
+                asyncio.get_running_loop(),
+                limit=self.config.timeouts.nccl_watchdog,
+                pending=lambda: poller.pending,
+                abort=self._watchdog_abort,
+            )
         return self._poller
+
+    def _all_comms(self) -> list[Communicator]:
+        comms = [cs.nccl.comm for cs in list(self._clients.values()) if cs.nccl is not None]
+        comms += [ss.nccl.comm for ss in list(self._servers.values()) if ss.nccl is not None]
+        return comms
+
+    def _watchdog_abort(self, why: str) -> None:
+        """Called on the watchdog's thread while the loop is stuck: abort every communicator.
+
+        ``Communicator.abort`` only sets flags and starts ``ncclCommAbort`` on a
+        thread of its own; once the loop runs again the poller fails the
+        waiters and the sessions tear down as for any aborted link.
+        """
+        log.error("aiokv: %s", why)
+        for _ in range(3):  # the loop may still be changing the session tables
+            try:
+                comms = self._all_comms()
+                break
+            except RuntimeError:
+                time.sleep(0.01)
+        else:
+            return
+        for c in comms:
+            c.abort()
 
     # ------------------------------------------------------------------ CURVE hooks
     def _apply_curve_server(self, sock: zmq.Socket[Any]) -> None:
@@ -1097,8 +1135,7 @@ class Engine:
         s.client_sessions = len(self._clients)
         s.server_sessions = len(self._servers)
         s.queued_reservations = len(self._queue)
-        comms = [cs.nccl.comm for cs in self._clients.values() if cs.nccl is not None]
-        comms += [ss.nccl.comm for ss in self._servers.values() if ss.nccl is not None]
+        comms = self._all_comms()
         if comms or self._poller is not None:
             n: dict[str, float] = {
                 "communicators": len(comms),
@@ -1110,6 +1147,8 @@ class Engine:
                 for k, v in dataclasses.asdict(self._poller.statistics()).items():
                     if isinstance(v, int):
                         n[f"poller_{k}"] = v
+            if self._watchdog is not None:
+                n["watchdog_fired"] = self._watchdog.fired
             s.nccl = n
         return s
 

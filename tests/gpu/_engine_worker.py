@@ -110,15 +110,26 @@ async def bidir(eng: aiokv.Engine, me: int, peer: str, count: int, dev: torch.de
     """Send ``count`` tensors to the peer while receiving ``count`` from it; verify bytes."""
     warm_kernels(count, dev)
     t0 = time.perf_counter()
-    handles = [eng.send_nowait(f"b{me}-{i}", make(i, me, dev), to=peer) for i in range(count)]
     other = 1 - me
     bad = 0
-    for i in range(count):
-        got = await eng.recv(f"b{other}-{i}", timeout=120)
-        if got.device != dev or not same(got, make(i, other, dev).contiguous()):
-            bad += 1
-    for h in handles:
-        await h
+    try:
+        handles = [eng.send_nowait(f"b{me}-{i}", make(i, me, dev), to=peer) for i in range(count)]
+        for i in range(count):
+            got = await eng.recv(f"b{other}-{i}", timeout=120)
+            if got.device != dev or not same(got, make(i, other, dev).contiguous()):
+                bad += 1
+        for h in handles:
+            await h
+    except aiokv.AiokvError as exc:  # e.g. the loop watchdog aborted a deadlocked link
+        say(
+            "BIDIR",
+            {
+                "error": type(exc).__name__,
+                "after_s": time.perf_counter() - t0,
+                "watchdog_fired": (eng.statistics().nccl or {}).get("watchdog_fired"),
+            },
+        )
+        return
     say("BIDIR", {"bad": bad, "count": count, "seconds": time.perf_counter() - t0})
 
 
@@ -137,7 +148,11 @@ async def main() -> None:
         listen="127.0.0.1:0",
         device=str(dev),
         limits=aiokv.Limits(store_bytes=8 << 30),
-        timeouts=aiokv.Timeouts(transfer=120.0, connect=60.0),
+        timeouts=aiokv.Timeouts(
+            transfer=120.0,
+            connect=60.0,
+            nccl_watchdog=float(os.environ.get("AIOKV_TEST_WATCHDOG", "30")),
+        ),
     )
     async with aiokv.Engine(cfg) as eng:
         loop = asyncio.get_running_loop()

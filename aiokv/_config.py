@@ -25,7 +25,7 @@ class Timeouts:
     heartbeat_interval: float = 0.5
     heartbeat_timeout: float = 2.5
     linger: float = 1.0
-    #: the event loop stuck this long while NCCL work is queued: abort the communicators
+    #: the event loop stuck this long while NCCL work is queued: log an error naming where
     nccl_watchdog: float = 30.0
 
     def __post_init__(self) -> None:

@@ -1,21 +1,22 @@
 """A thread that notices when the event loop is stuck while NCCL work is queued.
 
 aiokv's loop never waits on the GPU, but code sharing the loop thread can:
-under CUDA's lazy module loading, the first launch of a kernel waits until the
-GPU has no queued work, holding the context lock. If NCCL kernels are queued
-that wait for a peer in the same state, nothing ever drains — both processes
-hang for good (docs/reliability.md, "First launches and NCCL").
+under CUDA's lazy module loading, the first launch of a kernel waits until
+the GPU has no queued work, holding the context lock, and with NCCL work
+queued that wait can last for ever (docs/reliability.md, "First launches and
+NCCL"). From the outside such a process just stops.
 
-:class:`LoopWatchdog` turns that hang into errors. The loop stamps a heartbeat
-every ``beat_s``; a daemon thread checks it. When the loop has not stamped it
-for ``limit`` seconds while ``pending()`` reports queued NCCL work, the thread
-calls ``abort(why)`` once (the engine aborts every communicator: NCCL's abort
-flag makes the spinning kernels exit, the GPU drains, the stuck call returns,
-and the queued transfers fail with :class:`~aiokv.TransferAbortedError`). It
-fires again only after the loop has run again.
+:class:`LoopWatchdog` makes the hang say what it is. The loop stamps a
+heartbeat every ``beat_s``; a daemon thread checks it. When the loop has not
+stamped it for ``limit`` seconds while ``pending()`` reports queued NCCL work,
+the thread calls ``report(why)`` once, with where the loop thread is stuck; it
+reports again only after the loop has run again.
 
-The thread only reads two numbers and calls ``abort``; it never touches the
-loop's objects otherwise.
+It does not try to break the hang. Aborting the communicators from this
+thread was tried on 2x H200 (device run s9r8): ``ncclCommAbort`` did not free
+a loop stuck in a first kernel launch, so the engine only reports.
+
+The thread only reads two numbers and calls ``report``.
 """
 
 from __future__ import annotations
@@ -42,7 +43,7 @@ class LoopWatchdog:
         *,
         limit: float,
         pending: Callable[[], int],
-        abort: Callable[[str], None],
+        report: Callable[[str], None],
         beat_s: float | None = None,
     ) -> None:
         self.limit = limit
@@ -51,7 +52,7 @@ class LoopWatchdog:
         self.last_beat = time.monotonic()
         self._loop = loop
         self._pending = pending
-        self._abort = abort
+        self._report = report
         self._loop_thread = threading.get_ident()  # constructed on the loop's thread
         self._stop = threading.Event()
         self._timer = loop.call_later(self.beat_s, self._beat)
@@ -82,15 +83,16 @@ class LoopWatchdog:
             self.fired += 1
             why = (
                 f"the event loop has been stuck for {stuck:.1f} s with {queued} NCCL "
-                f"operation(s) queued; aborting this engine's communicators. The loop "
-                f"thread is at:\n{self._where()}"
-                "A first launch of a kernel under CUDA's lazy module loading waits for "
-                "queued NCCL kernels (docs/reliability.md, 'First launches and NCCL')."
+                f"operation(s) queued. The loop thread is at:\n{self._where()}"
+                "A first launch of a kernel under CUDA's lazy module loading can wait "
+                "for queued NCCL work for ever: launch your kernels before NCCL traffic "
+                "or set CUDA_MODULE_LOADING=EAGER (docs/reliability.md, 'First launches "
+                "and NCCL')."
             )
             try:
-                self._abort(why)
+                self._report(why)
             except Exception:
-                log.exception("aiokv: the loop watchdog's abort failed")
+                log.exception("aiokv: the loop watchdog's report failed")
 
     def _where(self) -> str:
         frame = sys._current_frames().get(self._loop_thread)

@@ -53,8 +53,9 @@ def doctor(out: TextIO | None = None) -> int:
         mode = module_loading()
         say(f"module load  {mode} (CUDA_MODULE_LOADING)")
         if mode != "EAGER":
-            say("             NCCL both ways between two engines: launch your kernels once before,")
-            say("             or set CUDA_MODULE_LOADING=EAGER (docs/reliability.md)")
+            say("             a kernel's first launch while NCCL work is queued can hang: launch")
+            say("             your kernels once before NCCL traffic starts, or set")
+            say("             CUDA_MODULE_LOADING=EAGER (docs/reliability.md)")
         if gpus > 1:
             say("peer access  (row can read/write column directly; NVLink or PCIe P2P)")
             for i in range(gpus):

@@ -238,6 +238,11 @@ def _in_thread(fn: Callable[[], object], name: str) -> asyncio.Future[None]:
     return fut
 
 
+def _watchdog_report(why: str) -> None:
+    """The loop watchdog's report (on its thread): the engine's log, at ERROR."""
+    log.error("aiokv: %s", why)
+
+
 def _retrieve(fut: asyncio.Future[Any]) -> None:
     if not fut.cancelled():
         fut.exception()
@@ -973,7 +978,7 @@ class Engine:
                 asyncio.get_running_loop(),
                 limit=self.config.timeouts.nccl_watchdog,
                 pending=lambda: poller.pending,
-                abort=self._watchdog_abort,
+                report=_watchdog_report,
             )
         return self._poller
 
@@ -981,25 +986,6 @@ class Engine:
         comms = [cs.nccl.comm for cs in list(self._clients.values()) if cs.nccl is not None]
         comms += [ss.nccl.comm for ss in list(self._servers.values()) if ss.nccl is not None]
         return comms
-
-    def _watchdog_abort(self, why: str) -> None:
-        """Called on the watchdog's thread while the loop is stuck: abort every communicator.
-
-        ``Communicator.abort`` only sets flags and starts ``ncclCommAbort`` on a
-        thread of its own; once the loop runs again the poller fails the
-        waiters and the sessions tear down as for any aborted link.
-        """
-        log.error("aiokv: %s", why)
-        for _ in range(3):  # the loop may still be changing the session tables
-            try:
-                comms = self._all_comms()
-                break
-            except RuntimeError:
-                time.sleep(0.01)
-        else:
-            return
-        for c in comms:
-            c.abort()
 
     # ------------------------------------------------------------------ CURVE hooks
     def _apply_curve_server(self, sock: zmq.Socket[Any]) -> None:

@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
-# Does the loop watchdog turn the lazy-loading deadlock into errors? Runs the bidirectional
-# test "cold" (AIOKV_TEST_COLD=1: the workers first-launch kernels while NCCL traffic flows;
-# about 1 run in 3 deadlocked without the watchdog, run s9r1) with a 5 s watchdog, N times.
-# Each run ends as: passed (no deadlock), BIDIR error (deadlock broken by the watchdog), or a
-# hang (the test's 90 s bound; stacks in $OUT/wd_<i>.txt).
+# The bidirectional test "cold" (AIOKV_TEST_COLD=1: the workers first-launch kernels while NCCL
+# traffic flows; 1 run in 3 hung in s9r1) with a 5 s loop watchdog, N times. Each run ends as:
+# passed, "BIDIR {error...}", or a hang (the test's 90 s bound; stacks in $OUT/wd_<i>.txt); the
+# count of watchdog log lines says whether the stuck loop was reported. Run s9r8 used it when
+# the watchdog still aborted the communicators: the abort did not free the stuck loop.
 #   run (kind nvidia-h200-x2, carry .whl .whl2):  bash benchmarks/gpu_watchdog_check.sh [N] [BUDGET]
 set -uo pipefail
 . "$(dirname "${BASH_SOURCE[0]}")/_device_env.sh"

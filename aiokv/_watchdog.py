@@ -67,6 +67,8 @@ class LoopWatchdog:
     def _watch(self) -> None:
         armed = True
         while not self._stop.wait(self.beat_s):
+            if self._loop.is_closed():  # its engine was never closed: nothing left to watch
+                return
             stuck = time.monotonic() - self.last_beat
             if stuck < self.limit:
                 armed = True

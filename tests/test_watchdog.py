@@ -91,3 +91,11 @@ async def test_engine_logs_where_its_loop_is_stuck_with_nccl_work_queued(
 def test_timeouts_validate_the_watchdog_limit() -> None:
     with pytest.raises(aiokv.ConfigError, match="nccl_watchdog"):
         aiokv.Timeouts(nccl_watchdog=0)
+
+
+def test_thread_ends_with_its_loop_even_if_never_stopped() -> None:
+    loop = asyncio.new_event_loop()
+    wd = LoopWatchdog(loop, limit=0.1, pending=lambda: 1, report=lambda _w: None, beat_s=0.02)
+    loop.close()
+    wd._thread.join(2.0)
+    assert not wd._thread.is_alive() and wd.fired == 0

@@ -2,10 +2,11 @@
 
     pip install matplotlib && python benchmarks/plot.py
 
-Reads only recorded output; nothing is re-measured here. Sources: device runs
-3 and 4 of session 8 (s8r3: default non-blocking NCCL enqueues, s8r4: blocking
-enqueues and the traced 256-token latency) and run 10 of the session before
-(the engine before this session's changes), all on 2x H200.
+Reads only recorded output; nothing is re-measured here. Sources: device run 5
+of session 9 (s9r5: the receive-batch caps of session 9, default enqueues),
+runs 3 and 4 of session 8 (s8r3: default non-blocking NCCL enqueues, s8r4:
+blocking enqueues and the traced 256-token latency) and run 10 of the session
+before, all on 2x H200.
 """
 
 from __future__ import annotations
@@ -40,16 +41,20 @@ def nccl_plot() -> None:
     s8r4 = [
         r for r in lines("s8r4-bench-nccl.jsonl") if r["blocking_ops"] == 1 and r["window"] == 16
     ]
+    s9r5 = [
+        r for r in lines("s9r5-bench-nccl.jsonl") if r["blocking_ops"] == 0 and r["window"] == 16
+    ]
     old = lines("run10-bench-nccl.jsonl")
     fig, ax = plt.subplots(figsize=(6.8, 4.2))
 
     def series(rows: list[dict[str, object]], key: str, style: str, label: str) -> None:
         ax.plot([float(r["size_mib"]) for r in rows], [r[key] for r in rows], style, label=label)  # type: ignore[arg-type]
 
-    series(s8r3, "raw_gbps", "o-", "raw NCCL send/recv (same run)")
-    series(s8r3, "aiokv_gbps", "s-", "aiokv, non-blocking enqueues (default)")
-    series(s8r4, "aiokv_gbps", "^--", "aiokv, blocking enqueues (option)")
-    series(old, "aiokv_gbps", "x:", "aiokv before this session (run 10)")
+    series(s8r3, "raw_gbps", "o-", "raw NCCL send/recv (s8r3)")
+    series(s9r5, "aiokv_gbps", "D-", "aiokv, session 9 receive batches (s9r5)")
+    series(s8r3, "aiokv_gbps", "s--", "aiokv, session 8 (s8r3)")
+    series(s8r4, "aiokv_gbps", "^:", "aiokv, session 8, blocking enqueues (s8r4)")
+    series(old, "aiokv_gbps", "x:", "aiokv, session 7 (run 10)")
     ax.set_xscale("log", base=2)
     ax.set_xlabel("message size (MiB), 16 sends in flight")
     ax.set_ylabel("GB/s")

@@ -92,7 +92,6 @@ from .transport.tcp import TcpSink, TcpSource, dtype_name
 if TYPE_CHECKING:
     from ._watchdog import LoopWatchdog
     from .cuda import ProgressPoller
-    from .nccl.comm import Communicator
     from .transport.nccl import NcclSink, NcclSource
 
 __all__ = ["Engine", "EngineStatistics", "TransferHandle"]
@@ -593,16 +592,11 @@ class _ClientSession:
 
         Everything granted meanwhile goes out as one NCCL group, in grant order.
         """
-        from .transport.nccl import send_batch_caps
-
-        max_n, max_bytes = send_batch_caps()
         try:
             while True:
                 batch = [await self.post_queue.get()]
-                nbytes = sum(sp.nbytes for sp in batch[0].specs)
-                while not self.post_queue.empty() and len(batch) < max_n and nbytes < max_bytes:
+                while not self.post_queue.empty() and len(batch) < 64:
                     batch.append(self.post_queue.get_nowait())
-                    nbytes += sum(sp.nbytes for sp in batch[-1].specs)
                 for b in batch:
                     self.sess.note_sent(DataHeader(b.xfer, b.seq, len(b.specs)))
                 assert self.nccl is not None
@@ -982,11 +976,6 @@ class Engine:
             )
         return self._poller
 
-    def _all_comms(self) -> list[Communicator]:
-        comms = [cs.nccl.comm for cs in list(self._clients.values()) if cs.nccl is not None]
-        comms += [ss.nccl.comm for ss in list(self._servers.values()) if ss.nccl is not None]
-        return comms
-
     # ------------------------------------------------------------------ CURVE hooks
     def _apply_curve_server(self, sock: zmq.Socket[Any]) -> None:
         cc = self.config.curve
@@ -1121,7 +1110,8 @@ class Engine:
         s.client_sessions = len(self._clients)
         s.server_sessions = len(self._servers)
         s.queued_reservations = len(self._queue)
-        comms = self._all_comms()
+        comms = [cs.nccl.comm for cs in self._clients.values() if cs.nccl is not None]
+        comms += [ss.nccl.comm for ss in self._servers.values() if ss.nccl is not None]
         if comms or self._poller is not None:
             n: dict[str, float] = {
                 "communicators": len(comms),
@@ -1595,9 +1585,8 @@ class Engine:
         ss.granted[msg.xfer] = inx
         sink: Any = ss.nccl if msg.transport == "nccl" else ss.sink
         fut = sink.expect(seq, msg.xfer, msg.specs)
-        fut.add_done_callback(
-            _retrieve
-        )  # a sink aborted after the session died is not an error to log
+        # a sink aborted after the session died is not an error to log
+        fut.add_done_callback(_retrieve)
         fut.add_done_callback(lambda f: self._on_landed(ss, inx, f))
         self._reply(ss, ss.sess.send(Grant(msg.xfer, seq)))
         if msg.transport == "nccl":

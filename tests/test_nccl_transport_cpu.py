@@ -193,13 +193,3 @@ def test_recv_batch_caps_default_and_override(monkeypatch: pytest.MonkeyPatch) -
         monkeypatch.setenv("AIOKV_NCCL_RECV_BATCH", bad)
         with pytest.raises(aiokv.ConfigError, match="AIOKV_NCCL_RECV_BATCH"):
             nccl_mod.recv_batch_caps()
-
-
-def test_send_batch_caps_default_and_override(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.delenv("AIOKV_NCCL_SEND_BATCH", raising=False)
-    assert nccl_mod.send_batch_caps() == (64, 1 << 40)
-    monkeypatch.setenv("AIOKV_NCCL_SEND_BATCH", "4,64")
-    assert nccl_mod.send_batch_caps() == (4, 64 * MiB)
-    monkeypatch.setenv("AIOKV_NCCL_SEND_BATCH", "4;64")
-    with pytest.raises(aiokv.ConfigError, match="AIOKV_NCCL_SEND_BATCH"):
-        nccl_mod.send_batch_caps()

@@ -53,33 +53,22 @@ _ids = itertools.count(1)
 _MAX_BATCH = 8
 _MAX_BATCH_BYTES = 128 << 20
 ENV_RECV_BATCH = "AIOKV_NCCL_RECV_BATCH"
-# The sender posts what was granted meanwhile as one group, up to these caps.
-_MAX_SEND_BATCH = 64
-_MAX_SEND_BATCH_BYTES = 1 << 40
-ENV_SEND_BATCH = "AIOKV_NCCL_SEND_BATCH"
 
 
 def recv_batch_caps() -> tuple[int, int]:
     """(transfers, bytes) a receive batch may hold: the defaults or ``AIOKV_NCCL_RECV_BATCH``."""
-    return _caps_from_env(ENV_RECV_BATCH, _MAX_BATCH, _MAX_BATCH_BYTES)
-
-
-def send_batch_caps() -> tuple[int, int]:
-    """(transfers, bytes) one posted group of sends may hold (``AIOKV_NCCL_SEND_BATCH``)."""
-    return _caps_from_env(ENV_SEND_BATCH, _MAX_SEND_BATCH, _MAX_SEND_BATCH_BYTES)
-
-
-def _caps_from_env(name: str, count: int, nbytes: int) -> tuple[int, int]:
-    raw = os.environ.get(name, "").strip()
+    raw = os.environ.get(ENV_RECV_BATCH, "").strip()
     if not raw:
-        return count, nbytes
+        return _MAX_BATCH, _MAX_BATCH_BYTES
     try:
         count_s, mib_s = raw.split(",")
         count, mib = int(count_s), float(mib_s)
     except ValueError:
-        raise ConfigError(f'{name} must be "count,MiB" (e.g. "8,128"), got {raw!r}') from None
+        raise ConfigError(
+            f'{ENV_RECV_BATCH} must be "count,MiB" (e.g. "8,128"), got {raw!r}'
+        ) from None
     if count < 1 or mib <= 0:
-        raise ConfigError(f"{name}: count >= 1 and MiB > 0, got {raw!r}")
+        raise ConfigError(f"{ENV_RECV_BATCH}: count >= 1 and MiB > 0, got {raw!r}")
     return count, int(mib * (1 << 20))
 
 

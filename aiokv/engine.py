@@ -25,12 +25,14 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import heapq
 import itertools
 import logging
+import os
 import secrets
+import socket
 import threading
 import time
-from collections import deque
 from collections.abc import Awaitable, Callable, Generator, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -98,6 +100,16 @@ __all__ = ["Engine", "EngineStatistics", "TransferHandle"]
 
 log = logging.getLogger("aiokv")
 
+#: Control messages queued in one loop pass leave as one zmq message of at most this
+#: many frames (a peer refuses more than 4x this; the sender splits, never the peer).
+MAX_FRAMES_PER_MESSAGE = 1024
+#: a new connection's first message is one HELLO: anything larger is refused (and hung up)
+_MAX_FIRST_FRAME = 64 * 1024
+_MAX_GETS_PER_SESSION = 16
+#: granted, not yet landed transfers of one session (zero-byte ones cost no budget)
+_MAX_GRANTED_PER_SESSION = 16384
+_MAX_GETS_SERVING = 64
+
 _REFUSALS: dict[str, type[RefusedError]] = {
     "duplicate": DuplicateTensorError,
     "layout_mismatch": LayoutMismatchError,
@@ -149,6 +161,12 @@ def _prepare(
         seen.add(tid)
         if not isinstance(t, torch.Tensor):
             raise ConfigError(f"{tid!r}: expected a torch.Tensor, got {type(t).__name__}")
+        if t.device.type not in ("cpu", "cuda") or t.layout is not torch.strided:
+            # a meta tensor has no memory (zmq would read address 0); sparse ones no flat bytes
+            raise ConfigError(
+                f"{tid!r}: only dense CPU or CUDA tensors can be sent, "
+                f"got a {t.layout} tensor on {t.device}"
+            )
         name = dtype_name(t.dtype)
         if name is None:
             raise ConfigError(f"{tid!r}: dtype {t.dtype} cannot be sent")
@@ -240,6 +258,37 @@ def _in_thread(fn: Callable[[], object], name: str) -> asyncio.Future[None]:
 def _watchdog_report(why: str) -> None:
     """The loop watchdog's report (on its thread): the engine's log, at ERROR."""
     log.error("aiokv: %s", why)
+
+
+def _frame_fd(frame: zmq.Frame) -> int | None:
+    try:
+        return int(frame.get(zmq.SRCFD))
+    except (zmq.ZMQError, AttributeError, TypeError, ValueError):
+        return None
+
+
+def _peer_name(fd: int) -> str | None:
+    """The remote end of a connection's descriptor (zmq owns it; we look through a dup)."""
+    try:
+        with socket.socket(fileno=os.dup(fd)) as s:
+            return repr(s.getpeername())
+    except OSError:
+        return None
+
+
+def _shutdown_fd(fd: int, expect: str | None) -> None:
+    """Hang up a connection zmq owns: shut the socket down, zmq then closes it.
+
+    ``expect`` is the remote end seen when the connection was accepted; if the
+    descriptor now names another connection (closed and reused), leave it alone.
+    """
+    try:
+        with socket.socket(fileno=os.dup(fd)) as s:
+            if expect is not None and repr(s.getpeername()) != expect:
+                return
+            s.shutdown(socket.SHUT_RDWR)
+    except OSError:
+        pass
 
 
 def _retrieve(fut: asyncio.Future[Any]) -> None:
@@ -474,7 +523,8 @@ class _ClientSession:
         if not frames or self.dead is not None:
             return
         try:
-            self.ctrl.send(frames)
+            for i in range(0, len(frames), MAX_FRAMES_PER_MESSAGE):
+                self.ctrl.send(frames[i : i + MAX_FRAMES_PER_MESSAGE])
         except zmq.ZMQError as exc:
             self.fail(PeerLostError(f"control channel to {self.address} failed: {exc}"))
 
@@ -704,6 +754,7 @@ class _InXfer:
     discard: bool = False
     seq: int = -1
     transport: str = "tcp"
+    expires: float = 0.0  # the data must have landed by then (TCP)
 
 
 class _ServerSession:
@@ -721,23 +772,21 @@ class _ServerSession:
         self.sink = TcpSink()
         self.nccl: NcclSink | None = None
         self.granted: dict[int, _InXfer] = {}
-        self.queued: dict[int, Reserve] = {}
+        # reservations waiting for room, oldest first
+        self.queued: dict[int, tuple[Reserve, int]] = {}  # xfer -> (RESERVE, arrival no.)
         self.queued_ids: set[str] = set()
+        self.heap_key: int | None = None  # its entry in the engine's heap of queue heads
+        self.expired: set[int] = set()  # grants this end gave up on (late data is dropped)
         self.last_recv = time.monotonic()
         self.dead = False
         self.outbox: list[bytes] = []
         self.suspect = False
         self.fds: list[int] = []  # the connections' descriptors (router monitor events)
+        self.gets = 0  # GETs of this peer being served
 
     @property
     def name(self) -> str:
         return self.peer.address if self.peer else "?"
-
-
-@dataclass(slots=True, eq=False)
-class _Queued:
-    ss: _ServerSession
-    msg: Reserve
 
 
 # --------------------------------------------------------------------------- handle
@@ -823,8 +872,15 @@ class Engine:
         self._data_rids: dict[bytes, _ServerSession] = {}
         self._tokens: dict[bytes, _ServerSession] = {}
         self._fd_sessions: dict[int, _ServerSession] = {}
+        self._claims = itertools.count(1)
+        self._gets_serving = 0
+        # accepted connections without a session yet: fd -> (accepted at, peer name)
+        self._unbound: dict[int, tuple[float, str | None]] = {}
         self._router_mon: zmq.asyncio.Socket = None  # type: ignore[assignment]
-        self._queue: deque[_Queued] = deque()
+        # sessions with queued reservations, by the arrival of their oldest one: grants
+        # follow arrival order, but a head that does not fit holds up only its session
+        self._heads: list[tuple[int, int, _ServerSession]] = []
+        self._arrivals = itertools.count()
         self._published: dict[str, torch.Tensor] = {}
         self._stats = EngineStatistics()
         self._tasks: set[asyncio.Task[Any]] = set()
@@ -846,8 +902,19 @@ class Engine:
         await self.aclose()
 
     async def start(self) -> None:
+        if self._closed:
+            raise EngineClosedError("engine closed: an Engine cannot be started again")
         if self._started:
             return
+        dev = self.config.device
+        if dev.startswith("cuda"):
+            idx = torch.device(dev).index or 0
+            if not torch.cuda.is_available() or idx >= torch.cuda.device_count():
+                raise ConfigError(
+                    f"device={dev!r} but this process has "
+                    f"{torch.cuda.device_count() if torch.cuda.is_available() else 'no'} "
+                    "usable CUDA device(s)"
+                )
         self._started = True
         if self.config.transport != "tcp":
             from .transport.nccl import nccl_available
@@ -868,7 +935,8 @@ class Engine:
         r = self._sctx.socket(zmq.ROUTER)
         r.setsockopt(zmq.LINGER, int(self.config.timeouts.linger * 1000))
         r.setsockopt(zmq.ROUTER_MANDATORY, 1)
-        r.setsockopt(zmq.RCVHWM, 0)
+        # per connection: a peer flooding messages waits in TCP, not in this process
+        r.setsockopt(zmq.RCVHWM, 10_000)
         r.setsockopt(zmq.SNDHWM, 100_000)
         r.setsockopt(
             zmq.MAXMSGSIZE,
@@ -947,6 +1015,24 @@ class Engine:
         t.add_done_callback(_retrieve)
         return t
 
+    def _check_id(self, tensor_id: str) -> None:
+        """A tensor id the peer would accept: checked here, never sent to be refused."""
+        n = self.config.limits.max_id_length
+        if not isinstance(tensor_id, str) or not tensor_id or len(tensor_id) > n:
+            raise ConfigError(f"tensor ids are non-empty strings of at most {n} characters")
+
+    def _timeout(self, timeout: float | None) -> float:
+        """The caller's timeout (None: the configured transfer deadline), checked."""
+        if timeout is None:
+            return self.config.timeouts.transfer
+        if (
+            isinstance(timeout, bool)
+            or not isinstance(timeout, (int, float))
+            or not 0 < timeout < float("inf")
+        ):
+            raise ConfigError(f"timeout must be a positive number of seconds, got {timeout!r}")
+        return float(timeout)
+
     def _check_open(self) -> None:
         if not self._started:
             raise EngineClosedError(
@@ -1019,6 +1105,7 @@ class Engine:
         self, tensor_id: str, tensor: torch.Tensor, *, to: str, timeout: float | None = None
     ) -> TransferHandle:
         """PUT_ASYNC: start the transfer, return a handle to await (or cancel) later."""
+        self._timeout(timeout)
         staged = self._stage([(tensor_id, tensor)])
         released: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         task = asyncio.create_task(self._transfer(to, staged, timeout, released))
@@ -1035,12 +1122,18 @@ class Engine:
     ) -> torch.Tensor:
         """Collect a tensor from the receive store, waiting for it up to ``timeout``."""
         self._check_open()
+        self._check_id(tensor_id)
+        return await self._recv(tensor_id, frm, self._timeout(timeout))
+
+    async def _recv(self, tensor_id: str, frm: str | None, t: float) -> torch.Tensor:
+        self._check_open()
         fut = self._store.wait_future(tensor_id, frm)
-        t = timeout if timeout is not None else self.config.timeouts.transfer
         try:
-            if not fut.done():
-                await asyncio.wait_for(asyncio.shield(fut), t)
-        except asyncio.TimeoutError:
+            # Not ``wait_for(shield(fut))``: on Python <= 3.11 it returns the result
+            # when the cancel and the landing meet in one loop pass, swallowing the
+            # cancellation (and a cancelled KV request would then scatter its data).
+            await _await_shielded(fut, t)
+        except TimeoutError:
             raise TransferTimeoutError(
                 f"tensor {tensor_id!r} did not arrive within {t:.3g}s"
             ) from None
@@ -1062,10 +1155,13 @@ class Engine:
         self, tensor_ids: Sequence[str], *, frm: str | None = None, timeout: float | None = None
     ) -> dict[str, torch.Tensor]:
         """Collect several tensors under one deadline."""
-        dl = _Deadline(timeout if timeout is not None else self.config.timeouts.transfer)
+        self._check_open()
+        for tid in tensor_ids:
+            self._check_id(tid)
+        dl = _Deadline(self._timeout(timeout))
         out: dict[str, torch.Tensor] = {}
         for tid in tensor_ids:
-            out[tid] = await self.recv(tid, frm=frm, timeout=dl.left())
+            out[tid] = await self._recv(tid, frm, dl.left())
         return out
 
     def publish(self, tensor_id: str, tensor: torch.Tensor) -> None:
@@ -1085,7 +1181,8 @@ class Engine:
     async def get(self, tensor_id: str, *, frm: str, timeout: float | None = None) -> torch.Tensor:
         """GET mode, consumer side: ask ``frm`` for a published tensor and wait for it."""
         self._check_open()
-        dl = _Deadline(timeout if timeout is not None else self.config.timeouts.transfer)
+        self._check_id(tensor_id)
+        dl = _Deadline(self._timeout(timeout))
         cs = await self._client(frm, dl)
         req = next(cs.get_ids)
         reply: asyncio.Future[GetReply] = asyncio.get_running_loop().create_future()
@@ -1102,14 +1199,14 @@ class Engine:
             raise NotPublishedError(f"{frm} does not publish {tensor_id!r}")
         if r.code != "ok":
             raise TransferAbortedError(f"GET {tensor_id!r} from {frm} failed: {r.code}: {r.detail}")
-        return await self.recv(tensor_id, frm=peer_id or frm, timeout=dl.left())
+        return await self._recv(tensor_id, peer_id or frm, dl.left())
 
     def statistics(self) -> EngineStatistics:
         s = dataclasses.replace(self._stats, protocol_errors=dict(self._stats.protocol_errors))
         s.store = self._store.statistics()
         s.client_sessions = len(self._clients)
         s.server_sessions = len(self._servers)
-        s.queued_reservations = len(self._queue)
+        s.queued_reservations = sum(len(ss.queued) for ss in self._servers.values())
         comms = [cs.nccl.comm for cs in self._clients.values() if cs.nccl is not None]
         comms += [ss.nccl.comm for ss in self._servers.values() if ss.nccl is not None]
         if comms or self._poller is not None:
@@ -1239,7 +1336,7 @@ class Engine:
     ) -> None:
         self._check_open()
         T = self.config.timeouts
-        dl = _Deadline(timeout if timeout is not None else T.transfer)
+        dl = _Deadline(self._timeout(timeout))
         cs = await self._client(to, dl)
         transport = "tcp"
         tensors = st.tensors
@@ -1301,7 +1398,8 @@ class Engine:
         if not frames or self._router.closed:
             return
         try:
-            self._router.send([ss.rid, *frames])
+            for i in range(0, len(frames), MAX_FRAMES_PER_MESSAGE):
+                self._router.send([ss.rid, *frames[i : i + MAX_FRAMES_PER_MESSAGE]])
         except zmq.ZMQError:
             self._drop_server(ss, PeerLostError(f"peer {ss.name} unreachable"), lost=True)
 
@@ -1334,12 +1432,18 @@ class Engine:
         if ss is None:
             # a new connection: its first message must be one HELLO (or DATA_HELLO) frame
             if len(frames) != 1:
-                self._count_error("malformed")
-                self._reply_raw(rid, ErrorMsg("protocol", "the first message is one HELLO frame"))
+                self._refuse_connection(
+                    rid, frames[0], "malformed", "the first message is one HELLO frame"
+                )
+                return
+            if len(frames[0]) > _MAX_FIRST_FRAME:
+                self._refuse_connection(
+                    rid, frames[0], "frame_too_large", "a first message over the HELLO limit"
+                )
                 return
             self._on_new_connection(rid, frames[0])
             return
-        if len(frames) > 4096:
+        if len(frames) > 4 * MAX_FRAMES_PER_MESSAGE:
             self._count_error("malformed")
             self._reply_raw(rid, ErrorMsg("protocol", "too many frames in one message"))
             self._drop_server(ss, RemoteProtocolError("too many frames"), lost=True)
@@ -1378,9 +1482,14 @@ class Engine:
                         break
                     batch.append(parse_monitor_message(frames))
                 for i, ev in enumerate(batch):
+                    if ev["event"] == zmq.EVENT_ACCEPTED:
+                        afd = int(ev["value"])
+                        self._unbound[afd] = (time.monotonic(), _peer_name(afd))
+                        continue
                     if ev["event"] != zmq.EVENT_DISCONNECTED:
                         continue
                     fd = int(ev["value"])
+                    self._unbound.pop(fd, None)
                     reused = any(
                         later["event"] == zmq.EVENT_ACCEPTED and int(later["value"]) == fd
                         for later in batch[i + 1 :]
@@ -1396,19 +1505,30 @@ class Engine:
             return
 
     def _bind_fd(self, ss: _ServerSession, frame: zmq.Frame) -> None:
-        try:
-            fd = int(frame.get(zmq.SRCFD))
-        except (zmq.ZMQError, AttributeError, TypeError, ValueError):
+        fd = _frame_fd(frame)
+        if fd is None:
             return
+        self._unbound.pop(fd, None)
         ss.fds.append(fd)
         self._fd_sessions[fd] = ss
+
+    def _refuse_connection(self, rid: bytes, frame: zmq.Frame, code: str, detail: str) -> None:
+        """A connection that did not open a session properly: answer, count, hang up."""
+        self._count_error(code)
+        self._reply_raw(rid, ErrorMsg("protocol", detail[:200]))
+        fd = _frame_fd(frame)
+        if fd is not None and fd not in self._fd_sessions:
+            seen = self._unbound.pop(fd, None)
+            # let the ERROR leave first; the peer name guards against a reused descriptor
+            asyncio.get_running_loop().call_later(
+                0.05, _shutdown_fd, fd, seen[1] if seen else _peer_name(fd)
+            )
 
     def _on_new_connection(self, rid: bytes, frame: zmq.Frame) -> None:
         try:
             msg = self._codec.decode(frame.buffer)
         except WireError as exc:
-            self._count_error(exc.code)
-            self._reply_raw(rid, ErrorMsg("protocol", str(exc)[:200]))
+            self._refuse_connection(rid, frame, exc.code, str(exc))
             return
         user = None
         if self.config.curve is not None:
@@ -1418,16 +1538,14 @@ class Engine:
         if isinstance(msg, DataHello):
             ss = self._tokens.pop(msg.token, None)
             if ss is None or ss.data_rid is not None or (ss.user is not None and ss.user != user):
-                self._count_error("bad_token")
-                self._reply_raw(rid, ErrorMsg("protocol", "unknown data-connection token"))
+                self._refuse_connection(rid, frame, "bad_token", "unknown data-connection token")
                 return
             ss.data_rid = rid
             self._data_rids[rid] = ss
             self._bind_fd(ss, frame)
             return
         if not isinstance(msg, Hello):
-            self._count_error("no_session")
-            self._reply_raw(rid, ErrorMsg("protocol", f"{msg.NAME} before HELLO"))
+            self._refuse_connection(rid, frame, "no_session", f"{msg.NAME} before HELLO")
             return
         ss = _ServerSession(self, rid, user)
         try:
@@ -1443,7 +1561,7 @@ class Engine:
                 self._reply_raw(rid, ErrorMsg("layout_mismatch", err))
                 return
         # With CURVE the peer is who its authenticated key says, not what it announces.
-        ss.peer = PeerRef(f"curve:{user}" if user else msg.engine_id, msg.listen)
+        ss.peer = self._claim(f"curve:{user}" if user else msg.engine_id, msg.listen)
         ss.trace_id = msg.engine_id
         self._servers[rid] = ss
         self._bind_fd(ss, frame)
@@ -1457,6 +1575,28 @@ class Engine:
             ss.token,
         )
         self._reply(ss, ss.sess.send(w))
+
+    def _claim(self, engine_id: str, address: str) -> PeerRef:
+        """The store identity of a new session from what it claims (or its CURVE key).
+
+        The receive store keys tensors, waiters and a peer's loss by this identity,
+        so two live sessions must never share it: a second session claiming an
+        engine id or a listen address that a live session already holds gets a
+        private one instead (the id with a suffix, the address marked unverified).
+        Its tensors then match only ``recv(frm=None)`` and its BYE or loss touches
+        only its own transfers. Without CURVE a claim is all there is: the first
+        session to make one keeps it (docs/reliability.md, "Identity").
+        """
+        live_ids = {s.peer.engine_id for s in self._servers.values() if s.peer is not None}
+        live_addrs = {s.peer.address for s in self._servers.values() if s.peer is not None}
+        n = next(self._claims)
+        if engine_id in live_ids:
+            self._count_error("identity_in_use")
+            engine_id = f"{engine_id}~{n}"
+        if address in live_addrs:
+            self._count_error("address_in_use")
+            address = f"unverified#{n}:{address}"
+        return PeerRef(engine_id, address)
 
     def _layout_error(self, theirs: dict[str, str | int]) -> str | None:
         try:
@@ -1476,12 +1616,9 @@ class Engine:
             self._on_reserve(ss, msg)
         elif isinstance(msg, Withdraw):
             if msg.xfer in ss.queued:
-                res = ss.queued.pop(msg.xfer)
+                res, _ = ss.queued.pop(msg.xfer)
                 for s in res.specs:
                     ss.queued_ids.discard(s.tensor_id)
-                self._queue = deque(
-                    q for q in self._queue if not (q.ss is ss and q.msg.xfer == msg.xfer)
-                )
                 self._reply(ss, ss.sess.send(Withdrawn(msg.xfer)))
                 self._stats.withdrawn += 1
             elif msg.xfer in ss.granted:
@@ -1555,6 +1692,8 @@ class Engine:
             )
         elif len(ss.queued) >= lim.max_pending_reserves:
             code, detail = "busy", "too many queued reservations"
+        elif len(ss.granted) >= _MAX_GRANTED_PER_SESSION:
+            code, detail = "busy", "too many granted transfers in flight"
         else:
             ids = [s.tensor_id for s in msg.specs]
             try:
@@ -1570,18 +1709,28 @@ class Engine:
             self._stats.refused_sent += 1
             self._reply(ss, ss.sess.send(Refuse(msg.xfer, code, detail)))
             return
-        if not self._queue and self._try_grant(ss, msg):
+        if not ss.queued and self._try_grant(ss, msg):
             return
-        ss.queued[msg.xfer] = msg
+        n = next(self._arrivals)
+        ss.queued[msg.xfer] = (msg, n)
         ss.queued_ids.update(s.tensor_id for s in msg.specs)
-        self._queue.append(_Queued(ss, msg))
+        if ss.heap_key is None:
+            ss.heap_key = n
+            heapq.heappush(self._heads, (n, id(ss), ss))
 
     def _try_grant(self, ss: _ServerSession, msg: Reserve) -> bool:
         assert ss.peer is not None
         if not self._store.try_reserve(ss.peer, [(s.tensor_id, s.nbytes) for s in msg.specs]):
             return False
         seq = ss.sess.next_grant_seq
-        inx = _InXfer(msg.xfer, msg.specs, msg.nbytes, seq=seq, transport=msg.transport)
+        inx = _InXfer(
+            msg.xfer,
+            msg.specs,
+            msg.nbytes,
+            seq=seq,
+            transport=msg.transport,
+            expires=time.monotonic() + self.config.timeouts.transfer,
+        )
         ss.granted[msg.xfer] = inx
         sink: Any = ss.nccl if msg.transport == "nccl" else ss.sink
         fut = sink.expect(seq, msg.xfer, msg.specs)
@@ -1596,23 +1745,75 @@ class Engine:
         return True
 
     def _pump_queue(self) -> None:
-        while self._queue:
-            q = self._queue[0]
-            if q.ss.dead or q.msg.xfer not in q.ss.queued:
-                self._queue.popleft()
+        """Grant queued reservations that fit now, oldest first across sessions.
+
+        A session's oldest reservation that does not fit holds up that session's
+        later ones (one order per peer) but never another session's: one peer's
+        large reservation waiting for room does not block the others.
+        """
+        heads = self._heads
+        stuck: list[tuple[int, int, _ServerSession]] = []
+        while heads:
+            key, tie, ss = heads[0]
+            if ss.dead or not ss.queued or ss.heap_key != key:
+                heapq.heappop(heads)  # stale entry
+                if ss.heap_key == key:
+                    ss.heap_key = None
                 continue
-            if not self._try_grant(q.ss, q.msg):
-                return
-            self._queue.popleft()
-            del q.ss.queued[q.msg.xfer]
-            for s in q.msg.specs:
-                q.ss.queued_ids.discard(s.tensor_id)
+            xfer, (msg, arrival) = next(iter(ss.queued.items()))
+            if arrival != key:  # its head was withdrawn: re-file under the new head
+                ss.heap_key = arrival
+                heapq.heapreplace(heads, (arrival, tie, ss))
+                continue
+            if not self._try_grant(ss, msg):
+                stuck.append(heapq.heappop(heads))
+                continue
+            del ss.queued[xfer]
+            for sp in msg.specs:
+                ss.queued_ids.discard(sp.tensor_id)
+            if ss.queued:
+                nxt = next(iter(ss.queued.values()))[1]
+                ss.heap_key = nxt
+                heapq.heapreplace(heads, (nxt, tie, ss))
+            else:
+                ss.heap_key = None
+                heapq.heappop(heads)
+        for e in stuck:
+            heapq.heappush(heads, e)
+
+    def _expire_grants(self, ss: _ServerSession, now: float) -> None:
+        """Fail TCP grants whose data never came (their room goes back to the store).
+
+        Queued reservations have no deadline here: the sender withdraws at its own
+        (a patient producer may wait long for credit); what a session may queue is
+        bounded, and the round-robin keeps it from holding up other sessions.
+        """
+        for inx in list(ss.granted.values()):
+            if inx.expires > now:
+                break  # granted in order, each with the same lifetime
+            if inx.transport != "tcp":
+                continue  # a posted NCCL receive ends by the pair's abort rules
+            del ss.granted[inx.xfer]
+            ss.sink.cancel(inx.xfer)
+            if len(ss.expired) >= 4096:
+                ss.expired.clear()
+            ss.expired.add(inx.xfer)
+            assert ss.peer is not None
+            err = TransferTimeoutError("the granted data did not arrive in time")
+            self._store.cancel(ss.peer, [s.tensor_id for s in inx.specs], err)
+            self._count_error("grant_expired")
+            self._reply(ss, ss.sess.send(Failed(inx.xfer, "timeout", str(err))))
 
     def _on_data(self, ss: _ServerSession, frames: list[zmq.Frame]) -> None:
         try:
             header = self._codec.decode(frames[0].buffer)
             if not isinstance(header, DataHeader):
                 raise RemoteProtocolError(f"{header.NAME} on the data connection")
+            if header.xfer in ss.expired:
+                # data of a grant this end gave up on (and said so with FAILED): drop it
+                ss.expired.discard(header.xfer)
+                self._count_error("late_data")
+                return
             ss.sess.receive_message(header)
             inx = ss.granted.get(header.xfer)
             fut = ss.sink.feed(header, frames[1:])
@@ -1658,6 +1859,22 @@ class Engine:
         self._reply(ss, ss.sess.send(Done(inx.xfer)))
 
     def _on_get(self, ss: _ServerSession, msg: Get) -> None:
+        assert ss.peer is not None
+        # The reply travels over this engine's own session to the requester's listen
+        # address: only to the address this session holds (never a third host, never
+        # another peer's store), and a bounded number at a time.
+        if msg.reply_to != ss.peer.address:
+            self._count_error("bad_reply_to")
+            self._reply(
+                ss,
+                ss.sess.send(
+                    GetReply(msg.req, "bad_reply_to", "GET replies go to the session's own address")
+                ),
+            )
+            return
+        if ss.gets >= _MAX_GETS_PER_SESSION or self._gets_serving >= _MAX_GETS_SERVING:
+            self._reply(ss, ss.sess.send(GetReply(msg.req, "busy", "too many GETs in flight")))
+            return
         missing = [t for t in msg.tensor_ids if t not in self._published]
         if missing:
             self._reply(
@@ -1673,12 +1890,17 @@ class Engine:
     async def _serve_get(
         self, ss: _ServerSession, msg: Get, items: list[tuple[str, torch.Tensor]]
     ) -> None:
+        ss.gets += 1
+        self._gets_serving += 1
         try:
             await self._transfer(msg.reply_to, self._stage(items), None)
             code, detail = "ok", ""
             self._stats.gets_served += 1
         except AiokvError as exc:
             code, detail = "internal", f"{type(exc).__name__}: {exc}"[:300]
+        finally:
+            ss.gets -= 1
+            self._gets_serving -= 1
         if not ss.dead and ss.sess.state is SessionState.OPEN:
             self._reply(ss, ss.sess.send(GetReply(msg.req, code, detail)))
 
@@ -1695,6 +1917,10 @@ class Engine:
         for fd in ss.fds:
             if self._fd_sessions.get(fd) is ss:
                 del self._fd_sessions[fd]
+                if lost and not self._closed:
+                    # a peer judged dead or hostile: its connections must not linger
+                    # (after a moment, so that an ERROR queued for it still leaves)
+                    asyncio.get_running_loop().call_later(0.05, _shutdown_fd, fd, _peer_name(fd))
         ss.sink.abort(exc)
         if ss.nccl is not None:
             ss.nccl.abort(exc)
@@ -1706,7 +1932,6 @@ class Engine:
         ss.queued.clear()
         ss.granted.clear()
         ss.sess.close()
-        self._queue = deque(q for q in self._queue if q.ss is not ss)
         self._pump_queue()
 
     # ------------------------------------------------------------------ upkeep
@@ -1736,6 +1961,8 @@ class Engine:
                     if now - cs.last_ping >= T.heartbeat_interval:
                         cs.ping(now)
             for ss in list(self._servers.values()):
+                if ss.granted:
+                    self._expire_grants(ss, now)
                 if now - ss.last_recv <= T.heartbeat_timeout:
                     ss.suspect = False
                 elif ss.suspect:  # second look, as for client sessions
@@ -1744,3 +1971,13 @@ class Engine:
                     ss.suspect = True
             if self._store.expire(now):
                 self._pump_queue()
+            self._reclaim_unbound(now)
+
+    def _reclaim_unbound(self, now: float) -> None:
+        """Hang up connections that have not opened a session within the connect deadline."""
+        limit = self.config.timeouts.connect
+        for fd, (at, name) in list(self._unbound.items()):
+            if now - at > limit and fd not in self._fd_sessions:
+                del self._unbound[fd]
+                self._count_error("no_hello")
+                _shutdown_fd(fd, name)

@@ -76,6 +76,7 @@ REFUSE_CODES = (
     "aborted",
     "timeout",
     "internal",
+    "bad_reply_to",  # a GET whose reply address is not the requester's own
     "protocol",
     "version",
     "ok",

@@ -145,6 +145,12 @@ class TcpSink:
             fut.set_result(out)
         return fut
 
+    def cancel(self, xfer: int) -> None:
+        """Stop expecting ``xfer`` (its grant expired); its future is cancelled."""
+        entry = self._expected.pop(xfer, None)
+        if entry is not None and not entry[1].done():
+            entry[1].cancel()
+
     def abort(self, exc: BaseException) -> None:
         for _, fut in self._expected.values():
             if not fut.done():

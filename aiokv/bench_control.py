@@ -111,7 +111,8 @@ def add_control_arguments(p: argparse.ArgumentParser) -> None:
         "--profile",
         metavar="DIR",
         default=None,
-        help="write cProfile tables of the engine blocks (sender and receiver) into DIR",
+        help="write cProfile tables (.txt) and statistics (.prof) of the engine blocks, "
+        "sender and receiver, per workload, into DIR",
     )
     p.add_argument("--timeout", type=float, default=300.0, help="give up after this many seconds")
 
@@ -133,13 +134,15 @@ def _prof_start(path: str | None) -> Any:
 
 
 def _prof_stop(prof: Any, path: str | None) -> None:
-    """Stop ``prof`` and (re)write its tables: top functions by cumulative and by own time."""
+    """Stop ``prof`` and (re)write its tables (top functions by cumulative and by own time)
+    and, beside them, its raw statistics (``.prof``, for pstats or snakeviz)."""
     if prof is None or not path:
         return
     import io
     import pstats
 
     prof.disable()
+    prof.dump_stats(os.path.splitext(path)[0] + ".prof")
     out = io.StringIO()
     st = pstats.Stats(prof, stream=out)
     st.sort_stats("cumulative").print_stats(40)

@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import io
 import json
 import math
 import os
+import pstats
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -88,6 +91,12 @@ def test_table_on_asyncio_with_profiles(tmp_path: Path) -> None:
     for side in ("sender", "receiver"):
         text = (tmp_path / f"profile-send4k-{side}.txt").read_text()
         assert "function calls" in text and "cumulative" in text
+        # the engine's own code ran under the profiler: the sender's send, the receiver's recv
+        out = io.StringIO()
+        stats = pstats.Stats(str(tmp_path / f"profile-send4k-{side}.prof"), stream=out)
+        fn = "send" if side == "sender" else "recv"
+        stats.print_stats(rf"aiokv[/\\]engine\.py:\d+\({fn}\)")
+        assert re.search(rf"engine\.py:\d+\({fn}\)", out.getvalue()), out.getvalue()
 
 
 def test_bad_workload_is_refused() -> None:

@@ -120,7 +120,9 @@ def add_control_arguments(p: argparse.ArgumentParser) -> None:
 # --------------------------------------------------------------------------- profiling
 
 
-_PROFILES: dict[str, Any] = {}  # path -> cProfile.Profile, accumulated over a workload's blocks
+# path -> cProfile.Profile, accumulated over a workload's engine blocks; written between
+# workloads (``prof_dump``), never inside a measured block
+_PROFILES: dict[str, Any] = {}
 
 
 def _prof_start(path: str | None) -> Any:
@@ -133,22 +135,21 @@ def _prof_start(path: str | None) -> Any:
     return prof
 
 
-def _prof_stop(prof: Any, path: str | None) -> None:
-    """Stop ``prof`` and (re)write its tables (top functions by cumulative and by own time)
-    and, beside them, its raw statistics (``.prof``, for pstats or snakeviz)."""
-    if prof is None or not path:
-        return
+def _prof_dump() -> None:
+    """Write every profile: top functions by cumulative and by own time (``.txt``) and the raw
+    statistics beside them (``.prof``, for pstats or snakeviz)."""
     import io
     import pstats
 
-    prof.disable()
-    prof.dump_stats(os.path.splitext(path)[0] + ".prof")
-    out = io.StringIO()
-    st = pstats.Stats(prof, stream=out)
-    st.sort_stats("cumulative").print_stats(40)
-    st.sort_stats("tottime").print_stats(40)
-    with open(path, "w") as fh:
-        fh.write(out.getvalue())
+    for path, prof in _PROFILES.items():
+        prof.dump_stats(os.path.splitext(path)[0] + ".prof")
+        out = io.StringIO()
+        st = pstats.Stats(prof, stream=out)
+        st.sort_stats("cumulative").print_stats(40)
+        st.sort_stats("tottime").print_stats(40)
+        with open(path, "w") as fh:
+            fh.write(out.getvalue())
+    _PROFILES.clear()
 
 
 # --------------------------------------------------------------------------- receiver side
@@ -185,15 +186,25 @@ async def _child_raw_win(st: _TcpChild, msg: dict[str, Any]) -> None:
 
 async def _child_collect(st: _TcpChild, msg: dict[str, Any]) -> None:
     """Engine block: ``recv`` every id in order (profiled when the parent asks)."""
-    path = msg.get("prof")
-    prof = _prof_start(path)
+    prof = _prof_start(msg.get("prof"))
     try:
         await _collect(st.eng, msg, st.ticker, st.ack, st.gc)
     finally:
-        _prof_stop(prof, path)
+        if prof is not None:
+            prof.disable()
 
 
-CHILD_OPS = {"raw_lat": _child_raw_lat, "raw_win": _child_raw_win, "aiokv": _child_collect}
+async def _child_prof_dump(st: _TcpChild, msg: dict[str, Any]) -> None:
+    _prof_dump()
+    await st.ack.send(b'{"ok": true}')
+
+
+CHILD_OPS = {
+    "raw_lat": _child_raw_lat,
+    "raw_win": _child_raw_win,
+    "aiokv": _child_collect,
+    "prof_dump": _child_prof_dump,
+}
 
 
 # --------------------------------------------------------------------------- sender side
@@ -312,7 +323,8 @@ class _Sender:
                     )
                 value = n / secs * (1 if workload == "rate4k" else len(buf))
         finally:
-            _prof_stop(prof, spath)
+            if prof is not None:
+                prof.disable()
         return _Block(
             value=value,
             p99=p99,
@@ -414,6 +426,10 @@ async def _workload(s: _Sender, workload: str) -> dict[str, Any]:
         if keep:
             raw.append(r)
             eng.append(e)
+    if s.args.profile:  # between workloads: the next one's warm-up pair absorbs the pause
+        _prof_dump()
+        await s.ctl.send({"op": "prof_dump"})
+        await s.ctl.recv(s.args.timeout)
     return _summary(workload, s.args, raw, eng)
 
 

@@ -138,6 +138,7 @@ def _prof_start(path: str | None) -> Any:
 def _prof_dump() -> None:
     """Write every profile: top functions by cumulative and by own time (``.txt``) and the raw
     statistics beside them (``.prof``, for pstats or snakeviz)."""
+    import cProfile  # noqa: F401  (a first call, with nothing to write, imports it ahead of time)
     import io
     import pstats
 
@@ -458,6 +459,10 @@ async def _parent(
             async with aiokv.Engine(aiokv.EngineConfig(listen="127.0.0.1:0")) as eng:
                 await eng.connect(hello["engine"])
                 s = _Sender(eng, hello["engine"], ctl, push, back, ticker, meter, args)
+                if args.profile:  # import the profilers now, not inside the first profiled block
+                    _prof_dump()
+                    await ctl.send({"op": "prof_dump"})
+                    await ctl.recv(args.timeout)
                 for w in args.workloads:
                     res = await _workload(s, w)
                     results.append(res)

@@ -39,7 +39,7 @@ import subprocess
 import sys
 import time
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -244,6 +244,44 @@ class _Ticker:
                 await self._task
 
 
+class _GcMeter:
+    """Time spent in the cyclic garbage collector, via ``gc.callbacks`` (start/stop pairs)."""
+
+    def __init__(self) -> None:
+        self.seconds = 0.0
+        self.collections = 0
+        self.full = 0  # collections of the oldest generation (they walk every tracked object)
+        self.longest = 0.0
+        self._t0 = 0.0
+
+    def _cb(self, phase: str, info: dict[str, Any]) -> None:
+        if phase == "start":
+            self._t0 = time.perf_counter()
+            return
+        dt = time.perf_counter() - self._t0
+        self.seconds += dt
+        self.collections += 1
+        self.full += info.get("generation") == 2
+        self.longest = max(self.longest, dt)
+
+    def install(self) -> None:
+        import gc
+
+        gc.callbacks.append(self._cb)
+
+    def remove(self) -> None:
+        import gc
+
+        with contextlib.suppress(ValueError):
+            gc.callbacks.remove(self._cb)
+
+    def reset(self) -> None:
+        self.seconds = 0.0
+        self.collections = 0
+        self.full = 0
+        self.longest = 0.0
+
+
 def _spawn_receiver(
     args: argparse.Namespace, cmd_port: int, ack_port: int
 ) -> subprocess.Popen[bytes]:
@@ -351,7 +389,28 @@ async def _aiokv_phase(
     timeout: float,
 ) -> tuple[float, float]:
     """Send ``iters`` copies of ``tensor``; return (seconds, receiver's max stall)."""
-    await ctl.send({"op": "aiokv", "tag": tag, "n": iters})
+    secs, ack = await _aiokv_stream(eng, peer, ctl, tensor, tag, iters, window, timeout)
+    return secs, float(ack.get("stall", 0.0))
+
+
+async def _aiokv_stream(
+    eng: Any,
+    peer: str,
+    ctl: _Control,
+    tensor: Any,
+    tag: str,
+    iters: int,
+    window: int,
+    timeout: float,
+    extra: Mapping[str, Any] | None = None,
+) -> tuple[float, dict[str, Any]]:
+    """``iters`` PUT_ASYNCs, ``window`` in flight; return (seconds, the receiver's acknowledgement).
+
+    The receiver collects ``f"{tag}#{i}"`` in order (``op: aiokv``, plus the
+    fields of ``extra``), so its store drains as the stream goes and
+    back-pressure never stalls it.
+    """
+    await ctl.send({"op": "aiokv", "tag": tag, "n": iters, **(extra or {})})
     inflight: deque[Any] = deque()
     t0 = time.perf_counter()
     for i in range(iters):
@@ -361,8 +420,7 @@ async def _aiokv_phase(
     while inflight:
         await inflight.popleft()
     secs = time.perf_counter() - t0
-    ack = await ctl.recv(timeout)
-    return secs, float(ack.get("stall", 0.0))
+    return secs, await ctl.recv(timeout)
 
 
 # --------------------------------------------------------------------------- TCP
@@ -431,64 +489,110 @@ async def _raw_tcp_phase(
     return time.perf_counter() - t0, float(ack.get("stall", 0.0))
 
 
-async def _tcp_child(ns: argparse.Namespace) -> None:
+@dataclass(slots=True)
+class _TcpChild:
+    """The receiver process's side of a TCP benchmark, as its command handlers see it."""
+
+    eng: Any  # the receiver's aiokv.Engine
+    pull: Any  # raw zmq PULL: the raw baseline's data arrives here
+    back: Any  # raw zmq PUSH: the raw baseline's acknowledgements leave here
+    ack: Any  # control channel, child -> parent
+    ticker: _Ticker
+    gc: _GcMeter
+
+    def reset(self) -> None:
+        self.ticker.reset()
+        self.gc.reset()
+
+    async def reply(self, **fields: Any) -> None:
+        """Acknowledge a command with the stall and gc time seen since :meth:`reset`."""
+        out = {"ok": True, "stall": self.ticker.max_late, "gc_s": self.gc.seconds, **fields}
+        await self.ack.send(json.dumps(out).encode())
+
+
+_ChildOp = Callable[[_TcpChild, dict[str, Any]], Awaitable[None]]
+
+
+async def _raw_collect(st: _TcpChild, msg: dict[str, Any]) -> None:
+    st.reset()
+    n = 0
+    for _ in range(msg["n"]):
+        fr = await st.pull.recv(copy=False)
+        n += len(fr)
+        del fr
+    await st.reply(bytes=n)
+
+
+async def _tcp_child(ns: argparse.Namespace, extra: Mapping[str, _ChildOp] | None = None) -> None:
+    """Receiver of the TCP benchmarks: serve the parent's commands until ``quit``.
+
+    ``aiokv`` and ``raw`` are the transport benchmark's phases; ``extra`` adds
+    handlers (``aiokv bench control`` brings its own).
+    """
     import zmq
     import zmq.asyncio
 
     import aiokv
 
+    ops: dict[str, _ChildOp] = {
+        "aiokv": lambda st, msg: _collect(st.eng, msg, st.ticker, st.ack, st.gc),
+        "raw": _raw_collect,
+        **(extra or {}),
+    }
     ctx = zmq.asyncio.Context()
     cmd = ctx.socket(zmq.PULL)
     ack = ctx.socket(zmq.PUSH)
     pull = ctx.socket(zmq.PULL)
-    for s in (cmd, ack, pull):
+    back = ctx.socket(zmq.PUSH)
+    for s in (cmd, ack, pull, back):
         s.setsockopt(zmq.LINGER, 1000)
     cmd.connect(f"tcp://127.0.0.1:{ns.cmd_port}")
     ack.connect(f"tcp://127.0.0.1:{ns.ack_port}")
     pull.setsockopt(zmq.RCVHWM, 0)
     raw_port = pull.bind_to_random_port("tcp://127.0.0.1")
+    back_port = back.bind_to_random_port("tcp://127.0.0.1")
     ticker = _Ticker()
     ticker.start()
+    meter = _GcMeter()
+    meter.install()
     try:
         async with aiokv.Engine(aiokv.EngineConfig(listen="127.0.0.1:0")) as eng:
-            await ack.send(json.dumps({"engine": eng.address, "raw_port": raw_port}).encode())
+            st = _TcpChild(eng, pull, back, ack, ticker, meter)
+            hello = {"engine": eng.address, "raw_port": raw_port, "back_port": back_port}
+            await ack.send(json.dumps(hello).encode())
             while True:
                 msg = json.loads(await cmd.recv())
-                op = msg["op"]
+                if msg["op"] == "quit":
+                    return
                 try:
-                    if op == "quit":
-                        return
-                    if op == "aiokv":
-                        await _collect(eng, msg, ticker, ack)
-                    elif op == "raw":
-                        ticker.reset()
-                        n = 0
-                        for _ in range(msg["n"]):
-                            fr = await pull.recv(copy=False)
-                            n += len(fr)
-                            del fr
-                        await ack.send(
-                            json.dumps({"ok": True, "bytes": n, "stall": ticker.max_late}).encode()
-                        )
+                    await ops[msg["op"]](st, msg)
                 except Exception as exc:  # report, so the parent fails fast instead of timing out
                     await ack.send(json.dumps({"error": f"{type(exc).__name__}: {exc}"}).encode())
                     return
     finally:
+        meter.remove()
         await ticker.stop()
-        for s in (cmd, ack, pull):
+        for s in (cmd, ack, pull, back):
             s.close(linger=1000)
         ctx.term()
 
 
-async def _collect(eng: Any, msg: dict[str, Any], ticker: _Ticker, ack: Any) -> None:
+async def _collect(
+    eng: Any, msg: dict[str, Any], ticker: _Ticker, ack: Any, meter: _GcMeter | None = None
+) -> None:
     """Receiver side of an aiokv phase: collect ``n`` tensors, acknowledge with the stall seen."""
     ticker.reset()
+    if meter is not None:
+        meter.reset()
     n = 0
     for i in range(msg["n"]):
         x = await eng.recv(f"{msg['tag']}#{i}", timeout=120.0)
         n += x.numel()
         del x
-    await ack.send(json.dumps({"ok": True, "bytes": n, "stall": ticker.max_late}).encode())
+    out = {"ok": True, "bytes": n, "stall": ticker.max_late}
+    if meter is not None:
+        out["gc_s"] = meter.seconds
+    await ack.send(json.dumps(out).encode())
 
 
 def tcp_transport(
@@ -747,14 +851,19 @@ async def _child(ns: argparse.Namespace) -> None:
         loop.slow_callback_duration = float(slow) / 1e3
     watcher = asyncio.create_task(_watch_parent(ns.parent_pid))
     try:
-        await (_tcp_child(ns) if ns.transport == "tcp" else _nccl_child(ns))
+        if ns.transport == "control":
+            from .bench_control import CHILD_OPS
+
+            await _tcp_child(ns, CHILD_OPS)
+        else:
+            await (_tcp_child(ns) if ns.transport == "tcp" else _nccl_child(ns))
     finally:
         watcher.cancel()
 
 
 def _receiver_main(argv: Sequence[str]) -> int:
     p = argparse.ArgumentParser(prog="aiokv.bench _receiver")
-    p.add_argument("--transport", choices=("tcp", "nccl"), required=True)
+    p.add_argument("--transport", choices=("tcp", "nccl", "control"), required=True)
     p.add_argument("--cmd-port", type=int, required=True)
     p.add_argument("--ack-port", type=int, required=True)
     p.add_argument("--loop", choices=("asyncio", "uvloop"), default="asyncio")

@@ -87,6 +87,11 @@ def build_parser() -> argparse.ArgumentParser:
             help="engine vs raw data plane (pyzmq / NCCL), two processes, same run",
         )
     )
+    from .bench_control import add_control_arguments
+
+    add_control_arguments(
+        bsub.add_parser("control", help="engine control path vs raw zmq.asyncio (CPU, loopback)")
+    )
     kv = bsub.add_parser(
         "kv", help="KV-cache workloads (see 'aiokv bench kv --help')", add_help=False
     )
@@ -109,6 +114,10 @@ def _run(args: argparse.Namespace) -> int:
             from .bench import transport_main
 
             return transport_main(args)
+        if args.bench == "control":
+            from .bench_control import control_main
+
+            return control_main(args)
         if args.bench == "kv":
             return int(_load("aiokv.kv.bench", "main")(list(args.argv)) or 0)
     raise AssertionError(f"unhandled command {cmd!r}")  # pragma: no cover

@@ -33,6 +33,7 @@ import secrets
 import socket
 import threading
 import time
+from collections import OrderedDict, deque
 from collections.abc import Awaitable, Callable, Generator, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -62,9 +63,11 @@ from ._exceptions import (
 )
 from ._zsock import LoopSocket, monitor_socket
 from .cuda import _resolve
-from .protocol.codec import Codec, WireError, WireLimits
+from .protocol.codec import MAX_ACKS, Codec, WireError, WireLimits
+from .protocol.credit import CreditAccount, CreditLedger
 from .protocol.messages import (
     PROTOCOL_VERSION,
+    Ack,
     Bye,
     DataHeader,
     DataHello,
@@ -80,8 +83,10 @@ from .protocol.messages import (
     NcclSetup,
     Ping,
     Pong,
+    Put,
     Refuse,
     Reserve,
+    Return,
     TensorSpec,
     Welcome,
     Withdraw,
@@ -89,7 +94,7 @@ from .protocol.messages import (
 )
 from .protocol.session import Role, Session, SessionState, XferState
 from .store import PeerRef, ReceiveStore, StoreStatistics
-from .transport.tcp import TcpSink, TcpSource, dtype_name
+from .transport.tcp import TcpSink, TcpSource, dtype_name, frames_to_tensors
 
 if TYPE_CHECKING:
     from ._watchdog import LoopWatchdog
@@ -105,6 +110,10 @@ log = logging.getLogger("aiokv")
 MAX_FRAMES_PER_MESSAGE = 1024
 #: a new connection's first message is one HELLO: anything larger is refused (and hung up)
 _MAX_FIRST_FRAME = 64 * 1024
+#: protocol v2 window per session: a share of the receive budget, at most this much
+_CREDIT_SHARE = 8
+_CREDIT_MAX_BYTES = 64 << 20
+_CREDIT_TENSORS = 1024
 _MAX_GETS_PER_SESSION = 16
 #: granted, not yet landed transfers of one session (zero-byte ones cost no budget)
 _MAX_GRANTED_PER_SESSION = 16384
@@ -139,6 +148,12 @@ class EngineStatistics:
     server_sessions: int = 0
     protocol_errors: dict[str, int] = field(default_factory=dict)
     store: StoreStatistics | None = None
+    #: protocol v2: standing credit granted to peers and not yet spent (bytes, tensors);
+    #: it is held in the receive budget but not counted in ``store.reserved_bytes``
+    credit_bytes: int = 0
+    credit_tensors: int = 0
+    #: protocol v2, sending side: transfers waiting in this engine for the peer's credit
+    waiting_for_credit: int = 0
     #: NCCL data plane: live communicators, enqueues that had to settle (count,
     #: total and max seconds), and the progress poller's counters
     nccl: dict[str, float] = field(default_factory=dict)
@@ -311,6 +326,10 @@ class _OutXfer:
     ready: Any = None  # CUDA event: the producer's stream reached the send
     sent: Any = None  # NCCL: future of the send's completion on this side
     released: asyncio.Future[None] | None = None  # set once nothing reads the tensors any more
+    put: bool = False  # protocol v2: sent on standing credit (PUT), settled by an ACK
+    posted: bool = False
+    abandoned: bool = False
+    nbytes: int = 0
 
     def release_when_idle(self) -> None:
         """Resolve ``released`` once the data plane is done with the source buffers."""
@@ -370,6 +389,8 @@ class _ClientSession:
         self.get_ids = itertools.count(1)
         self.dead: BaseException | None = None
         self.tasks: list[asyncio.Task[None]] = []
+        self.credit = CreditAccount()  # protocol v2, once the peer announced its window
+        self.credit_wait: deque[_OutXfer] = deque()  # PUTs waiting for credit, in order
 
     @property
     def peer_id(self) -> str | None:
@@ -430,13 +451,19 @@ class _ClientSession:
         self.last_used = time.monotonic()
         x.granted.add_done_callback(_retrieve)
         x.done.add_done_callback(_retrieve)
-        data = self.sess.send(Reserve(x.xfer, transport, tuple(specs)))
+        if transport == "tcp":
+            x.nbytes = sum(s.nbytes for s in specs)
+            # protocol v2: a transfer within the window spends standing credit (one
+            # message, no round trip); one larger asks with RESERVE. Both wait in one
+            # queue per session, so a later transfer never takes room from an earlier.
+            x.put = self.credit.fits_window(x.nbytes, len(specs))
+            if x.put or self.credit_wait:
+                self.xfers[x.xfer] = x
+                self.credit_wait.append(x)
+                self._drain_credit_wait()
+                return x
         self.xfers[x.xfer] = x
-        self._send_ctrl(data)
-        if _trace.enabled:
-            _trace.mark("start", self.engine.engine_id, x.xfer)
-        if transport == "nccl":
-            self.engine._get_poller().touch()  # the GRANT is read on a spinning loop
+        self._reserve(x)
         return x
 
     @property
@@ -505,8 +532,109 @@ class _ClientSession:
             if isinstance(exc, asyncio.CancelledError):
                 raise
 
+    def _reserve(self, x: _OutXfer) -> None:
+        x.posted = True
+        if x.transport == "tcp" and self.credit.credit_bytes:
+            # give unspent credit back first (after our PUTs, on their connection), so
+            # that the whole budget can serve a transfer larger than the window
+            b, t = self.credit.take_all()
+            try:
+                self.source.post_nowait(self.engine._codec.encode(Return(x.xfer, b, t)), [])
+            except (zmq.ZMQError, AiokvError) as perr:
+                self.fail(PeerLostError(f"data channel to {self.address} failed: {perr}"))
+                return
+        self._send_ctrl(self.sess.send(Reserve(x.xfer, x.transport, tuple(x.specs))))
+        if _trace.enabled:
+            _trace.mark("start", self.engine.engine_id, x.xfer)
+        if x.transport == "nccl":
+            self.engine._get_poller().touch()  # the GRANT is read on a spinning loop
+
+    def _post_put(self, x: _OutXfer) -> None:
+        header = self.engine._codec.encode(Put(x.xfer, tuple(x.specs)))
+        try:
+            self.source.post_nowait(header, x.tensors)
+        except (zmq.ZMQError, AiokvError) as perr:
+            self.fail(PeerLostError(f"data channel to {self.address} failed: {perr}"))
+            return
+        x.posted = True
+        if not x.granted.done():
+            x.granted.set_result(0)
+        if _trace.enabled:
+            _trace.mark("posted", self.engine.engine_id, x.xfer)
+
+    def _drain_credit_wait(self) -> None:
+        """Post waiting PUTs, in order, while the credit lasts."""
+        w = self.credit_wait
+        while w and self.dead is None:
+            x = w[0]
+            if x.abandoned:
+                w.popleft()
+                continue
+            if not x.put:
+                w.popleft()
+                self._reserve(x)
+                continue
+            if not self.credit.try_spend(x.nbytes, len(x.specs)):
+                return
+            w.popleft()
+            self._post_put(x)
+
+    def _settle_put(self, xfer: int, exc: BaseException | None) -> bool:
+        """An ACK settled a PUT; False if it names none of ours (a protocol error)."""
+        x = self.xfers.get(xfer)
+        if x is None or not x.put or not x.posted:
+            return False
+        del self.xfers[xfer]
+        e = self.engine
+        if exc is None:
+            e._stats.transfers_sent += 1
+            e._stats.tensors_sent += len(x.specs)
+            e._stats.bytes_sent += x.nbytes
+            x.tensors = []
+        else:
+            e._stats.refused_received += 1
+        x.release_when_idle()
+        if exc is None:
+            if not x.done.done():
+                x.done.set_result(None)
+        else:
+            for f in (x.granted, x.done):
+                if not f.done():
+                    f.set_exception(exc)
+        return True
+
+    def _on_ack(self, msg: Ack) -> None:
+        try:
+            self.credit.add(msg.window_bytes, msg.window_tensors, msg.add_bytes, msg.add_tensors)
+        except RemoteProtocolError as exc:
+            self.fail(exc)
+            return
+        for xfer in msg.done:
+            if not self._settle_put(xfer, None):
+                self.fail(RemoteProtocolError(f"ACK for transfer {xfer}, not a PUT in flight"))
+                return
+        for xfer, code in msg.refused:
+            cls = _REFUSALS.get(code, RefusedError)
+            why = cls(f"{self.address} refused the transfer: {code}", code=code)
+            if not self._settle_put(xfer, why):
+                self.fail(RemoteProtocolError(f"ACK refuses transfer {xfer}, not a PUT in flight"))
+                return
+        self._drain_credit_wait()
+
     def abandon(self, x: _OutXfer) -> None:
         """The caller gave up. Withdraw if not granted; a granted transfer still completes."""
+        if not x.posted:  # still waiting in this end's queue: nothing left the process
+            x.abandoned = True
+            self.xfers.pop(x.xfer, None)
+            x.release_when_idle()
+            self.engine._stats.withdrawn += 1
+            for f in (x.granted, x.done):
+                if not f.done():
+                    f.cancel()
+            self._drain_credit_wait()  # the next in line may go now
+            return
+        if x.put:
+            return
         if self.dead is None and self.sess.xfer_state(x.xfer) is XferState.RESERVED:
             self._send_ctrl(self.sess.send(Withdraw(x.xfer)))
 
@@ -617,6 +745,8 @@ class _ClientSession:
             g = self.gets.pop(msg.req, None)
             if g is not None and not g.done():
                 g.set_result(msg)
+        elif isinstance(msg, Ack):
+            self._on_ack(msg)
         elif isinstance(msg, Pong):
             pass
         elif isinstance(msg, ErrorMsg):
@@ -682,6 +812,7 @@ class _ClientSession:
                     f.set_exception(exc)
             x.release_when_idle()  # after an abort the poller settles ``sent``
         self.xfers.clear()
+        self.credit_wait.clear()
         for g in self.gets.values():
             if not g.done():
                 g.set_exception(exc)
@@ -783,6 +914,13 @@ class _ServerSession:
         self.suspect = False
         self.fds: list[int] = []  # the connections' descriptors (router monitor events)
         self.gets = 0  # GETs of this peer being served
+        # protocol v2 (the peer offered "credit"): its standing window and what it holds
+        self.ledger: CreditLedger | None = None
+        self.last_put = 0
+        self.credit_held: OrderedDict[str, tuple[int, float]] = OrderedDict()  # tid -> (n, at)
+        self.acks: list[int] = []
+        self.refused: list[tuple[int, str]] = []
+        self.ack_due = False
 
     @property
     def name(self) -> str:
@@ -873,6 +1011,8 @@ class Engine:
         self._tokens: dict[bytes, _ServerSession] = {}
         self._fd_sessions: dict[int, _ServerSession] = {}
         self._claims = itertools.count(1)
+        self._by_peer: dict[str, _ServerSession] = {}  # live sessions by store identity
+        self._starved: set[_ServerSession] = set()  # credit cut short by the budget
         self._gets_serving = 0
         # accepted connections without a session yet: fd -> (accepted at, peer name)
         self._unbound: dict[int, tuple[float, str | None]] = {}
@@ -1042,7 +1182,7 @@ class Engine:
             raise EngineClosedError("engine closed")
 
     def _capabilities(self) -> tuple[str, ...]:
-        return ("tcp", "nccl") if self._nccl_ok else ("tcp",)
+        return ("tcp", "nccl", "credit") if self._nccl_ok else ("tcp", "credit")
 
     def _get_poller(self) -> ProgressPoller:
         if self._poller is None:
@@ -1147,7 +1287,8 @@ class Engine:
             if not fut.done():
                 fut.cancel()
             self._store.forget_waiter(tensor_id, fut)
-        _peer, result = fut.result()
+        peer, result = fut.result()
+        self._collected(peer, tensor_id)
         self._pump_queue()
         return result  # type: ignore[no-any-return]
 
@@ -1204,6 +1345,13 @@ class Engine:
     def statistics(self) -> EngineStatistics:
         s = dataclasses.replace(self._stats, protocol_errors=dict(self._stats.protocol_errors))
         s.store = self._store.statistics()
+        ledgers = [ss.ledger for ss in self._servers.values() if ss.ledger is not None]
+        s.credit_bytes = sum(g.credit_bytes for g in ledgers)
+        s.credit_tensors = sum(g.credit_tensors for g in ledgers)
+        s.store.reserved_bytes -= s.credit_bytes
+        s.waiting_for_credit = sum(
+            1 for cs in self._clients.values() for x in cs.credit_wait if not x.abandoned
+        )
         s.client_sessions = len(self._clients)
         s.server_sessions = len(self._servers)
         s.queued_reservations = sum(len(ss.queued) for ss in self._servers.values())
@@ -1566,6 +1714,12 @@ class Engine:
         self._servers[rid] = ss
         self._bind_fd(ss, frame)
         self._tokens[ss.token] = ss
+        self._by_peer[ss.peer.engine_id] = ss
+        if "credit" in msg.capabilities:
+            lim = self.config.limits
+            ss.ledger = CreditLedger(
+                min(lim.store_bytes // _CREDIT_SHARE, _CREDIT_MAX_BYTES), _CREDIT_TENSORS
+            )
         w = Welcome(
             PROTOCOL_VERSION,
             self.engine_id,
@@ -1575,6 +1729,8 @@ class Engine:
             ss.token,
         )
         self._reply(ss, ss.sess.send(w))
+        if ss.ledger is not None:
+            self._send_credit(ss)  # the window travels in the same zmq message as WELCOME
 
     def _claim(self, engine_id: str, address: str) -> PeerRef:
         """The store identity of a new session from what it claims (or its CURVE key).
@@ -1620,6 +1776,7 @@ class Engine:
                 for s in res.specs:
                     ss.queued_ids.discard(s.tensor_id)
                 self._reply(ss, ss.sess.send(Withdrawn(msg.xfer)))
+                self._unpause_credit(ss, msg.xfer)
                 self._stats.withdrawn += 1
             elif msg.xfer in ss.granted:
                 ss.granted[msg.xfer].discard = True
@@ -1708,6 +1865,7 @@ class Engine:
         if code:
             self._stats.refused_sent += 1
             self._reply(ss, ss.sess.send(Refuse(msg.xfer, code, detail)))
+            self._unpause_credit(ss, msg.xfer)
             return
         if not ss.queued and self._try_grant(ss, msg):
             return
@@ -1722,6 +1880,7 @@ class Engine:
         assert ss.peer is not None
         if not self._store.try_reserve(ss.peer, [(s.tensor_id, s.nbytes) for s in msg.specs]):
             return False
+        self._unpause_credit(ss, msg.xfer)
         seq = ss.sess.next_grant_seq
         inx = _InXfer(
             msg.xfer,
@@ -1780,6 +1939,25 @@ class Engine:
                 heapq.heappop(heads)
         for e in stuck:
             heapq.heappush(heads, e)
+        if self._starved:
+            for ss in list(self._starved):
+                if not ss.ack_due:
+                    self._send_credit(ss)
+
+    def _forget_expired_credit(self, ss: _ServerSession, now: float) -> None:
+        """Tensors held on credit past the store's TTL have expired: refill the window."""
+        assert ss.ledger is not None
+        ttl = self.config.limits.ttl
+        freed = 0
+        while ss.credit_held:
+            tid, (n, at) = next(iter(ss.credit_held.items()))
+            if now - at <= ttl:
+                break
+            del ss.credit_held[tid]
+            ss.ledger.release(n, 1)
+            freed += 1
+        if freed and not ss.ack_due:
+            self._send_credit(ss)
 
     def _expire_grants(self, ss: _ServerSession, now: float) -> None:
         """Fail TCP grants whose data never came (their room goes back to the store).
@@ -1807,6 +1985,21 @@ class Engine:
     def _on_data(self, ss: _ServerSession, frames: list[zmq.Frame]) -> None:
         try:
             header = self._codec.decode(frames[0].buffer)
+            if isinstance(header, Put):
+                self._on_put(ss, header, frames[1:])
+                return
+            if isinstance(header, Return):
+                if ss.ledger is None or len(frames) != 1:
+                    raise RemoteProtocolError("RETURN without credit")
+                ss.ledger.give_back(header.credit_bytes, header.credit_tensors)
+                self._store.reserved -= header.credit_bytes
+                # the RESERVE it makes room for (control connection: it may come before
+                # or after) is granted or ends before new credit could take the room
+                if header.xfer in ss.queued or header.xfer > ss.sess.max_xfer_seen:
+                    ss.ledger.paused_for = header.xfer
+                self._starved.add(ss)
+                self._pump_queue()
+                return
             if not isinstance(header, DataHeader):
                 raise RemoteProtocolError(f"{header.NAME} on the data connection")
             if header.xfer in ss.expired:
@@ -1823,6 +2016,95 @@ class Engine:
             self._count_error(getattr(exc, "code", "protocol"))
             self._reply_raw(ss.rid, ErrorMsg("protocol", str(exc)[:200]))
             self._drop_server(ss, exc, lost=True)
+
+    def _on_put(self, ss: _ServerSession, msg: Put, frames: list[zmq.Frame]) -> None:
+        """Protocol v2: a transfer on standing credit lands now (raises RemoteProtocolError)."""
+        ledger = ss.ledger
+        if ledger is None or msg.xfer <= ss.last_put:
+            raise RemoteProtocolError(f"PUT {msg.xfer} out of order or without credit")
+        ss.last_put = msg.xfer
+        n, k = msg.nbytes, len(msg.specs)
+        ledger.spend(n, k)
+        self._store.reserved -= n  # the session's credit becomes this transfer's room
+        tensors = frames_to_tensors(msg.specs, frames)
+        assert ss.peer is not None
+        pairs = [(sp.tensor_id, sp.nbytes) for sp in msg.specs]
+        try:
+            if ss.queued_ids.intersection(t for t, _ in pairs):
+                raise DuplicateTensorError("duplicate")
+            ok = self._store.try_reserve(ss.peer, pairs)
+        except DuplicateTensorError:
+            ok = False
+        if not ok:
+            self._stats.refused_sent += 1
+            ss.refused.append((msg.xfer, "duplicate"))
+        else:
+            now = time.monotonic()
+            for sp, t in zip(msg.specs, tensors):
+                self._store.land(ss.peer, sp.tensor_id, t)
+                ss.credit_held[sp.tensor_id] = (sp.nbytes, now)
+            ledger.hold(n, k)
+            self._stats.transfers_received += 1
+            self._stats.tensors_received += k
+            self._stats.bytes_received += n
+            ss.acks.append(msg.xfer)
+        if not ss.ack_due:
+            ss.ack_due = True
+            asyncio.get_running_loop().call_soon(self._send_credit, ss)
+
+    def _send_credit(self, ss: _ServerSession) -> None:
+        """One ACK for everything landed or refused this loop pass, with any new credit."""
+        ss.ack_due = False
+        ledger = ss.ledger
+        if ledger is None or ss.dead:
+            return
+        store = self._store
+        # a reservation waiting for room comes first: no new credit may take it
+        room = 0 if self._heads or ledger.paused_for else max(0, store.capacity - store.used)
+        add_b, add_t = ledger.top_up(room)
+        store.reserved += add_b
+        if ledger.short:
+            self._starved.add(ss)  # the budget is short: retried as room frees
+        else:
+            self._starved.discard(ss)
+        if not (add_b or add_t or ss.acks or ss.refused or not ledger.announced):
+            return
+        ledger.announced = True
+        acks, ss.acks = ss.acks, []
+        refused, ss.refused = ss.refused, []
+        for i in range(0, max(len(acks), len(refused), 1), MAX_ACKS):
+            self._reply(
+                ss,
+                ss.sess.send(
+                    Ack(
+                        ledger.window_bytes,
+                        ledger.window_tensors,
+                        add_b if i == 0 else 0,
+                        add_t if i == 0 else 0,
+                        tuple(acks[i : i + MAX_ACKS]),
+                        tuple(refused[i : i + MAX_ACKS]),
+                    )
+                ),
+            )
+
+    def _unpause_credit(self, ss: _ServerSession, xfer: int) -> None:
+        if ss.ledger is not None and ss.ledger.paused_for == xfer:
+            ss.ledger.paused_for = 0
+            if not ss.ack_due:
+                ss.ack_due = True
+                asyncio.get_running_loop().call_soon(self._send_credit, ss)
+
+    def _collected(self, peer: PeerRef, tensor_id: str) -> None:
+        """A tensor left the store through ``recv``: its session's credit may refill."""
+        ss = self._by_peer.get(peer.engine_id)
+        if ss is None or ss.ledger is None:
+            return
+        held = ss.credit_held.pop(tensor_id, None)
+        if held is not None:
+            ss.ledger.release(held[0], 1)
+            if not ss.ack_due:
+                ss.ack_due = True
+                asyncio.get_running_loop().call_soon(self._send_credit, ss)
 
     def _on_landed(
         self, ss: _ServerSession, inx: _InXfer, fut: asyncio.Future[list[torch.Tensor]]
@@ -1912,6 +2194,12 @@ class Engine:
             self._stats.peers_lost += 1
         self._servers.pop(ss.rid, None)
         self._tokens.pop(ss.token, None)
+        self._starved.discard(ss)
+        if ss.peer is not None and self._by_peer.get(ss.peer.engine_id) is ss:
+            del self._by_peer[ss.peer.engine_id]
+        if ss.ledger is not None:
+            self._store.reserved -= ss.ledger.credit_bytes  # unspent credit goes back
+            ss.ledger.credit_bytes = 0
         if ss.data_rid is not None:
             self._data_rids.pop(ss.data_rid, None)
         for fd in ss.fds:
@@ -1963,6 +2251,8 @@ class Engine:
             for ss in list(self._servers.values()):
                 if ss.granted:
                     self._expire_grants(ss, now)
+                if ss.credit_held:
+                    self._forget_expired_credit(ss, now)
                 if now - ss.last_recv <= T.heartbeat_timeout:
                     ss.suspect = False
                 elif ss.suspect:  # second look, as for client sessions

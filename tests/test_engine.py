@@ -229,17 +229,27 @@ async def test_too_large_for_budget_is_refused() -> None:
 async def test_cancel_send_waiting_for_credit_withdraws_it() -> None:
     async with engines(cfg(), cfg(store_bytes=1 * MiB)) as (a, b):
         await a.send("fill", torch.zeros(MiB, dtype=torch.uint8), to=b.address)  # budget full
+        # a small send waits for standing credit (protocol v2) in the sending engine
         task = asyncio.ensure_future(a.send("waits", torch.ones(1000), to=b.address, timeout=20))
+        await wait_until(lambda: a.statistics().waiting_for_credit == 1, 5, "waiting for credit")
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        assert a.statistics().waiting_for_credit == 0 and a.statistics().withdrawn == 1
+        # a larger one waits as a reservation queued at the receiver (RESERVE path)
+        big = torch.ones(MiB // 2, dtype=torch.uint8)
+        task = asyncio.ensure_future(a.send("waits2", big, to=b.address, timeout=20))
         await wait_until(lambda: b.statistics().queued_reservations == 1, 5, "queued reservation")
         task.cancel()
         with pytest.raises(asyncio.CancelledError):
             await task
         await wait_until(lambda: b.statistics().queued_reservations == 0, 5, "withdrawal")
-        await wait_until(lambda: a.statistics().withdrawn == 1, 5, "WITHDRAWN")
+        await wait_until(lambda: a.statistics().withdrawn == 2, 5, "WITHDRAWN")
         assert b.statistics().withdrawn == 1
         await b.recv("fill", timeout=5)  # room again; the withdrawn send must not come
-        with pytest.raises(aiokv.TransferTimeoutError):
-            await b.recv("waits", timeout=0.5)
+        for tid in ("waits", "waits2"):
+            with pytest.raises(aiokv.TransferTimeoutError):
+                await b.recv(tid, timeout=0.5)
         assert b.statistics().store.used if False else True
         s = b.statistics().store
         assert s is not None and s.reserved_bytes == 0 and s.pending_tensors == 0
@@ -254,11 +264,11 @@ async def test_cancel_send_nowait_handle() -> None:
     async with engines(cfg(), cfg(store_bytes=1000)) as (a, b):
         await a.send("fill", torch.zeros(250), to=b.address)
         h = a.send_nowait("later", torch.ones(10), to=b.address)
-        await wait_until(lambda: b.statistics().queued_reservations == 1, 5)
+        await wait_until(lambda: a.statistics().waiting_for_credit == 1, 5)
         assert h.cancel()
         with pytest.raises(asyncio.CancelledError):
             await h
-        await wait_until(lambda: b.statistics().queued_reservations == 0, 5)
+        assert a.statistics().waiting_for_credit == 0
         await b.recv("fill", timeout=5)
         with pytest.raises(aiokv.TransferTimeoutError):
             await b.recv("later", timeout=0.3)
@@ -338,7 +348,7 @@ async def test_aclose_with_transfers_in_flight() -> None:
             for i in range(4)
         ]
         big = asyncio.ensure_future(
-            c.send("big", torch.zeros(64 * MiB, dtype=torch.uint8), to=a.address, timeout=20)
+            c.send("big", torch.zeros(256 * MiB, dtype=torch.uint8), to=a.address, timeout=20)
         )
         b_recvs = [asyncio.ensure_future(b.recv(f"r{i}", timeout=20)) for i in range(3)]
         a_recv = asyncio.ensure_future(a.recv("big", timeout=20))

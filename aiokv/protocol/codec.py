@@ -25,6 +25,7 @@ from .messages import (
     BY_KIND,
     REFUSE_CODES,
     TRANSPORTS,
+    Ack,
     Bye,
     DataHeader,
     DataHello,
@@ -40,8 +41,10 @@ from .messages import (
     NcclSetup,
     Ping,
     Pong,
+    Put,
     Refuse,
     Reserve,
+    Return,
     TensorSpec,
     Welcome,
     Withdraw,
@@ -56,6 +59,7 @@ MAX_DETAIL = 2048
 MAX_CAPS = 32
 MAX_LAYOUT_ITEMS = 32
 MAX_ADDR = 256
+MAX_ACKS = 4096  # transfers one ACK may settle (the sender splits longer lists)
 TOKEN_BYTES = 16
 NCCL_ID_BYTES = 128
 
@@ -198,6 +202,23 @@ def _specs(v: Any, lim: WireLimits) -> tuple[TensorSpec, ...]:
     return tuple(out)
 
 
+def _xfer_list(v: Any, lim: WireLimits) -> tuple[int, ...]:
+    if type(v) is not list or len(v) > MAX_ACKS:
+        raise _fail("bad_field", f"a list of at most {MAX_ACKS} transfer numbers expected")
+    return tuple(_u63(x, lim) for x in v)
+
+
+def _refusals(v: Any, lim: WireLimits) -> tuple[tuple[int, str], ...]:
+    if type(v) is not list or len(v) > MAX_ACKS:
+        raise _fail("bad_field", f"a list of at most {MAX_ACKS} refusals expected")
+    out = []
+    for item in v:
+        if type(item) is not list or len(item) != 2:
+            raise _fail("bad_field", "a refusal is [xfer, code]")
+        out.append((_u63(item[0], lim), _code(item[1], lim)))
+    return tuple(out)
+
+
 def _id_list(v: Any, lim: WireLimits) -> tuple[str, ...]:
     if type(v) is not list or not (0 < len(v) <= lim.max_tensors):
         raise _fail("bad_field", "tensor_ids must be a non-empty list")
@@ -224,6 +245,9 @@ SCHEMA: dict[type[Message], tuple[Check, ...]] = {
     Pong: (_u63,),
     ErrorMsg: (_code, _detail),
     Bye: (),
+    Put: (_u63, _specs),
+    Ack: (_u63, _u63, _u63, _u63, _xfer_list, _refusals),
+    Return: (_u63, _u63, _u63),
 }
 
 

@@ -29,6 +29,9 @@ GET          c -> s     please send these published tensors to ``reply_to``
 GET_REPLY    s -> c     outcome of a GET
 NCCL_SETUP   c -> s     NCCL unique id for this session's communicator
 NCCL_READY   s -> c     the server's side of the communicator is initialised (or not)
+PUT          c -> s     v2: header of a transfer sent on standing credit (TCP), tensor frames follow
+ACK          s -> c     v2: credit top-up, transfers landed (coalesced DONE), transfers refused
+RETURN       c -> s     v2: unspent credit given back (data connection), before a RESERVE
 PING / PONG  c <-> s    heartbeat
 ERROR        both       a protocol error; the session is closed after it
 BYE          both       orderly close
@@ -271,6 +274,56 @@ class Bye(Message):
     NAME: ClassVar[str] = "BYE"
 
 
+@dataclass(frozen=True, slots=True)
+class Put(Message):
+    """Protocol v2 (capability ``credit``): a transfer spent from standing credit.
+
+    Sent on the data connection as the first frame of one zmq message whose other
+    frames are the tensors: the whole transfer is one message, no round trip.
+    """
+
+    KIND: ClassVar[int] = 20
+    NAME: ClassVar[str] = "PUT"
+    xfer: int
+    specs: tuple[TensorSpec, ...]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(s.nbytes for s in self.specs)
+
+
+@dataclass(frozen=True, slots=True)
+class Ack(Message):
+    """Protocol v2: the receiver's credit message, coalescing many transfers.
+
+    ``window_bytes``/``window_tensors`` is the standing window of the session (a
+    transfer larger than it takes the RESERVE path); ``add_*`` is new credit;
+    ``done`` lists PUTs that landed, ``refused`` PUTs refused (``[xfer, code]``).
+    """
+
+    KIND: ClassVar[int] = 21
+    NAME: ClassVar[str] = "ACK"
+    window_bytes: int
+    window_tensors: int
+    add_bytes: int
+    add_tensors: int
+    done: tuple[int, ...]
+    refused: tuple[tuple[int, str], ...]
+
+
+@dataclass(frozen=True, slots=True)
+class Return(Message):
+    """Protocol v2: the sender gives back unspent credit (on the data connection, so
+    after every PUT that spent the rest) before it asks for a transfer larger than
+    its window: the receiver's whole budget is then free for that reservation."""
+
+    KIND: ClassVar[int] = 22
+    NAME: ClassVar[str] = "RETURN"
+    xfer: int  # the RESERVE this return makes room for
+    credit_bytes: int
+    credit_tensors: int
+
+
 ALL_MESSAGES: tuple[type[Message], ...] = (
     Hello,
     Welcome,
@@ -291,5 +344,8 @@ ALL_MESSAGES: tuple[type[Message], ...] = (
     Pong,
     ErrorMsg,
     Bye,
+    Put,
+    Ack,
+    Return,
 )
 BY_KIND: dict[int, type[Message]] = {m.KIND: m for m in ALL_MESSAGES}

@@ -50,6 +50,7 @@ from .._exceptions import LocalProtocolError, RemoteProtocolError
 from .codec import Codec, WireError
 from .messages import (
     PROTOCOL_VERSION,
+    Ack,
     Bye,
     DataHeader,
     DataHello,
@@ -137,7 +138,7 @@ XFER_TRANSITIONS: dict[tuple[Role, type[Message]], dict[XferState | None, XferSt
 # Session-level messages allowed while OPEN, by sender role.
 OPEN_MESSAGES: dict[Role, frozenset[type[Message]]] = {
     C: frozenset({Get, NcclSetup, Ping, Bye, ErrorMsg}),
-    S: frozenset({GetReply, NcclReady, Pong, Bye, ErrorMsg}),
+    S: frozenset({GetReply, NcclReady, Pong, Bye, ErrorMsg, Ack}),
 }
 
 

@@ -27,7 +27,7 @@ from .._exceptions import RemoteProtocolError, TransferAbortedError
 from .._zsock import LoopSocket
 from ..protocol.messages import ALLOWED_DTYPES, DataHeader, TensorSpec
 
-__all__ = ["TcpSink", "TcpSource", "tensor_buffer", "torch_dtype"]
+__all__ = ["TcpSink", "TcpSource", "frames_to_tensors", "tensor_buffer", "torch_dtype"]
 
 _DTYPES: dict[str, torch.dtype] = {
     "float64": torch.float64,
@@ -96,6 +96,30 @@ class TcpSource:
         self._dead = self._dead or TransferAbortedError("closed")
 
 
+def frames_to_tensors(
+    specs: Sequence[TensorSpec], frames: Sequence[zmq.Frame]
+) -> list[torch.Tensor]:
+    """Wrap arriving frames as tensors of ``specs``, zero-copy; sizes checked first.
+
+    Raises RemoteProtocolError when the frames do not match the specs.
+    """
+    if len(frames) != len(specs):
+        raise RemoteProtocolError(f"{len(frames)} frames for {len(specs)} tensors")
+    for spec, fr in zip(specs, frames):
+        if len(fr) != spec.nbytes:
+            raise RemoteProtocolError(
+                f"tensor {spec.tensor_id!r}: {len(fr)} bytes, expected {spec.nbytes}"
+            )
+    out = []
+    for spec, fr in zip(specs, frames):
+        dt = _DTYPES[spec.dtype]
+        if spec.nbytes == 0:
+            out.append(torch.empty(spec.shape, dtype=dt))
+        else:
+            out.append(torch.frombuffer(fr.buffer, dtype=dt).view(spec.shape))
+    return out
+
+
 class TcpSink:
     """Matches arriving data messages to granted transfers and wraps them as tensors."""
 
@@ -128,19 +152,8 @@ class TcpSink:
             raise RemoteProtocolError(
                 f"transfer {header.xfer}: {len(frames)} frames for {len(specs)} tensors"
             )
-        for spec, fr in zip(specs, frames):
-            if len(fr) != spec.nbytes:
-                raise RemoteProtocolError(
-                    f"tensor {spec.tensor_id!r}: {len(fr)} bytes, expected {spec.nbytes}"
-                )
+        out = frames_to_tensors(specs, frames)
         del self._expected[header.xfer]
-        out = []
-        for spec, fr in zip(specs, frames):
-            dt = _DTYPES[spec.dtype]
-            if spec.nbytes == 0:
-                out.append(torch.empty(spec.shape, dtype=dt))
-            else:
-                out.append(torch.frombuffer(fr.buffer, dtype=dt).view(spec.shape))
         if not fut.done():
             fut.set_result(out)
         return fut

@@ -120,10 +120,25 @@ class EngineConfig:
     nccl_blocking_ops: bool = field(
         default_factory=lambda: os.environ.get("AIOKV_NCCL_BLOCKING_OPS", "0") == "1"
     )
-    layout: dict[str, str | int] | None = None  # KV layout offered at HELLO (see aiokv.kv)
+    #: KV layout offered at HELLO (see :mod:`aiokv.kv`): a :class:`~aiokv.kv.KVLayout` or its
+    #: wire form (``layout.to_wire()``); checked here and stored in the wire form. (Type
+    #: checkers see the wire form: pass ``layout.to_wire()`` if yours objects to a KVLayout.)
+    layout: dict[str, str | int] | None = None
 
     def __post_init__(self) -> None:
         parse_address(self.listen)
+        if self.layout is not None:
+            # imported here: the layouts need torch, which a config alone should not import
+            from .kv.layouts import KVLayout, layout_from_wire
+
+            lay: object = self.layout
+            if not isinstance(lay, KVLayout):
+                if not isinstance(lay, dict):
+                    raise ConfigError(
+                        f"layout must be a KVLayout or its to_wire() dict, got {type(lay).__name__}"
+                    )
+                lay = layout_from_wire(lay)  # ConfigError naming what is wrong
+            object.__setattr__(self, "layout", lay.to_wire())
         if self.transport not in ("auto", "tcp", "nccl"):
             raise ConfigError(f"transport must be 'auto', 'tcp' or 'nccl', got {self.transport!r}")
         if not (self.device == "cpu" or self.device.startswith("cuda")):

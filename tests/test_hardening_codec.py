@@ -9,6 +9,7 @@ message of its kind costs. Item 10: a RESERVE of shape ``[0, 2**40, 2**40]`` flo
 
 from __future__ import annotations
 
+import asyncio
 import time
 import warnings
 
@@ -20,6 +21,9 @@ from hypothesis import strategies as st
 with warnings.catch_warnings():
     warnings.simplefilter("ignore", UserWarning)
     import torch
+
+import zmq
+import zmq.asyncio
 
 import aiokv
 from aiokv.protocol import (
@@ -263,3 +267,49 @@ def test_shape_problem_helper() -> None:
     assert shape_problem(1, [True], max_ndim=8, max_bytes=16) is not None
     assert shape_problem(4, [], max_ndim=8, max_bytes=4) is None  # a scalar
     assert shape_problem(4, [], max_ndim=8, max_bytes=3) is not None
+
+
+# --------------------------------------------------------------------------- live engine
+
+
+@pytest.mark.anyio
+async def test_ten_nested_frames_before_hello_do_not_stall_a_live_engine() -> None:
+    """The issue's attack end to end: ten such frames from a stranger, before any HELLO, while
+    the loop's lateness is measured (it was ~0.7 s per frame, 7 s for ten)."""
+    ctx = zmq.asyncio.Context()
+    lateness: list[float] = []
+    stop = False
+
+    async def ticker() -> None:
+        loop = asyncio.get_running_loop()
+        while not stop:
+            t = loop.time()
+            await asyncio.sleep(0.001)
+            lateness.append(loop.time() - t - 0.001)
+
+    try:
+        async with aiokv.Engine(aiokv.EngineConfig()) as eng:
+            s = ctx.socket(zmq.DEALER)
+            s.setsockopt(zmq.LINGER, 0)
+            s.connect(f"tcp://{eng.address}")
+            tick = asyncio.ensure_future(ticker())
+            await asyncio.sleep(0.05)
+            for _ in range(10):
+                await s.send(NESTED)
+                await asyncio.wait_for(s.recv_multipart(), 5)  # the ERROR reply
+            await asyncio.sleep(0.05)
+            stop = True
+            await tick
+            s.close()
+            errors = eng.statistics().protocol_errors
+            assert sum(errors.values()) == 10, errors
+            # a legit peer is still served
+            async with aiokv.Engine(aiokv.EngineConfig()) as good:
+                t = torch.arange(16, dtype=torch.float32)
+                await good.send("after", t, to=eng.address, timeout=10)
+                assert torch.equal(await eng.recv("after", timeout=5), t)
+    finally:
+        ctx.term()
+    worst = max(lateness)
+    print(f"largest loop lateness over 10 nested 1 MB frames: {worst * 1e3:.1f} ms")
+    assert worst < BOUND_S, f"the loop stalled {worst * 1e3:.1f} ms"

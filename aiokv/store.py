@@ -30,6 +30,7 @@ from typing import Any
 
 from ._config import DEFAULT_STORE_TENSORS
 from ._exceptions import (
+    ConfigError,
     DuplicateTensorError,
     ExpiredError,
     TransferAbortedError,
@@ -281,6 +282,8 @@ class ReceiveStore:
         id is not affected.
         """
         x = tensor_id_or_prefix
+        if type(x) is not str or not x:
+            raise ConfigError(f"discard takes a non-empty tensor id or prefix, got {x!r:.80}")
         if x.endswith("#"):
             tids = [t for t in self._entries if t.startswith(x)]
         else:

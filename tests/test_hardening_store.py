@@ -146,3 +146,10 @@ def test_discard_exact_id_does_not_match_longer_ids() -> None:
     assert sorted(s._entries) == ["r#kv1#x", "r#kv10"]
     assert s.discard("r#kv1#") == 1
     assert sorted(s._entries) == ["r#kv10"]
+
+
+@pytest.mark.parametrize("bad", ["", None, 5, b"r#"])
+def test_discard_refuses_non_ids(bad: object) -> None:
+    s = ReceiveStore(capacity=10, ttl=1.0)
+    with pytest.raises(aiokv.ConfigError):
+        s.discard(bad)  # type: ignore[arg-type]

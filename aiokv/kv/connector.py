@@ -704,10 +704,20 @@ class KVConnector:
         default the engine's transfer timeout).
 
         Returns once every chunk is scattered; the request then joins
-        :meth:`finished_receiving`. On timeout, cancellation or error it raises
-        and the request is NOT marked finished: its blocks may be partly written
-        and must be treated as not received. A chunk of the wrong size raises
-        :class:`~aiokv.LayoutMismatchError` and is never scattered.
+        :meth:`finished_receiving`. The producer's header is checked first: an
+        incompatible layout, another block count, mode or chunk plan raises
+        :class:`~aiokv.LayoutMismatchError` before anything is scattered, as does a
+        chunk of the wrong size.
+
+        On timeout, cancellation or error it raises and the request is NOT marked
+        finished: blocks whose chunk was scattered before the cancel or error hold
+        this request's data, the others are untouched; treat them all as not
+        received. Nothing is scattered after a cancellation arrived (a copy
+        already running on the thread pool is waited for first), and the request
+        leaves nothing behind: its chunks are dropped from the engine's receive
+        store (in-flight ones when they land, late ones by a background drain until
+        the deadline), so the blocks may be given to another request at once.
+        Reusing the same ``request_id`` for a new request stops that drain.
         """
         self._check_open()
         self._check_rid(request_id)

@@ -70,12 +70,13 @@ import contextlib
 import dataclasses
 import functools
 import json
+import sys
 import time
 from collections import deque
 from collections.abc import Callable, Generator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any, Protocol, TypeVar
+from typing import Any, Protocol, TypeVar, runtime_checkable
 
 import torch
 
@@ -137,8 +138,16 @@ MAX_HEADER_BYTES = 4096
 
 def _cancelling(task: asyncio.Task[Any] | None) -> int:
     """Cancellation requests pending on ``task`` (Python >= 3.11; 0 before)."""
-    fn = getattr(task, "cancelling", None)
-    return int(fn()) if fn is not None else 0
+    if task is None or sys.version_info < (3, 11):
+        return 0
+    return task.cancelling()
+
+
+@runtime_checkable
+class _Discards(Protocol):
+    """An engine that can drop received tensors (:meth:`aiokv.Engine.discard`)."""
+
+    def discard(self, tensor_id_or_prefix: str) -> int: ...
 
 
 @dataclass(slots=True)
@@ -803,11 +812,11 @@ class KVConnector:
         """
         if not names:
             return
-        discard = getattr(self.engine, "discard", None)
+        eng = self.engine if isinstance(self.engine, _Discards) else None
         late: list[str] = []
         for name in names:
             try:
-                if discard is not None and discard(name):
+                if eng is not None and eng.discard(name):
                     continue
             except AiokvError:  # the engine is closed: nothing is left to drop
                 return

@@ -345,3 +345,24 @@ async def test_engine_discard_by_id_and_prefix() -> None:
         assert torch.equal(await b.recv("r2#kv0", timeout=1), x)
         st = await store_empty(b)
         assert st.store is not None and st.store.discarded == 3
+
+
+async def test_timed_out_request_drops_chunks_that_arrive_later_in_any_order() -> None:
+    """A failed (timed-out) request: its header and chunks arrive only afterwards, and the
+    store still ends empty (the drain waits for every name at once, not header first)."""
+    lay = MLALayout(3, 16, 4, 8, "float32")
+    p, c = filled(lay, 1), filled(lay, 2)
+    chunk = 2 * lay.block_nbytes()  # 3 chunks
+    async with pair() as (a, b):
+        gated = GatedEngine(a, hold={"D#kvh", "D#kv0"})  # kv1 and kv2 come first
+        prod = KVConnector(gated, lay, p, chunk_bytes=chunk)  # type: ignore[arg-type]
+        cons = KVConnector(b, lay, c, chunk_bytes=chunk)
+        before = snapshot(c)
+        send = asyncio.ensure_future(prod.send_request("D", [1, 2], to=b.address))
+        with pytest.raises(aiokv.TransferTimeoutError):
+            await cons.recv_request("D", [3, 4], timeout=0.3)
+        gated.gate.set()
+        await asyncio.wait_for(send, 5)
+        await store_empty(b)
+        assert unchanged(c, before)
+        assert cons.statistics().recv_failures == 1

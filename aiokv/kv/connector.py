@@ -834,15 +834,14 @@ class KVConnector:
         d.add_done_callback(forget)
 
     async def _drain(self, names: list[str], frm: str | None, window: float) -> None:
-        task = asyncio.current_task()
-        base = _cancelling(task)
-        end = time.monotonic() + window
-        for name in names:
-            try:
-                await self.engine.recv(name, frm=frm, timeout=max(0.0, end - time.monotonic()))
-            except AiokvError:  # timed out or the engine closed: stop draining
-                return
-            self._check_cancelled(task, base)
+        """Collect and drop ``names`` as they arrive (all at once: any may come first)."""
+
+        async def one(name: str) -> None:
+            # a timeout or a closed engine ends the wait; the tensor, if any, is dropped
+            with contextlib.suppress(AiokvError):
+                await self.engine.recv(name, frm=frm, timeout=window)
+
+        await asyncio.gather(*(one(name) for name in names))
 
     # ------------------------------------------------------------------ tracking
 

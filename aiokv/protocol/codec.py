@@ -305,18 +305,12 @@ class _Walk:
 
     __slots__ = ("array_limit", "base", "buf", "size", "u")
 
-    def __init__(self, u: msgpack.Unpacker, buf: memoryview, array_limit: int) -> None:
+    def __init__(self, u: msgpack.Unpacker, buf: memoryview, array_limit: int, base: int) -> None:
         self.u = u
-        self.base = u.tell()  # the unpacker counts bytes over all frames it was fed
+        self.base = base  # the frame's first byte in the unpacker's count
         self.buf = buf
         self.size = buf.nbytes
         self.array_limit = array_limit
-
-    def first(self) -> int:
-        pos = self.u.tell() - self.base
-        if pos >= self.size:
-            raise _fail("malformed", "frame ends inside a message")
-        return cast(int, self.buf[pos])
 
     def array_header(self, limit: int, code: str) -> int:
         n = cast(int, self.u.read_array_header())
@@ -327,7 +321,10 @@ class _Walk:
         return n
 
     def read(self, shape: Shape) -> Any:
-        b = self.first()
+        pos = self.u.tell() - self.base
+        if pos >= self.size:
+            raise _fail("malformed", "frame ends inside a message")
+        b = self.buf[pos]
         if not _CONTAINER[b]:
             return self.u.unpack()
         if isinstance(shape, str):
@@ -443,11 +440,18 @@ class Codec:
         b = buf[0]
         if not _CONTAINER[b] or _IS_MAP[b]:
             raise _fail("malformed", "a message is a non-empty array")
-        w = _Walk(u, buf, self._array_limit)
-        n = w.array_header(self._array_limit, "malformed")
+        base = u.tell()  # the unpacker counts bytes over all frames it was fed
+        n = cast(int, u.read_array_header())
+        if n > self._array_limit:
+            raise _fail("malformed", f"array of {n} items > {self._array_limit}")
         if n == 0:
             raise _fail("malformed", "a message is a non-empty array")
-        kind = w.read("unknown_kind")
+        pos = u.tell() - base
+        if pos >= size:
+            raise _fail("malformed", "frame ends inside a message")
+        if _CONTAINER[buf[pos]]:
+            raise _fail("unknown_kind", "the message kind is a container")
+        kind = u.unpack()
         cls = BY_KIND.get(kind) if type(kind) is int else None
         if cls is None:
             raise _fail("unknown_kind", f"unknown message kind {kind!r:.40}")
@@ -455,15 +459,16 @@ class Codec:
         if n - 1 > len(shapes):
             raise _fail("bad_arity", f"{cls.NAME} takes {len(shapes)} fields, got {n - 1}")
         obj: list[Any] = []
-        base = w.base
+        w: _Walk | None = None  # only a field that is a container needs the walker
         for i in range(n - 1):
-            shape = shapes[i]
             pos = u.tell() - base
             # the common case inline: a scalar (what most fields are)
             if pos < size and not _CONTAINER[buf[pos]]:
                 obj.append(u.unpack())
             else:
-                obj.append(w.read(shape))
+                if w is None:
+                    w = _Walk(u, buf, self._array_limit, base)
+                obj.append(w.read(shapes[i]))
         if u.tell() - base != size:
             raise _fail("malformed", "bytes after the message")
         return cls, obj

@@ -9,8 +9,9 @@ yet landed and tensors landed but not yet collected, and by a tensor count
 (``max_tensors``) so that empty tensors, which use no bytes, cannot grow the
 store either. The engine grants a reservation only when
 :meth:`ReceiveStore.try_reserve` succeeds, so a sender waits for credit
-instead of the receiver running out of memory; neither budget is ever
-exceeded. An uncollected tensor expires after its TTL; collecting it later
+instead of the receiver running out of memory; the byte budget is never
+exceeded, the count only by one transfer into an empty store (so that no
+transfer waits forever). An uncollected tensor expires after its TTL; collecting it later
 raises :class:`~aiokv.ExpiredError`, never stale data. Landed tensors are kept
 in landing order, which is expiry order (one TTL, a monotonic clock), so
 :meth:`ReceiveStore.expire` only looks at the tensors that do expire.
@@ -120,7 +121,13 @@ class ReceiveStore:
         return self.pending_n + len(self._landed)
 
     def fits(self, nbytes: int, ntensors: int = 0) -> bool:
-        return self.used + nbytes <= self.capacity and self.count + ntensors <= self.max_tensors
+        """Room for ``nbytes`` and ``ntensors`` more. A transfer of more tensors than
+        ``max_tensors`` still fits an empty store (the wire limit bounds it), so no
+        transfer can wait forever."""
+        if self.used + nbytes > self.capacity:
+            return False
+        n = self.count
+        return n + ntensors <= self.max_tensors or n == 0
 
     def check_free(self, peer: PeerRef, tensor_ids: list[str]) -> None:
         """Raise DuplicateTensorError if any id from this peer is pending or held."""

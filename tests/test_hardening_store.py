@@ -153,3 +153,14 @@ def test_discard_refuses_non_ids(bad: object) -> None:
     s = ReceiveStore(capacity=10, ttl=1.0)
     with pytest.raises(aiokv.ConfigError):
         s.discard(bad)  # type: ignore[arg-type]
+
+
+def test_a_transfer_over_the_count_budget_still_fits_an_empty_store() -> None:
+    """No transfer waits forever: one larger than the count budget goes when the store is
+    empty of tensors (its size is bounded by the wire limit on tensors per transfer)."""
+    s = ReceiveStore(capacity=1 << 20, ttl=60.0, max_tensors=10)
+    assert s.try_reserve(P, [("x", 0)])
+    assert not s.try_reserve(Q, [(f"big{i}", 0) for i in range(11)])  # waits for credit
+    s.cancel(P, ["x"], None)
+    assert s.try_reserve(Q, [(f"big{i}", 0) for i in range(11)])
+    assert not s.try_reserve(P, [("y", 0)])  # and nothing else until it is gone

@@ -321,7 +321,7 @@ class KVConnector:
                 "kv_mode_mismatch",
             )
         theirs = h.get("n_blocks")
-        if theirs != n_blocks:
+        if type(theirs) is not int or theirs != n_blocks:
             raise bad(
                 f"the producer sent {theirs!r:.20} blocks, the consumer expects {n_blocks} "
                 "blocks: the two sides disagree on the number of blocks of the request",
@@ -538,8 +538,13 @@ class KVConnector:
         inflight: deque[asyncio.Task[BaseException | None]] = deque()
         try:
             plan = self.chunk_plan(host.numel())
-            if plan:  # an empty request moves nothing, not even a header
-                inflight.append(self._send_header(request_id, host.numel(), "chunks", to, deadline))
+            # the header travels beside the chunks (not counted in max_inflight); an
+            # empty request moves nothing, not even a header
+            head = (
+                self._send_header(request_id, host.numel(), "chunks", to, deadline)
+                if plan
+                else None
+            )
             ids = self._op_ids(host)
             for i, s in enumerate(plan):
                 while len(inflight) >= self.max_inflight:
@@ -549,6 +554,8 @@ class KVConnector:
                         self.chunk_name(request_id, i), host, ids, s.layers, to, deadline
                     )
                 )
+            if head is not None:
+                await self._result(head)
             while inflight:
                 await self._result(inflight.popleft())
         except BaseException:

@@ -272,6 +272,19 @@ class _Arr:
 
 
 @dataclass(frozen=True, slots=True)
+class _SpecList:
+    """RESERVE's list of tensor specs: an array of at most ``max_len`` ``spec`` records.
+
+    The one large field of the protocol, so it has a reader of its own
+    (:meth:`_Walk.specs`) that reads the usual encoding without a call per level.
+    """
+
+    max_len: int
+    spec: _Arr
+    code: str
+
+
+@dataclass(frozen=True, slots=True)
 class _Map:
     """A field that may be a map of at most ``max_len`` scalar keys and scalar values."""
 
@@ -282,7 +295,7 @@ class _Map:
 #: What a field may hold: a str means "a scalar only" and is the error code when a
 #: container comes instead. A scalar is always accepted where a container may be (the
 #: field's check then says what is wrong with it).
-Shape = _Arr | _Map | str
+Shape = _Arr | _SpecList | _Map | str
 
 
 def _shapes(lim: WireLimits) -> dict[type[Message], tuple[Shape, ...]]:
@@ -295,7 +308,7 @@ def _shapes(lim: WireLimits) -> dict[type[Message], tuple[Shape, ...]]:
     out: dict[type[Message], tuple[Shape, ...]] = dict(scalars)
     out[Hello] = ("bad_field", "bad_field", "bad_field", caps, layout)
     out[Welcome] = ("bad_field", "bad_field", "bad_field", caps, layout, "bad_field")
-    out[Reserve] = ("bad_field", "bad_field", _Arr(lim.max_tensors, (spec,), "bad_spec"))
+    out[Reserve] = ("bad_field", "bad_field", _SpecList(lim.max_tensors, spec, "bad_spec"))
     out[Get] = ("bad_field", _Arr(lim.max_tensors, ("bad_field",), "bad_field"), "bad_field")
     return out
 
@@ -344,6 +357,8 @@ class _Walk:
                     raise _fail("malformed", "map keys must be strings")
                 out[k] = self.read(shape.code)
             return out
+        if isinstance(shape, _SpecList):
+            return self.specs(shape)
         if not isinstance(shape, _Arr):
             raise _fail(shape.code, "an array where none belongs")
         n = self.array_header(shape.max_len, shape.code)
@@ -358,6 +373,54 @@ class _Walk:
             else:
                 arr.append(self.read(items[i if i < last else last]))
         return arr
+
+    def specs(self, shape: _SpecList) -> list[Any]:
+        """Read a spec list: what :meth:`read` does, inline for the usual encoding (a
+        fixarray of 3: two scalars and a fixarray of at most ``max_ndim`` scalars);
+        any other encoding of a spec, or of its shape, goes through :meth:`read`."""
+        n = self.array_header(shape.max_len, shape.code)
+        spec = shape.spec
+        dims_shape = spec.items[2]
+        ndim = dims_shape.max_len if isinstance(dims_shape, _Arr) else 0
+        u, buf, base, size = self.u, self.buf, self.base, self.size
+        tell, unpack = u.tell, u.unpack
+        out: list[Any] = []
+        for _ in range(n):
+            pos = tell() - base
+            if pos >= size or buf[pos] != 0x93:  # not a fixarray of 3
+                out.append(self.read(spec))
+                continue
+            u.read_array_header()
+            pos += 1
+            if pos >= size:
+                raise _fail("malformed", "frame ends inside a message")
+            if _CONTAINER[buf[pos]]:
+                raise _fail("bad_spec", "a container where a tensor id belongs")
+            tid = unpack()
+            pos = tell() - base
+            if pos >= size:
+                raise _fail("malformed", "frame ends inside a message")
+            if _CONTAINER[buf[pos]]:
+                raise _fail("bad_spec", "a container where a dtype belongs")
+            dtype = unpack()
+            pos = tell() - base
+            if pos >= size:
+                raise _fail("malformed", "frame ends inside a message")
+            b = buf[pos]
+            if not 0x90 <= b <= 0x90 + ndim:  # not a short fixarray: the general way
+                out.append([tid, dtype, self.read(dims_shape)])
+                continue
+            u.read_array_header()
+            dims: list[Any] = []
+            for _ in range(b - 0x90):
+                pos = tell() - base
+                if pos >= size:
+                    raise _fail("malformed", "frame ends inside a message")
+                if _CONTAINER[buf[pos]]:
+                    raise _fail("bad_spec", "a container where a dim belongs")
+                dims.append(unpack())
+            out.append([tid, dtype, dims])
+        return out
 
 
 class Codec:

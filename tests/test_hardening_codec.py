@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import time
 import warnings
+from typing import Any
 
 import msgpack
 import pytest
@@ -24,6 +25,7 @@ with warnings.catch_warnings():
 
 import zmq
 import zmq.asyncio
+from test_protocol_codec import MESSAGES  # valid messages of every kind
 
 import aiokv
 from aiokv.protocol import (
@@ -313,3 +315,106 @@ async def test_ten_nested_frames_before_hello_do_not_stall_a_live_engine() -> No
     worst = max(lateness)
     print(f"largest loop lateness over 10 nested 1 MB frames: {worst * 1e3:.1f} ms")
     assert worst < BOUND_S, f"the loop stalled {worst * 1e3:.1f} ms"
+
+
+# --------------------------------------------------------------------------- differential
+
+
+def _reference_decode(raw: bytes, lim: WireLimits) -> m.Message:
+    """What the codec did before the schema walk: msgpack builds everything (within its
+    container limits), then the same field checks run. Accepts exactly the same messages."""
+    from aiokv.protocol.codec import SCHEMA, WireError
+
+    try:
+        obj = msgpack.unpackb(
+            raw,
+            raw=False,
+            strict_map_key=True,
+            max_array_len=max(64, lim.max_tensors),
+            max_map_len=MAX_LAYOUT_ITEMS,
+            max_ext_len=0,
+        )
+    except Exception:
+        raise WireError("malformed", "reference") from None
+    if type(obj) is not list or not obj or type(obj[0]) is not int or obj[0] not in m.BY_KIND:
+        raise WireError("malformed", "reference")
+    cls = m.BY_KIND[obj[0]]
+    checks = SCHEMA[cls]
+    if len(obj) != len(checks) + 1:
+        raise WireError("bad_arity", "reference")
+    return cls(*[chk(v, lim) for chk, v in zip(checks, obj[1:])])
+
+
+_scalar = (
+    st.none()
+    | st.booleans()
+    | st.integers(-5, 2**64 - 1)
+    | st.sampled_from(["tcp", "nccl", "uint8", "float32", "timeout", "a:1", "e"])
+    | st.text(max_size=8)
+    | st.binary(max_size=20)
+)
+_value = st.recursive(
+    _scalar,
+    lambda ch: st.lists(ch, max_size=5) | st.dictionaries(st.text(max_size=4), ch, max_size=3),
+    max_leaves=10,
+)
+_spec = st.lists(
+    st.one_of(
+        st.tuples(st.text(min_size=1, max_size=4), st.sampled_from(["uint8", "float32"])).flatmap(
+            lambda t: st.lists(st.integers(0, 9), max_size=5).map(lambda s: [*t, s])
+        ),
+        _value,
+    ),
+    min_size=0,
+    max_size=4,
+)
+_fields = st.lists(_value | _spec, max_size=7)
+
+
+def _mutate(obj: list[Any], data: st.DataObject) -> list[Any]:
+    """Replace a few parts of a decoded valid message (a field, or a part of a spec)."""
+    for _ in range(data.draw(st.integers(0, 3))):
+        if len(obj) < 2:
+            break
+        i = data.draw(st.integers(1, len(obj) - 1))
+        field = obj[i]
+        if isinstance(field, list) and field and data.draw(st.booleans()):
+            j = data.draw(st.integers(0, len(field) - 1))
+            part = field[j]
+            if isinstance(part, list) and part and data.draw(st.booleans()):
+                k = data.draw(st.integers(0, len(part) - 1))
+                part[k] = data.draw(_value)
+            else:
+                field[j] = data.draw(_value)
+        else:
+            obj[i] = data.draw(_value | _spec)
+    if data.draw(st.integers(0, 9)) == 0:
+        obj = obj[: data.draw(st.integers(1, len(obj)))]  # wrong arity
+    return obj
+
+
+@settings(max_examples=600, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.data())
+def test_schema_walk_accepts_exactly_what_the_reference_accepts(data: st.DataObject) -> None:
+    """Valid messages, mutated a little, and random fields: the schema walk accepts and
+    builds exactly what msgpack-then-check did (error codes may differ)."""
+    lim = WireLimits(max_ndim=4, max_tensors=16)
+    codec = Codec(lim)
+    if data.draw(st.booleans()):
+        msg = data.draw(st.one_of(*MESSAGES.values()))
+        obj = _mutate(msgpack.unpackb(CODEC.encode(msg), raw=False), data)
+    else:
+        obj = [data.draw(st.sampled_from(sorted(m.BY_KIND))), *data.draw(_fields)]
+    try:
+        raw = _pack(obj)
+    except (TypeError, ValueError, OverflowError):
+        return
+    try:
+        want: m.Message | None = _reference_decode(raw, lim)
+    except aiokv.RemoteProtocolError:
+        want = None
+    try:
+        got: m.Message | None = codec.decode(raw)
+    except aiokv.RemoteProtocolError:
+        got = None
+    assert got == want, (raw, got, want)

@@ -424,7 +424,11 @@ class _Walk:
 
 
 class Codec:
-    """Encode messages to bytes and decode bytes to messages under :class:`WireLimits`."""
+    """Encode messages to bytes and decode bytes to messages under :class:`WireLimits`.
+
+    A codec keeps a packer and a streaming unpacker between calls: use one per thread
+    (an engine's lives on its event loop).
+    """
 
     __slots__ = ("_array_limit", "_pack", "_shapes", "_unpacker", "limits")
 

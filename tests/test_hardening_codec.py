@@ -65,6 +65,25 @@ def _refused_within(raw: bytes, bound: float = BOUND_S, codec: Codec = CODEC) ->
     return best
 
 
+def _decode_time(raw: bytes) -> float:
+    """Seconds one decode of ``raw`` takes (it must decode or raise RemoteProtocolError).
+
+    Measured again, up to three times, only when over the bound: a garbage collection of
+    the whole test process may land in any one measurement.
+    """
+    best = float("inf")
+    for _ in range(3):
+        t0 = time.perf_counter()
+        try:
+            CODEC.decode(raw)
+        except aiokv.RemoteProtocolError:
+            pass
+        best = min(best, time.perf_counter() - t0)
+        if best < BOUND_S:
+            break
+    return best
+
+
 def _prefixed(kind: int, fields: list[object], tail: bytes, count: int) -> bytes:
     """An array of ``len(fields) + 1 + count`` items: kind, fields, then ``count`` x tail."""
     head = _pack([kind, *fields])
@@ -197,24 +216,14 @@ def test_any_bytes_up_to_the_frame_limit_decode_or_raise_quickly(
     prefix: bytes, body: bytes, size: int, tail: bytes
 ) -> None:
     raw = (prefix + body * (size // len(body) + 1))[:size] + tail
-    t0 = time.perf_counter()
-    try:
-        CODEC.decode(raw)
-    except aiokv.RemoteProtocolError:
-        pass
-    dt = time.perf_counter() - t0
+    dt = _decode_time(raw)
     assert dt < BOUND_S, f"{len(raw)} bytes took {dt * 1e3:.1f} ms"
 
 
 @settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(st.binary(max_size=4096))
 def test_random_bytes_decode_or_raise_quickly(raw: bytes) -> None:
-    t0 = time.perf_counter()
-    try:
-        CODEC.decode(raw)
-    except aiokv.RemoteProtocolError:
-        pass
-    assert time.perf_counter() - t0 < BOUND_S
+    assert _decode_time(raw) < BOUND_S
 
 
 # --------------------------------------------------------------------------- item 10

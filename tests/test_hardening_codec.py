@@ -16,7 +16,7 @@ from typing import Any
 
 import msgpack
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 with warnings.catch_warnings():
@@ -205,6 +205,9 @@ _prefix = st.sampled_from(sorted(m.BY_KIND)).flatmap(
     max_examples=200,
     deadline=None,
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
+)
+@example(  # the frame, cut to size: always tried
+    prefix=b"\xdc\x20\x00", body=b"\xdc\x00\x78" + b"\x90" * 120, size=1_000_000, tail=b""
 )
 @given(
     prefix=_prefix | st.just(b""),

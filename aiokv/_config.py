@@ -14,6 +14,9 @@ KiB = 1024
 MiB = 1024 * KiB
 GiB = 1024 * MiB
 
+#: default of :attr:`Limits.store_tensors`
+DEFAULT_STORE_TENSORS = 65536
+
 
 @dataclass(frozen=True, slots=True)
 class Timeouts:
@@ -47,6 +50,8 @@ class Limits:
     max_tensor_bytes: int = 16 * GiB
     max_id_length: int = 512
     store_bytes: int = 2 * GiB  # receive-store budget (granted + held, all peers)
+    # receive-store tensor count (granted + held, all peers): empty tensors use no bytes
+    store_tensors: int = DEFAULT_STORE_TENSORS
     max_pending_reserves: int = 4096  # queued reservations per session
     ttl: float = 120.0  # uncollected tensors expire after this many seconds
     max_published: int = 100_000
@@ -58,6 +63,12 @@ class Limits:
             v = getattr(self, f.name)
             if not isinstance(v, (int, float)) or v <= 0:
                 raise ConfigError(f"Limits.{f.name} must be positive, got {v!r}")
+        if self.store_tensors < self.max_tensors_per_transfer:
+            raise ConfigError(
+                f"Limits.store_tensors ({self.store_tensors}) must be at least "
+                f"max_tensors_per_transfer ({self.max_tensors_per_transfer}): a transfer "
+                "that can never fit would wait forever"
+            )
 
 
 @dataclass(frozen=True, slots=True)
@@ -109,10 +120,25 @@ class EngineConfig:
     nccl_blocking_ops: bool = field(
         default_factory=lambda: os.environ.get("AIOKV_NCCL_BLOCKING_OPS", "0") == "1"
     )
-    layout: dict[str, str | int] | None = None  # KV layout offered at HELLO (see aiokv.kv)
+    #: KV layout offered at HELLO (see :mod:`aiokv.kv`): a :class:`~aiokv.kv.KVLayout` or its
+    #: wire form (``layout.to_wire()``); checked here and stored in the wire form. (Type
+    #: checkers see the wire form: pass ``layout.to_wire()`` if yours objects to a KVLayout.)
+    layout: dict[str, str | int] | None = None
 
     def __post_init__(self) -> None:
         parse_address(self.listen)
+        if self.layout is not None:
+            # imported here: the layouts need torch, which a config alone should not import
+            from .kv.layouts import KVLayout, layout_from_wire
+
+            lay: object = self.layout
+            if not isinstance(lay, KVLayout):
+                if not isinstance(lay, dict):
+                    raise ConfigError(
+                        f"layout must be a KVLayout or its to_wire() dict, got {type(lay).__name__}"
+                    )
+                lay = layout_from_wire(lay)  # ConfigError naming what is wrong
+            object.__setattr__(self, "layout", lay.to_wire())
         if self.transport not in ("auto", "tcp", "nccl"):
             raise ConfigError(f"transport must be 'auto', 'tcp' or 'nccl', got {self.transport!r}")
         if not (self.device == "cpu" or self.device.startswith("cuda")):

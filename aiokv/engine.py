@@ -1305,6 +1305,14 @@ class Engine:
             out[tid] = await self._recv(tid, frm, dl.left())
         return out
 
+    def discard(self, tensor_id_or_prefix: str) -> int:
+        """Drop received tensors nobody will collect (an id, or every id starting with a
+        prefix that ends in ``"#"``); in-flight ones go when they land. Returns the count."""
+        self._check_open()
+        n = self._store.discard(tensor_id_or_prefix)
+        self._pump_queue()  # the freed room may admit queued reservations
+        return n
+
     def publish(self, tensor_id: str, tensor: torch.Tensor) -> None:
         """GET mode, producer side: make ``tensor`` available to peers' :meth:`get`."""
         self._check_open()

@@ -5,11 +5,19 @@ two peers can use the same id without colliding (ids are namespaced per
 peer). Collecting is awaiting a future: no condition variables, no threads.
 
 Memory is governed by a byte budget that covers both tensors granted but not
-yet landed and tensors landed but not yet collected. The engine grants a
-reservation only when :meth:`ReceiveStore.try_reserve` succeeds, so a sender
-waits for credit instead of the receiver running out of memory; the budget
-is never exceeded. An uncollected tensor expires after its TTL; collecting it
-later raises :class:`~aiokv.ExpiredError`, never stale data.
+yet landed and tensors landed but not yet collected, and by a tensor count
+(``max_tensors``) so that empty tensors, which use no bytes, cannot grow the
+store either. The engine grants a reservation only when
+:meth:`ReceiveStore.try_reserve` succeeds, so a sender waits for credit
+instead of the receiver running out of memory; the byte budget is never
+exceeded, the count only by one transfer into an empty store (so that no
+transfer waits forever). An uncollected tensor expires after its TTL; collecting it later
+raises :class:`~aiokv.ExpiredError`, never stale data. Landed tensors are kept
+in landing order, which is expiry order (one TTL, a monotonic clock), so
+:meth:`ReceiveStore.expire` only looks at the tensors that do expire.
+
+:meth:`ReceiveStore.discard` drops what a consumer will never collect (e.g. the
+chunks of a cancelled request) at once instead of at its TTL.
 """
 
 from __future__ import annotations
@@ -21,7 +29,9 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from ._config import DEFAULT_STORE_TENSORS
 from ._exceptions import (
+    ConfigError,
     DuplicateTensorError,
     ExpiredError,
     TransferAbortedError,
@@ -47,6 +57,7 @@ class _Entry:
     value: Any = None  # the tensor once landed
     landed: bool = False
     expires: float = 0.0
+    doomed: bool = False  # discarded while in flight: dropped when it lands
 
 
 @dataclass(slots=True)
@@ -57,6 +68,15 @@ class _Waiter:
 
 @dataclass(slots=True)
 class StoreStatistics:
+    """A snapshot of the receive store (:attr:`aiokv.EngineStatistics.store`).
+
+    Bytes: ``capacity`` (the budget), ``reserved_bytes`` (granted, not landed),
+    ``held_bytes`` (landed, not collected), ``peak_bytes``. Tensors:
+    ``held_tensors``, ``pending_tensors``, ``max_tensors`` (the count budget over
+    both); counters ``expired``, ``collected`` and ``discarded`` (dropped by
+    :meth:`ReceiveStore.discard`).
+    """
+
     capacity: int
     reserved_bytes: int
     held_bytes: int
@@ -65,31 +85,49 @@ class StoreStatistics:
     pending_tensors: int
     expired: int
     collected: int
+    max_tensors: int = 0
+    discarded: int = 0
 
 
 @dataclass(slots=True)
 class ReceiveStore:
-    """Tensors by (tensor id, peer); a byte budget; TTL expiry."""
+    """Tensors by (tensor id, peer); a byte budget and a tensor count; TTL expiry."""
 
     capacity: int
     ttl: float
     resolve_peer: Callable[[str], str | None] = lambda addr: None
+    max_tensors: int = DEFAULT_STORE_TENSORS  # pending + held, all peers
     _entries: dict[str, dict[str, _Entry]] = field(default_factory=dict)
     _waiters: dict[str, list[_Waiter]] = field(default_factory=dict)
     _tombstones: OrderedDict[str, float] = field(default_factory=OrderedDict)
+    # landed entries in landing order = expiry order, keyed (tensor id, engine id)
+    _landed: OrderedDict[tuple[str, str], _Entry] = field(default_factory=OrderedDict)
     reserved: int = 0  # granted, not landed
     held: int = 0  # landed, not collected
+    pending_n: int = 0  # tensors granted, not landed
     peak: int = 0
     expired_count: int = 0
     collected_count: int = 0
+    discarded_count: int = 0
 
     # ---------------------------------------------------------------- budget
     @property
     def used(self) -> int:
         return self.reserved + self.held
 
-    def fits(self, nbytes: int) -> bool:
-        return self.used + nbytes <= self.capacity
+    @property
+    def count(self) -> int:
+        """Tensors granted or held (what ``max_tensors`` bounds)."""
+        return self.pending_n + len(self._landed)
+
+    def fits(self, nbytes: int, ntensors: int = 0) -> bool:
+        """Room for ``nbytes`` and ``ntensors`` more. A transfer of more tensors than
+        ``max_tensors`` still fits an empty store (the wire limit bounds it), so no
+        transfer can wait forever."""
+        if self.used + nbytes > self.capacity:
+            return False
+        n = self.count
+        return n + ntensors <= self.max_tensors or n == 0
 
     def check_free(self, peer: PeerRef, tensor_ids: list[str]) -> None:
         """Raise DuplicateTensorError if any id from this peer is pending or held."""
@@ -105,9 +143,10 @@ class ReceiveStore:
         """Reserve room and claim the ids for a transfer; False if it does not fit now."""
         total = sum(n for _, n in specs)
         self.check_free(peer, [t for t, _ in specs])
-        if not self.fits(total):
+        if not self.fits(total, len(specs)):
             return False
         self.reserved += total
+        self.pending_n += len(specs)
         self.peak = max(self.peak, self.used)
         for tid, n in specs:
             self._entries.setdefault(tid, {})[peer.engine_id] = _Entry(peer, n)
@@ -124,6 +163,7 @@ class ReceiveStore:
             if not per:
                 del self._entries[tid]
             self.reserved -= e.nbytes
+            self.pending_n -= 1
             if exc is not None:
                 self._fail_waiters(tid, peer, exc)
 
@@ -134,6 +174,12 @@ class ReceiveStore:
         if e is None or e.landed:
             raise TransferAbortedError(f"tensor {tid!r} landed without a reservation")
         self.reserved -= e.nbytes
+        self.pending_n -= 1
+        if e.doomed:  # discarded while in flight: nobody may have it
+            del per[peer.engine_id]  # type: ignore[union-attr]
+            if not per:
+                del self._entries[tid]
+            return
         for w in self._waiters.get(tid, ()):
             if not w.fut.done() and self._matches(w.frm, peer):
                 self._waiters[tid].remove(w)
@@ -148,6 +194,7 @@ class ReceiveStore:
         e.landed = True
         e.value = value
         e.expires = time.monotonic() + self.ttl
+        self._landed[(tid, peer.engine_id)] = e
         self.held += e.nbytes
         self.peak = max(self.peak, self.used)
 
@@ -161,6 +208,7 @@ class ReceiveStore:
                     del per[eid]
                     if not per:
                         del self._entries[tid]
+                    del self._landed[(tid, eid)]
                     self.held -= e.nbytes
                     self.collected_count += 1
                     return (e.peer, e.value)
@@ -180,9 +228,9 @@ class ReceiveStore:
 
     def put_back(self, tid: str, peer: PeerRef, value: Any, nbytes: int) -> None:
         """Return a tensor whose collector was cancelled after it was handed over."""
-        self._entries.setdefault(tid, {})[peer.engine_id] = _Entry(
-            peer, nbytes, value, True, time.monotonic() + self.ttl
-        )
+        e = _Entry(peer, nbytes, value, True, time.monotonic() + self.ttl)
+        self._entries.setdefault(tid, {})[peer.engine_id] = e
+        self._landed[(tid, peer.engine_id)] = e  # expires last: goes last
         self.held += nbytes
         self.collected_count -= 1
         for w in list(self._waiters.get(tid, ())):
@@ -191,6 +239,7 @@ class ReceiveStore:
                 del self._entries[tid][peer.engine_id]
                 if not self._entries[tid]:
                     del self._entries[tid]
+                del self._landed[(tid, peer.engine_id)]
                 self.held -= nbytes
                 self.collected_count += 1
                 w.fut.set_result((peer, value))
@@ -205,24 +254,67 @@ class ReceiveStore:
 
     # ---------------------------------------------------------------- upkeep
     def expire(self, now: float | None = None) -> int:
-        """Drop landed tensors past their TTL; returns bytes freed."""
+        """Drop landed tensors past their TTL; returns bytes freed.
+
+        Looks only at the tensors that expire (plus one): landing order is expiry order.
+        """
         now = time.monotonic() if now is None else now
         freed = 0
-        for tid in list(self._entries):
+        landed = self._landed
+        while landed:
+            (tid, eid), e = next(iter(landed.items()))
+            if e.expires > now:
+                break
+            landed.popitem(last=False)
             per = self._entries[tid]
-            for eid in list(per):
-                e = per[eid]
-                if e.landed and e.expires <= now:
-                    del per[eid]
-                    self.held -= e.nbytes
-                    freed += e.nbytes
-                    self.expired_count += 1
-                    self._tombstone(f"{eid}\x00{tid}", now)
-                    self._tombstone(f"\x00{tid}", now)
-                    self._tombstone(f"{e.peer.address}\x01{tid}", now)
+            del per[eid]
             if not per:
                 del self._entries[tid]
+            self.held -= e.nbytes
+            freed += e.nbytes
+            self.expired_count += 1
+            self._tombstone(f"{eid}\x00{tid}", now)
+            self._tombstone(f"\x00{tid}", now)
+            self._tombstone(f"{e.peer.address}\x01{tid}", now)
         return freed
+
+    def discard(self, tensor_id_or_prefix: str) -> int:
+        """Drop tensors nobody will collect; returns how many were dropped.
+
+        Matches the tensor id ``tensor_id_or_prefix`` exactly or, when it ends with
+        ``"#"``, every id that starts with it (``"req-7#"`` is all chunks of the KV
+        connector's request ``req-7``), from every peer. Held tensors are freed now;
+        tensors still in flight are dropped the moment they land, and anyone waiting
+        for them gets :class:`~aiokv.TransferAbortedError`. A later tensor of the same
+        id is not affected.
+        """
+        x = tensor_id_or_prefix
+        if type(x) is not str or not x:
+            raise ConfigError(f"discard takes a non-empty tensor id or prefix, got {x!r:.80}")
+        if x.endswith("#"):
+            tids = [t for t in self._entries if t.startswith(x)]
+        else:
+            tids = [x] if x in self._entries else []
+        n = 0
+        for tid in tids:
+            per = self._entries[tid]
+            for eid, e in list(per.items()):
+                if e.landed:
+                    del per[eid]
+                    del self._landed[(tid, eid)]
+                    self.held -= e.nbytes
+                elif e.doomed:
+                    continue
+                else:
+                    e.doomed = True
+                    self._fail_waiters(
+                        tid, e.peer, TransferAbortedError(f"tensor {tid!r} was discarded")
+                    )
+                n += 1
+            if not per:
+                del self._entries[tid]
+        self.discarded_count += n
+        return n
 
     def peer_lost(self, peer: PeerRef, exc: BaseException) -> None:
         """Fail waiters of tensors still in flight from ``peer`` and release their room."""
@@ -238,20 +330,21 @@ class ReceiveStore:
                     w.fut.set_exception(exc)
         self._waiters.clear()
         self._entries.clear()
-        self.reserved = self.held = 0
+        self._landed.clear()
+        self.reserved = self.held = self.pending_n = 0
 
     def statistics(self) -> StoreStatistics:
-        held = sum(1 for per in self._entries.values() for e in per.values() if e.landed)
-        pending = sum(1 for per in self._entries.values() for e in per.values() if not e.landed)
         return StoreStatistics(
             capacity=self.capacity,
             reserved_bytes=self.reserved,
             held_bytes=self.held,
             peak_bytes=self.peak,
-            held_tensors=held,
-            pending_tensors=pending,
+            held_tensors=len(self._landed),
+            pending_tensors=self.pending_n,
             expired=self.expired_count,
             collected=self.collected_count,
+            max_tensors=self.max_tensors,
+            discarded=self.discarded_count,
         )
 
     # ---------------------------------------------------------------- helpers

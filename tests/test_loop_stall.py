@@ -78,13 +78,14 @@ def test_loop_never_stalls_over_50ms_during_1000_transfers(loop: str) -> None:
     the 2-core CI machine descheduling the whole process now and then does not.
     """
     runner = uvloop.run if loop == "uvloop" else asyncio.run
-    path = os.environ.get("AIOKV_RELIABILITY_LOG", "/tmp/aiokv_reliability.jsonl")
+    path = os.environ.get("AIOKV_RELIABILITY_LOG")  # figures are kept only where it names a file
     rounds = []
     for _ in range(3):
         res = runner(_measure())
         rounds.append(res)
-        with open(path, "a") as f:
-            f.write(json.dumps({"test": "loop_stall_1000", "loop": loop, **res}) + "\n")
+        if path:
+            with open(path, "a") as f:
+                f.write(json.dumps({"test": "loop_stall_1000", "loop": loop, **res}) + "\n")
         if res["max_stall_ms"] < LIMIT_S * 1e3:
             break
     assert min(r["max_stall_ms"] for r in rounds) < LIMIT_S * 1e3, rounds

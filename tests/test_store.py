@@ -25,11 +25,18 @@ def _consistent(s: ReceiveStore) -> None:
     assert (s.reserved, s.held) == (pending, held)
     assert 0 <= s.used <= s.capacity
     assert s.peak <= s.capacity
+    n_pending = sum(1 for per in s._entries.values() for e in per.values() if not e.landed)
+    landed = [(t, eid) for t, per in s._entries.items() for eid, e in per.items() if e.landed]
+    assert s.pending_n == n_pending
+    assert sorted(s._landed) == sorted(landed)
+    assert s.count <= s.max_tensors
+    deadlines = [e.expires for e in s._landed.values()]
+    assert deadlines == sorted(deadlines)  # landing order is expiry order
 
 
 ops = st.lists(
     st.tuples(
-        st.sampled_from(["reserve", "land", "take", "cancel", "expire", "lost"]),
+        st.sampled_from(["reserve", "land", "take", "cancel", "expire", "lost", "discard"]),
         st.sampled_from([P, Q]),
         st.integers(0, 5),  # tensor id
         st.integers(0, 400),  # size
@@ -41,17 +48,17 @@ ops = st.lists(
 @settings(max_examples=300, deadline=None)
 @given(ops)
 def test_budget_never_exceeded(seq: list[tuple[str, PeerRef, int, int]]) -> None:
-    s = ReceiveStore(capacity=1000, ttl=5.0)
+    s = ReceiveStore(capacity=1000, ttl=5.0, max_tensors=6)
     now = 0.0
     for op, peer, i, n in seq:
-        tid = f"t{i}"
+        tid = f"r{i % 2}#{i}"
         if op == "reserve":
             try:
                 fitted = s.try_reserve(peer, [(tid, n), (tid + "b", n // 2)])
             except aiokv.DuplicateTensorError:
                 fitted = None
             if fitted is False:
-                assert s.used + n + n // 2 > s.capacity
+                assert s.used + n + n // 2 > s.capacity or s.count + 2 > s.max_tensors
         elif op == "land":
             try:
                 s.land(peer, tid, n)
@@ -67,6 +74,8 @@ def test_budget_never_exceeded(seq: list[tuple[str, PeerRef, int, int]]) -> None
         elif op == "expire":
             now += 3.0
             s.expire(time.monotonic() + now)
+        elif op == "discard":
+            s.discard(tid if n % 2 else f"r{i % 2}#")
         else:
             s.peer_lost(peer, aiokv.PeerLostError("x"))
         _consistent(s)

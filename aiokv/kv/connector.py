@@ -28,10 +28,30 @@ the right byte count is also accepted.
 Layer-wise streaming (:meth:`KVConnector.save_layer`) sends layer ``l`` as
 ``f"{request_id}#L{l}"`` of shape ``(1, n_blocks * block_nbytes)``.
 
-Layout compatibility (kind, layers, block size, heads, head dim, dtype) is
-checked by the engines at session set-up when both are built with
-``EngineConfig(layout=layout.to_wire())``: an incompatible peer is refused
-before any data moves.
+Every request also carries a small header, ``f"{request_id}#kvh"``: a CPU uint8
+tensor (so it travels over TCP and is read on the host, never synchronising a
+GPU) holding JSON with the producer's layout (:meth:`~aiokv.kv.KVLayout.to_wire`),
+the packing version, the mode (chunks or layers), the block count and
+``chunk_bytes``. The consumer collects it first and checks it against its own
+layout and plan **on every request, whatever the engines' configuration**: an
+incompatible layout (kind, layers, block size, heads, head dim, dtype -- also
+when the bytes per block happen to agree, e.g. 8 heads x 64 against 4 heads x
+128) raises :class:`~aiokv.LayoutMismatchError` naming the field, a different
+block count or chunk plan raises it with ``code`` ``"kv_size_mismatch"``, and
+the cache is never touched. Engines built with ``EngineConfig(layout=...)``
+additionally refuse an incompatible peer at session set-up.
+
+Cancellation and failure
+------------------------
+A cancelled (or failed) :meth:`KVConnector.recv_request` scatters nothing after
+the cancellation arrived: a chunk whose receive completed in the same loop pass
+as the cancel (which ``asyncio.wait_for`` may hand back instead of raising) is
+dropped, a copy already running on the thread pool is waited for, and then
+``CancelledError`` propagates. The request's other chunks are dropped from the
+receive store at once (:meth:`aiokv.Engine.discard`), chunks still in flight
+when they land, and chunks not yet announced by the producer are collected and
+dropped in the background until the request's deadline (at least the engine's
+transfer timeout) -- so the blocks may be handed to another request at once.
 
 Devices
 -------
@@ -49,23 +69,26 @@ import asyncio
 import contextlib
 import dataclasses
 import functools
+import json
+import sys
 import time
 from collections import deque
 from collections.abc import Callable, Generator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any, Protocol, TypeVar
+from typing import Any, Protocol, TypeVar, runtime_checkable
 
 import torch
 
 from .._exceptions import (
+    AiokvError,
     AiokvTimeoutError,
     ConfigError,
     EngineClosedError,
     LayoutMismatchError,
     TransferTimeoutError,
 )
-from .layouts import KVLayout
+from .layouts import KVLayout, check_compatible, layout_from_wire
 from .ops import (
     BoundCaches,
     LayerChunker,
@@ -105,6 +128,27 @@ T = TypeVar("T")
 
 _DEFAULT_TIMEOUT = 60.0
 
+#: version of the request header (see the module docstring)
+_HEADER_VERSION = 1
+#: the packing order of gathered blocks (:mod:`aiokv.kv.ops`); bump when it changes
+PACKING = "aiokv-kv-1"
+#: a request header is at most this many bytes (the consumer refuses larger ones)
+MAX_HEADER_BYTES = 4096
+
+
+def _cancelling(task: asyncio.Task[Any] | None) -> int:
+    """Cancellation requests pending on ``task`` (Python >= 3.11; 0 before)."""
+    if task is None or sys.version_info < (3, 11):
+        return 0
+    return task.cancelling()
+
+
+@runtime_checkable
+class _Discards(Protocol):
+    """An engine that can drop received tensors (:meth:`aiokv.Engine.discard`)."""
+
+    def discard(self, tensor_id_or_prefix: str) -> int: ...
+
 
 @dataclass(slots=True)
 class ConnectorStatistics:
@@ -133,6 +177,7 @@ class _LayerSave:
     n_blocks: int
     started: float
     tasks: dict[int, asyncio.Task[BaseException | None]] = field(default_factory=dict)
+    header: asyncio.Task[BaseException | None] | None = None
 
 
 class KVConnector:
@@ -147,8 +192,9 @@ class KVConnector:
     the largest chunk (whole layers; at least one layer) — must be equal on both
     sides. ``max_inflight``: chunks of one request in flight at once.
 
-    Give both engines ``EngineConfig(layout=layout.to_wire())`` so that
-    incompatible layouts are refused at connection set-up.
+    Every request is checked against the producer's layout and plan (a small
+    header per request); giving both engines ``EngineConfig(layout=layout)``
+    also refuses incompatible peers at connection set-up.
     """
 
     def __init__(
@@ -191,6 +237,7 @@ class KVConnector:
         self._receiving: set[str] = set()
         self._saves: dict[str, _LayerSave] = {}
         self._background: set[asyncio.Task[BaseException | None]] = set()
+        self._drains: dict[str, asyncio.Task[None]] = {}
         self._stats = ConnectorStatistics()
         self._closed = False
 
@@ -209,6 +256,90 @@ class KVConnector:
     @staticmethod
     def layer_name(request_id: str, layer: int) -> str:
         return f"{request_id}#L{layer}"
+
+    @staticmethod
+    def header_name(request_id: str) -> str:
+        return f"{request_id}#kvh"
+
+    def _header(self, n_blocks: int, mode: str) -> torch.Tensor:
+        """The request header (see the module docstring) as a CPU uint8 tensor."""
+        body = {
+            "v": _HEADER_VERSION,
+            "packing": PACKING,
+            "layout": self.layout.to_wire(),
+            "mode": mode,
+            "n_blocks": n_blocks,
+            "chunk_bytes": self.chunk_bytes,
+        }
+        raw = json.dumps(body, separators=(",", ":"), sort_keys=True).encode()
+        return torch.tensor(list(raw), dtype=torch.uint8)
+
+    def _send_header(
+        self, request_id: str, n_blocks: int, mode: str, to: str, deadline: float
+    ) -> asyncio.Task[BaseException | None]:
+        t = self._header(n_blocks, mode)
+        handle = self.engine.send_nowait(
+            self.header_name(request_id), t, to=to, timeout=max(0.0, deadline - time.monotonic())
+        )
+        return self._track(handle, None, t)
+
+    def _check_header(
+        self, request_id: str, raw: torch.Tensor, n_blocks: int, layerwise: bool
+    ) -> None:
+        """Raise LayoutMismatchError unless the producer's header matches this side."""
+        name = self.header_name(request_id)
+
+        def bad(why: str, code: str = "layout_mismatch") -> LayoutMismatchError:
+            return LayoutMismatchError(f"KV request {request_id!r}: {why}", code=code)
+
+        if (
+            raw.dtype != torch.uint8
+            or raw.dim() != 1
+            or raw.numel() > MAX_HEADER_BYTES
+            or raw.device.type != "cpu"
+        ):
+            raise bad(f"{name!r} is not an aiokv KV request header")
+        try:
+            h = json.loads(bytes(raw.tolist()))
+            if type(h) is not dict:
+                raise ValueError("not an object")
+            producer = layout_from_wire(h.get("layout"))
+        except Exception as exc:  # untrusted bytes: whatever is wrong, it is a mismatch
+            raise bad(f"unreadable header {name!r} ({type(exc).__name__}: {exc})"[:300]) from None
+        if h.get("v") != _HEADER_VERSION or h.get("packing") != PACKING:
+            raise bad(
+                f"the producer packs blocks as {h.get('packing')!r:.40} (header v{h.get('v')!r:.8}), "
+                f"this side as {PACKING!r} (v{_HEADER_VERSION})"
+            )
+        check_compatible(producer, self.layout)
+        mode = "layers" if layerwise else "chunks"
+        if h.get("mode") != mode:
+            raise bad(
+                f"the producer sent {h.get('mode')!r:.20} but the consumer expects {mode!r} "
+                "(send_request pairs with recv_request(layerwise=False), save_layer with "
+                "layerwise=True)",
+                "kv_mode_mismatch",
+            )
+        theirs = h.get("n_blocks")
+        if type(theirs) is not int or theirs != n_blocks:
+            raise bad(
+                f"the producer sent {theirs!r:.20} blocks, the consumer expects {n_blocks} "
+                "blocks: the two sides disagree on the number of blocks of the request",
+                "kv_size_mismatch",
+            )
+        cb = h.get("chunk_bytes")
+        if type(cb) is not int or cb <= 0:
+            raise bad(f"bad chunk_bytes {cb!r:.20} in the header")
+        if not layerwise and n_blocks and cb != self.chunk_bytes:
+            mine = [s.layers for s in self.chunk_plan(n_blocks)]
+            plan = LayerChunker(self.layout, n_blocks).chunks(max_bytes=cb)
+            if [s.layers for s in plan] != mine:
+                raise bad(
+                    f"the producer's chunk_bytes {cb} splits the request into {len(plan)} "
+                    f"chunks, this side's chunk_bytes {self.chunk_bytes} into {len(mine)}: "
+                    "chunk_bytes must be equal on both sides",
+                    "kv_size_mismatch",
+                )
 
     def _check_open(self) -> None:
         if self._closed:
@@ -407,6 +538,13 @@ class KVConnector:
         inflight: deque[asyncio.Task[BaseException | None]] = deque()
         try:
             plan = self.chunk_plan(host.numel())
+            # the header travels beside the chunks (not counted in max_inflight); an
+            # empty request moves nothing, not even a header
+            head = (
+                self._send_header(request_id, host.numel(), "chunks", to, deadline)
+                if plan
+                else None
+            )
             ids = self._op_ids(host)
             for i, s in enumerate(plan):
                 while len(inflight) >= self.max_inflight:
@@ -416,6 +554,8 @@ class KVConnector:
                         self.chunk_name(request_id, i), host, ids, s.layers, to, deadline
                     )
                 )
+            if head is not None:
+                await self._result(head)
             while inflight:
                 await self._result(inflight.popleft())
         except BaseException:
@@ -457,6 +597,10 @@ class KVConnector:
         save = self._saves.get(request_id)
         if save is None:
             save = _LayerSave(to, n, time.perf_counter())
+            if n:
+                save.header = self._send_header(
+                    request_id, n, "layers", to, self._deadline(timeout)
+                )
             self._saves[request_id] = save
         elif save.to != to or save.n_blocks != n:
             raise ConfigError(
@@ -502,9 +646,12 @@ class KVConnector:
         if save is None:
             raise ConfigError(f"no layers of {request_id!r} are being saved")
         failed: BaseException | None = None
+        waits = ([save.header] if save.header is not None else []) + [
+            save.tasks[layer] for layer in sorted(save.tasks)
+        ]
         try:
-            for layer in sorted(save.tasks):
-                exc = await asyncio.shield(save.tasks[layer])
+            for w in waits:
+                exc = await asyncio.shield(w)
                 if exc is not None and failed is None:
                     failed = exc
         except BaseException:
@@ -573,10 +720,20 @@ class KVConnector:
         default the engine's transfer timeout).
 
         Returns once every chunk is scattered; the request then joins
-        :meth:`finished_receiving`. On timeout, cancellation or error it raises
-        and the request is NOT marked finished: its blocks may be partly written
-        and must be treated as not received. A chunk of the wrong size raises
-        :class:`~aiokv.LayoutMismatchError` and is never scattered.
+        :meth:`finished_receiving`. The producer's header is checked first: an
+        incompatible layout, another block count, mode or chunk plan raises
+        :class:`~aiokv.LayoutMismatchError` before anything is scattered, as does a
+        chunk of the wrong size.
+
+        On timeout, cancellation or error it raises and the request is NOT marked
+        finished: blocks whose chunk was scattered before the cancel or error hold
+        this request's data, the others are untouched; treat them all as not
+        received. Nothing is scattered after a cancellation arrived (a copy
+        already running on the thread pool is waited for first), and the request
+        leaves nothing behind: its chunks are dropped from the engine's receive
+        store (in-flight ones when they land, late ones by a background drain until
+        the deadline), so the blocks may be given to another request at once.
+        Reusing the same ``request_id`` for a new request stops that drain.
         """
         self._check_open()
         self._check_rid(request_id)
@@ -586,26 +743,44 @@ class KVConnector:
         if request_id in self._receiving:
             raise ConfigError(f"request {request_id!r} is already being received")
         self._receiving.add(request_id)
+        drain = self._drains.pop(request_id, None)
+        if drain is not None:  # a cancelled predecessor's leftovers: this request owns the ids now
+            drain.cancel()
+        task = asyncio.current_task()
+        base = _cancelling(task)
         t0 = time.perf_counter()
+        if layerwise:
+            L = self.layout.num_layers
+            items = (
+                [(self.layer_name(request_id, li), range(li, li + 1)) for li in range(L)]
+                if n
+                else []
+            )
+        else:
+            items = [
+                (self.chunk_name(request_id, i), s.layers) for i, s in enumerate(self.chunk_plan(n))
+            ]
+        # an empty request moves nothing, not even a header, and completes at once
+        names = ([self.header_name(request_id)] if n else []) + [name for name, _ in items]
+        taken = 0  # of names: collected from the engine (scattered or dropped)
         try:
-            if layerwise:
-                L = self.layout.num_layers
-                items = (
-                    [(self.layer_name(request_id, li), range(li, li + 1)) for li in range(L)]
-                    if n
-                    else []
-                )
-            else:
-                items = [
-                    (self.chunk_name(request_id, i), s.layers)
-                    for i, s in enumerate(self.chunk_plan(n))
-                ]
+            if n:
+                left = max(0.0, deadline - time.monotonic())
+                raw = await self.engine.recv(names[0], frm=frm, timeout=left)
+                taken = 1
+                self._check_cancelled(task, base)
+                self._check_header(request_id, raw, n, layerwise)
+                del raw
             ids = self._op_ids(host)
             for name, layers in items:
                 left = max(0.0, deadline - time.monotonic())
                 raw = await self.engine.recv(name, frm=frm, timeout=left)
+                taken += 1
+                # a cancel that arrived while the chunk landed: never scatter it
+                self._check_cancelled(task, base)
                 chunk = self._check_chunk(name, raw, len(layers), n)
                 del raw
+                # a copy on the thread pool is waited for even when cancelled
                 await self._copy(
                     functools.partial(
                         scatter_blocks, chunk, self.caches, self.layout, ids, layers=layers
@@ -615,6 +790,7 @@ class KVConnector:
                 del chunk
         except BaseException:
             self._stats.recv_failures += 1
+            self._drop(request_id, names[taken:], frm, deadline)
             raise
         finally:
             self._receiving.discard(request_id)
@@ -624,6 +800,55 @@ class KVConnector:
         st.bytes_received += self.layout.request_nbytes(n)
         st.recv_seconds += time.perf_counter() - t0
         self._finished_receiving.add(request_id)
+
+    @staticmethod
+    def _check_cancelled(task: asyncio.Task[Any] | None, base: int) -> None:
+        """Raise CancelledError if the task was cancelled since ``base`` was read, also when
+        an await swallowed it (``asyncio.wait_for`` returns a result that completed in the
+        same loop pass as the cancel, on Python <= 3.11)."""
+        if task is not None and _cancelling(task) > base:
+            raise asyncio.CancelledError()
+
+    def _drop(self, request_id: str, names: list[str], frm: str | None, deadline: float) -> None:
+        """Free the receive store of a failed or cancelled request's chunks.
+
+        What the store holds goes now and what is in flight when it lands
+        (``engine.discard``); chunks the producer has not announced yet are collected
+        and dropped by a background task until the request's deadline, and at least the
+        engine's transfer timeout.
+        """
+        if not names:
+            return
+        eng = self.engine if isinstance(self.engine, _Discards) else None
+        late: list[str] = []
+        for name in names:
+            try:
+                if eng is not None and eng.discard(name):
+                    continue
+            except AiokvError:  # the engine is closed: nothing is left to drop
+                return
+            late.append(name)
+        if not late or self._closed:
+            return
+        window = max(deadline - time.monotonic(), self._deadline(None) - time.monotonic())
+        d = asyncio.ensure_future(self._drain(late, frm, window))
+        self._drains[request_id] = d
+
+        def forget(t: asyncio.Task[None]) -> None:
+            if self._drains.get(request_id) is t:
+                del self._drains[request_id]
+
+        d.add_done_callback(forget)
+
+    async def _drain(self, names: list[str], frm: str | None, window: float) -> None:
+        """Collect and drop ``names`` as they arrive (all at once: any may come first)."""
+
+        async def one(name: str) -> None:
+            # a timeout or a closed engine ends the wait; the tensor, if any, is dropped
+            with contextlib.suppress(AiokvError):
+                await self.engine.recv(name, frm=frm, timeout=window)
+
+        await asyncio.gather(*(one(name) for name in names))
 
     # ------------------------------------------------------------------ tracking
 
@@ -650,7 +875,12 @@ class KVConnector:
         pending: list[asyncio.Task[Any]] = list(self._background)
         for save in self._saves.values():
             pending.extend(save.tasks.values())
+            if save.header is not None:
+                pending.append(save.header)
         self._saves.clear()
+        for d in self._drains.values():
+            d.cancel()
+        self._drains.clear()
         if pending:
             await asyncio.wait(pending, timeout=timeout)
         if self._executor is not None:

@@ -6,9 +6,10 @@ bytes into message objects and message objects into bytes
 come next (:mod:`.session`).
 """
 
-from .codec import Codec, WireLimits
+from .codec import PRE_HELLO_MAX_FRAME_BYTES, Codec, WireLimits
 from .messages import (
     ALLOWED_DTYPES,
+    MAX_DIM,
     PROTOCOL_VERSION,
     Bye,
     DataHeader,
@@ -31,11 +32,14 @@ from .messages import (
     Welcome,
     Withdraw,
     Withdrawn,
+    shape_problem,
 )
 from .session import Role, Session, SessionState, XferState
 
 __all__ = [
     "ALLOWED_DTYPES",
+    "MAX_DIM",
+    "PRE_HELLO_MAX_FRAME_BYTES",
     "PROTOCOL_VERSION",
     "Bye",
     "Codec",
@@ -64,4 +68,5 @@ __all__ = [
     "Withdraw",
     "Withdrawn",
     "XferState",
+    "shape_problem",
 ]

@@ -41,8 +41,9 @@ BYE          both       orderly close
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import ClassVar
+from typing import Any, ClassVar
 
 PROTOCOL_VERSION = 1
 
@@ -64,6 +65,38 @@ ALLOWED_DTYPES: dict[str, int] = {
 }
 
 TRANSPORTS = ("tcp", "nccl")
+
+#: The largest single dimension a peer may declare (every dim is also < 2**48).
+MAX_DIM = 1 << 40
+
+
+def shape_problem(
+    itemsize: int, shape: Sequence[Any], *, max_ndim: int, max_bytes: int
+) -> str | None:
+    """Why a tensor of this element size and shape may not be allocated, or None if it may.
+
+    Every dim must be an int in ``0..MAX_DIM``, there may be at most ``max_ndim`` of
+    them, and the *extent* -- the product of the dims with a 0 counted as 1 -- times
+    ``itemsize`` must be at most ``max_bytes``. The extent is what bounds the strides
+    of a contiguous tensor (torch computes them with zero dims counted as 1), so a
+    shape like ``[0, 2**40, 2**40]`` is refused here although it holds no element:
+    allocating it would overflow the stride computation. Numel and byte count are
+    bounded by the same product.
+    """
+    if len(shape) > max_ndim:
+        return f"shape has {len(shape)} dims, more than {max_ndim}"
+    extent = itemsize
+    for d in shape:
+        if type(d) is not int or not (0 <= d <= MAX_DIM):
+            return "shape dims must be integers in 0..2**40"
+        if d:
+            extent *= d
+            if extent > max_bytes:  # checked per dim: the product never grows past 2**88
+                break
+    if extent > max_bytes:
+        return f"tensor extent over the {max_bytes}-byte limit (zero dims count as 1)"
+    return None
+
 
 # Reason codes carried by REFUSE / FAILED / ERROR / GET_REPLY.
 REFUSE_CODES = (

@@ -57,6 +57,10 @@ class Limits:
     max_published: int = 100_000
     idle_session: float = 600.0  # close a session (and its communicator) unused this long
     max_client_sessions: int = 256  # beyond this, the least recently used idle session is closed
+    # protocol v2: the standing window each peer session is granted (at most a quarter of
+    # the store's budget); a transfer larger than the window asks with RESERVE instead
+    credit_bytes: int = 64 * MiB
+    credit_tensors: int = 4096
 
     def __post_init__(self) -> None:
         for f in dataclasses.fields(self):

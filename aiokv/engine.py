@@ -110,10 +110,6 @@ log = logging.getLogger("aiokv")
 MAX_FRAMES_PER_MESSAGE = 1024
 #: a new connection's first message is one HELLO: anything larger is refused (and hung up)
 _MAX_FIRST_FRAME = 64 * 1024
-#: protocol v2 window per session: a share of the receive budget, at most this much
-_CREDIT_SHARE = 8
-_CREDIT_MAX_BYTES = 64 << 20
-_CREDIT_TENSORS = 1024
 _MAX_GETS_PER_SESSION = 16
 #: granted, not yet landed transfers of one session (zero-byte ones cost no budget)
 _MAX_GRANTED_PER_SESSION = 16384
@@ -998,7 +994,10 @@ class Engine:
             )
         )
         self._store = ReceiveStore(
-            capacity=lim.store_bytes, ttl=lim.ttl, resolve_peer=self._resolve_peer
+            capacity=lim.store_bytes,
+            ttl=lim.ttl,
+            resolve_peer=self._resolve_peer,
+            max_tensors=lim.store_tensors,
         )
         self._ctx: zmq.asyncio.Context = None  # type: ignore[assignment]
         self._sctx: zmq.Context[Any] = None  # type: ignore[assignment]
@@ -1726,7 +1725,8 @@ class Engine:
         if "credit" in msg.capabilities:
             lim = self.config.limits
             ss.ledger = CreditLedger(
-                min(lim.store_bytes // _CREDIT_SHARE, _CREDIT_MAX_BYTES), _CREDIT_TENSORS
+                min(lim.store_bytes // 4, lim.credit_bytes),
+                min(lim.store_tensors // 4, lim.credit_tensors),
             )
         w = Welcome(
             PROTOCOL_VERSION,
@@ -2037,15 +2037,17 @@ class Engine:
         tensors = frames_to_tensors(msg.specs, frames)
         assert ss.peer is not None
         pairs = [(sp.tensor_id, sp.nbytes) for sp in msg.specs]
+        why = ""
         try:
             if ss.queued_ids.intersection(t for t, _ in pairs):
                 raise DuplicateTensorError("duplicate")
-            ok = self._store.try_reserve(ss.peer, pairs)
+            if not self._store.try_reserve(ss.peer, pairs):
+                why = "busy"  # the store's tensor count is full (bytes were credited)
         except DuplicateTensorError:
-            ok = False
-        if not ok:
+            why = "duplicate"
+        if why:
             self._stats.refused_sent += 1
-            ss.refused.append((msg.xfer, "duplicate"))
+            ss.refused.append((msg.xfer, why))
         else:
             now = time.monotonic()
             for sp, t in zip(msg.specs, tensors):
@@ -2067,8 +2069,10 @@ class Engine:
         if ledger is None or ss.dead:
             return
         store = self._store
-        # a reservation waiting for room comes first: no new credit may take it
-        room = 0 if self._heads or ledger.paused_for else max(0, store.capacity - store.used)
+        # this session's own RESERVE that its credit was returned for comes first; other
+        # sessions' waiting reservations do not stop its credit (one peer's large
+        # reservation must not starve every other peer: windows are bounded instead)
+        room = 0 if ledger.paused_for else max(0, store.capacity - store.used)
         add_b, add_t = ledger.top_up(room)
         store.reserved += add_b
         if ledger.short:

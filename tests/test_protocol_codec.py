@@ -64,6 +64,17 @@ MESSAGES = {
     m.Pong: st.builds(m.Pong, u63),
     m.ErrorMsg: st.builds(m.ErrorMsg, code, detail),
     m.Bye: st.just(m.Bye()),
+    m.Put: st.builds(m.Put, u63, specs),
+    m.Ack: st.builds(
+        m.Ack,
+        u63,
+        u63,
+        u63,
+        u63,
+        st.lists(u63, max_size=20).map(tuple),
+        st.lists(st.tuples(u63, code), max_size=5).map(tuple),
+    ),
+    m.Return: st.builds(m.Return, u63, u63, u63),
 }
 any_message = st.one_of(*MESSAGES.values())
 

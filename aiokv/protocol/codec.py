@@ -334,6 +334,13 @@ def _shapes(lim: WireLimits) -> dict[type[Message], tuple[Shape, ...]]:
     out[Welcome] = ("bad_field", "bad_field", "bad_field", caps, layout, "bad_field")
     out[Reserve] = ("bad_field", "bad_field", _SpecList(lim.max_tensors, spec, "bad_spec"))
     out[Get] = ("bad_field", _Arr(lim.max_tensors, ("bad_field",), "bad_field"), "bad_field")
+    out[Put] = ("bad_field", _SpecList(lim.max_tensors, spec, "bad_spec"))
+    refusal = _Arr(2, ("bad_field", "bad_field"), "bad_field")
+    out[Ack] = (
+        *("bad_field",) * 4,
+        _Arr(MAX_ACKS, ("bad_field",), "bad_field"),
+        _Arr(MAX_ACKS, (refusal,), "bad_field"),
+    )
     return out
 
 

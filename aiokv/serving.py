@@ -29,6 +29,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
 import socket
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from dataclasses import dataclass, field
@@ -41,6 +42,7 @@ if TYPE_CHECKING:
     from aiokv import Engine, EngineConfig
 
 __all__ = [
+    "TOKEN_ENV",
     "WorkerHandle",
     "WorkerRegistration",
     "bind_socket",
@@ -53,6 +55,9 @@ __all__ = [
 log = logging.getLogger("aiokv.serving")
 
 Role = Literal["prefill", "decode"]
+
+#: the environment variable holding the router's shared registration token
+TOKEN_ENV = "AIOKV_ROUTER_TOKEN"
 
 
 @dataclass(slots=True)
@@ -69,24 +74,56 @@ class WorkerRegistration:
     registrations: int = 0
     heartbeats: int = 0
     registered: asyncio.Event = field(default_factory=asyncio.Event)
+    #: the router's shared token (``Authorization: Bearer``); default ``$AIOKV_ROUTER_TOKEN``
+    token: str | None = field(default_factory=lambda: os.environ.get(TOKEN_ENV) or None)
+    #: the per-instance secret the router issued at the first registration: it proves
+    #: this worker's identity on heartbeats, deregistration and re-registration
+    instance_secret: str | None = None
+    #: the model's context length in tokens; the router refuses longer ``max_tokens``
+    max_model_len: int | None = None
 
-    def payload(self) -> dict[str, str]:
-        return {
+    def payload(self) -> dict[str, str | int]:
+        p: dict[str, str | int] = {
             "role": self.role,
             "url": self.url,
             "kv_address": self.kv_address,
             "model": self.model,
         }
+        if self.max_model_len is not None:
+            p["max_model_len"] = self.max_model_len
+        if self.instance_secret is not None:
+            p["instance_secret"] = self.instance_secret
+        return p
+
+    def headers(self) -> dict[str, str]:
+        return {"authorization": f"Bearer {self.token}"} if self.token else {}
+
+    def identity(self) -> dict[str, str]:
+        return {
+            "instance_id": self.instance_id or "",
+            "instance_secret": self.instance_secret or "",
+        }
 
 
 async def _register_once(client: httpx.AsyncClient, reg: WorkerRegistration) -> None:
-    resp = await client.post(reg.router_url.rstrip("/") + "/register", json=reg.payload())
+    resp = await client.post(
+        reg.router_url.rstrip("/") + "/register", json=reg.payload(), headers=reg.headers()
+    )
+    if resp.status_code in (400, 401, 403, 409):
+        # refused for a reason retrying as-is cannot fix soon: say why, once per attempt
+        raise _Refused(f"HTTP {resp.status_code}: {resp.text[:300]}")
     resp.raise_for_status()
     data = resp.json()
     reg.instance_id = str(data["instance_id"])
+    secret = data.get("instance_secret")
+    reg.instance_secret = str(secret) if isinstance(secret, str) else None
     reg.registrations += 1
     reg.registered.set()
     log.info("registered with %s as %s %s", reg.router_url, reg.role, reg.instance_id)
+
+
+class _Refused(Exception):
+    """The router refused the registration (bad token, URL policy, identity conflict)."""
 
 
 async def register_with_router(
@@ -122,14 +159,19 @@ async def register_with_router(
                 else:
                     resp = await http.post(
                         reg.router_url.rstrip("/") + "/heartbeat",
-                        json={"instance_id": reg.instance_id},
+                        json=reg.identity(),
+                        headers=reg.headers(),
                     )
                     if resp.status_code == 404:
                         log.warning("router forgot this instance; registering again")
                         reg.instance_id = None
+                        reg.instance_secret = None
                         continue
                     resp.raise_for_status()
                     reg.heartbeats += 1
+                    log.debug("heartbeat %d to %s ok", reg.heartbeats, reg.router_url)
+            except _Refused as e:
+                log.warning("router %s refused the registration: %s", reg.router_url, e)
             except (httpx.HTTPError, ValueError, KeyError) as e:
                 log.warning("router %s unreachable: %s", reg.router_url, e)
             await asyncio.sleep(reg.interval)
@@ -153,7 +195,9 @@ async def deregister(reg: WorkerRegistration, grace: float = 1.0) -> bool:
     try:
         async with httpx.AsyncClient(timeout=grace, trust_env=False) as c:
             resp = await c.post(
-                reg.router_url.rstrip("/") + "/deregister", json={"instance_id": reg.instance_id}
+                reg.router_url.rstrip("/") + "/deregister",
+                json=reg.identity(),
+                headers=reg.headers(),
             )
             return resp.status_code == 200
     except httpx.HTTPError:
@@ -181,6 +225,8 @@ async def worker_lifespan(
     kv_address: str | None = None,
     on_engine: Callable[[Engine], Awaitable[None]] | None = None,
     wait_registered: float | None = None,
+    token: str | None = None,
+    max_model_len: int | None = None,
 ) -> AsyncIterator[WorkerHandle]:
     """Start an engine and (when ``router_url`` is given) the heartbeat task.
 
@@ -189,8 +235,11 @@ async def worker_lifespan(
     runs after the engine started and before registration (set up a KV
     connector there, so no request arrives before it exists).
     ``wait_registered`` waits up to that many seconds for the first
-    registration. On exit the heartbeat is cancelled, the instance
-    deregistered (bounded) and the engine closed.
+    registration. ``token``: the router's shared token (default
+    ``$AIOKV_ROUTER_TOKEN``). ``max_model_len``: the model's context in tokens,
+    told to the router so it refuses longer ``max_tokens`` up front. On exit the
+    heartbeat is cancelled, the instance deregistered (bounded) and the engine
+    closed.
     """
     from aiokv import Engine
 
@@ -201,8 +250,16 @@ async def worker_lifespan(
         task: asyncio.Task[None] | None = None
         if router_url is not None:
             reg = WorkerRegistration(
-                router_url, role, url, kv_address or engine.address, model, heartbeat_interval
+                router_url,
+                role,
+                url,
+                kv_address or engine.address,
+                model,
+                heartbeat_interval,
+                max_model_len=max_model_len,
             )
+            if token is not None:
+                reg.token = token
             task = asyncio.create_task(register_with_router(reg), name=f"aiokv-heartbeat-{role}")
             if wait_registered is not None:
                 with contextlib.suppress(asyncio.TimeoutError):
@@ -220,10 +277,18 @@ async def worker_lifespan(
 
 
 def bind_socket(host: str = "127.0.0.1", port: int = 0) -> socket.socket:
-    """A listening TCP socket; ``port=0`` picks a free port (see ``getsockname()``)."""
+    """A listening TCP socket; ``port=0`` picks a free port (see ``getsockname()``).
+
+    Made with ``proto=IPPROTO_TCP`` and ``TCP_NODELAY`` set: asyncio only sets
+    ``TCP_NODELAY`` on accepted connections whose socket says ``IPPROTO_TCP``
+    (a ``proto=0`` socket's connections keep Nagle's algorithm, and a small
+    response then waits ~40 ms for the peer's delayed ACK), and on Linux the
+    accepted connections inherit the option from the listener as well.
+    """
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)
     try:
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         sock.bind((host, port))
         sock.listen(1024)

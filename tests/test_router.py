@@ -24,7 +24,7 @@ import pytest
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from aiokv.router import Registry, RouterConfig, create_app, prefill_kv_params
+from aiokv.router import Registry, RouterConfig, create_app
 from aiokv.router.registry import NoInstanceError, UnknownModelError
 from aiokv.serving import (
     WorkerRegistration,
@@ -35,6 +35,15 @@ from aiokv.serving import (
 )
 
 MODEL = "fake-model"
+#: what vLLM's toy proxy puts in the prefill request (NixlConnector / MooncakeConnector)
+VLLM_PREFILL_PARAMS = {
+    "do_remote_decode": True,
+    "do_remote_prefill": False,
+    "remote_engine_id": None,
+    "remote_block_ids": None,
+    "remote_host": None,
+    "remote_port": None,
+}
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -103,7 +112,7 @@ class FakeWorker:
                 )
             params = body.get("kv_transfer_params") or {}
             if self.role == "prefill":
-                assert params == prefill_kv_params(), params
+                assert params == VLLM_PREFILL_PARAMS, params
                 assert body["max_tokens"] == 1 and body["stream"] is False
                 return JSONResponse(
                     {

@@ -265,32 +265,37 @@ class _Worker:
 
     # -- the two legs ----------------------------------------------------------------------
 
-    def _gather(self, blocks: list[int]) -> Any:
+    def _prefill_gather(self, tokens: list[int]) -> tuple[int, list[int], Any]:
+        """On the model thread: prefill, copy the blocks out into one buffer, free them."""
         from aiokv.kv import gather_blocks
 
-        buf = gather_blocks(self.m.kv_caches, self.layout, blocks)
-        if buf.is_cuda:
-            import torch
+        first, blocks = self.m.prefill(tokens)
+        try:
+            buf = gather_blocks(self.m.kv_caches, self.layout, blocks)
+            if buf.is_cuda:
+                import torch
 
-            torch.cuda.current_stream().synchronize()  # ready before the loop thread sends it
-        return buf
+                torch.cuda.current_stream().synchronize()  # ready before the loop thread sends it
+        finally:
+            self.m.free(blocks)
+        return first, blocks, buf
 
-    def _scatter(self, buf: Any, blocks: list[int]) -> None:
+    def _scatter_decode(
+        self, buf: Any, blocks: list[int], num_tokens: int, first: int, n: int | None
+    ) -> list[int]:
+        """On the model thread: write the pulled KV into ``blocks``, then decode ``n`` tokens."""
         from aiokv.kv import scatter_blocks
 
         scatter_blocks(buf, self.m.kv_caches, self.layout, blocks)
+        return [] if n is None else self.m.decode(blocks, num_tokens, first, n)
 
     async def produce(self, rid: str, request_id: str, chat: bool, tokens: list[int]) -> Response:
         """Prefill leg: compute the KV, publish it for the decode side to pull."""
         t0 = time.perf_counter()
         try:
-            first, blocks = await self.run(self.m.prefill, tokens)
+            first, blocks, buf = await self.run(self._prefill_gather, tokens)
         except self.mod.OutOfBlocksError as e:
             return _err(503, str(e), "out_of_kv_blocks", "server_error")
-        try:
-            buf = await self.run(self._gather, blocks)
-        finally:
-            self.executor.submit(self.m.free, blocks)  # ordered after any compute on the thread
         name = f"{request_id}#kv"
         try:
             self.engine.publish(name, buf)
@@ -360,6 +365,7 @@ class _Worker:
             buf = await self.engine.get(
                 f"{request_id}#kv", frm=address, timeout=self.cfg.kv_timeout
             )
+            secs = time.perf_counter() - t0
             if buf.numel() * buf.element_size() != expected:
                 raise _BadRequest(
                     400,
@@ -367,7 +373,9 @@ class _Worker:
                     f"expected {expected}",
                     "kv_size_mismatch",
                 )
-            await self.run(self._scatter, buf, blocks)
+            toks = await self.run(
+                self._scatter_decode, buf, blocks, num_tokens, first, None if stream else max_tokens
+            )
             del buf
         except BaseException as e:
             self.executor.submit(self.m.free, blocks)
@@ -380,17 +388,13 @@ class _Worker:
                     "server_error",
                 )
             raise
-        secs = time.perf_counter() - t0
         headers = {
             "x-aiokv-transfer-seconds": f"{secs:.6f}",
             "x-aiokv-transfer-bytes": str(expected),
         }
         params = {**kv, "transfer_seconds": round(secs, 6), "transfer_bytes": expected}
         if not stream:
-            try:
-                toks = await self.run(self.m.decode, blocks, num_tokens, first, max_tokens)
-            finally:
-                self.executor.submit(self.m.free, blocks)
+            self.executor.submit(self.m.free, blocks)
             return JSONResponse(
                 self.completion(rid, chat, toks, num_tokens, params), headers=headers
             )

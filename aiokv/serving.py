@@ -19,6 +19,16 @@ seconds, re-registers when the router forgot the instance (router restart,
 eviction) and survives the router being down. Cancelling it is clean; the
 lifespan helper then deregisters with a short, shielded time limit.
 
+Router contract (see docs/serving.md): every call sends the router token as
+``Authorization: Bearer`` (``$AIOKV_ROUTER_TOKEN`` unless given); ``/register``
+answers an ``instance_id`` and an ``instance_secret`` that heartbeats,
+deregistration and re-registration of the same URL must carry. The worker's
+HTTP server must speak vLLM's ``kv_transfer_params`` contract: a prefill
+request carries ``{"do_remote_decode": true, ...}`` and the answer's
+``kv_transfer_params`` reach the decode request unchanged (the demo worker,
+:mod:`aiokv.demo.worker`, is a complete example). Heartbeats are logged at
+debug level only.
+
 :func:`bind_socket` and :func:`serve_app` run an ASGI app under uvicorn on a
 socket bound beforehand, so port 0 works and the real port is known before
 serving starts.

@@ -149,3 +149,17 @@ def test_worker_help_has_texts() -> None:
     assert "which leg this worker serves" in r.stdout
     assert "router base URL to register with" in r.stdout
     assert "heartbeats are logged at debug" in r.stdout
+
+
+def test_router_refuses_itself_as_a_static_worker() -> None:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    r = _aiokv("router", "--port", str(port), "--prefill", f"http://localhost:{port}", timeout=30)
+    assert r.returncode == 2
+    assert "this router's own address" in r.stderr
+    r = _aiokv("router", "--prefill", "http://169.254.169.254", timeout=30)
+    assert r.returncode == 2
+    assert "link-local" in r.stderr

@@ -61,7 +61,7 @@ log = logging.getLogger("aiokv.demo.worker")
 
 DEFAULT_MODEL_NAME = "aiokv-demo"
 T = TypeVar("T")
-_MAX_BODY = 1024 * 1024
+_MAX_BODY = 8 * 1024 * 1024  # above the router's default 4 MiB
 
 
 def _default_model() -> ModelConfig:

@@ -25,6 +25,7 @@ import os
 import sys
 from collections.abc import Sequence
 
+from .._exceptions import ConfigError
 from .app import TOKEN_ENV, RouterConfig, RouterState, create_app, prefill_kv_params
 from .registry import POLICIES, Instance, NoInstanceError, Policy, Registry, UnknownModelError
 from .urls import UrlPolicy, UrlPolicyError
@@ -78,7 +79,14 @@ async def serve_async(
     url = socket_url(sock, None if host not in ("0.0.0.0", "::") else "127.0.0.1")
     app = create_app(config)
     bound = sock.getsockname()
-    app.state.router.own_address = (str(bound[0]), int(bound[1]))
+    state: RouterState = app.state.router
+    state.own_address = (str(bound[0]), int(bound[1]))
+    for inst in state.registry:  # a static worker URL naming this router: refuse to start
+        try:
+            state.policy.check_url(inst.url, own=state.own_address)
+        except UrlPolicyError as e:
+            sock.close()
+            raise ConfigError(f"static worker {inst.url}: {e}") from None
 
     def on_started() -> None:
         logging.getLogger("aiokv.router").info("router listening on %s", url)
@@ -241,7 +249,12 @@ def config_from_args(args: argparse.Namespace) -> RouterConfig:
 def main(argv: Sequence[str] | None = None) -> int:
     """``aiokv router`` entry point."""
     p = argparse.ArgumentParser(
-        prog="aiokv router", description="disaggregated prefill/decode router"
+        prog="aiokv router",
+        description="Disaggregated prefill/decode router: an OpenAI-compatible proxy speaking "
+        "vLLM's disaggregation protocol (kv_transfer_params), for vLLM instances and aiokv "
+        "workers alike. Workers are listed here (--prefill/--decode), register over HTTP, or "
+        "announce themselves over ZMQ (--discovery).",
+        epilog="Guide: docs/serving.md ('Serving with the router').",
     )
     add_arguments(p)
     args = p.parse_args(argv)
@@ -250,12 +263,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ValueError as e:
         print(f"aiokv router: {e}", file=sys.stderr)
         return 2
-    serve(
-        args.host,
-        args.port,
-        cfg,
-        log_level=args.log_level,
-        ready_file=args.ready_file,
-        parent_pid=args.parent_pid,
-    )
+    try:
+        serve(
+            args.host,
+            args.port,
+            cfg,
+            log_level=args.log_level,
+            ready_file=args.ready_file,
+            parent_pid=args.parent_pid,
+        )
+    except (ConfigError, OSError) as e:
+        print(f"aiokv router: {e}", file=sys.stderr)
+        return 2
     return 0

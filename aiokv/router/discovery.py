@@ -48,7 +48,7 @@ class Discovery:
     def __init__(self, state: RouterState, address: str) -> None:
         self.state = state
         self.address = address
-        self.ctx = zmq.asyncio.Context()
+        self.ctx: zmq.asyncio.Context | None = None
         self.sock: zmq.asyncio.Socket | None = None
         self.accepted = 0
         self.dropped = 0
@@ -56,15 +56,21 @@ class Discovery:
 
     def bind(self) -> None:
         """Bind now, so a bad address fails the router's start-up."""
+        self.ctx = zmq.asyncio.Context()
         sock = self.ctx.socket(zmq.ROUTER)
         sock.setsockopt(zmq.LINGER, 0)
         sock.setsockopt(zmq.MAXMSGSIZE, _MAX_MESSAGE)
         host, _, port = self.address.rpartition(":")
-        sock.bind(f"tcp://{host}:{port}")
+        try:
+            sock.bind(f"tcp://{host}:{port}")
+        except zmq.ZMQError:
+            sock.close(0)
+            self.ctx.term()
+            raise
         self.sock = sock
 
     async def run(self) -> None:
-        assert self.sock is not None, "bind() first"
+        assert self.sock is not None and self.ctx is not None, "bind() first"
         try:
             while True:
                 frames = await self.sock.recv_multipart(copy=False)

@@ -229,7 +229,8 @@ class Registry:
         inst = self._by_id.get(instance_id)
         if inst is None:
             return None
-        if inst.source == "register" and not inst.secret_ok(secret):
+        if inst.source != "register" or not inst.secret_ok(secret):
+            # static and discovered instances get no HTTP heartbeats: their health is the router's
             raise IdentityError("wrong instance secret")
         return self.touch(inst)
 

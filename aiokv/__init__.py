@@ -45,7 +45,7 @@ def __getattr__(name: str) -> Any:
     module = _LAZY.get(name)
     if module is None:
         raise AttributeError(f"module 'aiokv' has no attribute {name!r}")
-    value = getattr(importlib.import_module(module, __name__), name)
+    value = vars(importlib.import_module(module, __name__))[name]
     globals()[name] = value  # later look-ups skip this function
     return value
 

@@ -237,11 +237,13 @@ async def worker_lifespan(
     wait_registered: float | None = None,
     token: str | None = None,
     max_model_len: int | None = None,
+    kv_host: str | None = None,
 ) -> AsyncIterator[WorkerHandle]:
     """Start an engine and (when ``router_url`` is given) the heartbeat task.
 
     ``kv_address`` defaults to the engine's bound address; pass the address
-    other hosts should use when the engine listens on a wildcard. ``on_engine``
+    other hosts should use when the engine listens on a wildcard (or just
+    ``kv_host``: that host with the engine's port). ``on_engine``
     runs after the engine started and before registration (set up a KV
     connector there, so no request arrives before it exists).
     ``wait_registered`` waits up to that many seconds for the first
@@ -263,7 +265,7 @@ async def worker_lifespan(
                 router_url,
                 role,
                 url,
-                kv_address or engine.address,
+                kv_address or _with_host(engine.address, kv_host),
                 model,
                 heartbeat_interval,
                 max_model_len=max_model_len,
@@ -284,6 +286,14 @@ async def worker_lifespan(
             if reg is not None:
                 with _shielded(1.5):
                     await deregister(reg)
+
+
+def _with_host(address: str, host: str | None) -> str:
+    """``address`` (``host:port``) with its host replaced by ``host`` when given."""
+    if not host:
+        return address
+    port = address.rpartition(":")[2]
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
 
 
 def bind_socket(host: str = "127.0.0.1", port: int = 0) -> socket.socket:

@@ -83,6 +83,8 @@ class WorkerConfig:
     kv_timeout: float = 30.0
     default_max_tokens: int = 16
     router_token: str | None = None  # default: $AIOKV_ROUTER_TOKEN
+    #: host other machines reach the engine at (when it listens on a wildcard)
+    advertise_host: str | None = None
 
 
 class _BadRequest(Exception):
@@ -138,6 +140,13 @@ class _Worker:
 
     async def run(self, fn: Callable[..., T], *args: Any) -> T:
         return await asyncio.get_running_loop().run_in_executor(self.executor, fn, *args)
+
+    @property
+    def kv_address(self) -> str:
+        """The engine's address as other machines reach it."""
+        from ..serving import _with_host
+
+        return _with_host(str(self.engine.address), self.cfg.advertise_host)
 
     @property
     def m(self) -> TinyTransformer:
@@ -302,11 +311,12 @@ class _Worker:
         except AiokvError as e:
             return _err(503, f"cannot publish the KV: {e}", "kv_publish_failed", "server_error")
         asyncio.get_running_loop().call_later(self.cfg.kv_timeout, self.engine.unpublish, name)
-        host, _, port = str(self.engine.address).rpartition(":")
+        address = self.kv_address
+        host, _, port = address.rpartition(":")
         params = {
             "do_remote_prefill": True,
             "do_remote_decode": False,
-            "remote_engine_id": self.engine.address,
+            "remote_engine_id": address,
             "remote_block_ids": blocks,
             "remote_host": host.strip("[]"),
             "remote_port": int(port),
@@ -531,6 +541,7 @@ def create_app(cfg: WorkerConfig, url: str = "") -> FastAPI:
                 on_engine=on_engine,
                 token=cfg.router_token,
                 max_model_len=mc.max_positions,
+                kv_host=cfg.advertise_host,
             ):
                 log.info("%s worker up: http %s, kv %s", cfg.role, url, w.engine.address)
                 yield
@@ -570,7 +581,7 @@ def create_app(cfg: WorkerConfig, url: str = "") -> FastAPI:
             {
                 "status": "ok",
                 "role": cfg.role,
-                "kv_address": w.engine.address if w.engine else None,
+                "kv_address": w.kv_address if w.engine else None,
                 "free_blocks": w.m.allocator.num_free,
             }
         )
@@ -612,6 +623,7 @@ async def _amain(args: argparse.Namespace) -> None:
         kv_listen=args.kv_listen or f"{args.host}:0",
         heartbeat_interval=args.heartbeat_interval,
         router_token=args.router_token,
+        advertise_host=args.advertise_host,
     )
 
     def on_started() -> None:
@@ -664,7 +676,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--advertise-host",
         default=None,
-        help="host in the URL given to the router (default: the listen address)",
+        help="host other machines reach this worker (HTTP and KV engine) at; needed when "
+        "--host is a wildcard such as 0.0.0.0 (default: the listen address)",
     )
     p.add_argument(
         "--kv-listen",

@@ -444,3 +444,26 @@ async def test_upstream_timeout_bounds_a_hung_worker() -> None:
         assert r.status_code == 502 and "ReadTimeout" in r.text
         assert time.monotonic() - t0 < 3
         d.gate.set()
+
+
+@pytest.mark.anyio
+@pytest.mark.timeout(30)
+async def test_clients_leaving_mid_stream_give_their_slot_back() -> None:
+    p, d = FakeWorker("prefill", "p"), FakeWorker("decode", "d")
+    async with cluster(RouterConfig(max_concurrent_per_client=1), [p, d]) as (_, client, _u):
+        for _ in range(5):
+            async with client.stream(
+                "POST", "/v1/completions", json=completion(stream=True, max_tokens=200)
+            ) as r:
+                assert r.status_code == 200
+                async for _line in r.aiter_lines():
+                    break  # leave after the first line
+            deadline = time.monotonic() + 5
+            while True:  # the router notices the disconnect and frees the slot
+                inst = (await client.get("/instances")).json()["instances"]
+                if all(i["outstanding"] == 0 for i in inst):
+                    break
+                assert time.monotonic() < deadline, inst
+                await asyncio.sleep(0.02)
+        r = await client.post("/v1/completions", json=completion())
+        assert r.status_code == 200, r.text

@@ -852,8 +852,8 @@ async def _proxy_inner(
             m.report_transfer(report)
             streaming_handed_off = True
             m.ttft.observe(time.perf_counter() - start)
-            return StreamingResponse(
-                _relay(state, decode, dresp_s, first, chunks, start, endpoint, release),
+            return _RelayResponse(
+                _Relay(state, decode, dresp_s, first, chunks, start, endpoint, release),
                 status_code=dresp_s.status_code,
                 headers={
                     **_trace_headers(request_id, prefill, decode, report, att.count),
@@ -875,44 +875,75 @@ async def _proxy_inner(
             m.latency.labels(endpoint).observe(time.perf_counter() - start)
 
 
-async def _relay(
-    state: RouterState,
-    decode: Instance,
-    resp: httpx.Response,
-    first: bytes,
-    chunks: AsyncIterator[bytes],
-    start: float,
-    endpoint: str,
-    release: Any,
-) -> AsyncIterator[bytes]:
-    status = str(resp.status_code)
-    try:
-        yield first
+class _Relay:
+    """The decode's stream on its way to the client, and the book-keeping that must
+    happen exactly once when it ends: also when the client left before the first
+    byte (the body generator then never starts, so its ``finally`` never runs)."""
+
+    def __init__(
+        self,
+        state: RouterState,
+        decode: Instance,
+        resp: httpx.Response,
+        first: bytes,
+        chunks: AsyncIterator[bytes],
+        start: float,
+        endpoint: str,
+        release: Any,
+    ) -> None:
+        self.state, self.decode, self.resp = state, decode, resp
+        self.first, self.chunks, self.start = first, chunks, start
+        self.endpoint, self.release = endpoint, release
+        self.status = str(resp.status_code)
+        self.closed = False
+
+    async def body(self) -> AsyncIterator[bytes]:
         try:
-            async for chunk in chunks:
-                yield chunk
-        except httpx.HTTPError as e:
-            # too late to retry: tell the client in-band and end the stream
-            status = "stream_error"
-            state.metrics.errors.labels("stream").inc()
-            log.warning("decode %s failed mid-stream: %s", decode.url, e)
-            err = {
-                "error": {
-                    "message": f"decode instance failed mid-stream: {type(e).__name__}",
-                    "type": "server_error",
-                    "code": "upstream_stream_error",
+            yield self.first
+            try:
+                async for chunk in self.chunks:
+                    yield chunk
+            except httpx.HTTPError as e:
+                # too late to retry: tell the client in-band and end the stream
+                self.status = "stream_error"
+                self.state.metrics.errors.labels("stream").inc()
+                log.warning("decode %s failed mid-stream: %s", self.decode.url, e)
+                err = {
+                    "error": {
+                        "message": f"decode instance failed mid-stream: {type(e).__name__}",
+                        "type": "server_error",
+                        "code": "upstream_stream_error",
+                    }
                 }
-            }
-            yield f"data: {json.dumps(err)}\n\n".encode()
-        else:
-            decode.served += 1
-    finally:
-        decode.outstanding -= 1
-        release()
-        state.metrics.requests.labels(endpoint, status).inc()
-        state.metrics.latency.labels(endpoint).observe(time.perf_counter() - start)
+                yield f"data: {json.dumps(err)}\n\n".encode()
+            else:
+                self.decode.served += 1
+        finally:
+            await self.close()
+
+    async def close(self) -> None:
+        if self.closed:
+            return
+        self.closed = True
+        self.decode.outstanding -= 1
+        self.release()
+        m = self.state.metrics
+        m.requests.labels(self.endpoint, self.status).inc()
+        m.latency.labels(self.endpoint).observe(time.perf_counter() - self.start)
         with anyio.CancelScope(shield=True), anyio.move_on_after(2):
-            await resp.aclose()
+            await self.resp.aclose()
+
+
+class _RelayResponse(StreamingResponse):
+    def __init__(self, relay: _Relay, **kw: Any) -> None:
+        super().__init__(relay.body(), **kw)
+        self.relay = relay
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            await self.relay.close()
 
 
 # -- registration ---------------------------------------------------------------

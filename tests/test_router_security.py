@@ -467,3 +467,28 @@ async def test_clients_leaving_mid_stream_give_their_slot_back() -> None:
                 await asyncio.sleep(0.02)
         r = await client.post("/v1/completions", json=completion())
         assert r.status_code == 200, r.text
+
+
+@pytest.mark.anyio
+@pytest.mark.timeout(30)
+async def test_restarted_worker_registers_again_once_its_old_entry_is_evicted() -> None:
+    cfg = RouterConfig(evict_after=0.6, eviction_interval=0.05)
+    async with router(cfg) as (url, client):
+        regs = []
+        for _ in range(2):  # the same worker URL, twice: a crash without deregistration
+            reg = WorkerRegistration(
+                url, "decode", "http://127.0.0.1:9003", "127.0.0.1:7", MODEL, 0.1
+            )
+            task = asyncio.create_task(register_with_router(reg))
+            regs.append(reg)
+            try:
+                await asyncio.wait_for(reg.registered.wait(), 5)
+            finally:
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
+        first, second = regs
+        assert second.instance_id != first.instance_id
+        assert second.instance_secret != first.instance_secret
+        inst = (await client.get("/instances")).json()["instances"]
+        assert [i["instance_id"] for i in inst] == [second.instance_id]

@@ -475,19 +475,24 @@ async def test_restarted_worker_registers_again_once_its_old_entry_is_evicted() 
     cfg = RouterConfig(evict_after=0.6, eviction_interval=0.05)
     async with router(cfg) as (url, client):
         regs = []
+        took = []
         for _ in range(2):  # the same worker URL, twice: a crash without deregistration
             reg = WorkerRegistration(
                 url, "decode", "http://127.0.0.1:9003", "127.0.0.1:7", MODEL, 0.1
             )
+            t0 = time.monotonic()
             task = asyncio.create_task(register_with_router(reg))
             regs.append(reg)
             try:
                 await asyncio.wait_for(reg.registered.wait(), 5)
+                took.append(time.monotonic() - t0)
             finally:
                 task.cancel()
                 with contextlib.suppress(asyncio.CancelledError):
                     await task
         first, second = regs
+        # refused (409) while the old entry lived, accepted once it was evicted
+        assert took[1] > 0.3 > took[0], took
         assert second.instance_id != first.instance_id
         assert second.instance_secret != first.instance_secret
         inst = (await client.get("/instances")).json()["instances"]

@@ -255,3 +255,39 @@ async def test_demo_workers_behind_static_lists() -> None:
                 assert toks == model.generate(tokenize(prompt), 5)
     finally:
         torch.set_num_threads(threads)
+
+
+@needs_connector
+@pytest.mark.anyio
+@pytest.mark.timeout(90)
+async def test_worker_logs_heartbeats_only_at_debug(tmp_path: Path) -> None:
+    """At ``--log-level info`` a registered worker's log stays quiet between requests."""
+    async with running(create_router_app(RouterConfig())) as router_url:
+        async with httpx.AsyncClient(base_url=router_url, timeout=10) as client:
+            argv = [sys.executable, "-m", "aiokv.demo.worker", "--role", "decode"]
+            argv += ["--router", router_url, "--heartbeat-interval", "0.05"]
+            argv += ["--log-level", "info"]
+            proc = await asyncio.to_thread(
+                subprocess.Popen,
+                argv,
+                cwd=ROOT,
+                env=dict(os.environ, PYTHONPATH=str(ROOT)),
+                stdout=subprocess.DEVNULL,
+                stderr=subprocess.PIPE,
+            )
+            try:
+                for _ in range(600):
+                    if (await client.get("/instances")).json()["instances"]:
+                        break
+                    assert proc.poll() is None
+                    await asyncio.sleep(0.05)
+                else:
+                    raise AssertionError("the worker never registered")
+                await asyncio.sleep(1.0)  # ~20 heartbeats
+            finally:
+                proc.terminate()
+                _, err = await asyncio.to_thread(proc.communicate, timeout=30)
+    lines = err.decode(errors="replace").splitlines()
+    assert any("registered with" in x for x in lines), lines[-20:]
+    noisy = [x for x in lines if "heartbeat" in x.lower()]
+    assert not noisy, noisy[:5]

@@ -352,7 +352,7 @@ async def test_hostile_json_gets_400_never_500() -> None:
             % MODEL.encode(),
             b'{"model": "%s", "prompt": "x", "temperature": NaN}' % MODEL.encode(),
             b'{"model": "%s", "prompt": "x", "n": Infinity}' % MODEL.encode(),
-            json.dumps({"model": MODEL, "prompt": "x", "deep": nested(40)}).encode(),
+            json.dumps({"model": MODEL, "prompt": "x", "deep": nested(80)}).encode(),
             b'{"model": "\xff"}',
         ]
         for body in bodies:

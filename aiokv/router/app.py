@@ -133,7 +133,7 @@ class RouterConfig:
     discovery_ttl: float = 5.0
     discovery_allow_remote: bool = False
     probe_interval: float = 2.0
-    max_json_depth: int = 32
+    max_json_depth: int = 64
     max_concurrent_per_client: int = 64
     max_instances: int = 1024
 

@@ -1,9 +1,20 @@
-"""aiokv: asyncio-native KV-cache and tensor transfer between serving processes."""
+"""aiokv: asyncio-native KV-cache and tensor transfer between serving processes.
 
-from ._config import CurveConfig, EngineConfig, Limits, Timeouts
+The public names are imported on first use (module ``__getattr__``), so that
+``import aiokv.router`` or ``aiokv --help`` does not pay for importing torch.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
 from ._exceptions import *  # noqa: F403
 from ._exceptions import __all__ as _exc_all
-from .engine import Engine, EngineStatistics, TransferHandle
+
+if TYPE_CHECKING:
+    from ._config import CurveConfig, EngineConfig, Limits, Timeouts
+    from .engine import Engine, EngineStatistics, TransferHandle
 
 __version__ = "0.1.0"
 
@@ -18,3 +29,26 @@ __all__ = [
     "__version__",
     *_exc_all,
 ]
+
+_LAZY = {
+    "CurveConfig": "._config",
+    "EngineConfig": "._config",
+    "Limits": "._config",
+    "Timeouts": "._config",
+    "Engine": ".engine",
+    "EngineStatistics": ".engine",
+    "TransferHandle": ".engine",
+}
+
+
+def __getattr__(name: str) -> Any:
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'aiokv' has no attribute {name!r}")
+    value = vars(importlib.import_module(module, __name__))[name]
+    globals()[name] = value  # later look-ups skip this function
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__))

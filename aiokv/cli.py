@@ -69,10 +69,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     demo.add_argument("argv", nargs="*", help="arguments of the demo (see 'aiokv demo --help')")
 
-    router = sub.add_parser("router", help="run the disaggregated prefill/decode router")
-    router.add_argument("--host", default="127.0.0.1")
-    router.add_argument("--port", type=int, default=8000, help="0 picks a free port")
-    router.add_argument("--log-level", default="info")
+    router = sub.add_parser(
+        "router",
+        help="run the disaggregated prefill/decode router (see 'aiokv router --help')",
+        add_help=False,
+    )
+    router.add_argument("argv", nargs="*", help="arguments of the router")
 
     sub.add_parser("doctor", help="what this machine offers aiokv (torch, CUDA, GPUs, NCCL)")
 
@@ -104,9 +106,7 @@ def _run(args: argparse.Namespace) -> int:
     if cmd == "demo":
         return int(_load("aiokv.demo.run", "main")(list(args.argv)) or 0)
     if cmd == "router":
-        serve = _load("aiokv.router", "serve")
-        serve(args.host, args.port, log_level=args.log_level)
-        return 0
+        return int(_load("aiokv.router", "main")(list(args.argv)) or 0)
     if cmd == "doctor":
         return int(_load("aiokv.doctor", "doctor")() or 0)
     if cmd == "bench":
@@ -128,8 +128,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     raw = list(sys.argv[1:] if argv is None else argv)
     parser = build_parser()
     # Pass-through commands hand every later argument (``--help`` included) to their own parser.
-    if raw[:1] == ["demo"]:
-        args = argparse.Namespace(command="demo", argv=raw[1:])
+    if raw[:1] in (["demo"], ["router"]):
+        args = argparse.Namespace(command=raw[0], argv=raw[1:])
     elif raw[:2] == ["bench", "kv"]:
         args = argparse.Namespace(command="bench", bench="kv", argv=raw[2:])
     else:

@@ -19,6 +19,16 @@ seconds, re-registers when the router forgot the instance (router restart,
 eviction) and survives the router being down. Cancelling it is clean; the
 lifespan helper then deregisters with a short, shielded time limit.
 
+Router contract (see docs/serving.md): every call sends the router token as
+``Authorization: Bearer`` (``$AIOKV_ROUTER_TOKEN`` unless given); ``/register``
+answers an ``instance_id`` and an ``instance_secret`` that heartbeats,
+deregistration and re-registration of the same URL must carry. The worker's
+HTTP server must speak vLLM's ``kv_transfer_params`` contract: a prefill
+request carries ``{"do_remote_decode": true, ...}`` and the answer's
+``kv_transfer_params`` reach the decode request unchanged (the demo worker,
+:mod:`aiokv.demo.worker`, is a complete example). Heartbeats are logged at
+debug level only.
+
 :func:`bind_socket` and :func:`serve_app` run an ASGI app under uvicorn on a
 socket bound beforehand, so port 0 works and the real port is known before
 serving starts.
@@ -29,6 +39,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
 import socket
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from dataclasses import dataclass, field
@@ -41,6 +52,7 @@ if TYPE_CHECKING:
     from aiokv import Engine, EngineConfig
 
 __all__ = [
+    "TOKEN_ENV",
     "WorkerHandle",
     "WorkerRegistration",
     "bind_socket",
@@ -53,6 +65,9 @@ __all__ = [
 log = logging.getLogger("aiokv.serving")
 
 Role = Literal["prefill", "decode"]
+
+#: the environment variable holding the router's shared registration token
+TOKEN_ENV = "AIOKV_ROUTER_TOKEN"
 
 
 @dataclass(slots=True)
@@ -69,24 +84,56 @@ class WorkerRegistration:
     registrations: int = 0
     heartbeats: int = 0
     registered: asyncio.Event = field(default_factory=asyncio.Event)
+    #: the router's shared token (``Authorization: Bearer``); default ``$AIOKV_ROUTER_TOKEN``
+    token: str | None = field(default_factory=lambda: os.environ.get(TOKEN_ENV) or None)
+    #: the per-instance secret the router issued at the first registration: it proves
+    #: this worker's identity on heartbeats, deregistration and re-registration
+    instance_secret: str | None = None
+    #: the model's context length in tokens; the router refuses longer ``max_tokens``
+    max_model_len: int | None = None
 
-    def payload(self) -> dict[str, str]:
-        return {
+    def payload(self) -> dict[str, str | int]:
+        p: dict[str, str | int] = {
             "role": self.role,
             "url": self.url,
             "kv_address": self.kv_address,
             "model": self.model,
         }
+        if self.max_model_len is not None:
+            p["max_model_len"] = self.max_model_len
+        if self.instance_secret is not None:
+            p["instance_secret"] = self.instance_secret
+        return p
+
+    def headers(self) -> dict[str, str]:
+        return {"authorization": f"Bearer {self.token}"} if self.token else {}
+
+    def identity(self) -> dict[str, str]:
+        return {
+            "instance_id": self.instance_id or "",
+            "instance_secret": self.instance_secret or "",
+        }
 
 
 async def _register_once(client: httpx.AsyncClient, reg: WorkerRegistration) -> None:
-    resp = await client.post(reg.router_url.rstrip("/") + "/register", json=reg.payload())
+    resp = await client.post(
+        reg.router_url.rstrip("/") + "/register", json=reg.payload(), headers=reg.headers()
+    )
+    if resp.status_code in (400, 401, 403, 409):
+        # refused for a reason retrying as-is cannot fix soon: say why, once per attempt
+        raise _Refused(f"HTTP {resp.status_code}: {resp.text[:300]}")
     resp.raise_for_status()
     data = resp.json()
     reg.instance_id = str(data["instance_id"])
+    secret = data.get("instance_secret")
+    reg.instance_secret = str(secret) if isinstance(secret, str) else None
     reg.registrations += 1
     reg.registered.set()
     log.info("registered with %s as %s %s", reg.router_url, reg.role, reg.instance_id)
+
+
+class _Refused(Exception):
+    """The router refused the registration (bad token, URL policy, identity conflict)."""
 
 
 async def register_with_router(
@@ -122,14 +169,19 @@ async def register_with_router(
                 else:
                     resp = await http.post(
                         reg.router_url.rstrip("/") + "/heartbeat",
-                        json={"instance_id": reg.instance_id},
+                        json=reg.identity(),
+                        headers=reg.headers(),
                     )
                     if resp.status_code == 404:
                         log.warning("router forgot this instance; registering again")
                         reg.instance_id = None
+                        reg.instance_secret = None
                         continue
                     resp.raise_for_status()
                     reg.heartbeats += 1
+                    log.debug("heartbeat %d to %s ok", reg.heartbeats, reg.router_url)
+            except _Refused as e:
+                log.warning("router %s refused the registration: %s", reg.router_url, e)
             except (httpx.HTTPError, ValueError, KeyError) as e:
                 log.warning("router %s unreachable: %s", reg.router_url, e)
             await asyncio.sleep(reg.interval)
@@ -153,7 +205,9 @@ async def deregister(reg: WorkerRegistration, grace: float = 1.0) -> bool:
     try:
         async with httpx.AsyncClient(timeout=grace, trust_env=False) as c:
             resp = await c.post(
-                reg.router_url.rstrip("/") + "/deregister", json={"instance_id": reg.instance_id}
+                reg.router_url.rstrip("/") + "/deregister",
+                json=reg.identity(),
+                headers=reg.headers(),
             )
             return resp.status_code == 200
     except httpx.HTTPError:
@@ -181,16 +235,23 @@ async def worker_lifespan(
     kv_address: str | None = None,
     on_engine: Callable[[Engine], Awaitable[None]] | None = None,
     wait_registered: float | None = None,
+    token: str | None = None,
+    max_model_len: int | None = None,
+    kv_host: str | None = None,
 ) -> AsyncIterator[WorkerHandle]:
     """Start an engine and (when ``router_url`` is given) the heartbeat task.
 
     ``kv_address`` defaults to the engine's bound address; pass the address
-    other hosts should use when the engine listens on a wildcard. ``on_engine``
+    other hosts should use when the engine listens on a wildcard (or just
+    ``kv_host``: that host with the engine's port). ``on_engine``
     runs after the engine started and before registration (set up a KV
     connector there, so no request arrives before it exists).
     ``wait_registered`` waits up to that many seconds for the first
-    registration. On exit the heartbeat is cancelled, the instance
-    deregistered (bounded) and the engine closed.
+    registration. ``token``: the router's shared token (default
+    ``$AIOKV_ROUTER_TOKEN``). ``max_model_len``: the model's context in tokens,
+    told to the router so it refuses longer ``max_tokens`` up front. On exit the
+    heartbeat is cancelled, the instance deregistered (bounded) and the engine
+    closed.
     """
     from aiokv import Engine
 
@@ -201,8 +262,16 @@ async def worker_lifespan(
         task: asyncio.Task[None] | None = None
         if router_url is not None:
             reg = WorkerRegistration(
-                router_url, role, url, kv_address or engine.address, model, heartbeat_interval
+                router_url,
+                role,
+                url,
+                kv_address or _with_host(engine.address, kv_host),
+                model,
+                heartbeat_interval,
+                max_model_len=max_model_len,
             )
+            if token is not None:
+                reg.token = token
             task = asyncio.create_task(register_with_router(reg), name=f"aiokv-heartbeat-{role}")
             if wait_registered is not None:
                 with contextlib.suppress(asyncio.TimeoutError):
@@ -219,11 +288,27 @@ async def worker_lifespan(
                     await deregister(reg)
 
 
+def _with_host(address: str, host: str | None) -> str:
+    """``address`` (``host:port``) with its host replaced by ``host`` when given."""
+    if not host:
+        return address
+    port = address.rpartition(":")[2]
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+
 def bind_socket(host: str = "127.0.0.1", port: int = 0) -> socket.socket:
-    """A listening TCP socket; ``port=0`` picks a free port (see ``getsockname()``)."""
+    """A listening TCP socket; ``port=0`` picks a free port (see ``getsockname()``).
+
+    Made with ``proto=IPPROTO_TCP`` and ``TCP_NODELAY`` set: asyncio only sets
+    ``TCP_NODELAY`` on accepted connections whose socket says ``IPPROTO_TCP``
+    (a ``proto=0`` socket's connections keep Nagle's algorithm, and a small
+    response then waits ~40 ms for the peer's delayed ACK), and on Linux the
+    accepted connections inherit the option from the listener as well.
+    """
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)
     try:
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         sock.bind((host, port))
         sock.listen(1024)

@@ -105,3 +105,61 @@ def test_missing_part_is_a_clear_error(
     rc = cli.main(["bench", "kv"])
     assert rc == 2
     assert "aiokv.kv.bench is not available" in capsys.readouterr().err
+
+
+def test_help_and_router_import_do_not_import_torch() -> None:
+    """``aiokv --help`` stays fast: neither the CLI nor the router pulls in torch."""
+    code = (
+        "import sys, contextlib, io\n"
+        "from aiokv import cli\n"
+        "import aiokv.router\n"
+        "with contextlib.redirect_stdout(io.StringIO()), contextlib.suppress(SystemExit):\n"
+        "    cli.main(['--help'])\n"
+        "assert 'torch' not in sys.modules, 'torch was imported'\n"
+        "from aiokv import Engine, EngineConfig, AiokvError\n"
+        "import aiokv\n"
+        "assert all(hasattr(aiokv, n) for n in aiokv.__all__)\n"
+        "print('ok')\n"
+    )
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    r = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=60, env=env
+    )
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.strip() == "ok"
+
+
+def test_router_help_lists_its_options() -> None:
+    r = _aiokv("router", "--help")
+    assert r.returncode == 0, r.stderr
+    for opt in ("--token", "--prefill", "--decode", "--discovery", "--allow-link-local"):
+        assert opt in r.stdout
+    assert "AIOKV_ROUTER_TOKEN" in r.stdout
+
+
+def test_worker_help_has_texts() -> None:
+    r = subprocess.run(
+        [sys.executable, "-m", "aiokv.demo.worker", "--help"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env=dict(os.environ, PYTHONPATH=str(ROOT), COLUMNS="200"),
+    )
+    assert r.returncode == 0, r.stderr
+    assert "which leg this worker serves" in r.stdout
+    assert "router base URL to register with" in r.stdout
+    assert "heartbeats are logged at debug" in r.stdout
+
+
+def test_router_refuses_itself_as_a_static_worker() -> None:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    r = _aiokv("router", "--port", str(port), "--prefill", f"http://localhost:{port}", timeout=30)
+    assert r.returncode == 2
+    assert "this router's own address" in r.stderr
+    r = _aiokv("router", "--prefill", "http://169.254.169.254", timeout=30)
+    assert r.returncode == 2
+    assert "link-local" in r.stderr

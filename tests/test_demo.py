@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import os
 import signal
 import subprocess
@@ -95,10 +96,9 @@ async def running(app: Any, sock: Any = None) -> AsyncIterator[str]:
         sock.close()
 
 
-@needs_connector
-@pytest.mark.anyio
-@pytest.mark.timeout(90)
-async def test_workers_in_process_chat_and_completions() -> None:
+@contextlib.asynccontextmanager
+async def demo_cluster() -> AsyncIterator[httpx.AsyncClient]:
+    """Router + registered prefill and decode demo workers, in this process."""
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
@@ -108,8 +108,9 @@ async def test_workers_in_process_chat_and_completions() -> None:
             for role in roles:
                 sock = bind_socket("127.0.0.1", 0)
                 cfg = WorkerConfig(role=role, router_url=router_url, heartbeat_interval=0.2)
-                app = create_worker_app(cfg, socket_url(sock))
-                await stack.enter_async_context(running(app, sock))
+                await stack.enter_async_context(
+                    running(create_worker_app(cfg, socket_url(sock)), sock)
+                )
             client = await stack.enter_async_context(
                 httpx.AsyncClient(base_url=router_url, timeout=30)
             )
@@ -117,38 +118,176 @@ async def test_workers_in_process_chat_and_completions() -> None:
                 if (await client.get("/healthz")).json()["ready"]:
                     break
                 await asyncio.sleep(0.1)
-            model = TinyTransformer()
-
-            prompt = "Disaggregated serving, in process."
-            r = await client.post(
-                "/v1/completions",
-                json={"model": DEFAULT_MODEL_NAME, "prompt": prompt, "max_tokens": 6},
-            )
-            assert r.status_code == 200, r.text
-            data = r.json()
-            assert data["choices"][0]["token_ids"] == model.generate(tokenize(prompt), 6)
-            kv = data["kv_transfer_params"]
-            assert kv["num_tokens"] == len(tokenize(prompt)) and kv["transfer_bytes"] > 0
-            assert int(r.headers["x-aiokv-transfer-bytes"]) == kv["transfer_bytes"]
-
-            messages = [{"role": "user", "content": "hello there"}]
-            r = await client.post(
-                "/v1/chat/completions",
-                json={"model": DEFAULT_MODEL_NAME, "messages": messages, "max_tokens": 5},
-            )
-            assert r.status_code == 200, r.text
-            choice = r.json()["choices"][0]
-            assert choice["token_ids"] == model.generate(tokenize(chat_prompt(messages)), 5)
-            assert isinstance(choice["message"]["content"], str)
-
-            # a request the worker rejects is passed through as a 4xx, not retried
-            r = await client.post(
-                "/v1/completions",
-                json={"model": DEFAULT_MODEL_NAME, "prompt": [99999], "max_tokens": 2},
-            )
-            assert r.status_code == 400, r.text
-
-            metrics = (await client.get("/metrics")).text
-            assert "aiokv_router_kv_transfer_seconds_count 2.0" in metrics
+            yield client
     finally:
         torch.set_num_threads(threads)
+
+
+@needs_connector
+@pytest.mark.anyio
+@pytest.mark.timeout(90)
+async def test_chat_stream_role_and_context_limit() -> None:
+    async with demo_cluster() as client:
+        # a streamed chat answer names the speaker in its first delta, as OpenAI's does
+        chat = {
+            "model": DEFAULT_MODEL_NAME,
+            "messages": [{"role": "user", "content": "hi"}],
+            "max_tokens": 3,
+            "stream": True,
+        }
+        async with client.stream("POST", "/v1/chat/completions", json=chat) as rs:
+            assert rs.status_code == 200
+            deltas = [
+                json.loads(x[6:])["choices"][0]["delta"]
+                async for x in rs.aiter_lines()
+                if x.startswith("data: {")
+            ]
+        assert len(deltas) == 3
+        assert deltas[0]["role"] == "assistant"
+        assert all("role" not in d and isinstance(d["content"], str) for d in deltas[1:])
+
+        # max_tokens beyond the model's context is refused, stating the limit
+        context = TinyTransformer().config.max_positions
+        r = await client.post(
+            "/v1/completions",
+            json={"model": DEFAULT_MODEL_NAME, "prompt": "x", "max_tokens": context + 1},
+        )
+        assert r.status_code == 400, r.text
+        assert f"{context} tokens" in r.json()["error"]["message"]
+        # ... also when it is the prompt that leaves too little room (the worker checks that)
+        r = await client.post(
+            "/v1/completions",
+            json={"model": DEFAULT_MODEL_NAME, "prompt": "x" * 100, "max_tokens": context - 50},
+        )
+        assert r.status_code == 400, r.text
+        assert f"context of {context} tokens" in r.json()["error"]["message"]
+
+
+@needs_connector
+@pytest.mark.anyio
+@pytest.mark.timeout(90)
+async def test_workers_in_process_chat_and_completions() -> None:
+    async with demo_cluster() as client:
+        model = TinyTransformer()
+
+        prompt = "Disaggregated serving, in process."
+        r = await client.post(
+            "/v1/completions",
+            json={"model": DEFAULT_MODEL_NAME, "prompt": prompt, "max_tokens": 6},
+        )
+        assert r.status_code == 200, r.text
+        data = r.json()
+        assert data["choices"][0]["token_ids"] == model.generate(tokenize(prompt), 6)
+        kv = data["kv_transfer_params"]
+        assert kv["num_tokens"] == len(tokenize(prompt)) and kv["transfer_bytes"] > 0
+        assert int(r.headers["x-aiokv-transfer-bytes"]) == kv["transfer_bytes"]
+        # vLLM's contract: the prefill said where its KV is (the engine's address, block ids)
+        assert kv["do_remote_prefill"] is True and kv["do_remote_decode"] is False
+        assert f"{kv['remote_host']}:{kv['remote_port']}" == kv["remote_engine_id"]
+        assert len(kv["remote_block_ids"]) == kv["num_blocks"] >= 1
+        assert r.headers["x-request-id"] == kv["remote_request_id"]
+
+        messages = [{"role": "user", "content": "hello there"}]
+        r = await client.post(
+            "/v1/chat/completions",
+            json={"model": DEFAULT_MODEL_NAME, "messages": messages, "max_tokens": 5},
+        )
+        assert r.status_code == 200, r.text
+        choice = r.json()["choices"][0]
+        assert choice["token_ids"] == model.generate(tokenize(chat_prompt(messages)), 5)
+        assert isinstance(choice["message"]["content"], str)
+
+        # a request the worker rejects is passed through as a 4xx, not retried
+        r = await client.post(
+            "/v1/completions",
+            json={"model": DEFAULT_MODEL_NAME, "prompt": [99999], "max_tokens": 2},
+        )
+        assert r.status_code == 400, r.text
+
+        metrics = (await client.get("/metrics")).text
+        assert "aiokv_router_kv_transfer_seconds_count 2.0" in metrics
+
+
+@needs_connector
+@pytest.mark.anyio
+@pytest.mark.timeout(90)
+async def test_demo_workers_behind_static_lists() -> None:
+    """The demo's workers without registration, named on the router's command line the
+    way vLLM instances are: the same protocol serves both."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        async with contextlib.AsyncExitStack() as stack:
+            urls: dict[str, str] = {}
+            roles: tuple[Literal["prefill", "decode"], ...] = ("prefill", "decode")
+            for role in roles:
+                sock = bind_socket("127.0.0.1", 0)
+                app = create_worker_app(WorkerConfig(role=role), socket_url(sock))
+                urls[role] = await stack.enter_async_context(running(app, sock))
+            cfg = RouterConfig(prefill=(urls["prefill"],), decode=(urls["decode"],))
+            router_url = await stack.enter_async_context(running(create_router_app(cfg)))
+            client = await stack.enter_async_context(
+                httpx.AsyncClient(base_url=router_url, timeout=30)
+            )
+            for _ in range(200):
+                if (await client.get("/healthz")).status_code == 200:
+                    break
+                await asyncio.sleep(0.05)
+            models = (await client.get("/v1/models")).json()["data"]
+            assert [m["id"] for m in models] == [DEFAULT_MODEL_NAME]
+            model = TinyTransformer()
+            for prompt, stream in (("static one", False), ("static two", True)):
+                body = {"model": DEFAULT_MODEL_NAME, "prompt": prompt, "max_tokens": 5}
+                if not stream:
+                    r = await client.post("/v1/completions", json=body)
+                    assert r.status_code == 200, r.text
+                    toks = r.json()["choices"][0]["token_ids"]
+                else:
+                    toks = []
+                    async with client.stream(
+                        "POST", "/v1/completions", json=body | {"stream": True}
+                    ) as rs:
+                        assert rs.status_code == 200
+                        assert float(rs.headers["x-aiokv-transfer-seconds"]) > 0
+                        async for line in rs.aiter_lines():
+                            if line.startswith("data: {"):
+                                toks += json.loads(line[6:])["choices"][0]["token_ids"]
+                assert toks == model.generate(tokenize(prompt), 5)
+    finally:
+        torch.set_num_threads(threads)
+
+
+@needs_connector
+@pytest.mark.anyio
+@pytest.mark.timeout(90)
+async def test_worker_logs_heartbeats_only_at_debug(tmp_path: Path) -> None:
+    """At ``--log-level info`` a registered worker's log stays quiet between requests."""
+    async with running(create_router_app(RouterConfig())) as router_url:
+        async with httpx.AsyncClient(base_url=router_url, timeout=10) as client:
+            argv = [sys.executable, "-m", "aiokv.demo.worker", "--role", "decode"]
+            argv += ["--router", router_url, "--heartbeat-interval", "0.05"]
+            argv += ["--log-level", "info"]
+            proc = await asyncio.to_thread(
+                subprocess.Popen,
+                argv,
+                cwd=ROOT,
+                env=dict(os.environ, PYTHONPATH=str(ROOT)),
+                stdout=subprocess.DEVNULL,
+                stderr=subprocess.PIPE,
+            )
+            try:
+                for _ in range(600):
+                    if (await client.get("/instances")).json()["instances"]:
+                        break
+                    assert proc.poll() is None
+                    await asyncio.sleep(0.05)
+                else:
+                    raise AssertionError("the worker never registered")
+                await asyncio.sleep(1.0)  # ~20 heartbeats
+            finally:
+                proc.terminate()
+                _, err = await asyncio.to_thread(proc.communicate, timeout=30)
+    lines = err.decode(errors="replace").splitlines()
+    assert any("registered with" in x for x in lines), lines[-20:]
+    noisy = [x for x in lines if "heartbeat" in x.lower()]
+    assert not noisy, noisy[:5]

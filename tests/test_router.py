@@ -35,6 +35,15 @@ from aiokv.serving import (
 )
 
 MODEL = "fake-model"
+#: what vLLM's toy proxy puts in the prefill request (NixlConnector / MooncakeConnector)
+VLLM_PREFILL_PARAMS = {
+    "do_remote_decode": True,
+    "do_remote_prefill": False,
+    "remote_engine_id": None,
+    "remote_block_ids": None,
+    "remote_host": None,
+    "remote_port": None,
+}
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -47,18 +56,45 @@ def anyio_backend() -> str:
 
 
 class FakeWorker:
-    """A stand-in prefill or decode server that records what it was sent."""
+    """A stand-in prefill or decode server that behaves like vLLM with NixlConnector.
+
+    The prefill side checks it got vLLM's prefill request (max_tokens 1, no
+    stream, the do_remote_decode kv_transfer_params) and answers with
+    kv_transfer_params that say where its KV is; the decode side records what
+    it was given. Both record the X-Request-Id header.
+    """
 
     def __init__(self, role: str, name: str, kv_address: str = "127.0.0.1:1") -> None:
         self.role = role
         self.name = name
         self.kv_address = kv_address
         self.calls: list[dict[str, Any]] = []
+        self.request_ids: list[str | None] = []
         self.fail_status: int | None = None
+        self.fail_code = "boom"
         self.gate: asyncio.Event | None = None
         self.entered = asyncio.Event()
         self.tokens = 4
         self.app = self._build()
+
+    def produced(self, request_id: str | None) -> dict[str, Any]:
+        host, _, port = self.kv_address.rpartition(":")
+        return {
+            "do_remote_prefill": True,
+            "do_remote_decode": False,
+            "remote_engine_id": f"engine-{self.name}",
+            "remote_block_ids": [3, 4],
+            "remote_host": host,
+            "remote_port": int(port),
+            "tp_size": 1,
+            "remote_request_id": request_id,
+            "num_tokens": 3,
+            "num_blocks": 1,
+            "first_token": 7,
+            "transfer_seconds": 0.002,
+            "transfer_bytes": 4096,
+            "served_by": self.name,
+        }
 
     def _build(self) -> FastAPI:
         app = FastAPI()
@@ -66,33 +102,27 @@ class FakeWorker:
         async def handle(request: Request) -> Response:
             body = await request.json()
             self.calls.append(body)
+            self.request_ids.append(request.headers.get("x-request-id"))
             self.entered.set()
             if self.gate is not None:
                 await self.gate.wait()
             if self.fail_status is not None:
                 return JSONResponse(
-                    {"error": {"message": "boom", "code": "boom"}}, self.fail_status
+                    {"error": {"message": "boom", "code": self.fail_code}}, self.fail_status
                 )
             params = body.get("kv_transfer_params") or {}
             if self.role == "prefill":
-                assert params["role"] == "producer"
+                assert params == VLLM_PREFILL_PARAMS, params
                 assert body["max_tokens"] == 1 and body["stream"] is False
                 return JSONResponse(
                     {
-                        "id": params["request_id"],
+                        "id": "cmpl-1",
                         "object": "text_completion",
                         "choices": [{"index": 0, "text": "a", "token_ids": [7]}],
-                        "kv_transfer_params": {
-                            "num_tokens": 3,
-                            "num_blocks": 1,
-                            "first_token": 7,
-                            "transfer_seconds": 0.002,
-                            "transfer_bytes": 4096,
-                            "served_by": self.name,
-                        },
+                        "kv_transfer_params": self.produced(request.headers.get("x-request-id")),
                     }
                 )
-            assert params["role"] == "consumer"
+            assert params["do_remote_prefill"] is True
             n = int(body.get("max_tokens") or self.tokens)
             if body.get("stream"):
 
@@ -209,22 +239,23 @@ def test_registry_eviction_and_cooldown() -> None:
     reg = Registry(evict_after=3.0, clock=clock)
     a = reg.register("decode", "http://a", "h:1", "m")
     b = reg.register("decode", "http://b", "h:2", "m")
-    assert reg.register("decode", "http://a", "h:9", "m") is a and a.kv_address == "h:9"
+    again = reg.register("decode", "http://a", "h:9", "m", secret=a.secret)
+    assert again is a and a.kv_address == "h:9"
     clock.now += 2
-    reg.heartbeat(b.instance_id)
+    reg.heartbeat(b.instance_id, b.secret)
     clock.now += 1.5
     assert [i.url for i in reg.evict_stale()] == ["http://a"]
-    assert reg.heartbeat(a.instance_id) is None
+    assert reg.heartbeat(a.instance_id, a.secret) is None
     reg.mark_unhealthy(b)
     with pytest.raises(NoInstanceError):
         reg.select("decode", "m")
     with pytest.raises(UnknownModelError):
         reg.select("decode", "other")
     clock.now += 1
-    reg.heartbeat(b.instance_id)
+    reg.heartbeat(b.instance_id, b.secret)
     assert not b.healthy  # still cooling down
     clock.now += 3
-    reg.heartbeat(b.instance_id)
+    reg.heartbeat(b.instance_id, b.secret)
     assert b.healthy and reg.select("decode", "m") is b
 
 
@@ -269,25 +300,14 @@ async def test_round_robin_routing_and_kv_params() -> None:
             assert r.headers["x-aiokv-transfer-bytes"] == "4096"
             assert r.headers["x-aiokv-prefill-url"] == urls[0]
         assert served == ["d0", "d1", "d0", "d1"]
-        # the prefill was told where the decode's engine listens; the decode where the prefill's is
-        for call in p.calls:
-            assert call["kv_transfer_params"]["consumer_kv_address"] in (
-                "127.0.0.1:6000",
-                "127.0.0.1:6001",
-            )
-        for dcall in d0.calls:
-            kv = dcall["kv_transfer_params"]
-            assert kv["producer_kv_address"] == "127.0.0.1:5001"
-            assert kv["num_tokens"] == 3 and kv["first_token"] == 7
-            assert kv["served_by"] == "p0"  # whatever the prefill returned is forwarded
-        # same request id on both legs
-        pids = [c["kv_transfer_params"]["request_id"] for c in p.calls]
-        dids = {c["kv_transfer_params"]["request_id"] for c in d0.calls + d1.calls}
-        assert set(pids) == dids and len(set(pids)) == 4
-        assert all(
-            c["kv_transfer_params"]["consumer_kv_address"] == "127.0.0.1:6000"
-            for c in p.calls[0::2]
-        )
+        # vLLM's protocol: the decode gets the prefill's kv_transfer_params verbatim,
+        # and both legs carry the same X-Request-Id
+        assert len(p.calls) == 4
+        for dcall, did in zip(d0.calls + d1.calls, d0.request_ids + d1.request_ids):
+            assert did is not None
+            assert dcall["kv_transfer_params"] == p.produced(did)
+        assert set(p.request_ids) == set(d0.request_ids + d1.request_ids)
+        assert len(set(p.request_ids)) == 4
 
         r = await client.post(
             "/v1/chat/completions",
@@ -513,7 +533,10 @@ async def test_heartbeat_reregisters_and_deregister() -> None:
                 first_id = reg.instance_id
                 assert first_id is not None
                 # the router forgets it: the helper registers again
-                await client.post("/deregister", json={"instance_id": first_id})
+                await client.post(
+                    "/deregister",
+                    json={"instance_id": first_id, "instance_secret": reg.instance_secret},
+                )
                 await wait_until(lambda: reg.registrations >= 2)
                 assert reg.registrations == 2 and reg.instance_id != first_id
                 # heartbeats keep it alive past evict_after

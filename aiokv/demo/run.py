@@ -18,6 +18,7 @@ import asyncio
 import contextlib
 import json
 import os
+import secrets
 import shutil
 import signal
 import statistics
@@ -83,11 +84,13 @@ class Children:
         self.logdir = logdir
         self.procs: dict[str, subprocess.Popen[bytes]] = {}
         self._logs: list[object] = []
+        # the router and the workers share a fresh registration token, as a deployment would
+        self.token = secrets.token_urlsafe(24)
 
     def start(self, name: str, argv: list[str]) -> subprocess.Popen[bytes]:
         log = open(self.logdir / f"{name}.log", "wb")  # closed in teardown
         self._logs.append(log)
-        env = dict(os.environ, PYTHONUNBUFFERED="1")
+        env = dict(os.environ, PYTHONUNBUFFERED="1", AIOKV_ROUTER_TOKEN=self.token)
         proc = subprocess.Popen(
             argv,
             stdin=subprocess.DEVNULL,

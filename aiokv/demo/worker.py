@@ -3,24 +3,32 @@
     python -m aiokv.demo.worker --role prefill --router http://127.0.0.1:8000
     python -m aiokv.demo.worker --role decode  --router http://127.0.0.1:8000
 
-The app's lifespan starts an :class:`aiokv.Engine` and a
-:class:`aiokv.kv.KVConnector` over the model's paged cache, and keeps the
-worker registered with the router (:mod:`aiokv.serving`).
+The app's lifespan starts an :class:`aiokv.Engine` over the model's paged
+cache and keeps the worker registered with the router (:mod:`aiokv.serving`;
+the router token comes from ``--router-token`` or ``$AIOKV_ROUTER_TOKEN``).
 
-``kv_transfer_params`` in a request body select the leg:
+The worker speaks vLLM's disaggregation contract, so the router treats it
+like a vLLM instance running NixlConnector. ``kv_transfer_params`` in a
+request body select the leg:
 
-``{"role": "producer", "request_id", "consumer_kv_address"}`` (prefill)
-    prefill the prompt, send its KV blocks to the consumer's engine
-    (returns when that engine holds them), free the blocks, answer with the
-    first token and ``kv_transfer_params`` ``{num_tokens, num_blocks,
-    first_token, transfer_seconds, transfer_bytes, prefill_seconds}``.
-``{"role": "consumer", "request_id", "producer_kv_address", "num_tokens", "first_token", ...}``
-    allocate blocks, collect the KV into them, decode greedily (SSE when
-    ``stream`` is true).
+``{"do_remote_decode": true, ...}`` (prefill, sent with ``max_tokens: 1``)
+    prefill the prompt, gather its KV blocks into one buffer published on
+    the engine (GET mode) under ``"<request id>#kv"``, free the blocks, and
+    answer with the first token and ``kv_transfer_params`` ``{do_remote_prefill:
+    true, do_remote_decode: false, remote_engine_id, remote_host, remote_port
+    (the engine's address), remote_block_ids, remote_request_id, num_tokens,
+    num_blocks, first_token, transfer_bytes, prefill_seconds}``. The buffer is
+    unpublished after ``kv_timeout`` seconds.
+``{"do_remote_prefill": true, "remote_host", "remote_port", ...}`` (decode)
+    allocate blocks, GET the buffer from the prefill's engine, scatter it into
+    them, decode greedily (SSE when ``stream`` is true). The response carries
+    ``x-aiokv-transfer-seconds`` / ``x-aiokv-transfer-bytes`` headers.
 
+The request id is the ``X-Request-Id`` header (one is made up without it).
 Without ``kv_transfer_params`` the worker serves the request on its own.
 Every response choice carries ``token_ids`` (the toy tokenizer is lossy).
 Model compute runs on one dedicated thread, so the event loop never blocks.
+torch is imported only when the worker starts, so ``--help`` is quick.
 """
 
 from __future__ import annotations
@@ -37,14 +45,15 @@ import uuid
 from collections.abc import AsyncIterator, Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any, Literal, TypeVar
+from typing import TYPE_CHECKING, Any, Literal, TypeVar
 
-import torch
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from .._exceptions import AiokvError
-from .model import ModelConfig, OutOfBlocksError, TinyTransformer, chat_prompt, detokenize, tokenize
+
+if TYPE_CHECKING:
+    from .model import ModelConfig, TinyTransformer
 
 __all__ = ["DEFAULT_MODEL_NAME", "WorkerConfig", "create_app", "main"]
 
@@ -52,6 +61,13 @@ log = logging.getLogger("aiokv.demo.worker")
 
 DEFAULT_MODEL_NAME = "aiokv-demo"
 T = TypeVar("T")
+_MAX_BODY = 8 * 1024 * 1024  # above the router's default 4 MiB
+
+
+def _default_model() -> ModelConfig:
+    from .model import ModelConfig
+
+    return ModelConfig()
 
 
 @dataclass(frozen=True, slots=True)
@@ -59,13 +75,16 @@ class WorkerConfig:
     role: Literal["prefill", "decode"]
     router_url: str | None = None
     model_name: str = DEFAULT_MODEL_NAME
-    model: ModelConfig = field(default_factory=ModelConfig)
+    model: ModelConfig = field(default_factory=_default_model)
     device: str = "cpu"
     transport: str = "auto"
     kv_listen: str = "127.0.0.1:0"
     heartbeat_interval: float = 0.5
     kv_timeout: float = 30.0
     default_max_tokens: int = 16
+    router_token: str | None = None  # default: $AIOKV_ROUTER_TOKEN
+    #: host other machines reach the engine at (when it listens on a wildcard)
+    advertise_host: str | None = None
 
 
 class _BadRequest(Exception):
@@ -102,9 +121,11 @@ class _Worker:
     """State shared by the handlers of one worker app."""
 
     def __init__(self, cfg: WorkerConfig) -> None:
+        from . import model as model_mod
+
         self.cfg = cfg
+        self.mod = model_mod
         self.model: TinyTransformer | None = None
-        self.connector: Any = None
         self.engine: Any = None
         self.layout: Any = None
         self.executor = ThreadPoolExecutor(
@@ -113,10 +134,19 @@ class _Worker:
 
     def _init_thread(self) -> None:
         if self.cfg.device.startswith("cuda"):
+            import torch
+
             torch.cuda.set_device(torch.device(self.cfg.device))
 
     async def run(self, fn: Callable[..., T], *args: Any) -> T:
         return await asyncio.get_running_loop().run_in_executor(self.executor, fn, *args)
+
+    @property
+    def kv_address(self) -> str:
+        """The engine's address as other machines reach it."""
+        from ..serving import _with_host
+
+        return _with_host(str(self.engine.address), self.cfg.advertise_host)
 
     @property
     def m(self) -> TinyTransformer:
@@ -132,20 +162,21 @@ class _Worker:
         if model != self.cfg.model_name:
             raise _BadRequest(
                 404,
-                f"model {model!r} is not served here (serving {self.cfg.model_name!r})",
+                f"model {str(model)[:64]!r} is not served here (serving {self.cfg.model_name!r})",
                 "model_not_found",
             )
+        mod = self.mod
         if chat:
             messages = body.get("messages")
             if not isinstance(messages, list) or not all(isinstance(m, dict) for m in messages):
                 raise _BadRequest(400, "'messages' must be a list of objects", "invalid_messages")
-            tokens = tokenize(chat_prompt(messages))
+            tokens = mod.tokenize(mod.chat_prompt(messages))
         else:
             prompt = body.get("prompt")
             if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
                 prompt = prompt[0]
             if isinstance(prompt, str):
-                tokens = tokenize(prompt)
+                tokens = mod.tokenize(prompt)
             elif (
                 isinstance(prompt, list)
                 and prompt
@@ -161,8 +192,13 @@ class _Worker:
                 raise _BadRequest(
                     400, "'prompt' must be a string or a list of valid token ids", "invalid_prompt"
                 )
-        if len(tokens) + 1 > self.m.config.max_positions:
-            raise _BadRequest(400, "prompt too long for the model", "prompt_too_long")
+        context = self.m.config.max_positions
+        if len(tokens) + 1 > context:
+            raise _BadRequest(
+                400,
+                f"the prompt has {len(tokens)} tokens; the model's context is {context} tokens",
+                "context_length_exceeded",
+            )
         max_tokens = (
             body.get("max_tokens")
             or body.get("max_completion_tokens")
@@ -170,7 +206,13 @@ class _Worker:
         )
         if not isinstance(max_tokens, int) or isinstance(max_tokens, bool) or max_tokens < 1:
             raise _BadRequest(400, "'max_tokens' must be a positive integer", "invalid_max_tokens")
-        max_tokens = min(max_tokens, self.m.config.max_positions - len(tokens))
+        if len(tokens) + max_tokens > context:
+            raise _BadRequest(
+                400,
+                f"'max_tokens' {max_tokens} plus the prompt's {len(tokens)} tokens exceed the "
+                f"model's context of {context} tokens (at most {context - len(tokens)} here)",
+                "context_length_exceeded",
+            )
         stream = bool(body.get("stream", False))
         kv = body.get("kv_transfer_params")
         if kv is not None and not isinstance(kv, dict):
@@ -187,7 +229,7 @@ class _Worker:
         n_prompt: int,
         extra: dict[str, Any] | None = None,
     ) -> dict[str, Any]:
-        text = detokenize(toks)
+        text = self.mod.detokenize(toks)
         choice: dict[str, Any] = {"index": 0, "token_ids": toks, "finish_reason": "length"}
         if chat:
             choice["message"] = {"role": "assistant", "content": text}
@@ -209,16 +251,18 @@ class _Worker:
             out["kv_transfer_params"] = extra
         return out
 
-    def chunk(self, rid: str, chat: bool, tok: int, last: bool) -> bytes:
+    def chunk(self, rid: str, chat: bool, tok: int, first: bool, last: bool) -> bytes:
         choice: dict[str, Any] = {
             "index": 0,
             "token_ids": [tok],
             "finish_reason": "length" if last else None,
         }
+        text = self.mod.detokenize([tok])
         if chat:
-            choice["delta"] = {"content": detokenize([tok])}
+            # OpenAI's first chat delta names the speaker
+            choice["delta"] = {"role": "assistant", "content": text} if first else {"content": text}
         else:
-            choice["text"] = detokenize([tok])
+            choice["text"] = text
         data = {
             "id": rid,
             "object": "chat.completion.chunk" if chat else "text_completion",
@@ -230,39 +274,58 @@ class _Worker:
 
     # -- the two legs ----------------------------------------------------------------------
 
-    async def produce(
-        self, rid: str, chat: bool, tokens: list[int], kv: dict[str, Any]
-    ) -> Response:
-        request_id = _str(kv, "request_id")
-        consumer = _str(kv, "consumer_kv_address")
+    def _prefill_gather(self, tokens: list[int]) -> tuple[int, list[int], Any]:
+        """On the model thread: prefill, copy the blocks out into one buffer, free them."""
+        from aiokv.kv import gather_blocks
+
+        first, blocks = self.m.prefill(tokens)
+        try:
+            buf = gather_blocks(self.m.kv_caches, self.layout, blocks)
+            if buf.is_cuda:
+                import torch
+
+                torch.cuda.current_stream().synchronize()  # ready before the loop thread sends it
+        finally:
+            self.m.free(blocks)
+        return first, blocks, buf
+
+    def _scatter_decode(
+        self, buf: Any, blocks: list[int], num_tokens: int, first: int, n: int | None
+    ) -> list[int]:
+        """On the model thread: write the pulled KV into ``blocks``, then decode ``n`` tokens."""
+        from aiokv.kv import scatter_blocks
+
+        scatter_blocks(buf, self.m.kv_caches, self.layout, blocks)
+        return [] if n is None else self.m.decode(blocks, num_tokens, first, n)
+
+    async def produce(self, rid: str, request_id: str, chat: bool, tokens: list[int]) -> Response:
+        """Prefill leg: compute the KV, publish it for the decode side to pull."""
         t0 = time.perf_counter()
         try:
-            first, blocks = await self.run(self.m.prefill, tokens)
-        except OutOfBlocksError as e:
+            first, blocks, buf = await self.run(self._prefill_gather, tokens)
+        except self.mod.OutOfBlocksError as e:
             return _err(503, str(e), "out_of_kv_blocks", "server_error")
-        t1 = time.perf_counter()
+        name = f"{request_id}#kv"
         try:
-            await self.connector.send_request(
-                request_id, blocks, to=consumer, timeout=self.cfg.kv_timeout
-            )
+            self.engine.publish(name, buf)
         except AiokvError as e:
-            log.warning("KV send of %s to %s failed: %r", request_id, consumer, e)
-            return _err(
-                502,
-                f"KV transfer to {consumer} failed: {type(e).__name__}: {e}",
-                "kv_transfer_failed",
-                "server_error",
-            )
-        finally:
-            self.executor.submit(self.m.free, blocks)  # ordered after any compute on the thread
-        t2 = time.perf_counter()
+            return _err(503, f"cannot publish the KV: {e}", "kv_publish_failed", "server_error")
+        asyncio.get_running_loop().call_later(self.cfg.kv_timeout, self.engine.unpublish, name)
+        address = self.kv_address
+        host, _, port = address.rpartition(":")
         params = {
+            "do_remote_prefill": True,
+            "do_remote_decode": False,
+            "remote_engine_id": address,
+            "remote_block_ids": blocks,
+            "remote_host": host.strip("[]"),
+            "remote_port": int(port),
+            "remote_request_id": request_id,
             "num_tokens": len(tokens),
             "num_blocks": len(blocks),
             "first_token": first,
-            "prefill_seconds": round(t1 - t0, 6),
-            "transfer_seconds": round(t2 - t1, 6),
-            "transfer_bytes": int(self.layout.request_nbytes(len(blocks))),
+            "transfer_bytes": int(buf.numel()),
+            "prefill_seconds": round(time.perf_counter() - t0, 6),
         }
         return JSONResponse(self.completion(rid, chat, [first], len(tokens), params))
 
@@ -275,10 +338,15 @@ class _Worker:
         stream: bool,
         kv: dict[str, Any],
     ) -> Response:
-        request_id = _str(kv, "request_id")
-        producer = _str(kv, "producer_kv_address")
+        """Decode leg: pull the KV from the prefill's engine, then decode."""
+        host = _str(kv, "remote_host")
+        port = _int(kv, "remote_port", 1)
+        request_id = _str(kv, "remote_request_id")
         num_tokens = _int(kv, "num_tokens", 1)
         first = _int(kv, "first_token")
+        remote_blocks = kv.get("remote_block_ids")
+        if port > 65535 or len(host) > 255 or len(request_id) > 200:
+            raise _BadRequest(400, "kv_transfer_params: bad remote address", "invalid_kv_params")
         if num_tokens != len(tokens):
             raise _BadRequest(
                 400,
@@ -289,34 +357,60 @@ class _Worker:
             raise _BadRequest(
                 400, "kv_transfer_params.first_token out of range", "invalid_kv_params"
             )
+        n_blocks = self.m.blocks_for(num_tokens)
+        if not isinstance(remote_blocks, list) or len(remote_blocks) != n_blocks:
+            raise _BadRequest(
+                400,
+                f"kv_transfer_params.remote_block_ids must list {n_blocks} blocks",
+                "invalid_kv_params",
+            )
         try:
-            blocks = self.m.allocator.allocate(self.m.blocks_for(num_tokens))
-        except OutOfBlocksError as e:
+            blocks = self.m.allocator.allocate(n_blocks)
+        except self.mod.OutOfBlocksError as e:
             return _err(503, str(e), "out_of_kv_blocks", "server_error")
+        address = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+        expected = self.layout.request_nbytes(n_blocks)
         t0 = time.perf_counter()
         try:
-            await self.connector.recv_request(
-                request_id, blocks, frm=producer, timeout=self.cfg.kv_timeout
+            buf = await self.engine.get(
+                f"{request_id}#kv", frm=address, timeout=self.cfg.kv_timeout
             )
+            secs = time.perf_counter() - t0
+            if buf.numel() * buf.element_size() != expected:
+                raise _BadRequest(
+                    400,
+                    f"the KV from {address} holds {buf.numel() * buf.element_size()} bytes, "
+                    f"expected {expected}",
+                    "kv_size_mismatch",
+                )
+            toks = await self.run(
+                self._scatter_decode, buf, blocks, num_tokens, first, None if stream else max_tokens
+            )
+            del buf
         except BaseException as e:
             self.executor.submit(self.m.free, blocks)
             if isinstance(e, AiokvError):
-                log.warning("KV recv of %s from %s failed: %r", request_id, producer, e)
+                log.warning("KV fetch of %s from %s failed: %r", request_id, address, e)
                 return _err(
-                    500,
-                    f"KV receive from {producer} failed: {type(e).__name__}: {e}",
-                    "kv_recv_failed",
+                    502,
+                    f"KV fetch from {address} failed: {type(e).__name__}: {str(e)[:200]}",
+                    "kv_fetch_failed",
                     "server_error",
                 )
             raise
-        params = {**kv, "recv_seconds": round(time.perf_counter() - t0, 6)}
+        headers = {
+            "x-aiokv-transfer-seconds": f"{secs:.6f}",
+            "x-aiokv-transfer-bytes": str(expected),
+        }
+        params = {**kv, "transfer_seconds": round(secs, 6), "transfer_bytes": expected}
         if not stream:
-            try:
-                toks = await self.run(self.m.decode, blocks, num_tokens, first, max_tokens)
-            finally:
-                self.executor.submit(self.m.free, blocks)
-            return JSONResponse(self.completion(rid, chat, toks, num_tokens, params))
-        return self.stream_session(rid, chat, blocks, num_tokens, first, max_tokens)
+            self.executor.submit(self.m.free, blocks)
+            return JSONResponse(
+                self.completion(rid, chat, toks, num_tokens, params), headers=headers
+            )
+        resp = self.stream_session(rid, chat, blocks, num_tokens, first, max_tokens)
+        resp.headers.update(headers)
+        return resp
 
     def stream_session(
         self, rid: str, chat: bool, blocks: list[int], num_tokens: int, first: int, n: int
@@ -336,7 +430,7 @@ class _Worker:
             try:
                 for i in range(n):
                     tok = await self.run(session.step)
-                    yield self.chunk(rid, chat, tok, i == n - 1)
+                    yield self.chunk(rid, chat, tok, i == 0, i == n - 1)
                 yield b"data: [DONE]\n\n"
             finally:
                 # on the model thread, after any step still running there (even if we were cancelled)
@@ -352,7 +446,7 @@ class _Worker:
         """Serve a whole request on this worker (no disaggregation)."""
         try:
             first, blocks = await self.run(self.m.prefill, tokens)
-        except OutOfBlocksError as e:
+        except self.mod.OutOfBlocksError as e:
             return _err(503, str(e), "out_of_kv_blocks", "server_error")
         if not stream:
             try:
@@ -363,35 +457,45 @@ class _Worker:
         return self.stream_session(rid, chat, blocks, len(tokens), first, max_tokens)
 
     async def handle(self, request: Request, chat: bool) -> Response:
+        request_id = request.headers.get("x-request-id") or uuid.uuid4().hex
         try:
-            try:
-                body = json.loads(await request.body())
-            except (json.JSONDecodeError, UnicodeDecodeError) as e:
-                raise _BadRequest(
-                    400, f"request body is not valid JSON: {e}", "invalid_json"
-                ) from None
-            tokens, max_tokens, stream, kv = self.parse(body, chat)
-            rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
-            if kv is None:
-                return await self.local(rid, chat, tokens, max_tokens, stream)
-            role = kv.get("role")
-            if role == "producer":
-                if self.cfg.role != "prefill":
-                    raise _BadRequest(
-                        400, "this is a decode worker; it cannot produce KV", "wrong_role"
-                    )
-                return await self.produce(rid, chat, tokens, kv)
-            if role == "consumer":
-                if self.cfg.role != "decode":
-                    raise _BadRequest(
-                        400, "this is a prefill worker; it cannot consume KV", "wrong_role"
-                    )
-                return await self.consume(rid, chat, tokens, max_tokens, stream, kv)
-            raise _BadRequest(
-                400, "kv_transfer_params.role must be 'producer' or 'consumer'", "invalid_kv_params"
-            )
+            resp = await self._handle(request, chat, request_id[:200])
         except _BadRequest as e:
-            return _err(e.status, e.message, e.code)
+            resp = _err(e.status, e.message, e.code)
+        resp.headers["x-request-id"] = request_id[:200]
+        return resp
+
+    async def _handle(self, request: Request, chat: bool, request_id: str) -> Response:
+        raw = await request.body()
+        if len(raw) > _MAX_BODY:
+            raise _BadRequest(413, f"request body exceeds {_MAX_BODY} bytes", "body_too_large")
+        try:
+            body = json.loads(raw)
+        except (ValueError, UnicodeDecodeError, RecursionError) as e:
+            raise _BadRequest(
+                400, f"request body is not valid JSON: {str(e)[:120]}", "invalid_json"
+            ) from None
+        tokens, max_tokens, stream, kv = self.parse(body, chat)
+        rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
+        if not kv:
+            return await self.local(rid, chat, tokens, max_tokens, stream)
+        if kv.get("do_remote_decode") is True:
+            if self.cfg.role != "prefill":
+                raise _BadRequest(
+                    400, "this is a decode worker; it does not prefill for others", "wrong_role"
+                )
+            return await self.produce(rid, request_id, chat, tokens)
+        if kv.get("do_remote_prefill") is True:
+            if self.cfg.role != "decode":
+                raise _BadRequest(
+                    400, "this is a prefill worker; it does not decode for others", "wrong_role"
+                )
+            return await self.consume(rid, chat, tokens, max_tokens, stream, kv)
+        raise _BadRequest(
+            400,
+            "kv_transfer_params must set do_remote_decode (prefill) or do_remote_prefill (decode)",
+            "invalid_kv_params",
+        )
 
 
 def create_app(cfg: WorkerConfig, url: str = "") -> FastAPI:
@@ -401,12 +505,12 @@ def create_app(cfg: WorkerConfig, url: str = "") -> FastAPI:
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         import aiokv
-        from aiokv.kv import FlashAttentionLayout, KVConnector
+        from aiokv.kv import FlashAttentionLayout
 
         from ..serving import worker_lifespan
 
         mc = cfg.model
-        w.model = await w.run(TinyTransformer, mc, cfg.device)
+        w.model = await w.run(w.mod.TinyTransformer, mc, cfg.device)
         w.layout = FlashAttentionLayout(
             num_layers=mc.num_layers,
             num_blocks=mc.num_blocks,
@@ -425,7 +529,6 @@ def create_app(cfg: WorkerConfig, url: str = "") -> FastAPI:
 
         async def on_engine(engine: Any) -> None:
             w.engine = engine
-            w.connector = KVConnector(engine, w.layout, w.m.kv_caches)
 
         try:
             async with worker_lifespan(
@@ -436,14 +539,13 @@ def create_app(cfg: WorkerConfig, url: str = "") -> FastAPI:
                 model=cfg.model_name,
                 heartbeat_interval=cfg.heartbeat_interval,
                 on_engine=on_engine,
+                token=cfg.router_token,
+                max_model_len=mc.max_positions,
+                kv_host=cfg.advertise_host,
             ):
                 log.info("%s worker up: http %s, kv %s", cfg.role, url, w.engine.address)
                 yield
         finally:
-            closer = getattr(w.connector, "aclose", None)
-            if closer is not None:
-                with contextlib.suppress(Exception):
-                    await closer()
             w.executor.shutdown(wait=False, cancel_futures=True)
 
     app = FastAPI(title=f"aiokv demo {cfg.role} worker", lifespan=lifespan)
@@ -457,13 +559,29 @@ def create_app(cfg: WorkerConfig, url: str = "") -> FastAPI:
     async def chat_completions(request: Request) -> Response:
         return await w.handle(request, chat=True)
 
+    @app.get("/v1/models")
+    async def models() -> Response:
+        return JSONResponse(
+            {
+                "object": "list",
+                "data": [
+                    {
+                        "id": cfg.model_name,
+                        "object": "model",
+                        "owned_by": "aiokv",
+                        "max_model_len": cfg.model.max_positions,
+                    }
+                ],
+            }
+        )
+
     @app.get("/healthz")
     async def healthz() -> Response:
         return JSONResponse(
             {
                 "status": "ok",
                 "role": cfg.role,
-                "kv_address": w.engine.address if w.engine else None,
+                "kv_address": w.kv_address if w.engine else None,
                 "free_blocks": w.m.allocator.num_free,
             }
         )
@@ -504,6 +622,8 @@ async def _amain(args: argparse.Namespace) -> None:
         transport=args.transport,
         kv_listen=args.kv_listen or f"{args.host}:0",
         heartbeat_interval=args.heartbeat_interval,
+        router_token=args.router_token,
+        advertise_host=args.advertise_host,
     )
 
     def on_started() -> None:
@@ -531,28 +651,79 @@ async def _amain(args: argparse.Namespace) -> None:
         sock.close()
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m aiokv.demo.worker", description="aiokv demo worker")
-    p.add_argument("--role", choices=("prefill", "decode"), required=True)
-    p.add_argument("--router", default=None, help="router base URL to register with")
-    p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=int, default=0)
-    p.add_argument("--advertise-host", default=None, help="host in the URL given to the router")
-    p.add_argument("--kv-listen", default=None, help="engine listen address (default HOST:0)")
-    p.add_argument("--model-name", default=DEFAULT_MODEL_NAME)
-    p.add_argument("--device", default="cpu")
-    p.add_argument("--transport", default="auto", choices=("auto", "tcp", "nccl"))
-    p.add_argument("--heartbeat-interval", type=float, default=0.5)
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="python -m aiokv.demo.worker",
+        description="A prefill or decode worker of the aiokv demo model: an OpenAI-style "
+        "HTTP server (/v1/completions, /v1/chat/completions) with an aiokv engine that "
+        "moves the KV cache to the decode side. It registers with the router when "
+        "--router is given; the router may also list it with --prefill/--decode.",
+    )
+    p.add_argument(
+        "--role", choices=("prefill", "decode"), required=True, help="which leg this worker serves"
+    )
+    p.add_argument(
+        "--router", default=None, metavar="URL", help="router base URL to register with (optional)"
+    )
+    p.add_argument(
+        "--router-token",
+        default=None,
+        metavar="TOKEN",
+        help="the router's registration token (default $AIOKV_ROUTER_TOKEN)",
+    )
+    p.add_argument("--host", default="127.0.0.1", help="HTTP listen address (default %(default)s)")
+    p.add_argument("--port", type=int, default=0, help="HTTP port (default 0: a free one)")
+    p.add_argument(
+        "--advertise-host",
+        default=None,
+        help="host other machines reach this worker (HTTP and KV engine) at; needed when "
+        "--host is a wildcard such as 0.0.0.0 (default: the listen address)",
+    )
+    p.add_argument(
+        "--kv-listen",
+        default=None,
+        metavar="HOST:PORT",
+        help="the engine's listen address for KV transfers (default HOST:0)",
+    )
+    p.add_argument(
+        "--model-name", default=DEFAULT_MODEL_NAME, help="model name served (default %(default)s)"
+    )
+    p.add_argument("--device", default="cpu", help="cpu or cuda:N (default %(default)s)")
+    p.add_argument(
+        "--transport",
+        default="auto",
+        choices=("auto", "tcp", "nccl"),
+        help="KV transport: auto picks NCCL for CUDA tensors when both sides can",
+    )
+    p.add_argument(
+        "--heartbeat-interval",
+        type=float,
+        default=0.5,
+        help="seconds between heartbeats to the router (default %(default)s)",
+    )
     p.add_argument(
         "--threads", type=int, default=1, help="torch intra-op threads (1 = reproducible)"
     )
-    p.add_argument("--ready-file", default=None)
-    p.add_argument("--parent-pid", type=int, default=None)
-    p.add_argument("--log-level", default="warning")
-    args = p.parse_args(argv)
+    p.add_argument("--ready-file", default=None, help="write this worker's URL here once serving")
+    p.add_argument("--parent-pid", type=int, default=None, help=argparse.SUPPRESS)
+    p.add_argument(
+        "--log-level",
+        default="warning",
+        help="debug, info, warning, error (heartbeats are logged at debug)",
+    )
+    return p
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
     logging.basicConfig(
         level=args.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s"
     )
+    if args.log_level.lower() != "debug":
+        # httpx logs every request at info, heartbeats included
+        logging.getLogger("httpx").setLevel(logging.WARNING)
+    import torch
+
     torch.set_num_threads(args.threads)
     if args.device.startswith("cuda"):
         torch.cuda.set_device(torch.device(args.device))

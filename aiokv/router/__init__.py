@@ -1,14 +1,18 @@
-"""The disaggregated prefill/decode router: an OpenAI-compatible proxy with
-instance discovery (register + heartbeat), eviction, xPyD selection, retries
-and Prometheus metrics.
+"""The disaggregated prefill/decode router: an OpenAI-compatible proxy that
+speaks vLLM's disaggregation protocol (``kv_transfer_params``), with
+authenticated registration + heartbeats, static worker lists, vLLM-style ZMQ
+discovery, eviction, xPyD selection, retries and Prometheus metrics.
 
     from aiokv.router import RouterConfig, create_app, serve
-    app = create_app(RouterConfig(policy="least_outstanding"))   # any ASGI server
-    serve("0.0.0.0", 8000)                                         # or run it here
+    app = create_app(RouterConfig(token=...))      # any ASGI server
+    serve("0.0.0.0", 8000, RouterConfig(...))      # or run it here
+
+    aiokv router --prefill http://p:8100 --decode http://d:8200   # vLLM workers
+    AIOKV_ROUTER_TOKEN=... aiokv router --host 0.0.0.0            # registering workers
 
 Endpoints: ``POST /register``, ``POST /heartbeat``, ``POST /deregister``,
 ``POST /v1/completions``, ``POST /v1/chat/completions``, ``GET /v1/models``,
-``GET /instances``, ``GET /healthz``, ``GET /metrics``.
+``GET /instances``, ``GET /healthz``, ``GET /metrics``. See docs/serving.md.
 """
 
 from __future__ import annotations
@@ -21,11 +25,14 @@ import os
 import sys
 from collections.abc import Sequence
 
-from .app import RouterConfig, RouterState, create_app
+from .._exceptions import ConfigError
+from .app import TOKEN_ENV, RouterConfig, RouterState, create_app, prefill_kv_params
 from .registry import POLICIES, Instance, NoInstanceError, Policy, Registry, UnknownModelError
+from .urls import UrlPolicy, UrlPolicyError
 
 __all__ = [
     "POLICIES",
+    "TOKEN_ENV",
     "Instance",
     "NoInstanceError",
     "Policy",
@@ -33,10 +40,13 @@ __all__ = [
     "RouterConfig",
     "RouterState",
     "UnknownModelError",
+    "UrlPolicy",
+    "UrlPolicyError",
     "add_arguments",
     "config_from_args",
     "create_app",
     "main",
+    "prefill_kv_params",
     "serve",
 ]
 
@@ -67,6 +77,16 @@ async def serve_async(
 
     sock = bind_socket(host, port)
     url = socket_url(sock, None if host not in ("0.0.0.0", "::") else "127.0.0.1")
+    app = create_app(config)
+    bound = sock.getsockname()
+    state: RouterState = app.state.router
+    state.own_address = (str(bound[0]), int(bound[1]))
+    for inst in state.registry:  # a static worker URL naming this router: refuse to start
+        try:
+            state.policy.check_url(inst.url, own=state.own_address)
+        except UrlPolicyError as e:
+            sock.close()
+            raise ConfigError(f"static worker {inst.url}: {e}") from None
 
     def on_started() -> None:
         logging.getLogger("aiokv.router").info("router listening on %s", url)
@@ -77,9 +97,7 @@ async def serve_async(
             os.replace(tmp, ready_file)
 
     watcher = asyncio.create_task(_watch_parent(parent_pid)) if parent_pid else None
-    serving = asyncio.create_task(
-        serve_app(create_app(config), sock, log_level=log_level, on_started=on_started)
-    )
+    serving = asyncio.create_task(serve_app(app, sock, log_level=log_level, on_started=on_started))
     try:
         waiting: set[asyncio.Task[None]] = {serving} | ({watcher} if watcher else set())
         done, _ = await asyncio.wait(waiting, return_when=asyncio.FIRST_COMPLETED)
@@ -109,6 +127,9 @@ def serve(
     logging.basicConfig(
         level=log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s"
     )
+    if log_level.lower() != "debug":
+        # httpx logs every upstream request at info: two lines per proxied request
+        logging.getLogger("httpx").setLevel(logging.WARNING)
     with contextlib.suppress(KeyboardInterrupt):
         asyncio.run(
             serve_async(
@@ -123,21 +144,86 @@ def serve(
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    """The router's command-line options (shared with ``aiokv router``)."""
+    """The router's command-line options (``aiokv router``)."""
     d = RouterConfig()
-    p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=int, default=8000, help="0 picks a free port")
-    p.add_argument("--policy", choices=POLICIES, default=d.policy)
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on (default %(default)s)")
+    p.add_argument("--port", type=int, default=8000, help="port (0 picks a free one)")
+    p.add_argument(
+        "--token",
+        default=None,
+        help=f"shared secret workers send as 'Authorization: Bearer TOKEN' to register "
+        f"(default ${TOKEN_ENV}); without one, registration is accepted from loopback only",
+    )
+    p.add_argument(
+        "--prefill",
+        action="append",
+        default=[],
+        metavar="URL",
+        help="a static prefill worker (http://host:port); repeatable",
+    )
+    p.add_argument(
+        "--decode",
+        action="append",
+        default=[],
+        metavar="URL",
+        help="a static decode worker (http://host:port); repeatable",
+    )
+    p.add_argument(
+        "--discovery",
+        default=None,
+        metavar="HOST:PORT",
+        help="bind a ZMQ ROUTER socket here for vLLM-style worker discovery "
+        '(msgpack {"type": "P"|"D", "http_address", "zmq_address"})',
+    )
+    p.add_argument(
+        "--discovery-allow-remote",
+        action="store_true",
+        help="accept discovery messages from non-loopback peers without the token "
+        "(only on a network you trust)",
+    )
+    p.add_argument(
+        "--allow-link-local",
+        action="store_true",
+        help="accept link-local and cloud-metadata worker addresses (refused by default)",
+    )
+    p.add_argument("--policy", choices=POLICIES, default=d.policy, help="instance selection")
     p.add_argument(
         "--evict-after",
         type=float,
         default=d.evict_after,
-        help="seconds without heartbeat before an instance is evicted",
+        help="seconds without heartbeat before an instance is evicted (default %(default)s)",
     )
-    p.add_argument("--max-attempts", type=int, default=d.max_attempts)
-    p.add_argument("--max-prompt-length", type=int, default=d.max_prompt_length)
-    p.add_argument("--upstream-timeout", type=float, default=d.upstream_timeout)
-    p.add_argument("--log-level", default="info")
+    p.add_argument(
+        "--max-attempts",
+        type=int,
+        default=d.max_attempts,
+        help="prefill/decode pairs tried per request (default %(default)s)",
+    )
+    p.add_argument(
+        "--max-prompt-length",
+        type=int,
+        default=d.max_prompt_length,
+        help="characters (or token ids) of a prompt (default %(default)s)",
+    )
+    p.add_argument(
+        "--max-body-bytes",
+        type=int,
+        default=d.max_body_bytes,
+        help="largest request body (default %(default)s)",
+    )
+    p.add_argument(
+        "--max-concurrent-per-client",
+        type=int,
+        default=d.max_concurrent_per_client,
+        help="requests one client address may have in flight (default %(default)s)",
+    )
+    p.add_argument(
+        "--upstream-timeout",
+        type=float,
+        default=d.upstream_timeout,
+        help="seconds a worker may take to answer (default %(default)s)",
+    )
+    p.add_argument("--log-level", default="info", help="debug, info, warning, error")
     p.add_argument("--ready-file", default=None, help="write the router URL here once serving")
     p.add_argument("--parent-pid", type=int, default=None, help=argparse.SUPPRESS)
 
@@ -148,14 +234,27 @@ def config_from_args(args: argparse.Namespace) -> RouterConfig:
         evict_after=args.evict_after,
         max_attempts=args.max_attempts,
         max_prompt_length=args.max_prompt_length,
+        max_body_bytes=args.max_body_bytes,
+        max_concurrent_per_client=args.max_concurrent_per_client,
         upstream_timeout=args.upstream_timeout,
+        token=args.token or os.environ.get(TOKEN_ENV) or None,
+        allow_link_local=args.allow_link_local,
+        prefill=tuple(args.prefill),
+        decode=tuple(args.decode),
+        discovery=args.discovery,
+        discovery_allow_remote=args.discovery_allow_remote,
     )
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     """``aiokv router`` entry point."""
     p = argparse.ArgumentParser(
-        prog="aiokv router", description="disaggregated prefill/decode router"
+        prog="aiokv router",
+        description="Disaggregated prefill/decode router: an OpenAI-compatible proxy speaking "
+        "vLLM's disaggregation protocol (kv_transfer_params), for vLLM instances and aiokv "
+        "workers alike. Workers are listed here (--prefill/--decode), register over HTTP, or "
+        "announce themselves over ZMQ (--discovery).",
+        epilog="Guide: docs/serving.md ('Serving with the router').",
     )
     add_arguments(p)
     args = p.parse_args(argv)
@@ -164,12 +263,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ValueError as e:
         print(f"aiokv router: {e}", file=sys.stderr)
         return 2
-    serve(
-        args.host,
-        args.port,
-        cfg,
-        log_level=args.log_level,
-        ready_file=args.ready_file,
-        parent_pid=args.parent_pid,
-    )
+    try:
+        serve(
+            args.host,
+            args.port,
+            cfg,
+            log_level=args.log_level,
+            ready_file=args.ready_file,
+            parent_pid=args.parent_pid,
+        )
+    except (ConfigError, OSError) as e:
+        print(f"aiokv router: {e}", file=sys.stderr)
+        return 2
     return 0

@@ -65,6 +65,7 @@ from .._exceptions import (
     LayoutMismatchError,
     TransferTimeoutError,
 )
+from .ipc import IpcOptions, IpcPlane, IpcStatistics
 from .layouts import KVLayout
 from .ops import (
     BoundCaches,
@@ -125,6 +126,7 @@ class ConnectorStatistics:
     send_seconds: float = 0.0
     recv_seconds: float = 0.0
     staging: PoolStatistics | None = field(default=None)
+    ipc: IpcStatistics | None = field(default=None)
 
 
 @dataclass(slots=True, eq=False)
@@ -161,6 +163,7 @@ class KVConnector:
         chunk_bytes: int = 64 * MiB,
         max_inflight: int = 4,
         thread_min_bytes: int = 4 * MiB,
+        ipc: IpcOptions | None = None,
     ) -> None:
         if not isinstance(layout, KVLayout):
             raise ConfigError(f"layout must be a KVLayout, got {type(layout).__name__}")
@@ -193,6 +196,8 @@ class KVConnector:
         self._background: set[asyncio.Task[BaseException | None]] = set()
         self._stats = ConnectorStatistics()
         self._closed = False
+        # the same-host IPC plane (docs/ipc.md); None: the ordinary path only
+        self._ipc: IpcPlane | None = IpcPlane(self, ipc) if ipc is not None else None
 
     # ------------------------------------------------------------------ helpers
 
@@ -386,6 +391,7 @@ class KVConnector:
         *,
         to: str,
         timeout: float | None = None,
+        _plain: bool = False,
     ) -> None:
         """Send all layers of the request's blocks to the engine at ``to``.
 
@@ -394,8 +400,12 @@ class KVConnector:
         (:class:`~aiokv.TransferTimeoutError`, :class:`~aiokv.PeerError`,
         :class:`~aiokv.RefusedError`, ...). On failure or cancellation, chunks
         already committed to the wire finish in the background; their staging is
-        released when they do.
+        released when they do. With ``ipc=`` the request goes through the IPC plane
+        (docs/ipc.md), which falls back to this path by itself.
         """
+        if self._ipc is not None and not _plain:
+            await self._ipc.send_request(request_id, block_ids, to=to, timeout=timeout)
+            return
         self._check_open()
         self._check_rid(request_id)
         deadline = self._deadline(timeout)
@@ -563,6 +573,7 @@ class KVConnector:
         frm: str | None = None,
         timeout: float | None = None,
         layerwise: bool = False,
+        _plain: bool = False,
     ) -> None:
         """Collect the request's KV and write it into the local cache at ``block_ids``.
 
@@ -578,6 +589,11 @@ class KVConnector:
         and must be treated as not received. A chunk of the wrong size raises
         :class:`~aiokv.LayoutMismatchError` and is never scattered.
         """
+        if self._ipc is not None and not _plain:
+            await self._ipc.recv_request(
+                request_id, block_ids, frm=frm, timeout=timeout, layerwise=layerwise
+            )
+            return
         self._check_open()
         self._check_rid(request_id)
         deadline = self._deadline(timeout)
@@ -640,6 +656,7 @@ class KVConnector:
     def statistics(self) -> ConnectorStatistics:
         s = dataclasses.replace(self._stats)
         s.staging = self._pool.statistics() if self._pool is not None else None
+        s.ipc = self._ipc.statistics() if self._ipc is not None else None
         return s
 
     # ------------------------------------------------------------------ lifecycle
@@ -653,6 +670,8 @@ class KVConnector:
         self._saves.clear()
         if pending:
             await asyncio.wait(pending, timeout=timeout)
+        if self._ipc is not None:
+            await self._ipc.aclose(timeout)
         if self._executor is not None:
             ex, self._executor = self._executor, None
             with contextlib.suppress(Exception):

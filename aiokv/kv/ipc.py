@@ -163,7 +163,6 @@ def decode_message(t: object) -> dict[str, Any]:
             raw=False,
             strict_map_key=True,
             use_list=True,
-            max_buffer_size=MAX_MESSAGE_BYTES,
             ext_hook=_no_ext,
         )
     except Exception as exc:

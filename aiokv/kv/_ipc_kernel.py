@@ -62,19 +62,12 @@ def _kernel() -> Any:
     import triton
     import triton.language as tl
 
-    # Scalars are not specialised: a 1-pair request must not compile (and, under lazy
-    # module loading, load) a second variant while another stream may be waiting.
+    # The per-request scalars are not specialised: a 1-pair request must not compile
+    # (and, under lazy module loading, load) a second variant while another stream may
+    # be waiting on a peer. The geometry (segment, strides) is fixed per connector and
+    # IS specialised: its divisibility lets the masked copies use 16-byte vectors.
     @triton.jit(  # type: ignore[untyped-decorator]
-        do_not_specialize=[
-            "slot",
-            "n_pairs",
-            "parts",
-            "seg_words",
-            "src_part_stride",
-            "dst_part_stride",
-            "block_stride",
-            "chunks",
-        ]
+        do_not_specialize=["slot", "n_pairs", "parts"]
     )
     def pair_copy_kernel(  # type: ignore[no-untyped-def]
         src_table,
@@ -92,6 +85,7 @@ def _kernel() -> Any:
         chunks,
         BLOCK: tl.constexpr,
         VEC: tl.constexpr,
+        WORD: tl.constexpr,
     ):
         pid = tl.program_id(0).to(tl.int64)
         unit = pid // chunks
@@ -103,16 +97,18 @@ def _kernel() -> Any:
         stop = tl.load(abort_ptr + slot, volatile=True)
         sid = tl.load(ids_ptr + j)
         did = tl.load(ids_ptr + n_pairs + j)
-        ty = tl.pointer_type(word_ref.dtype.element_ty)
-        src = tl.load(src_table + li).to(ty)
-        dst = tl.load(dst_table + li).to(ty)
+        # Addresses as word offsets from word_ref (16-byte aligned, so Triton knows it):
+        # with the offsets' divisibility hinted, loads and stores become 16-byte vectors.
+        ref = word_ref.to(tl.int64, bitcast=True)
         start = chunk * BLOCK
-        s_off = tl.multiple_of(p * src_part_stride + sid * block_stride + start, VEC)
-        d_off = tl.multiple_of(p * dst_part_stride + did * block_stride + start, VEC)
+        s_off = (tl.load(src_table + li) - ref) // WORD
+        d_off = (tl.load(dst_table + li) - ref) // WORD
+        s_off = tl.multiple_of(s_off + p * src_part_stride + sid * block_stride + start, VEC)
+        d_off = tl.multiple_of(d_off + p * dst_part_stride + did * block_stride + start, VEC)
         offs = tl.max_contiguous(tl.multiple_of(tl.arange(0, BLOCK), VEC), BLOCK)
         mask = (start + offs < seg_words) & (stop == 0)
-        v = tl.load(src + s_off + offs, mask=mask)
-        tl.store(dst + d_off + offs, v, mask=mask)
+        v = tl.load(word_ref + s_off + offs, mask=mask)
+        tl.store(word_ref + d_off + offs, v, mask=mask)
 
     return pair_copy_kernel
 
@@ -169,6 +165,7 @@ def launch_pair_copy(
         chunks,
         BLOCK=block,
         VEC=vec,
+        WORD=word,
         num_warps=num_warps,
     )
     return True

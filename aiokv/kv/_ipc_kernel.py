@@ -36,7 +36,14 @@ import torch
 
 from . import _triton
 
-__all__ = ["WORDS", "available", "launch_pair_copy", "torch_pair_copy", "word_size"]
+__all__ = [
+    "WORDS",
+    "available",
+    "base_alignment",
+    "launch_pair_copy",
+    "torch_pair_copy",
+    "word_size",
+]
 
 #: words the kernel moves, by size in bytes
 WORDS: dict[int, torch.dtype] = {8: torch.int64, 4: torch.int32, 2: torch.int16, 1: torch.uint8}
@@ -49,6 +56,14 @@ def word_size(*quantities: int) -> int:
     for w in (8, 4, 2):
         if all(q % w == 0 for q in quantities):
             return w
+    return 1
+
+
+def base_alignment(*addresses: int) -> int:
+    """The largest power of two up to 16 dividing every address (the vector bound)."""
+    for a in (16, 8, 4, 2):
+        if all(x % a == 0 for x in addresses):
+            return a
     return 1
 
 
@@ -127,13 +142,16 @@ def launch_pair_copy(
     src_part_stride: int,
     dst_part_stride: int,
     block_stride: int,
+    base_align: int,
 ) -> bool:
     """Launch the fused copy on the CURRENT stream. False when the grid would be too big.
 
     ``src_table``/``dst_table``: ``n_layers`` int64 base addresses (device tensors),
     aligned to ``word``. ``ids``: int64 device tensor ``[2, n]`` (source ids, then
     destination ids). ``abort``: int32 device tensor; ``abort[slot]`` non-zero makes
-    the launch copy nothing. Strides and sizes are in words.
+    the launch copy nothing. Strides and sizes are in words. ``base_align``: a power of
+    two (bytes) dividing every base address in both tables; with the strides it decides
+    the vector width (up to 16 bytes).
     """
     n_pairs = ids.shape[1]
     block = max(1, _PROGRAM_BYTES // word)
@@ -144,7 +162,7 @@ def launch_pair_copy(
         return True
     if programs > _MAX_PROGRAMS:
         return False
-    vec = max(1, min(16 // word, block))
+    vec = max(1, min(max(1, min(16, base_align) // word), block))
     while vec > 1 and (seg_words % vec or src_part_stride % vec or dst_part_stride % vec):
         vec //= 2
     num_warps = 8 if block * word >= 16384 else 4 if block * word >= 4096 else 1

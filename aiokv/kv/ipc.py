@@ -29,12 +29,14 @@ engine's public ``send_nowait``/``recv`` (tensor ids ``"{rid}#ipc"`` and
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import logging
 import math
 import os
 import re
 import secrets
+import sys
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -646,6 +648,7 @@ class _Mapping:
     src_table: torch.Tensor  # int64 base addresses (Triton path)
     word: int
     stream: Any
+    align: int = 1  # bytes dividing every base address of both sides (vector width bound)
     events: dict[int, tuple[bytes, Any]] = field(default_factory=dict)
     inflight: int = 0
     broken: str = ""
@@ -1063,7 +1066,10 @@ class IpcPlane:
             src_layers.append(v.view(shape))
         table = torch.tensor([t.data_ptr() for t in src_layers], dtype=torch.int64).to(dev)
         stream = self.backend.new_stream(dev) if dev.type == "cuda" else None
-        m = _Mapping(offer.token, layout, storages, src_layers, table, word, stream)
+        align = _ipc_kernel.base_alignment(
+            *(t.data_ptr() for t in src_layers), *(t.data_ptr() for t in mine.tensors)
+        )
+        m = _Mapping(offer.token, layout, storages, src_layers, table, word, stream, align)
         self._verify(m, offer)
         return m
 
@@ -1092,11 +1098,12 @@ class IpcPlane:
             with torch.cuda.stream(stream):
                 stream.wait_stream(self._ctl_stream)
                 for target, a, s in ((dst, ab, slot), (untouched.view(wdt), ab_off, slot_off)):
-                    tables = torch.tensor([src.data_ptr(), target.data_ptr()], dtype=torch.int64)
-                    tables = tables.to(dev)
+                    # separate (aligned) tables: the same specialisation as the real copies
+                    st = torch.tensor([src.data_ptr()], dtype=torch.int64).to(dev)
+                    dt = torch.tensor([target.data_ptr()], dtype=torch.int64).to(dev)
                     ok = _ipc_kernel.launch_pair_copy(
-                        tables[0:1],
-                        tables[1:2],
+                        st,
+                        dt,
                         swap,
                         a,
                         s,
@@ -1107,6 +1114,7 @@ class IpcPlane:
                         src_part_stride=m.layout.num_blocks * seg // w,
                         dst_part_stride=self.layout.num_blocks * seg // w,
                         block_stride=seg // w,
+                        base_align=m.align,
                     )
                     if not ok:
                         raise IpcUnavailableError("grid_too_big")
@@ -1247,6 +1255,7 @@ class IpcPlane:
                     src_part_stride=m.layout.num_blocks * seg // w,
                     dst_part_stride=lay.num_blocks * seg // w,
                     block_stride=seg // w,
+                    base_align=m.align,
                 )
                 if not ok:
                     raise ConfigError("IPC: request too large for one launch")
@@ -1295,9 +1304,13 @@ class IpcPlane:
     async def aclose(self, timeout: float = 5.0) -> None:
         """Stop: wait (bounded) for background messages and in-flight copies, then unmap."""
         self._closed = True
+        end = time.monotonic() + timeout
         if self._background:
             await asyncio.wait(list(self._background), timeout=timeout)
-        # unmap before anything is freed: drop our references to the producer's memory
+        # unmap only after the copies reading the mappings are over (a launch stuck
+        # behind a dead producer's event holds its mapping in self._keep instead)
+        while any(m.inflight for m in self._maps.values()) and time.monotonic() < end:
+            await asyncio.sleep(0.01)
         self._maps.clear()
         if self._poller is not None:
             await self._poller.stop()
@@ -1309,3 +1322,89 @@ class _Fired:
 
     def query(self) -> bool:
         return True
+
+
+# --------------------------------------------------------------------------- doctor
+
+
+_PROBE_BYTES = 1 << 16
+
+
+def _export_probe_main() -> None:
+    """Child of :func:`doctor_report`: export a probe on ``cuda:ARGV1`` and hold it until
+    stdin closes (an export is only valid while its process lives)."""
+    import json
+
+    idx, nonce = int(sys.argv[1]), int(sys.argv[2])
+    dev = torch.device("cuda", idx)
+    t = probe_pattern(nonce, _PROBE_BYTES, dev)
+    torch.cuda.synchronize(dev)
+    e = CudaBackend().export(t.untyped_storage())
+    w = {k: (v.hex() if isinstance(v, bytes) else v) for k, v in e.to_wire().items()}
+    print(json.dumps(w), flush=True)
+    sys.stdin.read()
+
+
+def doctor_report(gpus: int, *, timeout: float = 60.0) -> list[str]:
+    """Lines for ``aiokv doctor``: whether CUDA IPC works from each visible GPU to each
+    (a child process exports a known pattern; this process maps it on every GPU and
+    compares), and what would keep the IPC plane off here."""
+    import json
+    import subprocess
+
+    lines = []
+    why = unsupported_reason(torch.device("cuda", 0), authenticated=True, options=IpcOptions())
+    lines.append(
+        "IPC plane    "
+        + ("usable here" if why is None else f"off: {why}")
+        + ("" if _ipc_kernel.available() else " (no Triton: torch-ops copy, host-waited)")
+    )
+    lines.append("             (row exports, column maps and reads a known pattern)")
+    nonce = secrets.randbits(40)
+    want_cache: dict[int, torch.Tensor] = {}
+    for i in range(gpus):
+        cells = []
+        proc = subprocess.Popen(
+            [
+                sys.executable,
+                "-c",
+                "from aiokv.kv.ipc import _export_probe_main as m; m()",
+                str(i),
+                str(nonce),
+            ],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        try:
+            assert proc.stdout is not None
+            line = proc.stdout.readline()
+            raw = json.loads(line) if line.startswith("{") else None
+            export = None
+            if raw is not None:
+                export = StorageExport.from_wire(
+                    {k: (bytes.fromhex(v) if isinstance(v, str) else v) for k, v in raw.items()}
+                )
+            for j in range(gpus):
+                if export is None:
+                    cells.append("  export failed")
+                    continue
+                dev = torch.device("cuda", j)
+                try:
+                    t = CudaBackend().open(export, dev)
+                    want = want_cache.get(j)
+                    if want is None:
+                        want = want_cache[j] = probe_pattern(nonce, _PROBE_BYTES, dev)
+                    ok = bool(torch.equal(t[:_PROBE_BYTES].clone(), want))
+                    cells.append(" yes" if ok else " WRONG DATA")
+                    del t
+                except Exception as exc:
+                    cells.append(f"  no ({type(exc).__name__}: {str(exc)[:60]})")
+        finally:
+            with contextlib.suppress(Exception):
+                proc.communicate(input="", timeout=timeout)
+            if proc.poll() is None:
+                proc.kill()
+        lines.append(f"  cuda:{i}   " + "".join(cells))
+    return lines

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import secrets
+import time
 import warnings
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -60,14 +61,22 @@ OPTS = IpcOptions(trust_unauthenticated=True, grace_s=0.3)
 
 
 class FakeEvent:
+    """Fires at once, or ``fire_after`` seconds after each record (None: never)."""
+
+    fire_after: float | None = 0.0
+
     def __init__(self) -> None:
         self.recorded = 0
+        self.at = 0.0
+        self.delay = FakeEvent.fire_after
 
     def record(self, stream: object = None) -> None:
         self.recorded += 1
+        self.at = time.monotonic()
+        self.delay = FakeEvent.fire_after
 
     def query(self) -> bool:
-        return True
+        return self.delay is not None and time.monotonic() >= self.at + self.delay
 
 
 class FakeBackend:
@@ -651,5 +660,58 @@ async def test_cancelled_send_frees_blocks_only_after_release() -> None:
                 break
             await asyncio.sleep(0.02)
         assert prod.finished_sending() == {"k"}
+        await prod.aclose()
+        await cons.aclose()
+
+
+@pytest.mark.anyio
+@pytest.mark.timeout(60)
+async def test_consumer_waits_for_the_producers_event() -> None:
+    """The copy starts only once the producer's ready event fired (polled, not queued)."""
+    pl = make_layout("fa", "bfloat16", 20)
+    p, c = filled(pl, 1), filled(pl, 2)
+    async with pair(pl, pl) as (a, b):
+        prod, cons = connectors(a, b, pl, p, pl, c)
+        await move(prod, cons, a, b, "w0", [1], [1])  # offer mapped
+        FakeEvent.fire_after = 0.3
+        try:
+            t0 = time.monotonic()
+            await move(prod, cons, a, b, "w1", [2, 3], [4, 5])
+            assert time.monotonic() - t0 >= 0.3
+            assert landed(pl, p, [2, 3], c, [4, 5])
+        finally:
+            FakeEvent.fire_after = 0.0
+        await prod.aclose()
+        await cons.aclose()
+
+
+@pytest.mark.anyio
+@pytest.mark.timeout(60)
+async def test_producer_never_ready_fails_both_sides_untouched() -> None:
+    """A producer whose event never fires (it died): the consumer gives up at the lease
+    without launching anything, the producer after lease + grace."""
+    pl = make_layout("mla", "float16", 20)
+    p, c = filled(pl, 1), filled(pl, 2)
+    before = [t.clone() for t in c]
+    async with pair(pl, pl) as (a, b):
+        prod, cons = connectors(a, b, pl, p, pl, c)
+        await move(prod, cons, a, b, "n0", [1], [19])
+        before = [t.clone() for t in c]
+        FakeEvent.fire_after = None
+        try:
+            recv = asyncio.create_task(cons.recv_request("n1", [4, 5], frm=a.address, timeout=9))
+            t0 = time.monotonic()
+            # the consumer's release (nothing launched, "producer not ready") ends it
+            with pytest.raises(TransferAbortedError, match="producer not ready"):
+                await prod.send_request("n1", [2, 3], to=b.address, timeout=0.5)
+            with pytest.raises(TransferTimeoutError):
+                await recv
+            assert time.monotonic() - t0 < 5  # at the lease, not the consumer's 9 s
+        finally:
+            FakeEvent.fire_after = 0.0
+        assert all(torch.equal(x.view(torch.uint8), y.view(torch.uint8)) for x, y in zip(c, before))
+        cs = cons.statistics()
+        assert cs.ipc is not None and cs.ipc.lease_expired == 1 and cs.ipc.aborted == 0
+        assert cons.finished_receiving() == {"n0"}
         await prod.aclose()
         await cons.aclose()

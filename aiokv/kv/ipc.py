@@ -48,6 +48,7 @@ import torch
 from .._config import parse_address
 from .._exceptions import (
     AiokvError,
+    AiokvTimeoutError,
     ConfigError,
     LayoutMismatchError,
     RemoteProtocolError,
@@ -112,11 +113,21 @@ class IpcOptions:
     the producer still keeps the blocks (a copy that started before the deadline
     finishes within it). ``force_torch``: use the torch-ops copy instead of the
     Triton kernel (see :mod:`aiokv.kv._ipc_kernel`).
+
+    ``gpu_wait``: when the producer's ready event has not fired yet as the request
+    arrives, let the consumer's copy stream wait for it on the GPU (the launch is
+    queued at once) instead of polling it from the host first. Faster by one poll,
+    but if the producer dies before its event fires, that stream waits forever:
+    the launch itself is harmless (its abort word is set), but a device-wide
+    ``torch.cuda.synchronize()`` in the consumer then never returns (run s10-ipc-r1,
+    docs/ipc.md). Off by default; consider it only where the producer's death also
+    ends the consumer.
     """
 
     trust_unauthenticated: bool = False
     grace_s: float = 1.0
     force_torch: bool = False
+    gpu_wait: bool = False
 
     def __post_init__(self) -> None:
         if not (isinstance(self.grace_s, (int, float)) and 0 < self.grace_s <= 600):
@@ -1179,13 +1190,28 @@ class IpcPlane:
         dev = self.device
         m.inflight += 1
         try:
-            if not triton and dev.type == "cuda":
-                # the torch ops cannot see an abort word: wait for the producer on the host
-                await self._wait_query(ready, end)
+            gpu_wait = False
+            if not bool(ready.query()):
+                if triton and self.options.gpu_wait:
+                    gpu_wait = True
+                else:
+                    # Not launched before the producer's event fired: a launch queued
+                    # behind the event of a producer that then dies would keep its
+                    # stream (and any device-wide synchronize) waiting forever.
+                    await self._wait_ready(ready, time.monotonic() + end)
             ids = torch.stack([src_ids, host])
-            done, keep = self._launch(m, ready, ids, ab, slot, triton)
-        except BaseException:
+            done, keep = self._launch(m, ready if gpu_wait else None, ids, ab, slot, triton)
+        except BaseException as exc:
             m.inflight -= 1
+            self._free_slots.append(slot)  # nothing was launched with it
+            if isinstance(exc, AiokvTimeoutError):
+                self._stats.lease_expired += 1
+                self._release(desc, Release(desc.rid, False, reason="producer not ready"))
+                con._stats.recv_failures += 1
+            else:
+                why = "cancelled" if isinstance(exc, asyncio.CancelledError) else "launch failed"
+                self._release(desc, Release(desc.rid, False, reason=why))
+                con._stats.recv_failures += 1
             raise
         ok = False
         try:
@@ -1235,10 +1261,12 @@ class IpcPlane:
             )
             return _Fired(), None
         stream = m.stream
-        stream.wait_stream(torch.cuda.current_stream(dev))  # the caller's writes to ids' memory
+        # after the caller's work so far (it may still read the destination blocks)
+        stream.wait_stream(torch.cuda.current_stream(dev))
         with torch.cuda.stream(stream):
             dids = ids.pin_memory().to(dev, non_blocking=True)
-            stream.wait_event(ready)  # the producer's KV is written (GPU-side wait)
+            if ready is not None:
+                stream.wait_event(ready)  # the producer's KV is written (GPU-side wait)
             if triton:
                 seg = self._seg_bytes()
                 w = m.word
@@ -1278,8 +1306,22 @@ class IpcPlane:
         fut = self._poll().wait(done, expected_s=0.0002)
         await asyncio.wait_for(asyncio.shield(fut), timeout)
 
-    async def _wait_query(self, ev: Any, timeout: float) -> None:
-        await self._wait_done(ev, timeout)
+    async def _wait_ready(self, ev: Any, until: float) -> None:
+        """Poll the producer's event from the loop until it fired, or raise
+        :class:`~aiokv.TransferTimeoutError` at ``until`` (``time.monotonic``). Spins
+        (yielding) for the first 0.5 ms, then sleeps up to 1 ms between polls; nothing
+        stays registered afterwards (a dead producer's event never fires)."""
+        spin_until = time.monotonic() + 0.0005
+        nap = 0.0001
+        while not bool(ev.query()):
+            now = time.monotonic()
+            if now >= until:
+                raise TransferTimeoutError("IPC: the producer's ready event did not fire in time")
+            if now < spin_until:
+                await asyncio.sleep(0)
+            else:
+                await asyncio.sleep(min(nap, until - now))
+                nap = min(nap * 2, 0.001)
 
     async def _settle(self, m: _Mapping, done: Any) -> bool:
         """After an abort: wait (bounded by the grace period) until the launch is over.

@@ -14,3 +14,4 @@ grep -E "passed|failed|PASSED|FAILED|Error" "$OUT/$TAG-gpu-tests.txt" | tail -15
 for w in short long; do
   timeout 100 python3 -m aiokv.kv.bench --transport ipc --workload $w --json --iters 3 2>>"$OUT/$TAG-bench-err.txt" | tail -1
 done | tee "$OUT/$TAG-kv.jsonl" | cut -c1-400
+timeout 60 python3 benchmarks/ipc_kernel.py 2>&1 | tee "$OUT/$TAG-kernel.jsonl"

@@ -204,8 +204,9 @@ SLEEP_2S = 4_000_000_000  # torch.cuda._sleep cycles, ~2 s at 1.98 GHz
 
 
 async def cancel(role: str, d: str) -> dict[str, Any]:
-    """The consumer cancels a copy queued behind a producer event that fires ~2 s later:
-    the launch must write nothing, then or later."""
+    """Cancellation of a copy whose producer is not ready yet (~2 s of GPU sleep queued
+    before its event): ``c1`` with the GPU-side wait (the launch is queued and must
+    write nothing when it runs), ``c2`` with the default host wait (nothing launched)."""
     dev = device(role)
     torch.cuda.set_device(dev)
     out: dict[str, Any] = {}
@@ -216,15 +217,16 @@ async def cancel(role: str, d: str) -> dict[str, Any]:
             _, caches = fill(BIG, dev, 5)
             con = KVConnector(eng, BIG, caches, ipc=OPTS)
             await con.send_request("warm", [0], to=peer, timeout=30)  # map + verify first
-            torch.cuda._sleep(SLEEP_2S)
-            t0 = time.monotonic()
-            try:
-                await con.send_request("c1", src, to=peer, timeout=30)
-                out["send"] = "ok"
-            except Exception as exc:
-                out["send"] = type(exc).__name__
-            out["send_s"] = time.monotonic() - t0
-            torch.cuda.synchronize()
+            for rid in ("c1", "c2"):
+                torch.cuda._sleep(SLEEP_2S)
+                t0 = time.monotonic()
+                try:
+                    await con.send_request(rid, src, to=peer, timeout=30)
+                    out[rid] = "ok"
+                except Exception as exc:
+                    out[rid] = type(exc).__name__
+                out[rid + "_s"] = time.monotonic() - t0
+                torch.cuda.synchronize()
             out.update(stats(con))
             await con.aclose()
         else:
@@ -233,33 +235,49 @@ async def cancel(role: str, d: str) -> dict[str, Any]:
             )
             con = KVConnector(eng, BIG, list(big.unbind(0)), ipc=OPTS)
             await con.recv_request("warm", [0], frm=peer, timeout=30)
-            dst = list(range(128, 192))
-            task = asyncio.ensure_future(con.recv_request("c1", dst, frm=peer, timeout=30))
-            await asyncio.sleep(0.6)
-            out["done_before_cancel"] = task.done()
-            task.cancel()
-            t0 = time.monotonic()
-            try:
-                await task
-                out["recv"] = "ok"
-            except asyncio.CancelledError:
-                out["recv"] = "cancelled"
-            out["cancel_s"] = time.monotonic() - t0
-            out["untouched_at_return"] = not bool(blocks(big, BIG, dst).any())
-            await asyncio.sleep(3.0)  # the producer's event has fired: the launch ran
-            torch.cuda.synchronize()
-            out["untouched_later"] = not bool(blocks(big, BIG, dst).any())
+            assert con._ipc is not None
+            for rid, opts in (
+                ("c1", IpcOptions(trust_unauthenticated=True, grace_s=3.0, gpu_wait=True)),
+                ("c2", OPTS),
+            ):
+                con._ipc.options = opts
+                dst = list(range(128, 192))
+                task = asyncio.ensure_future(con.recv_request(rid, dst, frm=peer, timeout=30))
+                await asyncio.sleep(0.6)
+                out[rid + "_done_before_cancel"] = task.done()
+                task.cancel()
+                t0 = time.monotonic()
+                try:
+                    await task
+                    out[rid] = "ok"
+                except asyncio.CancelledError:
+                    out[rid] = "cancelled"
+                out[rid + "_cancel_s"] = time.monotonic() - t0
+                out[rid + "_untouched_at_return"] = not bool(blocks(big, BIG, dst).any())
+                await asyncio.sleep(2.5)  # the producer's event has fired by now
+                torch.cuda.synchronize()
+                out[rid + "_untouched_later"] = not bool(blocks(big, BIG, dst).any())
             out["finished"] = sorted(con.finished_receiving())
             out.update(stats(con))
             await con.aclose()
     return out
 
 
-async def kill_producer(role: str, d: str) -> dict[str, Any]:
-    """The producer dies (SIGKILL) with the consumer's copy queued behind its event."""
+def _sync_returns(seconds: float) -> bool:
+    """Whether a device-wide synchronize returns within ``seconds`` (run on a thread)."""
+    import threading
+
+    t = threading.Thread(target=torch.cuda.synchronize, daemon=True)
+    t.start()
+    t.join(seconds)
+    return not t.is_alive()
+
+
+async def kill_producer(role: str, d: str, gpu_wait: bool = False) -> dict[str, Any]:
+    """The producer dies (SIGKILL) before its ready event fires."""
     dev = device(role)
     torch.cuda.set_device(dev)
-    out: dict[str, Any] = {}
+    out: dict[str, Any] = {"gpu_wait": gpu_wait}
     async with engine(dev) as eng:
         peer = await addresses(d, role, eng)
         src = ids(16, 256, 1)
@@ -276,7 +294,8 @@ async def kill_producer(role: str, d: str) -> dict[str, Any]:
             big = torch.zeros(
                 (BIG.num_layers, *BIG.layer_shape()), dtype=BIG.torch_dtype, device=dev
             )
-            con = KVConnector(eng, BIG, list(big.unbind(0)), ipc=OPTS)
+            opts = IpcOptions(trust_unauthenticated=True, grace_s=1.0, gpu_wait=gpu_wait)
+            con = KVConnector(eng, BIG, list(big.unbind(0)), ipc=opts)
             await con.recv_request("warm", [0], frm=peer, timeout=30)
             dst = list(range(100, 116))
             t0 = time.monotonic()
@@ -287,27 +306,32 @@ async def kill_producer(role: str, d: str) -> dict[str, Any]:
                 out["recv"] = type(exc).__name__
             out["recv_s"] = time.monotonic() - t0
             out["untouched_at_return"] = not bool(blocks(big, BIG, dst).any())
+            say(step="returned", **out)
             await asyncio.sleep(8.0)  # past the dead producer's sleep
             plane = con._ipc
             assert plane is not None
             m = next(iter(plane._maps.values()))
-            evs = [ev for (_h, ev) in m.events.values()]
             try:
-                out["event_fired_after_death"] = [bool(e.query()) for e in evs]
+                out["event_fired_after_death"] = [bool(e.query()) for (_h, e) in m.events.values()]
             except Exception as exc:
                 out["event_fired_after_death"] = f"{type(exc).__name__}: {exc}"
+            out["copy_stream_idle"] = bool(m.stream.query())
             out["untouched_later"] = not bool(blocks(big, BIG, dst).any())
             out["healthy"] = float(torch.ones(1000, device=dev).sum().item()) == 1000.0
             out.update(stats(con))
-            # last (a fault would poison this context): read the dead producer's memory
-            try:
-                v = m.src_layers[0].reshape(-1)[:64].clone()
-                torch.cuda.synchronize()
-                out["read_dead_mapping"] = f"ok ({int(v.view(torch.uint8).sum())})"
-            except Exception as exc:
-                out["read_dead_mapping"] = f"{type(exc).__name__}: {exc}"[:300]
-            say(**out)
-            os._exit(0)  # the dead peer's mapping: do not run teardown code against it
+            say(step="before device sync", **out)
+            out["device_sync_returns"] = _sync_returns(15.0)
+            say(step="after device sync", **out)
+            if out["device_sync_returns"]:
+                # a fault here would poison this context, so it comes last
+                try:
+                    v = m.src_layers[0].reshape(-1)[:64].clone()
+                    torch.cuda.synchronize()
+                    out["read_dead_mapping"] = f"ok (byte sum {int(v.view(torch.uint8).sum())})"
+                except Exception as exc:
+                    out["read_dead_mapping"] = f"{type(exc).__name__}: {exc}"[:300]
+            say(role=role, **out)
+            os._exit(0)  # no teardown against a dead peer's mapping or a stuck stream
     return out
 
 

@@ -73,25 +73,42 @@ def test_every_layout_and_dtype_bit_exact(tmp_path: Path) -> None:
         assert combo["sent"] >= 3 and not combo["fallbacks"], combo
 
 
-def test_cancel_behind_producer_event_writes_nothing(tmp_path: Path) -> None:
+def test_cancel_before_the_producer_is_ready_writes_nothing(tmp_path: Path) -> None:
     r = run_pair("cancel", tmp_path)
     c, p = r["consumer"], r["producer"]
     assert c is not None and p is not None
-    assert c["done_before_cancel"] is False
-    assert c["recv"] == "cancelled"
-    assert c["untouched_at_return"] and c["untouched_later"]
-    assert c["aborted"] == 1 and "c1" not in c["finished"]
-    assert p["send"] == "TransferAbortedError"  # the consumer's release said: failed
+    for rid in ("c1", "c2"):  # c1: launch queued on the GPU; c2: host wait, no launch
+        assert c[rid + "_done_before_cancel"] is False
+        assert c[rid] == "cancelled"
+        assert c[rid + "_untouched_at_return"] and c[rid + "_untouched_later"], rid
+        assert p[rid] == "TransferAbortedError"  # the consumer's release said: failed
+    assert c["c2_cancel_s"] < 0.5  # nothing launched: nothing to settle
+    assert c["aborted"] == 1 and c["stuck"] == 0  # c1's launch ran (and copied nothing)
+    assert "c1" not in c["finished"] and "c2" not in c["finished"]
 
 
 def test_killed_producer(tmp_path: Path) -> None:
-    r = run_pair("kill_producer", tmp_path)
+    """Default (host wait): nothing is launched for a producer that dies before its
+    event fires; the consumer fails at the lease and its device stays usable."""
+    r = run_pair("kill_producer", tmp_path, timeout=120)
     c = r["consumer"]
     assert c is not None
     assert c["recv"] == "TransferTimeoutError"
-    assert c["recv_s"] < 3 + 2 * 1.0 + 2  # the lease (3 s) + the settle grace, not 30 s
-    assert c["untouched_at_return"] and c["untouched_later"]
-    assert c["healthy"]
+    assert c["recv_s"] < 3 + 2  # the lease (3 s), not the consumer's 30 s
+    assert c["untouched_at_return"] and c["untouched_later"] and c["healthy"]
+    assert c["aborted"] == 0 and c["stuck"] == 0 and c["lease_expired"] == 1
+    assert c["copy_stream_idle"] and c["device_sync_returns"]
+
+
+def test_killed_producer_gpu_wait(tmp_path: Path) -> None:
+    """``gpu_wait=True``: the launch queued behind the dead producer's event writes
+    nothing; what happens to the stream (and a device-wide sync) is reported."""
+    r = run_pair("kill_producer_gpuwait", tmp_path, timeout=120)
+    c = r["consumer"]
+    assert c is not None
+    assert c["recv"] == "TransferTimeoutError"
+    assert c["recv_s"] < 3 + 1.0 + 2
+    assert c["untouched_at_return"] and c["untouched_later"] and c["healthy"]
     assert c["aborted"] == 1
 
 

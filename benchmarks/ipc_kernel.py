@@ -46,6 +46,8 @@ def run(name: str, requests: int, blocks: int, reps: int = 5) -> dict[str, objec
     a = torch.empty(req_bytes, dtype=torch.uint8, device=dev)
     b = torch.empty_like(a)
 
+    cta = 32768
+
     def kernel() -> None:
         for x in ids:
             k.launch_pair_copy(
@@ -62,6 +64,7 @@ def run(name: str, requests: int, blocks: int, reps: int = 5) -> dict[str, objec
                 dst_part_stride=nb * seg // w,
                 block_stride=seg // w,
                 base_align=16,
+                program_bytes=cta,
             )
 
     def memcpy() -> None:
@@ -74,7 +77,13 @@ def run(name: str, requests: int, blocks: int, reps: int = 5) -> dict[str, objec
         "blocks": blocks,
         "bytes": requests * req_bytes,
     }
-    for label, fn in (("kernel", kernel), ("memcpy", memcpy)):
+    for label, fn, size in (
+        ("kernel", kernel, 32768),
+        ("kernel16k", kernel, 16384),
+        ("kernel64k", kernel, 65536),
+        ("memcpy", memcpy, 0),
+    ):
+        cta = size
         fn()
         torch.cuda.synchronize()
         times = []
@@ -88,7 +97,11 @@ def run(name: str, requests: int, blocks: int, reps: int = 5) -> dict[str, objec
         t = statistics.median(times)
         out[label + "_ms_per_request"] = round(t / requests * 1e3, 4)
         out[label + "_gbps"] = round(requests * req_bytes / t / 1e9, 1)
-    # bit-exact check of the last run
+    cta = 32768
+    dst.zero_()
+    kernel()
+    torch.cuda.synchronize()
+    # bit-exact check (32 KiB programs, as the plane runs them)
     ok = True
     for x in ids:
         for li in (0, 31):

@@ -143,6 +143,7 @@ def launch_pair_copy(
     dst_part_stride: int,
     block_stride: int,
     base_align: int,
+    program_bytes: int = _PROGRAM_BYTES,
 ) -> bool:
     """Launch the fused copy on the CURRENT stream. False when the grid would be too big.
 
@@ -151,10 +152,11 @@ def launch_pair_copy(
     destination ids). ``abort``: int32 device tensor; ``abort[slot]`` non-zero makes
     the launch copy nothing. Strides and sizes are in words. ``base_align``: a power of
     two (bytes) dividing every base address in both tables; with the strides it decides
-    the vector width (up to 16 bytes).
+    the vector width (up to 16 bytes). ``program_bytes``: bytes per program (CTA), a
+    power of two (the default, 32 KiB, is what the plane uses).
     """
     n_pairs = ids.shape[1]
-    block = max(1, _PROGRAM_BYTES // word)
+    block = max(1, program_bytes // word)
     block = min(block, 1 << max(0, (seg_words - 1).bit_length()))
     chunks = -(-seg_words // block)
     programs = n_layers * parts * n_pairs * chunks

@@ -217,8 +217,8 @@ async def cancel(role: str, d: str) -> dict[str, Any]:
             _, caches = fill(BIG, dev, 5)
             con = KVConnector(eng, BIG, caches, ipc=OPTS)
             await con.send_request("warm", [0], to=peer, timeout=30)  # map + verify first
-            for rid in ("c1", "c2"):
-                torch.cuda._sleep(SLEEP_2S)
+            for rid, cycles in (("c1", SLEEP_2S), ("c2", 4 * SLEEP_2S)):
+                torch.cuda._sleep(cycles)
                 t0 = time.monotonic()
                 try:
                     await con.send_request(rid, src, to=peer, timeout=30)
@@ -236,9 +236,9 @@ async def cancel(role: str, d: str) -> dict[str, Any]:
             con = KVConnector(eng, BIG, list(big.unbind(0)), ipc=OPTS)
             await con.recv_request("warm", [0], frm=peer, timeout=30)
             assert con._ipc is not None
-            for rid, opts in (
-                ("c1", IpcOptions(trust_unauthenticated=True, grace_s=3.0, gpu_wait=True)),
-                ("c2", OPTS),
+            for rid, opts, later in (
+                ("c1", IpcOptions(trust_unauthenticated=True, grace_s=3.0, gpu_wait=True), 2.5),
+                ("c2", OPTS, 8.5),
             ):
                 con._ipc.options = opts
                 dst = list(range(128, 192))
@@ -254,7 +254,7 @@ async def cancel(role: str, d: str) -> dict[str, Any]:
                     out[rid] = "cancelled"
                 out[rid + "_cancel_s"] = time.monotonic() - t0
                 out[rid + "_untouched_at_return"] = not bool(blocks(big, BIG, dst).any())
-                await asyncio.sleep(2.5)  # the producer's event has fired by now
+                await asyncio.sleep(later)  # the producer's event has fired by now
                 torch.cuda.synchronize()
                 out[rid + "_untouched_later"] = not bool(blocks(big, BIG, dst).any())
             out["finished"] = sorted(con.finished_receiving())
@@ -335,6 +335,10 @@ async def kill_producer(role: str, d: str, gpu_wait: bool = False) -> dict[str, 
     return out
 
 
+async def kill_producer_gpu_wait(role: str, d: str) -> dict[str, Any]:
+    return await kill_producer(role, d, gpu_wait=True)
+
+
 async def kill_consumer(role: str, d: str) -> dict[str, Any]:
     """The consumer dies right after launching the copy: the producer must keep its blocks
     until lease + grace, then fail, and stay healthy."""
@@ -411,6 +415,7 @@ def main() -> None:
             "matrix": matrix,
             "cancel": cancel,
             "kill_producer": kill_producer,
+            "kill_producer_gpuwait": kill_producer_gpu_wait,
             "kill_consumer": kill_consumer,
         }[scenario]
         out = asyncio.run(fn(role, d))

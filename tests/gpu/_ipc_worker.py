@@ -298,6 +298,15 @@ async def kill_producer(role: str, d: str, gpu_wait: bool = False) -> dict[str, 
             con = KVConnector(eng, BIG, list(big.unbind(0)), ipc=opts)
             await con.recv_request("warm", [0], frm=peer, timeout=30)
             dst = list(range(100, 116))
+            # Launch once, now, every kernel used below: under lazy module loading a
+            # kernel's first launch waits for an idle GPU, which a stream stuck behind
+            # a dead producer's event (gpu_wait) never becomes (run s10-ipc-r3).
+            bool(blocks(big, BIG, dst).any())
+            float(torch.ones(1000, device=dev).sum().item())
+            assert con._ipc is not None
+            m0 = next(iter(con._ipc._maps.values()))
+            int(m0.src_layers[0].reshape(-1)[:64].clone().view(torch.uint8).sum())
+            torch.cuda.synchronize()
             t0 = time.monotonic()
             try:
                 await con.recv_request("k1", dst, frm=peer, timeout=30)
@@ -320,7 +329,7 @@ async def kill_producer(role: str, d: str, gpu_wait: bool = False) -> dict[str, 
             out["healthy"] = float(torch.ones(1000, device=dev).sum().item()) == 1000.0
             out.update(stats(con))
             say(step="before device sync", **out)
-            out["device_sync_returns"] = _sync_returns(15.0)
+            out["device_sync_returns"] = _sync_returns(8.0)
             say(step="after device sync", **out)
             if out["device_sync_returns"]:
                 # a fault here would poison this context, so it comes last

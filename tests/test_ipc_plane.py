@@ -518,6 +518,15 @@ def test_release_rules() -> None:
             Release.from_wire(bad)
 
 
+def test_decode_message_accepts_bytes_from_a_channel() -> None:
+    b = msgpack.packb(Release("r", False, reason="x").to_wire())
+    assert Release.from_wire(decode_message(b)).reason == "x"
+    with pytest.raises(RemoteProtocolError):
+        decode_message(b"")
+    with pytest.raises(RemoteProtocolError):
+        decode_message(b"\x00" * (ipcmod.MAX_MESSAGE_BYTES + 1))
+
+
 def test_decode_message_rejects() -> None:
     with pytest.raises(RemoteProtocolError):
         decode_message(torch.zeros(4, dtype=torch.int32))

@@ -62,7 +62,9 @@ if TYPE_CHECKING:
     from .connector import KVConnector
 
 __all__ = [
+    "ControlChannel",
     "Descriptor",
+    "EngineChannel",
     "IpcOptions",
     "IpcPlane",
     "IpcStatistics",
@@ -162,14 +164,21 @@ def encode_message(d: Mapping[str, Any]) -> torch.Tensor:
 
 
 def decode_message(t: object) -> dict[str, Any]:
-    """Decode a control message received from a peer (untrusted): size-checked, no ext
-    types, string keys only. Raises :class:`~aiokv.RemoteProtocolError`."""
-    if not isinstance(t, torch.Tensor) or t.dtype != torch.uint8 or t.dim() != 1:
-        raise RemoteProtocolError("IPC control message must be a 1-D uint8 tensor")
-    n = t.numel()
-    if n == 0 or n > MAX_MESSAGE_BYTES:
-        raise RemoteProtocolError(f"IPC control message of {n} bytes")
-    raw = _tensor_bytes(t)
+    """Decode a control message received from a peer (untrusted; a uint8 tensor or
+    bytes): size-checked before decoding, no ext types, string keys only, version 1.
+    Raises :class:`~aiokv.RemoteProtocolError`."""
+    if isinstance(t, (bytes, bytearray)):  # a channel that carries bytes
+        n = len(t)
+        if n == 0 or n > MAX_MESSAGE_BYTES:
+            raise RemoteProtocolError(f"IPC control message of {n} bytes")
+        raw = bytes(t)
+    else:
+        if not isinstance(t, torch.Tensor) or t.dtype != torch.uint8 or t.dim() != 1:
+            raise RemoteProtocolError("IPC control message must be a 1-D uint8 tensor or bytes")
+        n = t.numel()
+        if n == 0 or n > MAX_MESSAGE_BYTES:
+            raise RemoteProtocolError(f"IPC control message of {n} bytes")
+        raw = _tensor_bytes(t)
     try:
         d = msgpack.unpackb(
             raw,
@@ -645,6 +654,38 @@ class CudaBackend:
         return torch.cuda.Stream(device)  # type: ignore[no-untyped-call]
 
 
+# --------------------------------------------------------------------------- control channel
+
+
+class ControlChannel(Protocol):
+    """How the plane's two messages travel (docs/ipc.md, "Control interface").
+
+    ``send`` starts sending one message (a plain msgpack-able dict) and returns an
+    awaitable that settles when it was delivered (or failed); ``recv`` returns the
+    message received under ``tensor_id`` as the raw uint8 tensor/bytes, which the
+    plane decodes and validates itself. :class:`EngineChannel` carries them as
+    small CPU tensors through an engine's public ``send_nowait`` / ``recv``; the
+    one-message control protocol can carry the same dicts instead.
+    """
+
+    def send(self, tensor_id: str, msg: Mapping[str, Any], *, to: str, timeout: float) -> Any: ...
+
+    async def recv(self, tensor_id: str, *, frm: str | None, timeout: float) -> Any: ...
+
+
+class EngineChannel:
+    """:class:`ControlChannel` over an engine: msgpack bytes in a uint8 CPU tensor."""
+
+    def __init__(self, engine: Any) -> None:
+        self.engine = engine
+
+    def send(self, tensor_id: str, msg: Mapping[str, Any], *, to: str, timeout: float) -> Any:
+        return self.engine.send_nowait(tensor_id, encode_message(msg), to=to, timeout=timeout)
+
+    async def recv(self, tensor_id: str, *, frm: str | None, timeout: float) -> Any:
+        return await self.engine.recv(tensor_id, frm=frm, timeout=timeout)
+
+
 # --------------------------------------------------------------------------- the plane
 
 
@@ -689,9 +730,13 @@ class IpcPlane:
         options: IpcOptions,
         *,
         backend: Backend | None = None,
+        channel: ControlChannel | None = None,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.con = connector
+        self.channel: ControlChannel = (
+            channel if channel is not None else EngineChannel(connector.engine)
+        )
         self.options = options
         self.layout = connector.layout
         self.device = connector.device
@@ -748,7 +793,7 @@ class IpcPlane:
     def _send_msg(self, tensor_id: str, msg: Mapping[str, Any], to: str, timeout: float) -> None:
         """Start sending a control message; a failure is logged (the peer's wait for it
         runs into its deadline), never left unretrieved."""
-        h = self.con.engine.send_nowait(tensor_id, encode_message(msg), to=to, timeout=timeout)
+        h = self.channel.send(tensor_id, msg, to=to, timeout=timeout)
 
         async def reap() -> None:
             try:
@@ -897,7 +942,7 @@ class IpcPlane:
         """The consumer's release, or None once the lease plus the grace period is over."""
         left = lease + self.options.grace_s - self._clock()
         try:
-            raw = await self.con.engine.recv(f"{rid}#ipcrel", frm=frm, timeout=max(0.0, left))
+            raw = await self.channel.recv(f"{rid}#ipcrel", frm=frm, timeout=max(0.0, left))
         except TransferTimeoutError:
             return None
         rel = Release.from_wire(decode_message(raw))
@@ -939,7 +984,7 @@ class IpcPlane:
         deadline = con._deadline(timeout)
         host = con._host_ids(block_ids, unique=True, what="recv_request")
         n = host.numel()
-        raw = await con.engine.recv(
+        raw = await self.channel.recv(
             f"{request_id}#ipc", frm=frm, timeout=max(0.0, deadline - time.monotonic())
         )
         d = decode_message(raw)

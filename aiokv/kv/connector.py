@@ -151,6 +151,11 @@ class KVConnector:
 
     Give both engines ``EngineConfig(layout=layout.to_wire())`` so that
     incompatible layouts are refused at connection set-up.
+
+    ``ipc``: :class:`~aiokv.kv.IpcOptions` turns on the same-host IPC plane
+    (docs/ipc.md): the consumer copies each request straight out of the
+    producer's cache in one kernel where CUDA IPC works, this path otherwise.
+    Give both sides the same setting.
     """
 
     def __init__(

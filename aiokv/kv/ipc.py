@@ -121,9 +121,10 @@ class IpcOptions:
     queued at once) instead of polling it from the host first. Faster by one poll,
     but if the producer dies before its event fires, that stream waits forever:
     the launch itself is harmless (its abort word is set), but a device-wide
-    ``torch.cuda.synchronize()`` in the consumer then never returns (run s10-ipc-r1,
-    docs/ipc.md). Off by default; consider it only where the producer's death also
-    ends the consumer.
+    ``torch.cuda.synchronize()`` in the consumer then never returns, nor does the
+    next first launch of a kernel under lazy module loading (runs s10-ipc-r1, r3,
+    r4; docs/ipc.md). Off by default; consider it only where the producer's death
+    also ends the consumer.
     """
 
     trust_unauthenticated: bool = False

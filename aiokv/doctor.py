@@ -68,6 +68,12 @@ def doctor(out: TextIO | None = None) -> int:
                         cells.append(" yes" if ok else "  no")
                 say(f"  cuda:{i}   " + "".join(cells))
 
+    if gpus:
+        from .kv.ipc import doctor_report
+
+        for line in doctor_report(gpus):
+            say(line)
+
     from ._exceptions import NcclError
     from .nccl.library import find_library, load_library
 

@@ -7,6 +7,7 @@ See :mod:`aiokv.kv.layouts` for the layouts and their wire form, and
 from __future__ import annotations
 
 from .connector import ConnectorStatistics, KVConnector
+from .ipc import IpcOptions, IpcStatistics
 from .layouts import (
     DTYPES,
     FlashAttentionLayout,
@@ -35,6 +36,8 @@ __all__ = [
     "FlashAttentionLayout",
     "FlashInferLayout",
     "Impl",
+    "IpcOptions",
+    "IpcStatistics",
     "KVConnector",
     "KVLayout",
     "LayerChunker",

@@ -2,6 +2,7 @@
 
     python -m aiokv.kv.bench --workload short --transport nccl --json
     python -m aiokv.kv.bench --workload tiny --transport tcp --json     # CPU smoke test
+    python -m aiokv.kv.bench --workload short --transport ipc --json     # same-host IPC plane
 
 Two processes (spawned), a producer and a consumer, each with an
 :class:`aiokv.Engine` and a paged cache in the FlashAttention layout of
@@ -10,7 +11,11 @@ block 16, bf16). Workloads: ``short`` 64 requests x 256 tokens, ``long`` 16 x
 4096, ``tiny`` 4 layers, 8 x 64 tokens, float32 (CPU smoke test). Block tables
 are random permutations of a cache 25 % larger than needed, different on each
 side. ``--transport nccl`` puts the producer on ``cuda:0`` and the consumer on
-``cuda:1``; ``tcp`` uses CPU caches.
+``cuda:1``; ``tcp`` uses CPU caches; ``ipc`` uses the same-host IPC plane
+(:mod:`aiokv.kv.ipc`: the consumer pulls the blocks out of the producer's
+cache in one kernel), producer on ``cuda:0`` and consumer on ``cuda:1`` -- or
+both on ``cuda:0`` when only one GPU is visible (a correctness and kernel-rate
+run, not the two-GPU figure).
 
 Each iteration: the consumer zeroes its cache, posts a ``recv_request`` for every
 request, signals the producer and starts the clock; the producer sends all
@@ -18,9 +23,12 @@ requests (``--concurrency`` at once); the clock stops when the last block is in
 place (after a device synchronisation on GPU). Effective rate = bytes landed /
 that wall time. The consumer then checks every block bit-exactly against the
 producer's cache, which it regenerates from the seed. The raw reference in the
-same run, same clock and same signalling: for ``nccl``, torch.distributed
-(a 2-rank NCCL group over a TCP store on loopback) sending the same bytes as one
-message per request; for ``tcp``, a pyzmq PUSH/PULL of the same messages.
+same run, same clock and same signalling: for ``nccl`` (and ``ipc`` on two
+GPUs), torch.distributed (a 2-rank NCCL group over a TCP store on loopback)
+sending the same bytes as one message per request; for ``tcp``, a pyzmq
+PUSH/PULL of the same messages; for ``ipc`` on one GPU (NCCL cannot put two
+ranks on one GPU), one device-to-device copy of the same bytes per request in
+the consumer.
 Latency: ``--latency-n`` one-at-a-time requests of 256 tokens (fewer for
 ``tiny``), from the producer's call to the last block in place on the consumer
 (``time.perf_counter`` is CLOCK_MONOTONIC, shared by processes of one host).
@@ -172,9 +180,8 @@ async def _producer(a: dict[str, Any], chan: _Chan) -> dict[str, Any]:
     from .connector import KVConnector
 
     w = WORKLOADS[a["workload"]]
-    nccl = a["transport"] == "nccl"
-    device = torch.device("cuda:0" if nccl else "cpu")
-    if nccl:
+    device = torch.device("cuda:0" if a["transport"] in ("nccl", "ipc") else "cpu")
+    if device.type == "cuda":
         torch.cuda.set_device(device)
     layout = _layout(w)
     _big, caches = _alloc(layout, device, a["seed"])
@@ -182,7 +189,7 @@ async def _producer(a: dict[str, Any], chan: _Chan) -> dict[str, Any]:
     req_bytes = layout.request_nbytes(w.blocks_per_request)
     cfg = aiokv.EngineConfig(
         device=str(device),
-        transport=a["transport"],
+        transport=_engine_transport(a),
         layout=layout.to_wire(),
         timeouts=aiokv.Timeouts(transfer=a["timeout"], negotiate=a["timeout"]),
         limits=aiokv.Limits(store_bytes=4 * GiB),
@@ -192,7 +199,12 @@ async def _producer(a: dict[str, Any], chan: _Chan) -> dict[str, Any]:
     async with aiokv.Engine(cfg) as eng:
         (_, to, raw_ep) = await chan.recv("addr")
         con = KVConnector(
-            eng, layout, caches, chunk_bytes=a["chunk_bytes"], staging_bytes=a["staging_bytes"]
+            eng,
+            layout,
+            caches,
+            chunk_bytes=a["chunk_bytes"],
+            staging_bytes=a["staging_bytes"],
+            ipc=_ipc_options(a),
         )
         sem = asyncio.Semaphore(a["concurrency"])
 
@@ -201,7 +213,7 @@ async def _producer(a: dict[str, Any], chan: _Chan) -> dict[str, Any]:
                 await con.send_request(rid, ids, to=to)
 
         raw_src = torch.empty(req_bytes, dtype=torch.uint8, device=device).random_(0, 256)
-        push = _zmq_push(raw_ep) if not nccl else None
+        push = _zmq_push(raw_ep) if a["raw"] == "zmq" else None
         try:
             while True:
                 msg = await chan.recv("cmd")
@@ -212,9 +224,9 @@ async def _producer(a: dict[str, Any], chan: _Chan) -> dict[str, Any]:
                     it = msg[2]
                     await asyncio.gather(*(one(f"i{it}r{r}", tables[r]) for r in range(w.requests)))
                 elif cmd == "raw":
-                    if nccl:
+                    if a["raw"] == "nccl":
                         await asyncio.to_thread(_nccl_raw, pg, raw_src, w.requests, 0)
-                    else:
+                    elif a["raw"] == "zmq":
                         await asyncio.to_thread(_zmq_raw_push, push, raw_src, w.requests)
                 elif cmd == "lat":
                     n_blocks = msg[3]
@@ -240,9 +252,13 @@ async def _consumer(a: dict[str, Any], chan: _Chan) -> dict[str, Any]:
     from .connector import KVConnector
 
     w = WORKLOADS[a["workload"]]
-    nccl = a["transport"] == "nccl"
-    device = torch.device("cuda:1" if nccl else "cpu")
-    if nccl:
+    if a["transport"] == "nccl":
+        device = torch.device("cuda:1")
+    elif a["transport"] == "ipc":
+        device = torch.device("cuda:1" if a["gpus"] >= 2 else "cuda:0")
+    else:
+        device = torch.device("cpu")
+    if device.type == "cuda":
         torch.cuda.set_device(device)
     layout = _layout(w)
     big, caches = _alloc(layout, device, None)
@@ -253,7 +269,7 @@ async def _consumer(a: dict[str, Any], chan: _Chan) -> dict[str, Any]:
     total = w.requests * req_bytes
     cfg = aiokv.EngineConfig(
         device=str(device),
-        transport=a["transport"],
+        transport=_engine_transport(a),
         layout=layout.to_wire(),
         timeouts=aiokv.Timeouts(transfer=a["timeout"], negotiate=a["timeout"]),
         limits=aiokv.Limits(store_bytes=4 * GiB),
@@ -271,12 +287,13 @@ async def _consumer(a: dict[str, Any], chan: _Chan) -> dict[str, Any]:
         return ok
 
     pg = _raw_setup(a, rank=1)
-    pull, raw_ep = _zmq_pull() if not nccl else (None, "")
+    pull, raw_ep = _zmq_pull() if a["raw"] == "zmq" else (None, "")
     raw_dst = torch.empty(req_bytes, dtype=torch.uint8, device=device)
+    raw_local = torch.empty(req_bytes, dtype=torch.uint8, device=device).random_(0, 256)
     res: dict[str, Any] = {"aiokv_s": [], "raw_s": [], "ok": True, "lat_end": []}
     async with aiokv.Engine(cfg) as eng:
         chan.send("addr", eng.address, raw_ep)
-        con = KVConnector(eng, layout, caches, chunk_bytes=a["chunk_bytes"])
+        con = KVConnector(eng, layout, caches, chunk_bytes=a["chunk_bytes"], ipc=_ipc_options(a))
         try:
             for it in range(-1, a["iters"]):  # iteration -1 warms up (sessions, NCCL, kernels)
                 big.zero_()
@@ -299,10 +316,13 @@ async def _consumer(a: dict[str, Any], chan: _Chan) -> dict[str, Any]:
                 # the raw reference, interleaved so both see the same machine state
                 t0 = time.perf_counter()
                 chan.send("cmd", "raw")
-                if nccl:
+                if a["raw"] == "nccl":
                     await asyncio.to_thread(_nccl_raw, pg, raw_dst, w.requests, 1)
-                else:
+                elif a["raw"] == "zmq":
                     await asyncio.to_thread(_zmq_raw_pull, pull, w.requests, req_bytes)
+                else:  # one GPU: a device-to-device copy of the same bytes per request
+                    for _ in range(w.requests):
+                        raw_dst.copy_(raw_local)
                 _sync(device)
                 t1 = time.perf_counter()
                 await chan.recv("ack")
@@ -340,8 +360,22 @@ async def _consumer(a: dict[str, Any], chan: _Chan) -> dict[str, Any]:
 # --------------------------------------------------------------------------- raw baselines
 
 
+def _engine_transport(a: dict[str, Any]) -> str:
+    # the IPC plane's control messages are CPU tensors (TCP); its fallback takes NCCL
+    return "auto" if a["transport"] == "ipc" else str(a["transport"])
+
+
+def _ipc_options(a: dict[str, Any]) -> Any:
+    if a["transport"] != "ipc":
+        return None
+    from .ipc import IpcOptions
+
+    # both processes are this benchmark's own children on one host
+    return IpcOptions(trust_unauthenticated=True)
+
+
 def _raw_setup(a: dict[str, Any], rank: int) -> Any:
-    if a["transport"] != "nccl":
+    if a["raw"] != "nccl":
         return None
     import torch
     import torch.distributed as dist
@@ -463,7 +497,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         prog="python -m aiokv.kv.bench", description=__doc__.split("\n")[0]
     )
     ap.add_argument("--workload", choices=sorted(WORKLOADS), default="tiny")
-    ap.add_argument("--transport", choices=["tcp", "nccl"], default="tcp")
+    ap.add_argument("--transport", choices=["tcp", "nccl", "ipc"], default="tcp")
     ap.add_argument("--json", action="store_true", help="print one JSON line")
     ap.add_argument("--iters", type=int, default=3, help="timed iterations (median reported)")
     ap.add_argument("--concurrency", type=int, default=8, help="requests in flight (producer)")
@@ -493,13 +527,24 @@ def main(argv: Sequence[str] | None = None) -> int:
         staging = int(args.staging_mib * MiB)
     else:
         staging = min(2 * GiB, max(4 * chunk, 2 * args.concurrency * min(chunk, req_bytes)))
-    if args.transport == "nccl":
+    gpus = 0
+    if args.transport in ("nccl", "ipc"):
         import torch
 
-        n = torch.cuda.device_count() if torch.cuda.is_available() else 0
-        if n < 2:
-            print(f"--transport nccl needs 2 CUDA GPUs, found {n}", file=sys.stderr)
+        gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        need = 2 if args.transport == "nccl" else 1
+        if gpus < need:
+            print(
+                f"--transport {args.transport} needs {need} CUDA GPUs, found {gpus}",
+                file=sys.stderr,
+            )
             return 2
+    if args.transport == "tcp":
+        raw_kind = "zmq"
+    elif args.transport == "nccl" or gpus >= 2:
+        raw_kind = "nccl"
+    else:
+        raw_kind = "d2d"
     a: dict[str, Any] = {
         "workload": args.workload,
         "transport": args.transport,
@@ -513,6 +558,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         "timeout": args.timeout,
         "loop": loop,
         "dist_port": _free_port(),
+        "raw": raw_kind,
+        "gpus": gpus,
     }
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
@@ -558,6 +605,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     else:
         c = got["consumer"][1]
         total = c["bytes"]
+        ipc_stats = (c.get("connector") or {}).get("ipc")
+        if args.transport == "ipc":
+            rec["ipc"] = ipc_stats
+            if (
+                not ipc_stats
+                or ipc_stats.get("fallbacks")
+                or not ipc_stats.get("requests_received")
+            ):
+                c["ok"] = False  # an IPC run that did not use IPC measured something else
         t_aiokv = statistics.median(c["aiokv_s"])
         t_raw = statistics.median(c["raw_s"])
         lat = [(e - s) * 1e3 for s, e in zip(c["lat_start"], c["lat_end"])]
@@ -576,9 +632,12 @@ def main(argv: Sequence[str] | None = None) -> int:
             iters=args.iters,
             aiokv_seconds=[round(x, 6) for x in c["aiokv_s"]],
             raw_seconds=[round(x, 6) for x in c["raw_s"]],
-            raw="torch.distributed NCCL send/recv, one message per request"
-            if args.transport == "nccl"
-            else "pyzmq PUSH/PULL, one message per request",
+            raw={
+                "nccl": "torch.distributed NCCL send/recv, one message per request",
+                "zmq": "pyzmq PUSH/PULL, one message per request",
+                "d2d": "one device-to-device copy per request on the consumer's GPU (1 GPU)",
+            }[raw_kind],
+            gpus=gpus,
             chunk_bytes=chunk,
             staging_bytes=staging,
             concurrency=args.concurrency,

@@ -88,6 +88,7 @@ from .._exceptions import (
     LayoutMismatchError,
     TransferTimeoutError,
 )
+from .ipc import IpcOptions, IpcPlane, IpcStatistics
 from .layouts import KVLayout, check_compatible, layout_from_wire
 from .ops import (
     BoundCaches,
@@ -169,6 +170,7 @@ class ConnectorStatistics:
     send_seconds: float = 0.0
     recv_seconds: float = 0.0
     staging: PoolStatistics | None = field(default=None)
+    ipc: IpcStatistics | None = field(default=None)
 
 
 @dataclass(slots=True, eq=False)
@@ -195,6 +197,11 @@ class KVConnector:
     Every request is checked against the producer's layout and plan (a small
     header per request); giving both engines ``EngineConfig(layout=layout)``
     also refuses incompatible peers at connection set-up.
+
+    ``ipc``: :class:`~aiokv.kv.IpcOptions` turns on the same-host IPC plane
+    (docs/ipc.md): the consumer copies each request straight out of the
+    producer's cache in one kernel where CUDA IPC works, this path otherwise.
+    Give both sides the same setting.
     """
 
     def __init__(
@@ -207,6 +214,7 @@ class KVConnector:
         chunk_bytes: int = 64 * MiB,
         max_inflight: int = 4,
         thread_min_bytes: int = 4 * MiB,
+        ipc: IpcOptions | None = None,
     ) -> None:
         if not isinstance(layout, KVLayout):
             raise ConfigError(f"layout must be a KVLayout, got {type(layout).__name__}")
@@ -240,6 +248,8 @@ class KVConnector:
         self._drains: dict[str, asyncio.Task[None]] = {}
         self._stats = ConnectorStatistics()
         self._closed = False
+        # the same-host IPC plane (docs/ipc.md); None: the ordinary path only
+        self._ipc: IpcPlane | None = IpcPlane(self, ipc) if ipc is not None else None
 
     # ------------------------------------------------------------------ helpers
 
@@ -517,6 +527,7 @@ class KVConnector:
         *,
         to: str,
         timeout: float | None = None,
+        _plain: bool = False,
     ) -> None:
         """Send all layers of the request's blocks to the engine at ``to``.
 
@@ -525,8 +536,12 @@ class KVConnector:
         (:class:`~aiokv.TransferTimeoutError`, :class:`~aiokv.PeerError`,
         :class:`~aiokv.RefusedError`, ...). On failure or cancellation, chunks
         already committed to the wire finish in the background; their staging is
-        released when they do.
+        released when they do. With ``ipc=`` the request goes through the IPC plane
+        (docs/ipc.md), which falls back to this path by itself.
         """
+        if self._ipc is not None and not _plain:
+            await self._ipc.send_request(request_id, block_ids, to=to, timeout=timeout)
+            return
         self._check_open()
         self._check_rid(request_id)
         deadline = self._deadline(timeout)
@@ -710,6 +725,7 @@ class KVConnector:
         frm: str | None = None,
         timeout: float | None = None,
         layerwise: bool = False,
+        _plain: bool = False,
     ) -> None:
         """Collect the request's KV and write it into the local cache at ``block_ids``.
 
@@ -735,6 +751,11 @@ class KVConnector:
         the deadline), so the blocks may be given to another request at once.
         Reusing the same ``request_id`` for a new request stops that drain.
         """
+        if self._ipc is not None and not _plain:
+            await self._ipc.recv_request(
+                request_id, block_ids, frm=frm, timeout=timeout, layerwise=layerwise
+            )
+            return
         self._check_open()
         self._check_rid(request_id)
         deadline = self._deadline(timeout)
@@ -865,6 +886,7 @@ class KVConnector:
     def statistics(self) -> ConnectorStatistics:
         s = dataclasses.replace(self._stats)
         s.staging = self._pool.statistics() if self._pool is not None else None
+        s.ipc = self._ipc.statistics() if self._ipc is not None else None
         return s
 
     # ------------------------------------------------------------------ lifecycle
@@ -883,6 +905,8 @@ class KVConnector:
         self._drains.clear()
         if pending:
             await asyncio.wait(pending, timeout=timeout)
+        if self._ipc is not None:
+            await self._ipc.aclose(timeout)
         if self._executor is not None:
             ex, self._executor = self._executor, None
             with contextlib.suppress(Exception):

@@ -1,0 +1,208 @@
+"""The IPC plane's copy: a request's blocks, every layer, K and V, in ONE launch.
+
+The kernel reads block ``src_ids[j]`` of every layer from the producer's paged
+cache (mapped into this process by CUDA IPC) and writes it to block
+``dst_ids[j]`` of the consumer's paged cache: no staging buffer, no second pass.
+It is the pair-wise sibling of :mod:`aiokv.kv._triton` (gather/scatter through
+staging): same raw-word copies, so every dtype, fp8 included, is bit-exact.
+
+Work decomposition: a *unit* is one contiguous segment (FlashAttention: K or V;
+FlashInfer and MLA: the whole block) of one block pair of one layer; each
+program copies ``BLOCK`` words of one unit (32 KiB by default, the CTA size the
+issue measured). Unit ``u = (li, p, j)``: layer ``li`` (base addresses from the
+two int64 tables), part ``p``, pair ``j``. Source and destination have their own
+part stride (FlashAttention's K/V halves are ``num_blocks`` blocks apart and the
+two sides' ``num_blocks`` differ); the block stride is the segment.
+
+Abort word: every program first reads ``abort[slot]`` (a volatile load) and
+copies nothing when it is set. The consumer sets it (from another stream) when a
+request is cancelled or its lease runs out, so a launch that has not started yet
+-- e.g. one queued behind the producer's ready event of a producer that died --
+can never write into blocks the consumer has since handed to another request.
+
+Without Triton (``AIOKV_DISABLE_TRITON=1`` or not installed) :func:`torch_pair_copy`
+does the same copy with torch ops, one gather and one scatter per layer. It
+cannot see the abort word, so the plane then waits for the producer's event on
+the host before it enqueues anything (see :mod:`aiokv.kv.ipc`).
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from . import _triton
+
+__all__ = [
+    "WORDS",
+    "available",
+    "base_alignment",
+    "launch_pair_copy",
+    "torch_pair_copy",
+    "word_size",
+]
+
+#: words the kernel moves, by size in bytes
+WORDS: dict[int, torch.dtype] = {8: torch.int64, 4: torch.int32, 2: torch.int16, 1: torch.uint8}
+_PROGRAM_BYTES = 32768
+_MAX_PROGRAMS = 2**31 - 1
+
+
+def word_size(*quantities: int) -> int:
+    """The widest word (8, 4, 2, 1 bytes) dividing every quantity (addresses, strides)."""
+    for w in (8, 4, 2):
+        if all(q % w == 0 for q in quantities):
+            return w
+    return 1
+
+
+def base_alignment(*addresses: int) -> int:
+    """The largest power of two up to 16 dividing every address (the vector bound)."""
+    for a in (16, 8, 4, 2):
+        if all(x % a == 0 for x in addresses):
+            return a
+    return 1
+
+
+def available() -> bool:
+    """True when the Triton kernel can be used (Triton imports, not disabled)."""
+    return _triton.available()
+
+
+@functools.lru_cache(maxsize=1)
+def _kernel() -> Any:
+    import triton
+    import triton.language as tl
+
+    # The per-request scalars are not specialised: a 1-pair request must not compile
+    # (and, under lazy module loading, load) a second variant while another stream may
+    # be waiting on a peer. The geometry (segment, strides) is fixed per connector and
+    # IS specialised: its divisibility lets the masked copies use 16-byte vectors.
+    @triton.jit(  # type: ignore[untyped-decorator]
+        do_not_specialize=["slot", "n_pairs", "parts"]
+    )
+    def pair_copy_kernel(  # type: ignore[no-untyped-def]
+        src_table,
+        dst_table,
+        ids_ptr,
+        abort_ptr,
+        word_ref,
+        slot,
+        n_pairs,
+        parts,
+        seg_words,
+        src_part_stride,
+        dst_part_stride,
+        block_stride,
+        chunks,
+        BLOCK: tl.constexpr,
+        VEC: tl.constexpr,
+        WORD: tl.constexpr,
+    ):
+        pid = tl.program_id(0).to(tl.int64)
+        unit = pid // chunks
+        chunk = pid - unit * chunks
+        j = unit % n_pairs
+        t = unit // n_pairs
+        p = t % parts
+        li = t // parts
+        stop = tl.load(abort_ptr + slot, volatile=True)
+        sid = tl.load(ids_ptr + j)
+        did = tl.load(ids_ptr + n_pairs + j)
+        # Addresses as word offsets from word_ref (16-byte aligned, so Triton knows it):
+        # with the offsets' divisibility hinted, loads and stores become 16-byte vectors.
+        ref = word_ref.to(tl.int64, bitcast=True)
+        start = chunk * BLOCK
+        s_off = (tl.load(src_table + li) - ref) // WORD
+        d_off = (tl.load(dst_table + li) - ref) // WORD
+        s_off = tl.multiple_of(s_off + p * src_part_stride + sid * block_stride + start, VEC)
+        d_off = tl.multiple_of(d_off + p * dst_part_stride + did * block_stride + start, VEC)
+        offs = tl.max_contiguous(tl.multiple_of(tl.arange(0, BLOCK), VEC), BLOCK)
+        mask = (start + offs < seg_words) & (stop == 0)
+        v = tl.load(word_ref + s_off + offs, mask=mask)
+        tl.store(word_ref + d_off + offs, v, mask=mask)
+
+    return pair_copy_kernel
+
+
+def launch_pair_copy(
+    src_table: torch.Tensor,
+    dst_table: torch.Tensor,
+    ids: torch.Tensor,
+    abort: torch.Tensor,
+    slot: int,
+    *,
+    word: int,
+    n_layers: int,
+    parts: int,
+    seg_words: int,
+    src_part_stride: int,
+    dst_part_stride: int,
+    block_stride: int,
+    base_align: int,
+    program_bytes: int = _PROGRAM_BYTES,
+) -> bool:
+    """Launch the fused copy on the CURRENT stream. False when the grid would be too big.
+
+    ``src_table``/``dst_table``: ``n_layers`` int64 base addresses (device tensors),
+    aligned to ``word``. ``ids``: int64 device tensor ``[2, n]`` (source ids, then
+    destination ids). ``abort``: int32 device tensor; ``abort[slot]`` non-zero makes
+    the launch copy nothing. Strides and sizes are in words. ``base_align``: a power of
+    two (bytes) dividing every base address in both tables; with the strides it decides
+    the vector width (up to 16 bytes). ``program_bytes``: bytes per program (CTA), a
+    power of two (the default, 32 KiB, is what the plane uses).
+    """
+    n_pairs = ids.shape[1]
+    block = max(1, program_bytes // word)
+    block = min(block, 1 << max(0, (seg_words - 1).bit_length()))
+    chunks = -(-seg_words // block)
+    programs = n_layers * parts * n_pairs * chunks
+    if programs == 0:
+        return True
+    if programs > _MAX_PROGRAMS:
+        return False
+    vec = max(1, min(max(1, min(16, base_align) // word), block))
+    while vec > 1 and (seg_words % vec or src_part_stride % vec or dst_part_stride % vec):
+        vec //= 2
+    num_warps = 8 if block * word >= 16384 else 4 if block * word >= 4096 else 1
+    word_ref = torch.empty(1, dtype=WORDS[word], device=ids.device)
+    _kernel()[(programs,)](
+        src_table,
+        dst_table,
+        ids,
+        abort,
+        word_ref,
+        slot,
+        n_pairs,
+        parts,
+        seg_words,
+        src_part_stride,
+        dst_part_stride,
+        block_stride,
+        chunks,
+        BLOCK=block,
+        VEC=vec,
+        WORD=word,
+        num_warps=num_warps,
+    )
+    return True
+
+
+def torch_pair_copy(
+    src_layers: Sequence[torch.Tensor],
+    dst_layers: Sequence[torch.Tensor],
+    block_dim: int,
+    src_ids: torch.Tensor,
+    dst_ids: torch.Tensor,
+) -> None:
+    """The same copy with torch ops (one gather + one scatter per layer), on the current stream.
+
+    ``src_layers``/``dst_layers`` are per-layer caches of one layout (word-typed views
+    are fine); ids are int64 tensors on the caches' device. Used without Triton and
+    on CPU (the plane's CPU tests).
+    """
+    for s, d in zip(src_layers, dst_layers, strict=True):
+        d.index_copy_(block_dim, dst_ids, s.index_select(block_dim, src_ids))

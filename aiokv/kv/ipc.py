@@ -1,0 +1,1498 @@
+"""Same-host data plane: the consumer pulls a request's blocks straight out of the
+producer's paged cache (mapped by CUDA IPC) into its own, in ONE kernel.
+
+See ``docs/ipc.md`` for the design, the wire messages and the safety rules; in short:
+
+* **Pull.** The producer exports its cache tensors (CUDA IPC handles) once per
+  consumer; the consumer maps them, verifies the mapping with a known pattern
+  (and the kernel, and the abort word), and from then on copies each request with
+  one launch on its own copy stream, behind the producer's ready event (a CUDA IPC
+  event, waited for on the GPU, not the host). The kernel writes only the
+  consumer's own memory, so a dead producer can never make it write into memory
+  somebody freed.
+* **Lease.** Each request's descriptor carries a deadline (``CLOCK_MONOTONIC``,
+  shared by the processes of one host). The producer keeps the blocks until the
+  consumer's release message says the copy finished, or until the deadline plus
+  a grace period has passed. The consumer never starts a copy after the
+  deadline (the abort word) and never reports one finished after it.
+* **Fallback.** Anything that keeps IPC from working (another host or
+  container, a PID namespace, no peer access, expandable segments, an
+  unauthenticated peer, a failed verification) sends that request -- and later
+  ones to that peer -- through the connector's ordinary path (NCCL, or TCP),
+  with a log line and a counter. Never silently.
+
+Control messages travel as small uint8 CPU tensors carrying msgpack through the
+engine's public ``send_nowait``/``recv`` (tensor ids ``"{rid}#ipc"`` and
+``"{rid}#ipcrel"``); every received field is checked before use.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import logging
+import math
+import os
+import re
+import secrets
+import sys
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Protocol
+
+import msgpack
+import torch
+
+from .._config import parse_address
+from .._exceptions import (
+    AiokvError,
+    AiokvTimeoutError,
+    ConfigError,
+    LayoutMismatchError,
+    RemoteProtocolError,
+    TransferAbortedError,
+    TransferTimeoutError,
+)
+from . import _ipc_kernel
+from .layouts import KVLayout, check_compatible, layout_from_wire
+
+if TYPE_CHECKING:
+    from .connector import KVConnector
+
+__all__ = [
+    "ControlChannel",
+    "Descriptor",
+    "EngineChannel",
+    "IpcOptions",
+    "IpcPlane",
+    "IpcStatistics",
+    "IpcUnavailableError",
+    "Offer",
+    "Release",
+    "StorageExport",
+    "decode_message",
+    "encode_message",
+    "unsupported_reason",
+]
+
+log = logging.getLogger("aiokv.kv.ipc")
+
+WIRE_VERSION = 1
+#: the largest control message accepted (an offer of a few thousand layers fits)
+MAX_MESSAGE_BYTES = 1 << 20
+_MAX_HANDLE = 256
+_MAX_STORAGES = 8192
+_MAX_OFFSET = 1 << 52
+_MAX_REASON = 256
+_MAX_BLOCKS_PER_REQUEST = 1 << 22
+_REFCOUNT_RE = re.compile(rb"^/torch_[0-9_]{1,64}$")
+# a producer's "now" more than this far from ours means another clock (host, VM, sandbox)
+_MAX_CLOCK_SKEW_S = 30.0
+_PROBE_SEGMENTS = 2
+
+
+class IpcUnavailableError(AiokvError):
+    """IPC cannot be used with this peer; the request falls back (``reason`` says why)."""
+
+    def __init__(self, reason: str, detail: str = "") -> None:
+        super().__init__(f"CUDA IPC unavailable: {reason}" + (f" ({detail})" if detail else ""))
+        self.reason = reason
+
+
+# --------------------------------------------------------------------------- options, stats
+
+
+@dataclass(frozen=True, slots=True)
+class IpcOptions:
+    """How a :class:`~aiokv.kv.KVConnector` uses the IPC plane (give both sides the same).
+
+    ``trust_unauthenticated``: IPC exposes the producer's cache allocation to the
+    consumer, so by default it is offered only when the engine authenticates its
+    peers (CURVE); set True only where every process that can reach the engine is
+    trusted (one host, one tenant). ``grace_s``: how long after a lease's deadline
+    the producer still keeps the blocks (a copy that started before the deadline
+    finishes within it). ``force_torch``: use the torch-ops copy instead of the
+    Triton kernel (see :mod:`aiokv.kv._ipc_kernel`).
+
+    ``gpu_wait``: when the producer's ready event has not fired yet as the request
+    arrives, let the consumer's copy stream wait for it on the GPU (the launch is
+    queued at once) instead of polling it from the host first. Faster by one poll,
+    but if the producer dies before its event fires, that stream waits forever:
+    the launch itself is harmless (its abort word is set), but a device-wide
+    ``torch.cuda.synchronize()`` in the consumer then never returns, nor does the
+    next first launch of a kernel under lazy module loading (runs s10-ipc-r1, r3,
+    r4; docs/ipc.md). Off by default; consider it only where the producer's death
+    also ends the consumer.
+    """
+
+    trust_unauthenticated: bool = False
+    grace_s: float = 1.0
+    force_torch: bool = False
+    gpu_wait: bool = False
+
+    def __post_init__(self) -> None:
+        if not (isinstance(self.grace_s, (int, float)) and 0 < self.grace_s <= 600):
+            raise ConfigError(f"grace_s must be in (0, 600], got {self.grace_s!r}")
+
+
+@dataclass(slots=True)
+class IpcStatistics:
+    """Counters of one plane. ``fallbacks`` counts requests sent the ordinary way
+    because IPC was unavailable, by reason."""
+
+    requests_sent: int = 0
+    requests_received: int = 0
+    bytes_received: int = 0
+    mappings_verified: int = 0
+    mapping_failures: int = 0
+    aborted: int = 0
+    lease_expired: int = 0
+    stuck_streams: int = 0
+    fallbacks: dict[str, int] = field(default_factory=dict)
+
+
+# --------------------------------------------------------------------------- wire
+
+
+def encode_message(d: Mapping[str, Any]) -> torch.Tensor:
+    """msgpack bytes of ``d`` as a uint8 CPU tensor (what the engine carries)."""
+    b = msgpack.packb(d, use_bin_type=True)
+    if len(b) > MAX_MESSAGE_BYTES:
+        raise ConfigError(f"IPC control message of {len(b)} bytes exceeds {MAX_MESSAGE_BYTES}")
+    return torch.frombuffer(bytearray(b), dtype=torch.uint8)
+
+
+def decode_message(t: object) -> dict[str, Any]:
+    """Decode a control message received from a peer (untrusted; a uint8 tensor or
+    bytes): size-checked before decoding, no ext types, string keys only, version 1.
+    Raises :class:`~aiokv.RemoteProtocolError`."""
+    if isinstance(t, (bytes, bytearray)):  # a channel that carries bytes
+        n = len(t)
+        if n == 0 or n > MAX_MESSAGE_BYTES:
+            raise RemoteProtocolError(f"IPC control message of {n} bytes")
+        raw = bytes(t)
+    else:
+        if not isinstance(t, torch.Tensor) or t.dtype != torch.uint8 or t.dim() != 1:
+            raise RemoteProtocolError("IPC control message must be a 1-D uint8 tensor or bytes")
+        n = t.numel()
+        if n == 0 or n > MAX_MESSAGE_BYTES:
+            raise RemoteProtocolError(f"IPC control message of {n} bytes")
+        raw = _tensor_bytes(t)
+    try:
+        d = msgpack.unpackb(
+            raw,
+            raw=False,
+            strict_map_key=True,
+            use_list=True,
+            ext_hook=_no_ext,
+        )
+    except Exception as exc:
+        raise RemoteProtocolError(f"IPC control message does not decode: {exc}") from None
+    if not isinstance(d, dict):
+        raise RemoteProtocolError("IPC control message is not a map")
+    if d.get("v") != WIRE_VERSION:
+        raise RemoteProtocolError(f"IPC control message version {d.get('v')!r:.32}")
+    return d
+
+
+def _no_ext(code: int, data: bytes) -> Any:
+    raise ValueError("ext types are not allowed")
+
+
+def _tensor_bytes(t: torch.Tensor) -> bytes:
+    from ..transport.tcp import tensor_buffer
+
+    return bytes(tensor_buffer(t.detach().cpu().contiguous()))
+
+
+def _int(d: Mapping[str, Any], k: str, lo: int, hi: int) -> int:
+    v = d.get(k)
+    if type(v) is not int or not lo <= v <= hi:
+        raise RemoteProtocolError(f"IPC message field {k!r}: {v!r:.64} not an int in [{lo}, {hi}]")
+    return v
+
+
+def _bytes(d: Mapping[str, Any], k: str, lo: int, hi: int) -> bytes:
+    v = d.get(k)
+    if not isinstance(v, bytes) or not lo <= len(v) <= hi:
+        raise RemoteProtocolError(f"IPC message field {k!r}: not {lo}..{hi} bytes")
+    return v
+
+
+def _str(d: Mapping[str, Any], k: str, hi: int) -> str:
+    v = d.get(k)
+    if not isinstance(v, str) or len(v) > hi:
+        raise RemoteProtocolError(f"IPC message field {k!r}: not a string of <= {hi} chars")
+    return v
+
+
+def _float(d: Mapping[str, Any], k: str) -> float:
+    v = d.get(k)
+    if not isinstance(v, (int, float)) or isinstance(v, bool) or not math.isfinite(v):
+        raise RemoteProtocolError(f"IPC message field {k!r}: {v!r:.32} not a finite number")
+    return float(v)
+
+
+def _exact_keys(d: Mapping[str, Any], what: str, keys: Sequence[str]) -> None:
+    extra = set(d) - set(keys)
+    if extra:
+        raise RemoteProtocolError(f"{what}: unknown fields {sorted(extra)[:8]}")
+
+
+@dataclass(frozen=True, slots=True)
+class StorageExport:
+    """One exported CUDA allocation region (what torch's ``_share_cuda_`` yields).
+
+    ``handle`` names the allocation (a CUDA IPC memory handle), ``offset``/``size``
+    the storage inside it; ``rc_handle``/``rc_offset`` torch's shared reference
+    counter (keeps the producer's allocator from reusing the block while mapped).
+    """
+
+    handle: bytes
+    size: int
+    offset: int
+    rc_handle: bytes
+    rc_offset: int
+    event: bytes
+
+    def to_wire(self) -> dict[str, Any]:
+        return {
+            "handle": self.handle,
+            "size": self.size,
+            "offset": self.offset,
+            "rc_handle": self.rc_handle,
+            "rc_offset": self.rc_offset,
+            "event": self.event,
+        }
+
+    @classmethod
+    def from_wire(cls, d: object) -> StorageExport:
+        if not isinstance(d, dict):
+            raise RemoteProtocolError("IPC storage export must be a map")
+        _exact_keys(
+            d, "IPC storage export", ("handle", "size", "offset", "rc_handle", "rc_offset", "event")
+        )
+        rc = _bytes(d, "rc_handle", 0, _MAX_HANDLE)
+        if rc and not _REFCOUNT_RE.match(rc):
+            raise RemoteProtocolError("IPC storage export: unexpected reference-counter name")
+        return cls(
+            handle=_bytes(d, "handle", 1, _MAX_HANDLE),
+            size=_int(d, "size", 1, _MAX_OFFSET),
+            offset=_int(d, "offset", 0, _MAX_OFFSET),
+            rc_handle=rc,
+            rc_offset=_int(d, "rc_offset", 0, 1 << 31),
+            event=_bytes(d, "event", 0, _MAX_HANDLE),
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class Offer:
+    """The producer's export of its cache to one consumer (sent inline in descriptors
+    until the consumer has used it).
+
+    ``layers[l] = (storage index, byte offset)`` of layer ``l``; ``word`` the widest
+    word its layer addresses allow; ``probe`` a buffer of ``2 * segment`` bytes filled
+    with :func:`probe_pattern` ``(nonce)``; ``boot_id``/``mono`` say which host and
+    clock the producer runs on.
+    """
+
+    token: int
+    boot_id: str
+    pid: int
+    mono: float
+    layout: dict[str, Any]
+    storages: tuple[StorageExport, ...]
+    layers: tuple[tuple[int, int], ...]
+    word: int
+    probe: StorageExport
+    nonce: int
+
+    def to_wire(self) -> dict[str, Any]:
+        return {
+            "token": self.token,
+            "boot_id": self.boot_id,
+            "pid": self.pid,
+            "mono": self.mono,
+            "layout": self.layout,
+            "storages": [s.to_wire() for s in self.storages],
+            "layers": [list(x) for x in self.layers],
+            "word": self.word,
+            "probe": self.probe.to_wire(),
+            "nonce": self.nonce,
+        }
+
+    @classmethod
+    def from_wire(cls, d: object) -> tuple[Offer, KVLayout]:
+        """Parse and check an offer; returns it with the producer's layout."""
+        if not isinstance(d, dict):
+            raise RemoteProtocolError("IPC offer must be a map")
+        _exact_keys(
+            d,
+            "IPC offer",
+            (
+                "token",
+                "boot_id",
+                "pid",
+                "mono",
+                "layout",
+                "storages",
+                "layers",
+                "word",
+                "probe",
+                "nonce",
+            ),
+        )
+        try:
+            layout = layout_from_wire(d.get("layout"))
+        except ConfigError as exc:
+            raise RemoteProtocolError(f"IPC offer: {exc}") from None
+        sts = d.get("storages")
+        if not isinstance(sts, list) or not 1 <= len(sts) <= _MAX_STORAGES:
+            raise RemoteProtocolError("IPC offer: storages must be a non-empty list")
+        storages = tuple(StorageExport.from_wire(s) for s in sts)
+        lays = d.get("layers")
+        if not isinstance(lays, list) or len(lays) != layout.num_layers:
+            raise RemoteProtocolError(
+                f"IPC offer: layers must list {layout.num_layers} (storage, offset) pairs"
+            )
+        word = _int(d, "word", 1, 8)
+        if word not in (1, 2, 4, 8):
+            raise RemoteProtocolError(f"IPC offer: word {word} is not 1, 2, 4 or 8")
+        need = layout.layer_nbytes()
+        layers: list[tuple[int, int]] = []
+        for x in lays:
+            if (
+                not isinstance(x, list)
+                or len(x) != 2
+                or type(x[0]) is not int
+                or type(x[1]) is not int
+            ):
+                raise RemoteProtocolError("IPC offer: a layer is not an [int, int] pair")
+            si, off = x
+            if not 0 <= si < len(storages) or off < 0 or off % word:
+                raise RemoteProtocolError(f"IPC offer: layer ({si}, {off}) out of range")
+            if off + need > storages[si].size:
+                raise RemoteProtocolError(
+                    f"IPC offer: layer at offset {off} (+{need} bytes) exceeds its storage "
+                    f"of {storages[si].size} bytes"
+                )
+            layers.append((si, off))
+        probe = StorageExport.from_wire(d.get("probe"))
+        seg = layout.segment_numel() * layout.itemsize
+        if probe.size < _PROBE_SEGMENTS * seg:
+            raise RemoteProtocolError("IPC offer: probe smaller than two segments")
+        offer = cls(
+            token=_int(d, "token", 1, (1 << 63) - 1),
+            boot_id=_str(d, "boot_id", 64),
+            pid=_int(d, "pid", 0, 1 << 31),
+            mono=_float(d, "mono"),
+            layout=dict(d["layout"]),
+            storages=storages,
+            layers=tuple(layers),
+            word=word,
+            probe=probe,
+            nonce=_int(d, "nonce", 0, (1 << 63) - 1),
+        )
+        return offer, layout
+
+
+@dataclass(frozen=True, slots=True)
+class Descriptor:
+    """One request, producer → consumer, tensor id ``f"{rid}#ipc"``.
+
+    ``plane`` ``"ipc"``: pull ``src`` (the producer's block ids) from export
+    ``token`` (``offer`` inline until the consumer acknowledged it), after IPC event
+    ``event`` (slot ``event_slot``) fires, before ``lease`` (producer's
+    ``time.monotonic()`` deadline); reply to ``reply_to``. ``plane`` ``"chunks"``:
+    the blocks come the ordinary way (the connector's chunk tensors).
+    This is the one message a request needs; the coordinator's one-message control
+    protocol can carry exactly these fields (docs/ipc.md).
+    """
+
+    rid: str
+    plane: str
+    n: int
+    reply_to: str = ""
+    token: int = 0
+    src: tuple[int, ...] = ()
+    event: bytes = b""
+    event_slot: int = 0
+    lease: float = 0.0
+    offer: Offer | None = None
+
+    def to_wire(self) -> dict[str, Any]:
+        d: dict[str, Any] = {"v": WIRE_VERSION, "rid": self.rid, "plane": self.plane, "n": self.n}
+        if self.plane == "ipc":
+            d.update(
+                reply_to=self.reply_to,
+                token=self.token,
+                src=b"".join(i.to_bytes(4, "little") for i in self.src),
+                event=self.event,
+                event_slot=self.event_slot,
+                lease=self.lease,
+                offer=self.offer.to_wire() if self.offer is not None else None,
+            )
+        return d
+
+    @classmethod
+    def from_wire(cls, d: Mapping[str, Any]) -> tuple[Descriptor, KVLayout | None]:
+        plane = d.get("plane")
+        rid = _str(d, "rid", 4096)
+        n = _int(d, "n", 0, _MAX_BLOCKS_PER_REQUEST)
+        if plane == "chunks":
+            _exact_keys(d, "IPC descriptor", ("v", "rid", "plane", "n"))
+            return cls(rid=rid, plane="chunks", n=n), None
+        if plane != "ipc":
+            raise RemoteProtocolError(f"IPC descriptor: unknown plane {plane!r:.32}")
+        _exact_keys(
+            d,
+            "IPC descriptor",
+            (
+                "v",
+                "rid",
+                "plane",
+                "n",
+                "reply_to",
+                "token",
+                "src",
+                "event",
+                "event_slot",
+                "lease",
+                "offer",
+            ),
+        )
+        reply_to = _str(d, "reply_to", 256)
+        try:
+            parse_address(reply_to)
+        except ConfigError:
+            raise RemoteProtocolError(f"IPC descriptor: bad reply_to {reply_to!r:.64}") from None
+        src_b = _bytes(d, "src", 0, 4 * _MAX_BLOCKS_PER_REQUEST)
+        if len(src_b) != 4 * n:
+            raise RemoteProtocolError(
+                f"IPC descriptor: {len(src_b)} bytes of block ids for {n} blocks"
+            )
+        src = tuple(int.from_bytes(src_b[i : i + 4], "little") for i in range(0, len(src_b), 4))
+        offer = None
+        layout = None
+        if d.get("offer") is not None:
+            offer, layout = Offer.from_wire(d["offer"])
+        token = _int(d, "token", 1, (1 << 63) - 1)
+        if offer is not None and offer.token != token:
+            raise RemoteProtocolError("IPC descriptor: token differs from its offer's")
+        return (
+            cls(
+                rid=rid,
+                plane="ipc",
+                n=n,
+                reply_to=reply_to,
+                token=token,
+                src=src,
+                event=_bytes(d, "event", 1, _MAX_HANDLE),
+                event_slot=_int(d, "event_slot", 0, 1 << 20),
+                lease=_float(d, "lease"),
+                offer=offer,
+            ),
+            layout,
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class Release:
+    """Consumer → producer, tensor id ``f"{rid}#ipcrel"``: the copy is over.
+
+    ``ok``: the blocks landed (the producer may free its blocks). ``fallback``: IPC
+    did not work for this request and nothing was read; send it the ordinary way.
+    Otherwise the request failed on the consumer and nothing reads the blocks any
+    more either. ``reason``: for the log.
+    """
+
+    rid: str
+    ok: bool
+    fallback: bool = False
+    reason: str = ""
+
+    def to_wire(self) -> dict[str, Any]:
+        return {
+            "v": WIRE_VERSION,
+            "rid": self.rid,
+            "ok": self.ok,
+            "fallback": self.fallback,
+            "reason": self.reason[:_MAX_REASON],
+        }
+
+    @classmethod
+    def from_wire(cls, d: Mapping[str, Any]) -> Release:
+        _exact_keys(d, "IPC release", ("v", "rid", "ok", "fallback", "reason"))
+        ok, fb = d.get("ok"), d.get("fallback")
+        if not isinstance(ok, bool) or not isinstance(fb, bool) or (ok and fb):
+            raise RemoteProtocolError("IPC release: ok/fallback must be booleans, not both true")
+        return cls(
+            rid=_str(d, "rid", 4096), ok=ok, fallback=fb, reason=_str(d, "reason", _MAX_REASON)
+        )
+
+
+def probe_pattern(nonce: int, nbytes: int, device: torch.device | str) -> torch.Tensor:
+    """The verification pattern: ``nbytes`` pseudo-random bytes from ``nonce`` (same on
+    every device: integer arithmetic only)."""
+    i = torch.arange(nbytes, dtype=torch.int64, device=device)
+    x = (i * 2654435761 + (nonce & 0xFFFFFFFF)) ^ (i >> 7) * 40503
+    return ((x >> 3) & 0xFF).to(torch.uint8)
+
+
+# --------------------------------------------------------------------------- decisions
+
+
+def allocator_conf() -> str:
+    """The caching allocator settings torch reads at start (env)."""
+    return (
+        os.environ.get("PYTORCH_CUDA_ALLOC_CONF", "")
+        + ","
+        + os.environ.get("PYTORCH_ALLOC_CONF", "")
+    )
+
+
+def unsupported_reason(
+    device: torch.device,
+    *,
+    authenticated: bool,
+    options: IpcOptions,
+    alloc_conf: str | None = None,
+    hip: str | None = None,
+) -> str | None:
+    """Why this process cannot offer or use the IPC plane at all (None: it can).
+
+    Checked on each side before any handshake; each reason is also a fallback
+    counter's name.
+    """
+    if device.type != "cuda":
+        return "not_cuda"
+    if hip if hip is not None else getattr(torch.version, "hip", None):
+        return "rocm"
+    conf = (alloc_conf if alloc_conf is not None else allocator_conf()).replace(" ", "").lower()
+    if "expandable_segments:true" in conf:
+        return "expandable_segments"
+    if not (authenticated or options.trust_unauthenticated):
+        return "unauthenticated"
+    return None
+
+
+def boot_id() -> str:
+    """This host's boot id (same for every process and container of one kernel)."""
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            return f.read().strip()[:64]
+    except OSError:
+        return ""
+
+
+def check_same_host(offer: Offer, *, my_boot_id: str, now: float) -> None:
+    """Raise :class:`IpcUnavailableError` when the offer comes from another host or clock."""
+    if not offer.boot_id or offer.boot_id != my_boot_id:
+        raise IpcUnavailableError("other_host", f"boot id {offer.boot_id!r} != {my_boot_id!r}")
+    if abs(now - offer.mono) > _MAX_CLOCK_SKEW_S:
+        raise IpcUnavailableError(
+            "other_clock", f"the producer's monotonic clock is {offer.mono - now:+.1f} s off"
+        )
+
+
+# --------------------------------------------------------------------------- backend
+
+
+class Backend(Protocol):
+    """What the plane needs of CUDA. :class:`CudaBackend` is the real one; the CPU
+    tests give a fake one (same process, no IPC) to test the protocol and the rules."""
+
+    def export(self, storage: torch.UntypedStorage) -> StorageExport: ...
+
+    def open(self, e: StorageExport, device: torch.device) -> torch.Tensor: ...
+
+    def new_event(self, device: torch.device) -> tuple[Any, bytes]: ...
+
+    def open_event(self, handle: bytes, device: torch.device) -> Any: ...
+
+    def new_stream(self, device: torch.device) -> Any: ...
+
+
+class CudaBackend:
+    """CUDA IPC through torch: ``UntypedStorage._share_cuda_`` / ``_new_shared_cuda``
+    (what ``torch.multiprocessing`` uses) and interprocess events."""
+
+    def export(self, storage: torch.UntypedStorage) -> StorageExport:
+        st: Any = storage  # torch's private sharing API is untyped and varies by version
+        (_dev, handle, size, offset, rc, rc_off, ev, _sync) = st._share_cuda_()
+        return StorageExport(
+            handle=bytes(handle),
+            size=int(size),
+            offset=int(offset),
+            rc_handle=bytes(rc) if rc else b"",
+            rc_offset=int(rc_off or 0),
+            event=bytes(ev) if ev else b"",
+        )
+
+    def open(self, e: StorageExport, device: torch.device) -> torch.Tensor:
+        idx = device.index if device.index is not None else torch.cuda.current_device()
+        cls: Any = torch.UntypedStorage
+        st = cls._new_shared_cuda(
+            idx, e.handle, e.size, e.offset, e.rc_handle, e.rc_offset, e.event, False
+        )
+        t: Any = torch.empty(0, dtype=torch.uint8, device=device)
+        t.set_(st)
+        out: torch.Tensor = t
+        return out
+
+    def new_event(self, device: torch.device) -> tuple[Any, bytes]:
+        with torch.cuda.device(device):
+            ev: Any = torch.cuda.Event(interprocess=True)  # type: ignore[no-untyped-call]
+            ev.record()  # an event must be recorded once before it can be exported
+            return ev, bytes(ev.ipc_handle())
+
+    def open_event(self, handle: bytes, device: torch.device) -> Any:
+        return torch.cuda.Event.from_ipc_handle(device, handle)  # type: ignore[no-untyped-call]
+
+    def new_stream(self, device: torch.device) -> Any:
+        return torch.cuda.Stream(device)  # type: ignore[no-untyped-call]
+
+
+# --------------------------------------------------------------------------- control channel
+
+
+class ControlChannel(Protocol):
+    """How the plane's two messages travel (docs/ipc.md, "Control interface").
+
+    ``send`` starts sending one message (a plain msgpack-able dict) and returns an
+    awaitable that settles when it was delivered (or failed); ``recv`` returns the
+    message received under ``tensor_id`` as the raw uint8 tensor/bytes, which the
+    plane decodes and validates itself. :class:`EngineChannel` carries them as
+    small CPU tensors through an engine's public ``send_nowait`` / ``recv``; the
+    one-message control protocol can carry the same dicts instead.
+    """
+
+    def send(self, tensor_id: str, msg: Mapping[str, Any], *, to: str, timeout: float) -> Any: ...
+
+    async def recv(self, tensor_id: str, *, frm: str | None, timeout: float) -> Any: ...
+
+
+class EngineChannel:
+    """:class:`ControlChannel` over an engine: msgpack bytes in a uint8 CPU tensor."""
+
+    def __init__(self, engine: Any) -> None:
+        self.engine = engine
+
+    def send(self, tensor_id: str, msg: Mapping[str, Any], *, to: str, timeout: float) -> Any:
+        return self.engine.send_nowait(tensor_id, encode_message(msg), to=to, timeout=timeout)
+
+    async def recv(self, tensor_id: str, *, frm: str | None, timeout: float) -> Any:
+        return await self.engine.recv(tensor_id, frm=frm, timeout=timeout)
+
+
+# --------------------------------------------------------------------------- the plane
+
+
+@dataclass(slots=True, eq=False)
+class _Mapping:
+    """A verified import of one producer export (consumer side)."""
+
+    token: int
+    layout: KVLayout
+    storages: list[torch.Tensor]
+    src_layers: list[torch.Tensor]  # per-layer word-typed views (torch path)
+    src_table: torch.Tensor  # int64 base addresses (Triton path)
+    word: int
+    stream: Any
+    align: int = 1  # bytes dividing every base address of both sides (vector width bound)
+    events: dict[int, tuple[bytes, Any]] = field(default_factory=dict)
+    inflight: int = 0
+    broken: str = ""
+
+
+@dataclass(slots=True, eq=False)
+class _Export:
+    """What the producer exported to consumers (one per plane)."""
+
+    offer: Offer
+    probe: torch.Tensor
+    storages: list[torch.UntypedStorage]
+
+
+class IpcPlane:
+    """The IPC data plane of one :class:`~aiokv.kv.KVConnector` (both roles).
+
+    Built by the connector when it is given ``ipc=IpcOptions(...)``; the connector's
+    ``send_request`` / ``recv_request`` then go through :meth:`send_request` /
+    :meth:`recv_request`, which use IPC where it works and the connector's ordinary
+    path otherwise (docs/ipc.md).
+    """
+
+    def __init__(
+        self,
+        connector: KVConnector,
+        options: IpcOptions,
+        *,
+        backend: Backend | None = None,
+        channel: ControlChannel | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.con = connector
+        self.channel: ControlChannel = (
+            channel if channel is not None else EngineChannel(connector.engine)
+        )
+        self.options = options
+        self.layout = connector.layout
+        self.device = connector.device
+        self.backend: Backend = backend if backend is not None else CudaBackend()
+        self._clock = clock
+        self._stats = IpcStatistics()
+        self._boot_id = boot_id()
+        cfg = getattr(connector.engine, "config", None)
+        authenticated = getattr(cfg, "curve", None) is not None
+        self.disabled = (
+            unsupported_reason(self.device, authenticated=authenticated, options=options)
+            if backend is None
+            else None
+        )
+        if self.disabled:
+            log.info("IPC plane off for this connector: %s", self.disabled)
+        # producer side
+        self._export: _Export | None = None
+        self._acked: set[str] = set()  # consumers that used our offer
+        self._broken_to: dict[str, str] = {}  # consumer -> reason (fall back from now on)
+        self._free_events: list[tuple[int, Any, bytes]] = []
+        self._n_events = 0
+        self._background: set[asyncio.Task[None]] = set()
+        # consumer side
+        self._maps: dict[int, _Mapping] = {}
+        self._failed_tokens: dict[int, str] = {}
+        self._abort: torch.Tensor | None = None
+        self._keep: list[Any] = []
+        self._abort_next = 0
+        self._free_slots: list[int] = []
+        self._ctl_stream: Any = None
+        self._poller: Any = None
+        self._closed = False
+
+    # ------------------------------------------------------------------ helpers
+
+    def statistics(self) -> IpcStatistics:
+        return dataclasses.replace(self._stats, fallbacks=dict(self._stats.fallbacks))
+
+    def _count_fallback(self, reason: str, peer: str, detail: str = "") -> None:
+        self._stats.fallbacks[reason] = self._stats.fallbacks.get(reason, 0) + 1
+        log.warning(
+            "aiokv IPC plane: falling back to the ordinary transport with %s: %s%s",
+            peer,
+            reason,
+            f" ({detail})" if detail else "",
+        )
+
+    def _track(self, coro: Any) -> None:
+        task: asyncio.Task[None] = asyncio.ensure_future(coro)
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+
+    def _send_msg(self, tensor_id: str, msg: Mapping[str, Any], to: str, timeout: float) -> None:
+        """Start sending a control message; a failure is logged (the peer's wait for it
+        runs into its deadline), never left unretrieved."""
+        h = self.channel.send(tensor_id, msg, to=to, timeout=timeout)
+
+        async def reap() -> None:
+            try:
+                await h
+            except Exception as exc:
+                log.warning("aiokv IPC plane: sending %r to %s failed: %s", tensor_id, to, exc)
+
+        self._track(reap())
+
+    def _seg_bytes(self) -> int:
+        return self.layout.segment_numel() * self.layout.itemsize
+
+    # ------------------------------------------------------------------ producer
+
+    def _make_export(self) -> _Export:
+        if self._export is not None:
+            return self._export
+        tensors = self.con.caches.tensors
+        storages: list[torch.UntypedStorage] = []
+        index: dict[int, int] = {}
+        layers: list[tuple[int, int]] = []
+        for t in tensors:
+            st = t.untyped_storage()
+            key = st.data_ptr()
+            if key not in index:
+                index[key] = len(storages)
+                storages.append(st)
+            layers.append((index[key], t.data_ptr() - key))
+        seg = self._seg_bytes()
+        nonce = secrets.randbits(62)
+        probe = probe_pattern(nonce, _PROBE_SEGMENTS * seg, self.device)
+        word = _ipc_kernel.word_size(*(t.data_ptr() for t in tensors))
+        offer = Offer(
+            token=secrets.randbits(62) | 1,
+            boot_id=self._boot_id,
+            pid=os.getpid(),
+            mono=self._clock(),
+            layout=self.layout.to_wire(),
+            storages=tuple(self.backend.export(s) for s in storages),
+            layers=tuple(layers),
+            word=word,
+            probe=self.backend.export(probe.untyped_storage()),
+            nonce=nonce,
+        )
+        self._export = _Export(offer, probe, storages)
+        return self._export
+
+    def _take_event(self) -> tuple[int, Any, bytes]:
+        if self._free_events:
+            return self._free_events.pop()
+        ev, handle = self.backend.new_event(self.device)
+        self._n_events += 1
+        return self._n_events - 1, ev, handle
+
+    async def send_request(
+        self,
+        request_id: str,
+        block_ids: torch.Tensor | Sequence[int],
+        *,
+        to: str,
+        timeout: float | None,
+    ) -> None:
+        con = self.con
+        con._check_open()
+        con._check_rid(request_id)
+        deadline = con._deadline(timeout)
+        host = con._host_ids(block_ids, unique=False, what="send_request")
+        n = host.numel()
+        reason = self.disabled or self._broken_to.get(to)
+        if reason or n == 0:
+            # the consumer waits for a descriptor: tell it the blocks come the ordinary way
+            self._send_msg(
+                f"{request_id}#ipc",
+                Descriptor(request_id, "chunks", n).to_wire(),
+                to,
+                max(0.0, deadline - time.monotonic()),
+            )
+            if reason:
+                self._stats.fallbacks[reason] = self._stats.fallbacks.get(reason, 0) + 1
+            await con.send_request(
+                request_id, host, to=to, timeout=max(0.0, deadline - time.monotonic()), _plain=True
+            )
+            return
+        try:
+            export = self._make_export()
+        except Exception as exc:  # an allocation torch cannot share (expandable segments ...)
+            self.disabled = "export_failed"
+            self._count_fallback("export_failed", to, f"{type(exc).__name__}: {exc}")
+            return await self.send_request(request_id, host, to=to, timeout=timeout)
+        slot, ev, ev_handle = self._take_event()
+        # after everything queued so far on the current stream (the KV writes)
+        ev.record(torch.cuda.current_stream(self.device) if self.device.type == "cuda" else None)
+        lease = self._clock() + max(0.0, deadline - time.monotonic())
+        desc = Descriptor(
+            rid=request_id,
+            plane="ipc",
+            n=n,
+            reply_to=str(getattr(con.engine, "address", "")),
+            token=export.offer.token,
+            src=tuple(int(i) for i in host.tolist()),
+            event=ev_handle,
+            event_slot=slot,
+            lease=lease,
+            offer=None if to in self._acked else export.offer,
+        )
+        t0 = time.perf_counter()
+        self._send_msg(f"{request_id}#ipc", desc.to_wire(), to, max(0.0, lease - self._clock()))
+        rel_task = asyncio.ensure_future(self._await_release(request_id, to, lease))
+        try:
+            rel = await asyncio.shield(rel_task)
+        except asyncio.CancelledError:
+            # the consumer may still be reading: the event slot comes back (and the
+            # request counts as sent) only when its release arrives or the lease is over
+            self._track(self._settle_cancelled(rel_task, slot, ev, ev_handle, request_id))
+            con._stats.send_failures += 1
+            raise
+        if rel is None:
+            con._stats.send_failures += 1
+            self._stats.lease_expired += 1
+            raise TransferTimeoutError(
+                f"IPC: no release of {request_id!r} from {to} before its lease ran out "
+                "(the consumer no longer reads the blocks)"
+            )
+        self._free_events.append((slot, ev, ev_handle))
+        if rel.fallback:
+            self._broken_to[to] = rel.reason or "consumer_refused"
+            self._count_fallback(rel.reason or "consumer_refused", to)
+            await con.send_request(
+                request_id, host, to=to, timeout=max(0.0, deadline - time.monotonic()), _plain=True
+            )
+            return
+        if not rel.ok:
+            con._stats.send_failures += 1
+            raise TransferAbortedError(
+                f"IPC: the consumer {to} failed request {request_id!r}: {rel.reason}"
+            )
+        self._acked.add(to)
+        self._stats.requests_sent += 1
+        st = con._stats
+        st.requests_sent += 1
+        st.bytes_sent += self.layout.request_nbytes(n)
+        st.send_seconds += time.perf_counter() - t0
+        con._finished_sending.add(request_id)
+
+    async def _await_release(self, rid: str, frm: str, lease: float) -> Release | None:
+        """The consumer's release, or None once the lease plus the grace period is over."""
+        left = lease + self.options.grace_s - self._clock()
+        try:
+            raw = await self.channel.recv(f"{rid}#ipcrel", frm=frm, timeout=max(0.0, left))
+        except TransferTimeoutError:
+            return None
+        rel = Release.from_wire(decode_message(raw))
+        if rel.rid != rid:
+            raise RemoteProtocolError(f"IPC release for {rel.rid!r:.64} under {rid!r:.64}")
+        return rel
+
+    async def _settle_cancelled(
+        self, rel_task: asyncio.Task[Release | None], slot: int, ev: Any, h: bytes, rid: str
+    ) -> None:
+        try:
+            rel = await rel_task
+        except Exception:
+            rel = None
+        if rel is not None:
+            self._free_events.append((slot, ev, h))
+        # blocks are free to reuse from here on (release, or lease + grace over)
+        self.con._finished_sending.add(rid)
+
+    # ------------------------------------------------------------------ consumer
+
+    async def recv_request(
+        self,
+        request_id: str,
+        block_ids: torch.Tensor | Sequence[int],
+        *,
+        frm: str | None,
+        timeout: float | None,
+        layerwise: bool,
+    ) -> None:
+        con = self.con
+        con._check_open()
+        con._check_rid(request_id)
+        if layerwise:  # layer-wise streaming is the ordinary path's (no descriptor)
+            await con.recv_request(
+                request_id, block_ids, frm=frm, timeout=timeout, layerwise=True, _plain=True
+            )
+            return
+        deadline = con._deadline(timeout)
+        host = con._host_ids(block_ids, unique=True, what="recv_request")
+        n = host.numel()
+        raw = await self.channel.recv(
+            f"{request_id}#ipc", frm=frm, timeout=max(0.0, deadline - time.monotonic())
+        )
+        d = decode_message(raw)
+        desc, plout = Descriptor.from_wire(d)
+        if desc.rid != request_id:
+            raise RemoteProtocolError(f"IPC descriptor for {desc.rid!r:.64} under {request_id!r}")
+        if desc.n != n:
+            if desc.plane == "ipc":
+                self._release(desc, Release(request_id, False, reason="block count mismatch"))
+            raise LayoutMismatchError(
+                f"IPC: the producer sends {desc.n} blocks of {request_id!r}, "
+                f"{n} were allocated here",
+                code="kv_size_mismatch",
+            )
+
+        async def plain() -> None:
+            await con.recv_request(
+                request_id,
+                host,
+                frm=frm,
+                timeout=max(0.0, deadline - time.monotonic()),
+                _plain=True,
+            )
+
+        if desc.plane == "chunks":
+            await plain()
+            return
+        try:
+            m = self._mapping(desc, plout)
+        except IpcUnavailableError as exc:
+            self._count_fallback(exc.reason, desc.reply_to, str(exc))
+            self._release(desc, Release(request_id, False, fallback=True, reason=exc.reason))
+            await plain()
+            return
+        except LayoutMismatchError:
+            self._release(desc, Release(request_id, False, reason="layout mismatch"))
+            raise
+        await self._pull(m, desc, host, deadline)
+
+    def _release(self, desc: Descriptor, rel: Release) -> None:
+        try:
+            self._send_msg(
+                f"{desc.rid}#ipcrel", rel.to_wire(), desc.reply_to, self.options.grace_s + 30.0
+            )
+        except Exception as exc:  # engine closing: the producer's lease runs out instead
+            log.warning("aiokv IPC plane: could not send the release of %r: %s", desc.rid, exc)
+
+    def _mapping(self, desc: Descriptor, layout: KVLayout | None) -> _Mapping:
+        """The verified mapping for the descriptor's export (made on first use)."""
+        m = self._maps.get(desc.token)
+        if m is not None:
+            if m.broken:
+                raise IpcUnavailableError(m.broken)
+            return m
+        why = self._failed_tokens.get(desc.token)
+        if why:
+            raise IpcUnavailableError(why)
+        if self.disabled:
+            raise IpcUnavailableError(self.disabled)
+        if desc.offer is None or layout is None:
+            raise IpcUnavailableError("no_offer", "the producer's export is unknown here")
+        check_compatible(layout, self.layout)  # LayoutMismatchError: no fallback, a real error
+        try:
+            m = self._open(desc.offer, layout)
+        except IpcUnavailableError as exc:
+            self._stats.mapping_failures += 1
+            self._failed_tokens[desc.token] = exc.reason
+            raise
+        except Exception as exc:  # CUDA refused: other container, PID namespace, no P2P...
+            self._stats.mapping_failures += 1
+            self._failed_tokens[desc.token] = "map_failed"
+            raise IpcUnavailableError("map_failed", f"{type(exc).__name__}: {exc}") from None
+        self._maps[desc.token] = m
+        self._stats.mappings_verified += 1
+        return m
+
+    def _use_triton(self) -> bool:
+        return (
+            self.device.type == "cuda"
+            and not self.options.force_torch
+            and (_ipc_kernel.available())
+        )
+
+    def _aborts(self) -> torch.Tensor:
+        if self._abort is None:
+            self._abort = torch.zeros(4096, dtype=torch.int32, device=self.device)
+            # never freed: a launch stuck behind a dead producer's event may read its
+            # word whenever (if ever) that event fires
+            self._keep.append(self._abort)
+        return self._abort
+
+    def _slot(self) -> tuple[torch.Tensor, int]:
+        """An abort word never set before (aborted words are never reused)."""
+        if self._free_slots:
+            return self._aborts(), self._free_slots.pop()
+        ab = self._aborts()
+        if self._abort_next >= ab.numel():
+            self._abort = None
+            self._abort_next = 0
+            ab = self._aborts()
+        s = self._abort_next
+        self._abort_next += 1
+        return ab, s
+
+    def _set_abort(self, ab: torch.Tensor, slot: int) -> None:
+        if ab.device.type == "cuda":
+            if self._ctl_stream is None:
+                self._ctl_stream = self.backend.new_stream(self.device)
+            with torch.cuda.stream(self._ctl_stream):
+                ab[slot : slot + 1].fill_(1)
+        else:
+            ab[slot] = 1
+
+    def _open(self, offer: Offer, layout: KVLayout) -> _Mapping:
+        check_same_host(offer, my_boot_id=self._boot_id, now=self._clock())
+        dev = self.device
+        storages = [self.backend.open(e, dev) for e in offer.storages]
+        for e, s in zip(offer.storages, storages, strict=True):
+            if s.numel() != e.size:
+                raise IpcUnavailableError("map_size", f"mapped {s.numel()} of {e.size} bytes")
+        mine = self.con.caches
+        word = min(offer.word, mine.max_word())
+        seg = self._seg_bytes()
+        word = _ipc_kernel.word_size(
+            word, seg, layout.num_blocks * seg, self.layout.num_blocks * seg
+        )
+        wdt = _ipc_kernel.WORDS[word]
+        need = layout.layer_nbytes()
+        src_layers = []
+        for si, off in offer.layers:
+            flat = storages[si][off : off + need]
+            v = flat.view(wdt)
+            shape = list(layout.layer_shape())
+            shape[-1] = shape[-1] * layout.itemsize // word
+            src_layers.append(v.view(shape))
+        table = torch.tensor([t.data_ptr() for t in src_layers], dtype=torch.int64).to(dev)
+        stream = self.backend.new_stream(dev) if dev.type == "cuda" else None
+        align = _ipc_kernel.base_alignment(
+            *(t.data_ptr() for t in src_layers), *(t.data_ptr() for t in mine.tensors)
+        )
+        m = _Mapping(offer.token, layout, storages, src_layers, table, word, stream, align)
+        self._verify(m, offer)
+        return m
+
+    def _verify(self, m: _Mapping, offer: Offer) -> None:
+        """Copy the producer's probe with the real kernel (and once with the abort word
+        set) and compare with the pattern; also loads the kernel before any copy can
+        wait on a peer's event (lazy module loading)."""
+        dev = self.device
+        seg = self._seg_bytes()
+        probe = self.backend.open(offer.probe, dev)
+        if probe.numel() < _PROBE_SEGMENTS * seg:
+            raise IpcUnavailableError("map_size", "probe smaller than announced")
+        want = probe_pattern(offer.nonce, _PROBE_SEGMENTS * seg, dev)
+        w = m.word
+        wdt = _ipc_kernel.WORDS[w]
+        src = probe[: _PROBE_SEGMENTS * seg].view(wdt)
+        out = torch.zeros(_PROBE_SEGMENTS * seg, dtype=torch.uint8, device=dev)
+        untouched = torch.zeros_like(out)
+        dst = out.view(wdt)
+        swap = torch.tensor([[1, 0], [0, 1]], dtype=torch.int64, device=dev)
+        if self._use_triton():
+            stream = m.stream
+            ab, slot = self._slot()
+            ab_off, slot_off = self._slot()
+            self._set_abort(ab_off, slot_off)  # also loads the fill kernel, off any peer wait
+            with torch.cuda.stream(stream):
+                stream.wait_stream(self._ctl_stream)
+                for target, a, s in ((dst, ab, slot), (untouched.view(wdt), ab_off, slot_off)):
+                    # separate (aligned) tables: the same specialisation as the real copies
+                    st = torch.tensor([src.data_ptr()], dtype=torch.int64).to(dev)
+                    dt = torch.tensor([target.data_ptr()], dtype=torch.int64).to(dev)
+                    ok = _ipc_kernel.launch_pair_copy(
+                        st,
+                        dt,
+                        swap,
+                        a,
+                        s,
+                        word=w,
+                        n_layers=1,
+                        parts=1,
+                        seg_words=seg // w,
+                        src_part_stride=m.layout.num_blocks * seg // w,
+                        dst_part_stride=self.layout.num_blocks * seg // w,
+                        block_stride=seg // w,
+                        base_align=m.align,
+                    )
+                    if not ok:
+                        raise IpcUnavailableError("grid_too_big")
+            stream.synchronize()  # once per peer, at set-up, off the request path
+            self._free_slots.append(slot)
+        else:
+            s2 = src.view(_PROBE_SEGMENTS, -1)
+            d2 = dst.view(_PROBE_SEGMENTS, -1)
+            _ipc_kernel.torch_pair_copy([s2], [d2], 0, swap[0], swap[1])
+            if dev.type == "cuda":
+                torch.cuda.current_stream(dev).synchronize()
+        expect = want.view(_PROBE_SEGMENTS, -1).flip(0).reshape(-1)
+        if not torch.equal(out, expect):
+            raise IpcUnavailableError("verify_failed", "the mapped probe did not read back")
+        if self._use_triton() and bool(untouched.any()):
+            raise IpcUnavailableError("verify_failed", "a launch with its abort word set wrote")
+        del probe
+
+    def _event(self, m: _Mapping, desc: Descriptor) -> Any:
+        cached = m.events.get(desc.event_slot)
+        if cached is not None and cached[0] == desc.event:
+            return cached[1]
+        try:
+            ev = self.backend.open_event(desc.event, self.device)
+        except Exception as exc:
+            raise IpcUnavailableError("event_failed", f"{type(exc).__name__}: {exc}") from None
+        if len(m.events) >= 4096:
+            m.events.clear()
+        m.events[desc.event_slot] = (desc.event, ev)
+        return ev
+
+    async def _pull(
+        self, m: _Mapping, desc: Descriptor, host: torch.Tensor, deadline: float
+    ) -> None:
+        con = self.con
+        n = host.numel()
+        lay = self.layout
+        src_ids = torch.tensor(desc.src, dtype=torch.int64)
+        if n and (int(src_ids.min()) < 0 or int(src_ids.max()) >= m.layout.num_blocks):
+            self._release(desc, Release(desc.rid, False, reason="source block id out of range"))
+            raise RemoteProtocolError(
+                f"IPC descriptor of {desc.rid!r}: source block ids out of [0, {m.layout.num_blocks})"
+            )
+        # our own deadline, and never past the producer's lease
+        end = min(deadline - time.monotonic(), desc.lease - self._clock())
+        if end <= 0:
+            self._stats.lease_expired += 1
+            self._release(desc, Release(desc.rid, False, reason="lease over before the copy"))
+            raise TransferTimeoutError(f"IPC: the lease of {desc.rid!r} was over on arrival")
+        try:
+            ready = self._event(m, desc)
+        except IpcUnavailableError as exc:
+            self._count_fallback(exc.reason, desc.reply_to, str(exc))
+            self._release(desc, Release(desc.rid, False, fallback=True, reason=exc.reason))
+            await con.recv_request(
+                desc.rid, host, timeout=max(0.0, deadline - time.monotonic()), _plain=True
+            )
+            return
+        t0 = time.perf_counter()
+        triton = self._use_triton()
+        ab, slot = self._slot()
+        dev = self.device
+        m.inflight += 1
+        try:
+            gpu_wait = False
+            if not bool(ready.query()):
+                if triton and self.options.gpu_wait:
+                    gpu_wait = True
+                else:
+                    # Not launched before the producer's event fired: a launch queued
+                    # behind the event of a producer that then dies would keep its
+                    # stream (and any device-wide synchronize) waiting forever.
+                    await self._wait_ready(ready, time.monotonic() + end)
+            ids = torch.stack([src_ids, host])
+            done, keep = self._launch(m, ready if gpu_wait else None, ids, ab, slot, triton)
+        except BaseException as exc:
+            m.inflight -= 1
+            self._free_slots.append(slot)  # nothing was launched with it
+            if isinstance(exc, AiokvTimeoutError):
+                self._stats.lease_expired += 1
+                self._release(desc, Release(desc.rid, False, reason="producer not ready"))
+                con._stats.recv_failures += 1
+            else:
+                why = "cancelled" if isinstance(exc, asyncio.CancelledError) else "launch failed"
+                self._release(desc, Release(desc.rid, False, reason=why))
+                con._stats.recv_failures += 1
+            raise
+        ok = False
+        try:
+            await self._wait_done(done, end)
+            ok = True
+        except BaseException as exc:
+            self._set_abort(ab, slot)
+            self._stats.aborted += 1
+            if not await self._settle(m, done):
+                self._keep.append(keep)  # a stuck launch keeps its ids and tables forever
+            m.inflight -= 1
+            reason = "cancelled" if isinstance(exc, asyncio.CancelledError) else "deadline"
+            self._release(desc, Release(desc.rid, False, reason=reason))
+            con._stats.recv_failures += 1
+            if isinstance(exc, (asyncio.TimeoutError, TimeoutError)) and not isinstance(
+                exc, TransferTimeoutError
+            ):
+                raise TransferTimeoutError(
+                    f"IPC copy of {desc.rid!r} did not finish within its deadline/lease"
+                ) from None
+            raise
+        finally:
+            if ok:
+                m.inflight -= 1
+                self._free_slots.append(slot)
+        if dev.type == "cuda":
+            torch.cuda.current_stream(dev).wait_event(done)  # already fired: orders the caller
+        self._release(desc, Release(desc.rid, True))
+        self._stats.requests_received += 1
+        self._stats.bytes_received += lay.request_nbytes(n)
+        st = con._stats
+        st.requests_received += 1
+        st.bytes_received += lay.request_nbytes(n)
+        st.recv_seconds += time.perf_counter() - t0
+        con._finished_receiving.add(desc.rid)
+
+    def _launch(
+        self, m: _Mapping, ready: Any, ids: torch.Tensor, ab: torch.Tensor, slot: int, triton: bool
+    ) -> tuple[Any, Any]:
+        """Enqueue the copy on the mapping's stream; returns its completion event and
+        what must stay alive until it ran."""
+        dev = self.device
+        lay = self.layout
+        if dev.type != "cuda":
+            _ipc_kernel.torch_pair_copy(
+                m.src_layers, self.con.caches.raw(m.word), lay.block_dim, ids[0], ids[1]
+            )
+            return _Fired(), None
+        stream = m.stream
+        # after the caller's work so far (it may still read the destination blocks)
+        stream.wait_stream(torch.cuda.current_stream(dev))
+        with torch.cuda.stream(stream):
+            dids = ids.pin_memory().to(dev, non_blocking=True)
+            if ready is not None:
+                stream.wait_event(ready)  # the producer's KV is written (GPU-side wait)
+            if triton:
+                seg = self._seg_bytes()
+                w = m.word
+                ok = _ipc_kernel.launch_pair_copy(
+                    m.src_table,
+                    self.con.caches.ptr_table(range(lay.num_layers)),
+                    dids,
+                    ab,
+                    slot,
+                    word=w,
+                    n_layers=lay.num_layers,
+                    parts=lay.kv_parts,
+                    seg_words=seg // w,
+                    src_part_stride=m.layout.num_blocks * seg // w,
+                    dst_part_stride=lay.num_blocks * seg // w,
+                    block_stride=seg // w,
+                    base_align=m.align,
+                )
+                if not ok:
+                    raise ConfigError("IPC: request too large for one launch")
+            else:
+                _ipc_kernel.torch_pair_copy(
+                    m.src_layers, self.con.caches.raw(m.word), lay.block_dim, dids[0], dids[1]
+                )
+            done = torch.cuda.Event()  # type: ignore[no-untyped-call]
+            done.record(stream)
+        return done, (dids, m.src_table, m.storages)
+
+    def _poll(self) -> Any:
+        if self._poller is None:
+            from ..cuda import ProgressPoller
+
+            self._poller = ProgressPoller()
+        return self._poller
+
+    async def _wait_done(self, done: Any, timeout: float) -> None:
+        fut = self._poll().wait(done, expected_s=0.0002)
+        await asyncio.wait_for(asyncio.shield(fut), timeout)
+
+    async def _wait_ready(self, ev: Any, until: float) -> None:
+        """Poll the producer's event from the loop until it fired, or raise
+        :class:`~aiokv.TransferTimeoutError` at ``until`` (``time.monotonic``). Spins
+        (yielding) for the first 0.5 ms, then sleeps up to 1 ms between polls; nothing
+        stays registered afterwards (a dead producer's event never fires)."""
+        spin_until = time.monotonic() + 0.0005
+        nap = 0.0001
+        while not bool(ev.query()):
+            now = time.monotonic()
+            if now >= until:
+                raise TransferTimeoutError("IPC: the producer's ready event did not fire in time")
+            if now < spin_until:
+                await asyncio.sleep(0)
+            else:
+                await asyncio.sleep(min(nap, until - now))
+                nap = min(nap * 2, 0.001)
+
+    async def _settle(self, m: _Mapping, done: Any) -> bool:
+        """After an abort: wait (bounded by the grace period) until the launch is over.
+        A launch still queued then is behind an event that does not fire (a dead
+        producer) and will copy nothing when it runs; its stream is retired."""
+        fut = self._poll().wait(done)
+        try:
+            await asyncio.wait_for(asyncio.shield(fut), self.options.grace_s)
+            return True
+        except (asyncio.TimeoutError, TimeoutError):
+            self._stats.stuck_streams += 1
+            m.broken = "stuck_stream"
+            log.warning(
+                "aiokv IPC plane: a copy from export %x is stuck behind its producer's event; "
+                "that export is no longer used",
+                m.token,
+            )
+            return False
+
+    # ------------------------------------------------------------------ lifecycle
+
+    async def aclose(self, timeout: float = 5.0) -> None:
+        """Stop: wait (bounded) for background messages and in-flight copies, then unmap."""
+        self._closed = True
+        end = time.monotonic() + timeout
+        if self._background:
+            await asyncio.wait(list(self._background), timeout=timeout)
+        # unmap only after the copies reading the mappings are over (a launch stuck
+        # behind a dead producer's event holds its mapping in self._keep instead)
+        while any(m.inflight for m in self._maps.values()) and time.monotonic() < end:
+            await asyncio.sleep(0.01)
+        self._maps.clear()
+        if self._poller is not None:
+            await self._poller.stop()
+            self._poller = None
+
+
+class _Fired:
+    """A completed event (the CPU path copies synchronously)."""
+
+    def query(self) -> bool:
+        return True
+
+
+# --------------------------------------------------------------------------- doctor
+
+
+_PROBE_BYTES = 1 << 16
+
+
+def _export_probe_main() -> None:
+    """Child of :func:`doctor_report`: export a probe on ``cuda:ARGV1`` and hold it until
+    stdin closes (an export is only valid while its process lives)."""
+    import json
+
+    idx, nonce = int(sys.argv[1]), int(sys.argv[2])
+    dev = torch.device("cuda", idx)
+    t = probe_pattern(nonce, _PROBE_BYTES, dev)
+    torch.cuda.synchronize(dev)
+    e = CudaBackend().export(t.untyped_storage())
+    w = {k: (v.hex() if isinstance(v, bytes) else v) for k, v in e.to_wire().items()}
+    print(json.dumps(w), flush=True)
+    sys.stdin.read()
+
+
+def doctor_report(gpus: int, *, timeout: float = 60.0) -> list[str]:
+    """Lines for ``aiokv doctor``: whether CUDA IPC works from each visible GPU to each
+    (a child process exports a known pattern; this process maps it on every GPU and
+    compares), and what would keep the IPC plane off here."""
+    import json
+    import subprocess
+
+    lines = []
+    why = unsupported_reason(torch.device("cuda", 0), authenticated=True, options=IpcOptions())
+    lines.append(
+        "IPC plane    "
+        + ("usable here" if why is None else f"off: {why}")
+        + ("" if _ipc_kernel.available() else " (no Triton: torch-ops copy, host-waited)")
+    )
+    lines.append("             (row exports, column maps and reads a known pattern)")
+    nonce = secrets.randbits(40)
+    want_cache: dict[int, torch.Tensor] = {}
+    for i in range(gpus):
+        cells = []
+        proc = subprocess.Popen(
+            [
+                sys.executable,
+                "-c",
+                "from aiokv.kv.ipc import _export_probe_main as m; m()",
+                str(i),
+                str(nonce),
+            ],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        try:
+            assert proc.stdout is not None
+            line = proc.stdout.readline()
+            raw = json.loads(line) if line.startswith("{") else None
+            export = None
+            if raw is not None:
+                export = StorageExport.from_wire(
+                    {k: (bytes.fromhex(v) if isinstance(v, str) else v) for k, v in raw.items()}
+                )
+            for j in range(gpus):
+                if export is None:
+                    cells.append("  export failed")
+                    continue
+                dev = torch.device("cuda", j)
+                try:
+                    t = CudaBackend().open(export, dev)
+                    want = want_cache.get(j)
+                    if want is None:
+                        want = want_cache[j] = probe_pattern(nonce, _PROBE_BYTES, dev)
+                    ok = bool(torch.equal(t[:_PROBE_BYTES].clone(), want))
+                    cells.append(" yes" if ok else " WRONG DATA")
+                    del t
+                except Exception as exc:
+                    cells.append(f"  no ({type(exc).__name__}: {str(exc)[:60]})")
+        finally:
+            with contextlib.suppress(Exception):
+                proc.communicate(input="", timeout=timeout)
+            if proc.poll() is None:
+                proc.kill()
+        lines.append(f"  cuda:{i}   " + "".join(cells))
+    return lines

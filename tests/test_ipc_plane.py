@@ -1,0 +1,726 @@
+"""The IPC plane's protocol, validation, rules and fallbacks, on CPU.
+
+CUDA is faked: :class:`FakeBackend` "exports" a storage by registering it under
+random handle bytes and "maps" it by looking it up (both connectors run in this
+process), events are always fired. Everything else -- the descriptor/release
+messages over real engines (loopback TCP), the offer's validation, the
+verification probe, the lease, the fallback to the ordinary path with its
+counters -- is the real code. The GPU tests (tests/gpu/test_ipc_gpu.py) cover the
+real CUDA IPC, the kernel, cancellation and a killed peer.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import secrets
+import time
+import warnings
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from typing import Any
+
+import msgpack
+import pytest
+
+with warnings.catch_warnings():
+    warnings.simplefilter("ignore", UserWarning)
+    import torch
+
+from aiokv import (
+    Engine,
+    EngineConfig,
+    LayoutMismatchError,
+    RemoteProtocolError,
+    Timeouts,
+    TransferAbortedError,
+    TransferTimeoutError,
+)
+from aiokv.kv import (
+    FlashAttentionLayout,
+    FlashInferLayout,
+    IpcOptions,
+    KVConnector,
+    KVLayout,
+    MLALayout,
+)
+from aiokv.kv import ipc as ipcmod
+from aiokv.kv.ipc import (
+    Descriptor,
+    IpcPlane,
+    IpcUnavailableError,
+    Offer,
+    Release,
+    StorageExport,
+    check_same_host,
+    decode_message,
+    encode_message,
+    unsupported_reason,
+)
+
+OPTS = IpcOptions(trust_unauthenticated=True, grace_s=0.3)
+
+
+class FakeEvent:
+    """Fires at once, or ``fire_after`` seconds after each record (None: never)."""
+
+    fire_after: float | None = 0.0
+
+    def __init__(self) -> None:
+        self.recorded = 0
+        self.at = 0.0
+        self.delay = FakeEvent.fire_after
+
+    def record(self, stream: object = None) -> None:
+        self.recorded += 1
+        self.at = time.monotonic()
+        self.delay = FakeEvent.fire_after
+
+    def query(self) -> bool:
+        return self.delay is not None and time.monotonic() >= self.at + self.delay
+
+
+class FakeBackend:
+    """Same-process stand-in for CUDA IPC (see the module docstring)."""
+
+    registry: dict[bytes, torch.UntypedStorage] = {}
+    events: dict[bytes, FakeEvent] = {}
+
+    def __init__(self, *, fail_open: bool = False, corrupt_probe: bool = False) -> None:
+        self.fail_open = fail_open
+        self.corrupt_probe = corrupt_probe
+        self.opened = 0
+
+    def export(self, storage: torch.UntypedStorage) -> StorageExport:
+        h = secrets.token_bytes(64)
+        self.registry[h] = storage
+        return StorageExport(h, storage.nbytes(), 0, b"", 0, b"")
+
+    def open(self, e: StorageExport, device: torch.device) -> torch.Tensor:
+        if self.fail_open:
+            raise RuntimeError("cudaIpcOpenMemHandle: invalid device context (faked)")
+        self.opened += 1
+        st = self.registry[e.handle]
+        t: Any = torch.empty(0, dtype=torch.uint8)
+        t.set_(st)
+        if self.corrupt_probe and st.nbytes() == e.size and self.opened > 1:
+            return torch.zeros(e.size, dtype=torch.uint8)  # "mapped", but other memory
+        out: torch.Tensor = t
+        return out
+
+    def new_event(self, device: torch.device) -> tuple[Any, bytes]:
+        h = secrets.token_bytes(64)
+        ev = FakeEvent()
+        self.events[h] = ev
+        return ev, h
+
+    def open_event(self, handle: bytes, device: torch.device) -> Any:
+        return self.events[handle]
+
+    def new_stream(self, device: torch.device) -> Any:
+        return None
+
+
+def make_layout(kind: str, dtype: str, num_blocks: int, num_layers: int = 3) -> KVLayout:
+    if kind == "fa":
+        return FlashAttentionLayout(num_layers, num_blocks, 4, 2, 8, dtype)
+    if kind == "fi":
+        return FlashInferLayout(num_layers, num_blocks, 4, 2, 8, dtype)
+    return MLALayout(num_layers, num_blocks, 4, 24, dtype)
+
+
+def filled(layout: KVLayout, seed: int, *, stacked: bool = False) -> list[torch.Tensor]:
+    caches = layout.allocate(stacked=stacked)
+    g = torch.Generator().manual_seed(seed)
+    for t in caches:
+        b = t.view(torch.uint8)
+        b.copy_(torch.randint(0, 256, b.shape, dtype=torch.uint8, generator=g))
+    return caches
+
+
+def rand_ids(n: int, num_blocks: int, seed: int) -> list[int]:
+    g = torch.Generator().manual_seed(seed)
+    return [int(i) for i in torch.randperm(num_blocks, generator=g)[:n]]
+
+
+def blocks(cache: torch.Tensor, layout: KVLayout, ids: list[int]) -> torch.Tensor:
+    return cache.view(torch.uint8).index_select(layout.block_dim, torch.tensor(ids))
+
+
+def landed(
+    pl: KVLayout, p: list[torch.Tensor], src: list[int], c: list[torch.Tensor], dst: list[int]
+) -> bool:
+    return all(
+        torch.equal(blocks(p[i], pl, src), blocks(c[i], pl, dst)) for i in range(pl.num_layers)
+    )
+
+
+@asynccontextmanager
+async def pair(la: KVLayout, lb: KVLayout) -> AsyncIterator[tuple[Engine, Engine]]:
+    def cfg(lay: KVLayout) -> EngineConfig:
+        return EngineConfig(timeouts=Timeouts(transfer=20.0), layout=lay.to_wire())
+
+    async with Engine(cfg(la)) as a, Engine(cfg(lb)) as b:
+        yield a, b
+
+
+def connectors(
+    a: Engine,
+    b: Engine,
+    pl: KVLayout,
+    p: list[torch.Tensor],
+    cl: KVLayout,
+    c: list[torch.Tensor],
+    *,
+    pb: Any = None,
+    cb: Any = None,
+    opts: IpcOptions = OPTS,
+) -> tuple[KVConnector, KVConnector]:
+    prod = KVConnector(a, pl, p, ipc=opts)
+    cons = KVConnector(b, cl, c, ipc=opts)
+    prod._ipc = IpcPlane(prod, opts, backend=pb or FakeBackend())
+    cons._ipc = IpcPlane(cons, opts, backend=cb or FakeBackend())
+    return prod, cons
+
+
+async def move(
+    prod: KVConnector,
+    cons: KVConnector,
+    a: Engine,
+    b: Engine,
+    rid: str,
+    src: list[int],
+    dst: list[int],
+    timeout: float = 20,
+) -> None:
+    recv = asyncio.create_task(cons.recv_request(rid, dst, frm=a.address, timeout=timeout))
+    await prod.send_request(rid, src, to=b.address, timeout=timeout)
+    await recv
+
+
+# --------------------------------------------------------------------------- end to end
+
+
+@pytest.mark.anyio
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("kind", ["fa", "fi", "mla"])
+@pytest.mark.parametrize("dtype", ["bfloat16", "float8_e4m3fn", "float32", "int8"])
+async def test_pull_every_layout_and_dtype(kind: str, dtype: str) -> None:
+    pl = make_layout(kind, dtype, num_blocks=41)
+    cl = make_layout(kind, dtype, num_blocks=29)  # num_blocks may differ (FA part strides)
+    p = filled(pl, 1, stacked=True)
+    c = filled(cl, 2)
+    before = [t.clone() for t in c]
+    async with pair(pl, cl) as (a, b):
+        prod, cons = connectors(a, b, pl, p, cl, c)
+        sent = []
+        for r, n in enumerate([1, 3, 17]):  # odd lengths
+            src, dst = rand_ids(n, 41, 10 + r), rand_ids(n, 29, 20 + r)
+            await move(prod, cons, a, b, f"r{r}", src, dst)
+            assert landed(pl, p, src, c, dst)
+            sent.append(dst)
+        touched = {i for d in sent for i in d}
+        others = [i for i in range(29) if i not in touched]
+        for li in range(cl.num_layers):
+            assert torch.equal(blocks(c[li], cl, others), blocks(before[li], cl, others))
+        assert prod.finished_sending() == {"r0", "r1", "r2"}
+        assert cons.finished_receiving() == {"r0", "r1", "r2"}
+        ps, cs = prod.statistics(), cons.statistics()
+        assert ps.ipc is not None and cs.ipc is not None
+        assert ps.ipc.requests_sent == 3 and cs.ipc.requests_received == 3
+        assert cs.ipc.mappings_verified == 1  # mapped and verified once per export
+        assert not ps.ipc.fallbacks and not cs.ipc.fallbacks
+        assert ps.chunks_sent == 0  # nothing went the ordinary way
+        assert cs.bytes_received == pl.request_nbytes(21)
+        await prod.aclose()
+        await cons.aclose()
+
+
+@pytest.mark.anyio
+@pytest.mark.timeout(60)
+async def test_offer_sent_until_acknowledged() -> None:
+    pl = make_layout("fa", "bfloat16", 20)
+    p, c = filled(pl, 1), filled(pl, 2)
+    async with pair(pl, pl) as (a, b):
+        prod, cons = connectors(a, b, pl, p, pl, c)
+        seen: list[bool] = []
+        orig = Descriptor.from_wire
+
+        def spy(d: Any) -> Any:
+            seen.append(d.get("offer") is not None)
+            return orig(d)
+
+        ipcmod.Descriptor.from_wire = spy  # type: ignore[method-assign]
+        try:
+            await move(prod, cons, a, b, "x0", [1, 2], [3, 4])
+            await move(prod, cons, a, b, "x1", [5], [6])
+        finally:
+            ipcmod.Descriptor.from_wire = orig  # type: ignore[method-assign]
+        assert seen == [True, False]
+        await prod.aclose()
+        await cons.aclose()
+
+
+# --------------------------------------------------------------------------- fallbacks
+
+
+@pytest.mark.anyio
+@pytest.mark.timeout(60)
+async def test_map_failure_falls_back_with_counter(caplog: pytest.LogCaptureFixture) -> None:
+    pl = make_layout("mla", "float16", 30)
+    p, c = filled(pl, 1), filled(pl, 2)
+    async with pair(pl, pl) as (a, b):
+        prod, cons = connectors(a, b, pl, p, pl, c, cb=FakeBackend(fail_open=True))
+        with caplog.at_level("WARNING", logger="aiokv.kv.ipc"):
+            await move(prod, cons, a, b, "f0", [0, 7, 9], [1, 2, 3])
+            await move(prod, cons, a, b, "f1", [4, 5], [6, 8])
+        assert landed(pl, p, [0, 7, 9], c, [1, 2, 3])
+        assert landed(pl, p, [4, 5], c, [6, 8])
+        ps, cs = prod.statistics(), cons.statistics()
+        assert cs.ipc is not None and ps.ipc is not None
+        assert cs.ipc.fallbacks == {"map_failed": 1}
+        assert cs.ipc.mapping_failures == 1
+        # the producer learnt it from the release and sends the second one plainly at once
+        assert ps.ipc.fallbacks == {"map_failed": 2}
+        assert ps.chunks_sent == 2 and ps.requests_sent == 2
+        assert any("falling back" in r.getMessage() for r in caplog.records)
+        await prod.aclose()
+        await cons.aclose()
+
+
+@pytest.mark.anyio
+@pytest.mark.timeout(60)
+async def test_failed_verification_falls_back() -> None:
+    pl = make_layout("fi", "bfloat16", 16)
+    p, c = filled(pl, 1), filled(pl, 2)
+    async with pair(pl, pl) as (a, b):
+        prod, cons = connectors(a, b, pl, p, pl, c, cb=FakeBackend(corrupt_probe=True))
+        await move(prod, cons, a, b, "v0", [3, 1], [0, 2])
+        assert landed(pl, p, [3, 1], c, [0, 2])
+        cs = cons.statistics()
+        assert cs.ipc is not None and cs.ipc.fallbacks == {"verify_failed": 1}
+        assert cs.ipc.mappings_verified == 0
+        await prod.aclose()
+        await cons.aclose()
+
+
+@pytest.mark.anyio
+@pytest.mark.timeout(60)
+async def test_cpu_caches_fall_back_by_themselves() -> None:
+    """The real backend on CPU caches: the plane says why it is off and the data
+    still moves (both sides agree through the "chunks" descriptor)."""
+    pl = make_layout("fa", "float32", 12)
+    p, c = filled(pl, 1), filled(pl, 2)
+    async with pair(pl, pl) as (a, b):
+        prod = KVConnector(a, pl, p, ipc=OPTS)
+        cons = KVConnector(b, pl, c, ipc=OPTS)
+        await move(prod, cons, a, b, "c0", [1, 2, 3], [4, 5, 6])
+        assert landed(pl, p, [1, 2, 3], c, [4, 5, 6])
+        ps = prod.statistics()
+        assert ps.ipc is not None and ps.ipc.fallbacks == {"not_cuda": 1}
+        assert ps.chunks_sent == 1
+        await prod.aclose()
+        await cons.aclose()
+
+
+def test_unsupported_reasons() -> None:
+    cuda = torch.device("cuda", 0)
+    ok = IpcOptions()
+    trust = IpcOptions(trust_unauthenticated=True)
+    kw: dict[str, Any] = {"alloc_conf": "", "hip": ""}
+    assert unsupported_reason(torch.device("cpu"), authenticated=True, options=ok, **kw) == (
+        "not_cuda"
+    )
+    assert unsupported_reason(cuda, authenticated=True, options=ok, **kw) is None
+    assert unsupported_reason(cuda, authenticated=False, options=ok, **kw) == "unauthenticated"
+    assert unsupported_reason(cuda, authenticated=False, options=trust, **kw) is None
+    assert (
+        unsupported_reason(
+            cuda, authenticated=True, options=ok, alloc_conf="expandable_segments:True", hip=""
+        )
+        == "expandable_segments"
+    )
+    assert (
+        unsupported_reason(
+            cuda,
+            authenticated=True,
+            options=ok,
+            alloc_conf="max_split_size_mb:128, expandable_segments: True",
+            hip="",
+        )
+        == "expandable_segments"
+    )
+    assert (
+        unsupported_reason(
+            cuda, authenticated=True, options=ok, alloc_conf="expandable_segments:False", hip=""
+        )
+        is None
+    )
+    assert unsupported_reason(cuda, authenticated=True, options=ok, alloc_conf="", hip="6.1") == (
+        "rocm"
+    )
+
+
+def _offer(**over: Any) -> Offer:
+    lay = make_layout("fa", "bfloat16", 8)
+    st = StorageExport(b"h" * 64, lay.layer_nbytes() * 3, 0, b"", 0, b"")
+    base = dict(
+        token=5,
+        boot_id="abc",
+        pid=1,
+        mono=100.0,
+        layout=lay.to_wire(),
+        storages=(st,),
+        layers=((0, 0), (0, lay.layer_nbytes()), (0, 2 * lay.layer_nbytes())),
+        word=8,
+        probe=StorageExport(b"p" * 64, 2 * lay.block_nbytes(), 0, b"", 0, b""),
+        nonce=3,
+    )
+    base.update(over)
+    return Offer(**base)
+
+
+def test_same_host_checks() -> None:
+    check_same_host(_offer(), my_boot_id="abc", now=101.0)
+    with pytest.raises(IpcUnavailableError) as ei:
+        check_same_host(_offer(), my_boot_id="xyz", now=101.0)
+    assert ei.value.reason == "other_host"
+    with pytest.raises(IpcUnavailableError) as ei:
+        check_same_host(_offer(boot_id=""), my_boot_id="", now=101.0)
+    assert ei.value.reason == "other_host"
+    with pytest.raises(IpcUnavailableError) as ei:
+        check_same_host(_offer(), my_boot_id="abc", now=1e6)
+    assert ei.value.reason == "other_clock"
+
+
+# --------------------------------------------------------------------------- wire validation
+
+
+def _desc_wire(**over: Any) -> dict[str, Any]:
+    d = Descriptor(
+        rid="r",
+        plane="ipc",
+        n=2,
+        reply_to="127.0.0.1:5",
+        token=5,
+        src=(1, 2),
+        event=b"e" * 64,
+        event_slot=0,
+        lease=1.0,
+        offer=_offer(),
+    ).to_wire()
+    d.update(over)
+    return d
+
+
+def test_descriptor_roundtrip() -> None:
+    d = decode_message(encode_message(_desc_wire()))
+    desc, lay = Descriptor.from_wire(d)
+    assert desc.src == (1, 2) and desc.offer is not None and lay is not None
+    assert desc.offer == _offer()
+    ch, none = Descriptor.from_wire(
+        decode_message(encode_message(Descriptor("r", "chunks", 4).to_wire()))
+    )
+    assert ch.plane == "chunks" and ch.n == 4 and none is None
+
+
+@pytest.mark.parametrize(
+    "over",
+    [
+        {"plane": "rdma"},
+        {"n": 3},  # src holds 2 ids
+        {"n": -1},
+        {"src": b"\x00" * 7},
+        {"reply_to": "no-port"},
+        {"reply_to": 5},
+        {"token": 0},
+        {"token": 6},  # differs from the offer's
+        {"event": b""},
+        {"event_slot": -1},
+        {"lease": float("nan")},
+        {"lease": "soon"},
+        {"lease": True},
+        {"extra": 1},
+        {"rid": b"r"},
+    ],
+)
+def test_descriptor_rejects(over: dict[str, Any]) -> None:
+    with pytest.raises(RemoteProtocolError):
+        Descriptor.from_wire(_desc_wire(**over))
+
+
+def _offer_wire(**over: Any) -> dict[str, Any]:
+    d = _offer().to_wire()
+    d.update(over)
+    return d
+
+
+@pytest.mark.parametrize(
+    "over",
+    [
+        {"layout": {"kind": "paged"}},
+        {"storages": []},
+        {"storages": "x"},
+        {"layers": [[0, 0]]},  # 3 layers expected
+        {"layers": [[0, 0], [0, 0], [1, 0]]},  # no storage 1
+        {"layers": [[0, 0], [0, 0], [0, 1 << 40]]},  # beyond the storage
+        {"layers": [[0, 0], [0, 0], [0, 4]]},  # not word-aligned
+        {"layers": [[0, 0], [0, 0], [0, -8]]},
+        {"word": 3},
+        {"word": 16},
+        {"pid": -1},
+        {"boot_id": "x" * 65},
+        {"nonce": "n"},
+        {"unknown": 1},
+    ],
+)
+def test_offer_rejects(over: dict[str, Any]) -> None:
+    with pytest.raises(RemoteProtocolError):
+        Offer.from_wire(_offer_wire(**over))
+
+
+@pytest.mark.parametrize(
+    "over",
+    [
+        {"handle": b""},
+        {"handle": b"x" * 300},
+        {"size": 0},
+        {"offset": -1},
+        {"rc_handle": b"/etc/passwd"},
+        {"rc_handle": b"/torch_1_2/../x"},
+        {"more": 1},
+    ],
+)
+def test_storage_export_rejects(over: dict[str, Any]) -> None:
+    d = StorageExport(b"h" * 64, 100, 0, b"/torch_12_34_0", 0, b"").to_wire()
+    assert StorageExport.from_wire(dict(d)).rc_handle == b"/torch_12_34_0"
+    d.update(over)
+    with pytest.raises(RemoteProtocolError):
+        StorageExport.from_wire(d)
+
+
+def test_probe_smaller_than_two_segments_rejected() -> None:
+    lay = make_layout("fa", "bfloat16", 8)
+    small = StorageExport(b"p" * 64, lay.block_nbytes() - 1, 0, b"", 0, b"")
+    with pytest.raises(RemoteProtocolError):
+        Offer.from_wire(_offer(probe=small).to_wire())
+
+
+def test_release_rules() -> None:
+    r = Release.from_wire(decode_message(encode_message(Release("r", True).to_wire())))
+    assert r.ok and not r.fallback
+    for bad in (
+        {"v": 1, "rid": "r", "ok": True, "fallback": True, "reason": ""},
+        {"v": 1, "rid": "r", "ok": 1, "fallback": False, "reason": ""},
+        {"v": 1, "rid": "r", "ok": False, "fallback": False, "reason": "x" * 300},
+        {"v": 1, "rid": "r", "ok": False, "fallback": False, "reason": "", "more": 0},
+    ):
+        with pytest.raises(RemoteProtocolError):
+            Release.from_wire(bad)
+
+
+def test_decode_message_accepts_bytes_from_a_channel() -> None:
+    b = msgpack.packb(Release("r", False, reason="x").to_wire())
+    assert Release.from_wire(decode_message(b)).reason == "x"
+    with pytest.raises(RemoteProtocolError):
+        decode_message(b"")
+    with pytest.raises(RemoteProtocolError):
+        decode_message(b"\x00" * (ipcmod.MAX_MESSAGE_BYTES + 1))
+
+
+def test_decode_message_rejects() -> None:
+    with pytest.raises(RemoteProtocolError):
+        decode_message(torch.zeros(4, dtype=torch.int32))
+    with pytest.raises(RemoteProtocolError):
+        decode_message(torch.zeros((2, 2), dtype=torch.uint8))
+    with pytest.raises(RemoteProtocolError):
+        decode_message(torch.zeros(0, dtype=torch.uint8))
+    with pytest.raises(RemoteProtocolError):
+        decode_message(torch.zeros(ipcmod.MAX_MESSAGE_BYTES + 1, dtype=torch.uint8))
+    for payload in (
+        msgpack.packb([1, 2]),
+        msgpack.packb({"v": 2}),
+        msgpack.packb({1: 2}),
+        msgpack.packb({"v": 1, "x": msgpack.ExtType(1, b"z")}),
+        b"\xc1",  # never-used msgpack byte
+    ):
+        with pytest.raises(RemoteProtocolError):
+            decode_message(torch.frombuffer(bytearray(payload), dtype=torch.uint8))
+
+
+# --------------------------------------------------------------------------- rules
+
+
+@pytest.mark.anyio
+@pytest.mark.timeout(60)
+async def test_block_count_mismatch_fails_both_sides_untouched() -> None:
+    pl = make_layout("fa", "bfloat16", 20)
+    p, c = filled(pl, 1), filled(pl, 2)
+    before = [t.clone() for t in c]
+    async with pair(pl, pl) as (a, b):
+        prod, cons = connectors(a, b, pl, p, pl, c)
+        recv = asyncio.create_task(cons.recv_request("m", [1, 2], frm=a.address, timeout=10))
+        with pytest.raises(TransferAbortedError):
+            await prod.send_request("m", [1, 2, 3], to=b.address, timeout=10)
+        with pytest.raises(LayoutMismatchError) as ei:
+            await recv
+        assert ei.value.code == "kv_size_mismatch"
+        assert all(torch.equal(x.view(torch.uint8), y.view(torch.uint8)) for x, y in zip(c, before))
+        assert prod.finished_sending() == set()
+        await prod.aclose()
+        await cons.aclose()
+
+
+@pytest.mark.anyio
+@pytest.mark.timeout(60)
+async def test_layout_mismatch_is_an_error_not_a_fallback() -> None:
+    pl = make_layout("fa", "bfloat16", 20)
+    cl = FlashAttentionLayout(3, 20, 4, 2, 16, "bfloat16")  # other head_dim
+    p, c = filled(pl, 1), filled(cl, 2)
+    # engines without a layout, so only the IPC offer can catch it
+    async with Engine(EngineConfig()) as a, Engine(EngineConfig()) as b:
+        prod, cons = connectors(a, b, pl, p, cl, c)
+        recv = asyncio.create_task(cons.recv_request("l", [1], frm=a.address, timeout=10))
+        with pytest.raises(TransferAbortedError):
+            await prod.send_request("l", [2], to=b.address, timeout=10)
+        with pytest.raises(LayoutMismatchError):
+            await recv
+        await prod.aclose()
+        await cons.aclose()
+
+
+@pytest.mark.anyio
+@pytest.mark.timeout(60)
+async def test_hostile_source_ids_never_copied() -> None:
+    pl = make_layout("mla", "bfloat16", 10)
+    p, c = filled(pl, 1), filled(pl, 2)
+    before = [t.clone() for t in c]
+    async with pair(pl, pl) as (a, b):
+        prod, cons = connectors(a, b, pl, p, pl, c)
+        assert prod._ipc is not None
+        export = prod._ipc._make_export()
+        desc = Descriptor(
+            rid="h",
+            plane="ipc",
+            n=2,
+            reply_to=a.address,
+            token=export.offer.token,
+            src=(3, 10),
+            event=secrets.token_bytes(64),
+            event_slot=0,
+            lease=ipcmod.time.monotonic() + 10,
+            offer=export.offer,
+        )
+        FakeBackend.events[desc.event] = FakeEvent()
+        await a.send("h#ipc", encode_message(desc.to_wire()), to=b.address)
+        with pytest.raises(RemoteProtocolError):
+            await cons.recv_request("h", [0, 1], frm=a.address, timeout=10)
+        assert all(torch.equal(x.view(torch.uint8), y.view(torch.uint8)) for x, y in zip(c, before))
+        rel = Release.from_wire(decode_message(await a.recv("h#ipcrel", timeout=10)))
+        assert not rel.ok and not rel.fallback
+        await prod.aclose()
+        await cons.aclose()
+
+
+@pytest.mark.anyio
+@pytest.mark.timeout(60)
+async def test_lease_over_on_arrival() -> None:
+    """The consumer asks after the producer's lease ran out: no copy, both fail, and the
+    producer raises only once lease + grace are over (its blocks are free then)."""
+    pl = make_layout("fa", "float16", 20)
+    p, c = filled(pl, 1), filled(pl, 2)
+    before = [t.clone() for t in c]
+    async with pair(pl, pl) as (a, b):
+        prod, cons = connectors(a, b, pl, p, pl, c)
+        loop = asyncio.get_running_loop()
+        t0 = loop.time()
+        with pytest.raises(TransferTimeoutError):
+            await prod.send_request("late", [1, 2], to=b.address, timeout=0.3)
+        assert loop.time() - t0 >= 0.3 + OPTS.grace_s - 0.05
+        with pytest.raises(TransferTimeoutError):
+            await cons.recv_request("late", [3, 4], frm=a.address, timeout=5)
+        assert all(torch.equal(x.view(torch.uint8), y.view(torch.uint8)) for x, y in zip(c, before))
+        ps, cs = prod.statistics(), cons.statistics()
+        assert ps.ipc is not None and ps.ipc.lease_expired == 1
+        assert cs.ipc is not None and cs.ipc.lease_expired == 1
+        assert prod.finished_sending() == set() and cons.finished_receiving() == set()
+        await prod.aclose()
+        await cons.aclose()
+
+
+@pytest.mark.anyio
+@pytest.mark.timeout(60)
+async def test_cancelled_send_frees_blocks_only_after_release() -> None:
+    """A producer cancelled while the consumer has not answered: its blocks show up in
+    finished_sending() only once the consumer's release arrives."""
+    pl = make_layout("fa", "bfloat16", 20)
+    p, c = filled(pl, 1), filled(pl, 2)
+    async with pair(pl, pl) as (a, b):
+        prod, cons = connectors(a, b, pl, p, pl, c)
+        send = asyncio.create_task(prod.send_request("k", [1, 2], to=b.address, timeout=10))
+        await asyncio.sleep(0.2)  # descriptor delivered, consumer not asking yet
+        send.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await send
+        assert prod.finished_sending() == set()  # the consumer may still read
+        await cons.recv_request("k", [5, 6], frm=a.address, timeout=10)
+        assert landed(pl, p, [1, 2], c, [5, 6])
+        for _ in range(100):
+            if "k" in prod._finished_sending:
+                break
+            await asyncio.sleep(0.02)
+        assert prod.finished_sending() == {"k"}
+        await prod.aclose()
+        await cons.aclose()
+
+
+@pytest.mark.anyio
+@pytest.mark.timeout(60)
+async def test_consumer_waits_for_the_producers_event() -> None:
+    """The copy starts only once the producer's ready event fired (polled, not queued)."""
+    pl = make_layout("fa", "bfloat16", 20)
+    p, c = filled(pl, 1), filled(pl, 2)
+    async with pair(pl, pl) as (a, b):
+        prod, cons = connectors(a, b, pl, p, pl, c)
+        await move(prod, cons, a, b, "w0", [1], [1])  # offer mapped
+        FakeEvent.fire_after = 0.3
+        try:
+            t0 = time.monotonic()
+            await move(prod, cons, a, b, "w1", [2, 3], [4, 5])
+            assert time.monotonic() - t0 >= 0.3
+            assert landed(pl, p, [2, 3], c, [4, 5])
+        finally:
+            FakeEvent.fire_after = 0.0
+        await prod.aclose()
+        await cons.aclose()
+
+
+@pytest.mark.anyio
+@pytest.mark.timeout(60)
+async def test_producer_never_ready_fails_both_sides_untouched() -> None:
+    """A producer whose event never fires (it died): the consumer gives up at the lease
+    without launching anything, the producer after lease + grace."""
+    pl = make_layout("mla", "float16", 20)
+    p, c = filled(pl, 1), filled(pl, 2)
+    before = [t.clone() for t in c]
+    async with pair(pl, pl) as (a, b):
+        prod, cons = connectors(a, b, pl, p, pl, c)
+        await move(prod, cons, a, b, "n0", [1], [19])
+        before = [t.clone() for t in c]
+        FakeEvent.fire_after = None
+        try:
+            recv = asyncio.create_task(cons.recv_request("n1", [4, 5], frm=a.address, timeout=9))
+            t0 = time.monotonic()
+            # the consumer's release (nothing launched, "producer not ready") ends it
+            with pytest.raises(TransferAbortedError, match="producer not ready"):
+                await prod.send_request("n1", [2, 3], to=b.address, timeout=0.5)
+            with pytest.raises(TransferTimeoutError):
+                await recv
+            assert time.monotonic() - t0 < 5  # at the lease, not the consumer's 9 s
+        finally:
+            FakeEvent.fire_after = 0.0
+        assert all(torch.equal(x.view(torch.uint8), y.view(torch.uint8)) for x, y in zip(c, before))
+        cs = cons.statistics()
+        assert cs.ipc is not None and cs.ipc.lease_expired == 1 and cs.ipc.aborted == 0
+        assert cons.finished_receiving() == {"n0"}
+        await prod.aclose()
+        await cons.aclose()

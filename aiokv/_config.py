@@ -77,13 +77,44 @@ class Limits:
 
 @dataclass(frozen=True, slots=True)
 class CurveConfig:
-    """CURVE keys (z85-encoded, 40 characters). ``allowed_clients`` None = any key."""
+    """CURVE keys (z85-encoded, 40 characters).
+
+    ``allowed_clients`` None means *any* client key is served: the connection is
+    encrypted but the client is not authenticated. ``server_keys`` maps the
+    addresses this engine connects to onto their public keys; ``default_server_key``
+    is used for an address not listed. For a whole cluster behind one shared
+    secret use :meth:`from_secret`.
+    """
 
     public_key: bytes
     secret_key: bytes
     allowed_clients: frozenset[bytes] | None = None
     # server public keys by address, for the peers this engine connects to
     server_keys: dict[str, bytes] = field(default_factory=dict)
+    default_server_key: bytes | None = None
+
+    @classmethod
+    def from_secret(cls, secret: str | bytes) -> CurveConfig:
+        """One key pair for every engine that knows ``secret`` (at least 16 bytes).
+
+        Each such engine serves only clients with that key and expects it of every
+        server it connects to: authentication and encryption for a cluster in one
+        setting. The key pair is derived with SHA-256 (domain-separated); keep the
+        secret as you would a private key.
+        """
+        import hashlib
+
+        import zmq
+        from zmq.utils import z85
+
+        raw = secret.encode() if isinstance(secret, str) else bytes(secret)
+        if len(raw) < 16:
+            raise ConfigError("CurveConfig.from_secret needs a secret of at least 16 bytes")
+        if not zmq.has("curve"):
+            raise ConfigError("this libzmq has no CURVE support")
+        sk = z85.encode(hashlib.sha256(b"aiokv curve key v1\x00" + raw).digest())
+        pk = zmq.curve_public(sk)
+        return cls(pk, sk, frozenset({pk}), {}, pk)
 
 
 def parse_address(addr: str) -> tuple[str, int]:

@@ -150,6 +150,8 @@ class EngineStatistics:
     credit_tensors: int = 0
     #: protocol v2, sending side: transfers waiting in this engine for the peer's credit
     waiting_for_credit: int = 0
+    #: protocol v2, receiving side: peer sessions whose credit the full budget holds back
+    credit_starved: int = 0
     #: NCCL data plane: live communicators, enqueues that had to settle (count,
     #: total and max seconds), and the progress poller's counters
     nccl: dict[str, float] = field(default_factory=dict)
@@ -271,6 +273,10 @@ def _watchdog_report(why: str) -> None:
     log.error("aiokv: %s", why)
 
 
+def _share(ss: _ServerSession) -> int:
+    return ss.ledger.share if ss.ledger is not None else 0
+
+
 def _frame_fd(frame: zmq.Frame) -> int | None:
     try:
         return int(frame.get(zmq.SRCFD))
@@ -387,13 +393,15 @@ class _ClientSession:
         self.tasks: list[asyncio.Task[None]] = []
         self.credit = CreditAccount()  # protocol v2, once the peer announced its window
         self.credit_wait: deque[_OutXfer] = deque()  # PUTs waiting for credit, in order
+        self.gave_up: set[int] = set()  # posted PUTs whose caller timed out: a late ACK is fine
 
     @property
     def peer_id(self) -> str | None:
         """The peer's identity: its CURVE key when CURVE is on, else the id it announced."""
         cc = self.engine.config.curve
         if cc is not None:
-            return "curve:" + cc.server_keys[self.address].decode()
+            key = cc.server_keys.get(self.address, cc.default_server_key)
+            return "curve:" + key.decode() if key else None
         w = self.welcome.result() if self.welcome.done() and not self.welcome.exception() else None
         return w.engine_id if w else None
 
@@ -578,6 +586,9 @@ class _ClientSession:
     def _settle_put(self, xfer: int, exc: BaseException | None) -> bool:
         """An ACK settled a PUT; False if it names none of ours (a protocol error)."""
         x = self.xfers.get(xfer)
+        if x is None and xfer in self.gave_up:
+            self.gave_up.discard(xfer)
+            return True
         if x is None or not x.put or not x.posted:
             return False
         del self.xfers[xfer]
@@ -607,12 +618,14 @@ class _ClientSession:
             return
         for xfer in msg.done:
             if not self._settle_put(xfer, None):
+                self.engine._count_error("bad_ack")
                 self.fail(RemoteProtocolError(f"ACK for transfer {xfer}, not a PUT in flight"))
                 return
         for xfer, code in msg.refused:
             cls = _REFUSALS.get(code, RefusedError)
             why = cls(f"{self.address} refused the transfer: {code}", code=code)
             if not self._settle_put(xfer, why):
+                self.engine._count_error("bad_ack")
                 self.fail(RemoteProtocolError(f"ACK refuses transfer {xfer}, not a PUT in flight"))
                 return
         self._drain_credit_wait()
@@ -629,7 +642,12 @@ class _ClientSession:
                     f.cancel()
             self._drain_credit_wait()  # the next in line may go now
             return
-        if x.put:
+        if x.put:  # posted: it lands or not, the caller is gone; a late ACK is expected
+            self.xfers.pop(x.xfer, None)
+            x.release_when_idle()
+            if len(self.gave_up) >= 4096:
+                self.gave_up.clear()
+            self.gave_up.add(x.xfer)
             return
         if self.dead is None and self.sess.xfer_state(x.xfer) is XferState.RESERVED:
             self._send_ctrl(self.sess.send(Withdraw(x.xfer)))
@@ -1221,7 +1239,7 @@ class Engine:
         cc = self.config.curve
         if cc is None:
             return
-        server_key = cc.server_keys.get(address)
+        server_key = cc.server_keys.get(address, cc.default_server_key)
         if server_key is None:
             raise ConfigError(f"CURVE is on but no server key is configured for {address}")
         sock.setsockopt(zmq.CURVE_SERVERKEY, server_key)
@@ -1356,6 +1374,7 @@ class Engine:
         s.credit_bytes = sum(g.credit_bytes for g in ledgers)
         s.credit_tensors = sum(g.credit_tensors for g in ledgers)
         s.store.reserved_bytes -= s.credit_bytes
+        s.credit_starved = len(self._starved)
         s.waiting_for_credit = sum(
             1 for cs in self._clients.values() for x in cs.credit_wait if not x.abandoned
         )
@@ -1948,7 +1967,7 @@ class Engine:
         for e in stuck:
             heapq.heappush(heads, e)
         if self._starved:
-            for ss in list(self._starved):
+            for ss in sorted(self._starved, key=_share):
                 if not ss.ack_due:
                     self._send_credit(ss)
 
@@ -2071,8 +2090,18 @@ class Engine:
         store = self._store
         # this session's own RESERVE that its credit was returned for comes first; other
         # sessions' waiting reservations do not stop its credit (one peer's large
-        # reservation must not starve every other peer: windows are bounded instead)
+        # reservation must not starve every other peer: windows are bounded instead).
+        # When room is short, sessions holding less go first (see _pump_queue).
         room = 0 if ledger.paused_for else max(0, store.capacity - store.used)
+        if (
+            room
+            and self._starved
+            and any(
+                o is not ss and o.ledger is not None and o.ledger.share < ledger.share
+                for o in self._starved
+            )
+        ):
+            room = 0
         add_b, add_t = ledger.top_up(room)
         store.reserved += add_b
         if ledger.short:

@@ -155,10 +155,11 @@ class FaultProxy:
             return [], 0.0
         first = kind_of(frames[0]) if frames else "?"
         delay = 0.0
-        if first == DataHeader.NAME:  # a data message: one unit
-            self.counts[(direction, "DATA")] += 1
+        if first in (DataHeader.NAME, "PUT", "RETURN"):  # a data message: one unit
+            unit = "DATA" if first == DataHeader.NAME else first
+            self.counts[(direction, unit)] += 1
             out = frames
-            for f in self._actions(direction, "DATA"):
+            for f in self._actions(direction, unit):
                 if f.action == "drop":
                     out = []
                 elif f.action == "duplicate":

@@ -184,7 +184,7 @@ async def test_back_pressure_keeps_store_under_budget(path: str) -> None:
     budget = 1 * MiB
     n, size = 48, 160 * KiB
     # "reserve": a window too small for any tensor, every transfer asks (RESERVE path);
-    # "credit": protocol v2, one session may hold its window (a quarter of the budget)
+    # "credit": protocol v2, credit refills as PUTs land while the budget has room
     extra = {"credit_bytes": 1} if path == "reserve" else {}
     async with engines(cfg(), cfg(store_bytes=budget, **extra)) as (a, b):
         data = {f"bp{i}": random_tensor(size, torch.float16, i % 4, i) for i in range(n)}
@@ -214,8 +214,7 @@ async def test_back_pressure_keeps_store_under_budget(path: str) -> None:
         )
         assert not bad
         assert st.store.peak_bytes <= budget
-        usable = budget if path == "reserve" else budget // 4
-        assert st.store.peak_bytes >= usable - 2 * size  # the budget was actually used
+        assert st.store.peak_bytes >= budget - 2 * size  # the budget was actually used
         assert max_queued > 0  # producers really waited for credit
         assert st.tensors_received == n and st.refused_sent == 0
 

@@ -391,3 +391,29 @@ async def test_a_large_first_frame_is_refused_and_hung_up(
         s.disable_monitor()
         mon.close(0)
         s.close()
+
+
+# ---------------------------------------------------------------- 12: one setting for CURVE
+
+
+async def test_one_shared_secret_authenticates_a_cluster(anyio_backend: Any) -> None:
+    secret = "a cluster secret of enough length"
+    sec = aiokv.CurveConfig.from_secret(secret)
+    assert sec.allowed_clients == frozenset({sec.public_key})
+    with pytest.raises(aiokv.ConfigError):
+        aiokv.CurveConfig.from_secret("short")
+    fast = aiokv.Timeouts(connect=1.0)
+    async with (
+        aiokv.Engine(aiokv.EngineConfig(curve=sec)) as a,
+        aiokv.Engine(aiokv.EngineConfig(curve=aiokv.CurveConfig.from_secret(secret))) as b,
+        aiokv.Engine(
+            aiokv.EngineConfig(curve=aiokv.CurveConfig.from_secret(secret + "!"), timeouts=fast)
+        ) as stranger,
+    ):
+        t = torch.randn(100)
+        await a.send("x", t, to=b.address, timeout=5)
+        assert same_bytes(await b.recv("x", frm=a.address, timeout=5), t)
+        with pytest.raises((aiokv.ConnectError, aiokv.ConnectTimeoutError)):
+            await stranger.send("y", t, to=b.address, timeout=2)
+        with pytest.raises(aiokv.TransferTimeoutError):
+            await b.recv("y", timeout=0.3)

@@ -19,14 +19,16 @@ Two ledgers, one per end:
 
 Invariants (tested in ``tests/test_credit.py``):
 
-* receiver: ``credit + held <= window`` for bytes and tensors, always;
+* receiver: ``credit <= window`` for bytes and tensors, always; credit is
+  reserved in the receive budget, so credit + everything held stays within it;
 * a PUT that spends more than the credit the receiver granted is a protocol
   error (the sender is broken or hostile), never a silent overcommit;
 * sender: credit never negative; it spends only after the window is known.
 
-The window is per session, so one peer's uncollected tensors stop only that
-peer's credit: a consumer that collects peer A's tensors first is never
-blocked by peer B's tensors filling the budget.
+Credit refills as a session's PUTs land (the ACK carries both), as far as the
+budget has room. When room is short, it goes first to the sessions that hold
+the least (credit + landed, uncollected bytes): a consumer that collects peer
+A's tensors first gets A's next ones even while peer B's fill the rest.
 """
 
 from __future__ import annotations
@@ -81,10 +83,13 @@ class CreditLedger:
 
     def want(self) -> tuple[int, int]:
         """How much credit would refill the window now (bytes, tensors)."""
-        return (
-            self.window_bytes - self.credit_bytes - self.held_bytes,
-            self.window_tensors - self.credit_tensors - self.held_tensors,
-        )
+        return (self.window_bytes - self.credit_bytes, self.window_tensors - self.credit_tensors)
+
+    @property
+    def share(self) -> int:
+        """Bytes of the receive budget this session occupies (credit + held): refills go
+        to the sessions with the smallest share first."""
+        return self.credit_bytes + self.held_bytes
 
     def top_up(self, room: int) -> tuple[int, int]:
         """New credit to send, at most ``room`` bytes (the budget left); (0, 0) if none.

@@ -461,6 +461,8 @@ class _ClientSession:
             # message, no round trip); one larger asks with RESERVE. Both wait in one
             # queue per session, so a later transfer never takes room from an earlier.
             x.put = self.credit.fits_window(x.nbytes, len(specs))
+            if x.put and _trace.enabled:
+                _trace.mark("start", self.engine.engine_id, x.xfer)
             if x.put or self.credit_wait:
                 self.xfers[x.xfer] = x
                 self.credit_wait.append(x)
@@ -593,6 +595,8 @@ class _ClientSession:
             return False
         del self.xfers[xfer]
         e = self.engine
+        if _trace.enabled:
+            _trace.mark("done", e.engine_id, xfer)
         if exc is None:
             e._stats.transfers_sent += 1
             e._stats.tensors_sent += len(x.specs)
@@ -1247,10 +1251,25 @@ class Engine:
         sock.setsockopt(zmq.CURVE_SECRETKEY, cc.secret_key)
 
     # ------------------------------------------------------------------ public API
-    async def connect(self, peer: str, *, timeout: float | None = None) -> None:
-        """Open the session to ``peer`` now rather than at the first send."""
+    async def connect(
+        self, peer: str, *, timeout: float | None = None, nccl: bool | None = None
+    ) -> None:
+        """Open the session to ``peer`` now rather than at the first send (no cold start).
+
+        ``nccl``: also create the pair's NCCL communicator now (default: when this
+        engine can use NCCL and the peer offers it), so the first CUDA transfer does
+        not pay for communicator set-up.
+        """
         self._check_open()
-        await self._client(peer, _Deadline(timeout or self.config.timeouts.connect))
+        dl = _Deadline(
+            self._timeout(timeout) if timeout is not None else self.config.timeouts.connect
+        )
+        cs = await self._client(peer, dl)
+        can = self._nccl_ok and self.config.transport != "tcp" and "nccl" in cs.peer_caps
+        if nccl and not can:
+            raise ConfigError(f"NCCL to {peer} is not available ({self._nccl_why})")
+        if can and nccl is not False:
+            await cs.ensure_nccl(dl.left(self.config.timeouts.connect))
 
     async def send(
         self, tensor_id: str, tensor: torch.Tensor, *, to: str, timeout: float | None = None
@@ -2073,6 +2092,8 @@ class Engine:
                 self._store.land(ss.peer, sp.tensor_id, t)
                 ss.credit_held[sp.tensor_id] = (sp.nbytes, now)
             ledger.hold(n, k)
+            if _trace.enabled:
+                _trace.mark("landed", ss.trace_id, msg.xfer)
             self._stats.transfers_received += 1
             self._stats.tensors_received += k
             self._stats.bytes_received += n

@@ -22,6 +22,7 @@ HOPS = [
     ("reserve", "granted", "server: RESERVE -> GRANT queued (budget, posting the receive)"),
     ("granted", "grant", "GRANT: server queued -> client got it"),
     ("grant", "posted", "client: GRANT -> data posted"),
+    ("start", "posted", "client: transfer started -> data posted (v2: credit spent)"),
     ("posted", "landed", "data: posted -> complete at the server (wire + completion seen)"),
     ("landed", "done", "DONE: server landed -> client got it"),
     ("start", "done", "whole transfer, client's view"),

@@ -483,3 +483,14 @@ async def test_many_concurrent_sends_between_two_engines_both_ways() -> None:
         got_b = await b.recv_many(list(data), timeout=10)
         got_a = await a.recv_many(list(data), frm=b.address, timeout=10)
         assert all(same_bytes(got_b[k], v) and same_bytes(got_a[k], v) for k, v in data.items())
+
+
+@pytest.mark.timeout(30)
+async def test_connect_warms_the_session_and_refuses_nccl_where_there_is_none() -> None:
+    async with engines(cfg(), cfg()) as (a, b):
+        await a.connect(b.address)  # nccl=None: only what the pair can use (TCP here)
+        assert a.statistics().client_sessions == 1
+        with pytest.raises(aiokv.ConfigError, match="NCCL"):
+            await a.connect(b.address, nccl=True)
+        await a.send("x", torch.ones(3), to=b.address, timeout=5)
+        assert a.statistics().sessions_opened == 1  # the warmed session carried the send

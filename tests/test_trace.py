@@ -13,10 +13,12 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 
 CHILD = r"""
-import asyncio, torch, aiokv
+import asyncio, sys, torch, aiokv
 
 async def main():
-    async with aiokv.Engine() as a, aiokv.Engine() as b:
+    # argv[1] "reserve": the receiver's window is 1 byte, every transfer asks (v1 path)
+    lim = aiokv.Limits(credit_bytes=1) if sys.argv[1] == "reserve" else aiokv.Limits()
+    async with aiokv.Engine() as a, aiokv.Engine(aiokv.EngineConfig(limits=lim)) as b:
         for i in range(5):
             await a.send(f"t{i}", torch.full((256,), float(i)), to=b.address)
             await b.recv(f"t{i}", timeout=10)
@@ -26,10 +28,13 @@ asyncio.run(main())
 
 
 @pytest.mark.timeout(60)
-def test_trace_records_every_step_of_both_ends_and_the_report_joins_them(tmp_path: Path) -> None:
+@pytest.mark.parametrize("path", ["reserve", "credit"])
+def test_trace_records_every_step_of_both_ends_and_the_report_joins_them(
+    tmp_path: Path, path: str
+) -> None:
     prefix = tmp_path / "tr"
     env = dict(os.environ, AIOKV_TRACE=str(prefix))
-    subprocess.run([sys.executable, "-c", CHILD], env=env, check=True, timeout=50)
+    subprocess.run([sys.executable, "-c", CHILD, path], env=env, check=True, timeout=50)
     files = sorted(tmp_path.glob("tr.*.json"))
     assert len(files) == 1  # one process, written once at exit
     events = json.loads(files[0].read_text())["events"]
@@ -37,10 +42,12 @@ def test_trace_records_every_step_of_both_ends_and_the_report_joins_them(tmp_pat
     for step, _session, xfer, _t in events:
         steps.setdefault(xfer, set()).add(step)
     assert len(steps) == 5
-    assert all(
-        s == {"start", "reserve", "granted", "grant", "posted", "landed", "done"}
-        for s in steps.values()
+    want = (
+        {"start", "reserve", "granted", "grant", "posted", "landed", "done"}
+        if path == "reserve"
+        else {"start", "posted", "landed", "done"}  # protocol v2: one message, then the ACK
     )
+    assert all(s == want for s in steps.values()), steps
     out = subprocess.run(
         [sys.executable, str(ROOT / "benchmarks" / "trace_report.py"), "--json", str(files[0])],
         capture_output=True,
@@ -49,15 +56,12 @@ def test_trace_records_every_step_of_both_ends_and_the_report_joins_them(tmp_pat
         timeout=30,
     ).stdout
     rows = {r["hop"]: r for r in map(json.loads, out.splitlines())}
-    for hop in (
-        "start->reserve",
-        "granted->grant",
-        "posted->landed",
-        "landed->done",
-        "start->done",
-    ):
+    hops = ["posted->landed", "landed->done", "start->done"]
+    if path == "reserve":
+        hops += ["start->reserve", "granted->grant"]
+    for hop in hops:
         assert rows[hop]["n"] == 5 and rows[hop]["median_us"] >= 0
-    assert rows["start->done"]["median_us"] >= rows["start->reserve"]["median_us"]
+    assert rows["start->done"]["median_us"] >= rows["posted->landed"]["median_us"]
     assert rows["overlap"]["n"] == 5
 
 

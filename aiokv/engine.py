@@ -94,7 +94,7 @@ from .protocol.messages import (
 )
 from .protocol.session import Role, Session, SessionState, XferState
 from .store import PeerRef, ReceiveStore, StoreStatistics
-from .transport.tcp import TcpSink, TcpSource, dtype_name, frames_to_tensors
+from .transport.tcp import TcpSink, TcpSource, dtype_name, frames_to_tensors, tensor_buffer
 
 if TYPE_CHECKING:
     from ._watchdog import LoopWatchdog
@@ -394,6 +394,7 @@ class _ClientSession:
         self.credit = CreditAccount()  # protocol v2, once the peer announced its window
         self.credit_wait: deque[_OutXfer] = deque()  # PUTs waiting for credit, in order
         self.gave_up: set[int] = set()  # posted PUTs whose caller timed out: a late ACK is fine
+        self.data_out: list[Any] = []  # PUT/RETURN frames of this loop pass
 
     @property
     def peer_id(self) -> str | None:
@@ -544,24 +545,35 @@ class _ClientSession:
             # give unspent credit back first (after our PUTs, on their connection), so
             # that the whole budget can serve a transfer larger than the window
             b, t = self.credit.take_all()
-            try:
-                self.source.post_nowait(self.engine._codec.encode(Return(x.xfer, b, t)), [])
-            except (zmq.ZMQError, AiokvError) as perr:
-                self.fail(PeerLostError(f"data channel to {self.address} failed: {perr}"))
-                return
+            self._post_data([self.engine._codec.encode(Return(x.xfer, b, t))])
         self._send_ctrl(self.sess.send(Reserve(x.xfer, x.transport, tuple(x.specs))))
         if _trace.enabled:
             _trace.mark("start", self.engine.engine_id, x.xfer)
         if x.transport == "nccl":
             self.engine._get_poller().touch()  # the GRANT is read on a spinning loop
 
+    def _post_data(self, frames: list[Any]) -> None:
+        """Queue PUT/RETURN frames; one zmq message per loop pass (fewer wake-ups of zmq's
+        I/O thread: the cost of a small message is the hand-off, not the bytes)."""
+        out = self.data_out
+        out.extend(frames)
+        if len(out) == len(frames):
+            asyncio.get_running_loop().call_soon(self._flush_data)
+        elif len(out) >= MAX_FRAMES_PER_MESSAGE:
+            self._flush_data()
+
+    def _flush_data(self) -> None:
+        frames, self.data_out = self.data_out, []
+        if not frames or self.dead is not None:
+            return
+        try:
+            self.data.send(frames, copy=False)
+        except zmq.ZMQError as exc:
+            self.fail(PeerLostError(f"data channel to {self.address} failed: {exc}"))
+
     def _post_put(self, x: _OutXfer) -> None:
         header = self.engine._codec.encode(Put(x.xfer, tuple(x.specs)))
-        try:
-            self.source.post_nowait(header, x.tensors)
-        except (zmq.ZMQError, AiokvError) as perr:
-            self.fail(PeerLostError(f"data channel to {self.address} failed: {perr}"))
-            return
+        self._post_data([header, *(tensor_buffer(t) for t in x.tensors)])
         x.posted = True
         if not x.granted.done():
             x.granted.set_result(0)
@@ -956,11 +968,17 @@ class TransferHandle:
     be reading the tensor: await :meth:`released` before reusing its memory.
     """
 
-    __slots__ = ("_released", "_task")
+    __slots__ = ("_on_cancel", "_released", "_task")
 
-    def __init__(self, task: asyncio.Task[None], released: asyncio.Future[None]) -> None:
+    def __init__(
+        self,
+        task: asyncio.Future[None],
+        released: asyncio.Future[None],
+        on_cancel: Callable[[], None] | None = None,
+    ) -> None:
         self._task = task
         self._released = released
+        self._on_cancel = on_cancel
         task.add_done_callback(_retrieve)
 
     async def released(self) -> None:
@@ -973,7 +991,10 @@ class TransferHandle:
         return self._task.done()
 
     def cancel(self) -> bool:
-        return self._task.cancel()
+        ok = self._task.cancel()
+        if ok and self._on_cancel is not None:
+            self._on_cancel()
+        return ok
 
     def exception(self) -> BaseException | None:
         return self._task.exception()
@@ -1281,11 +1302,66 @@ class Engine:
         self, tensor_id: str, tensor: torch.Tensor, *, to: str, timeout: float | None = None
     ) -> TransferHandle:
         """PUT_ASYNC: start the transfer, return a handle to await (or cancel) later."""
-        self._timeout(timeout)
+        t = self._timeout(timeout)
         staged = self._stage([(tensor_id, tensor)])
+        cs = self._clients.get(to)
+        if cs is not None and cs.dead is None and not staged.cuda:
+            # hot path (a live session, CPU tensors): no task, a timer holds the deadline
+            return self._handle(cs, cs.start(staged.specs, staged.tensors), t, to)
         released: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         task = asyncio.create_task(self._transfer(to, staged, timeout, released))
         return TransferHandle(task, released)
+
+    def _handle(self, cs: _ClientSession, x: _OutXfer, t: float, to: str) -> TransferHandle:
+        """A PUT_ASYNC handle on a started transfer: callbacks and one timer, no task."""
+        loop = asyncio.get_running_loop()
+        out: asyncio.Future[None] = loop.create_future()
+        neg = min(t, self.config.timeouts.negotiate)
+        t_end = loop.time() + t
+        stats = self._stats
+        timer: asyncio.TimerHandle
+
+        def finish(f: asyncio.Future[None]) -> None:
+            timer.cancel()
+            if out.done():
+                return
+            if f.cancelled():
+                out.cancel()
+            elif f.exception() is not None:
+                stats.transfers_failed += 1
+                out.set_exception(f.exception())  # type: ignore[arg-type]
+            else:
+                out.set_result(None)
+
+        def expire() -> None:
+            nonlocal timer
+            if out.done():
+                return
+            g = x.granted
+            if not (g.done() and not g.cancelled() and g.exception() is None):
+                exc: BaseException = NegotiateTimeoutError(
+                    f"{to} granted no room within the deadline"
+                )
+            elif loop.time() < t_end:  # granted in time: the rest of the deadline
+                timer = loop.call_at(t_end, expire)
+                return
+            else:
+                exc = TransferTimeoutError(f"transfer to {to} did not complete within the deadline")
+            stats.transfers_failed += 1
+            out.set_exception(exc)
+            cs.abandon(x)
+
+        def on_cancel() -> None:  # the caller gave up (at once: nothing waits a loop pass)
+            timer.cancel()
+            if not x.done.done():
+                stats.transfers_failed += 1
+                cs.abandon(x)
+
+        timer = loop.call_later(neg, expire)
+        x.done.add_done_callback(finish)
+        out.add_done_callback(_retrieve)
+        assert x.released is not None
+        return TransferHandle(out, x.released, on_cancel)
 
     async def send_many(
         self, tensors: Mapping[str, torch.Tensor], *, to: str, timeout: float | None = None
@@ -2031,21 +2107,23 @@ class Engine:
     def _on_data(self, ss: _ServerSession, frames: list[zmq.Frame]) -> None:
         try:
             header = self._codec.decode(frames[0].buffer)
-            if isinstance(header, Put):
-                self._on_put(ss, header, frames[1:])
-                return
-            if isinstance(header, Return):
-                if ss.ledger is None or len(frames) != 1:
-                    raise RemoteProtocolError("RETURN without credit")
-                ss.ledger.give_back(header.credit_bytes, header.credit_tensors)
-                self._store.reserved -= header.credit_bytes
-                # the RESERVE it makes room for (control connection: it may come before
-                # or after) is granted or ends before new credit could take the room
-                if header.xfer in ss.queued or header.xfer > ss.sess.max_xfer_seen:
-                    ss.ledger.paused_for = header.xfer
-                self._starved.add(ss)
-                self._pump_queue()
-                return
+            if isinstance(header, (Put, Return)):
+                # protocol v2: one zmq message carries the PUTs (each header + its tensor
+                # frames) and RETURNs of one loop pass of the sender, in its order
+                i = 0
+                while True:
+                    if isinstance(header, Put):
+                        n = len(header.specs)
+                        self._on_put(ss, header, frames[i + 1 : i + 1 + n])
+                        i += 1 + n
+                    elif isinstance(header, Return):
+                        self._on_return(ss, header)
+                        i += 1
+                    else:
+                        raise RemoteProtocolError(f"{header.NAME} among PUTs")
+                    if i >= len(frames) or ss.dead:
+                        return
+                    header = self._codec.decode(frames[i].buffer)
             if not isinstance(header, DataHeader):
                 raise RemoteProtocolError(f"{header.NAME} on the data connection")
             if header.xfer in ss.expired:
@@ -2062,6 +2140,18 @@ class Engine:
             self._count_error(getattr(exc, "code", "protocol"))
             self._reply_raw(ss.rid, ErrorMsg("protocol", str(exc)[:200]))
             self._drop_server(ss, exc, lost=True)
+
+    def _on_return(self, ss: _ServerSession, msg: Return) -> None:
+        if ss.ledger is None:
+            raise RemoteProtocolError("RETURN without credit")
+        ss.ledger.give_back(msg.credit_bytes, msg.credit_tensors)
+        self._store.reserved -= msg.credit_bytes
+        # the RESERVE it makes room for (control connection: it may come before or
+        # after) is granted or ends before new credit could take the room
+        if msg.xfer in ss.queued or msg.xfer > ss.sess.max_xfer_seen:
+            ss.ledger.paused_for = msg.xfer
+        self._starved.add(ss)
+        self._pump_queue()
 
     def _on_put(self, ss: _ServerSession, msg: Put, frames: list[zmq.Frame]) -> None:
         """Protocol v2: a transfer on standing credit lands now (raises RemoteProtocolError)."""

@@ -45,7 +45,9 @@ class Limits:
     """Hard limits. Wire data is checked against these before anything is allocated."""
 
     max_frame_bytes: int = 1 * MiB  # one control message
-    max_tensors_per_transfer: int = 8192
+    # one RESERVE/PUT costs the receiver work per tensor before anything else can run:
+    # bounded so that one message stays within a few milliseconds
+    max_tensors_per_transfer: int = 1024
     max_ndim: int = 8
     max_tensor_bytes: int = 16 * GiB
     max_id_length: int = 512
@@ -159,6 +161,10 @@ class EngineConfig:
     #: wire form (``layout.to_wire()``); checked here and stored in the wire form. (Type
     #: checkers see the wire form: pass ``layout.to_wire()`` if yours objects to a KVLayout.)
     layout: dict[str, str | int] | None = None
+    # gc.freeze() at start: everything alive then (torch's ~170k objects, the app's) leaves
+    # the collector's view, so a full collection under load scans only what came after
+    # (measured: 84 ms -> 28 ms per gen-2 pass with 65k tensors held). Process-wide.
+    gc_freeze: bool = True
 
     def __post_init__(self) -> None:
         parse_address(self.listen)

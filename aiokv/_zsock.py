@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import time
 from collections import deque
 from collections.abc import Callable, Sequence
 from typing import Any, cast
@@ -44,8 +45,9 @@ class LoopSocket:
     ``on_message(frames)`` is called for every received multipart message, in
     order, with ``zmq.Frame`` objects (zero-copy). ``on_error(exc)`` is called
     when receiving or a deferred send fails; the owner decides whether to close.
-    At most ``max_batch`` messages are handled per callback before yielding to
-    the loop, so a flood cannot starve other tasks.
+    At most ``max_batch`` messages, and messages for at most ``max_busy_s``
+    seconds, are handled per callback before yielding to the loop, so a flood
+    (or a run of expensive messages) cannot starve other tasks.
     """
 
     __slots__ = (
@@ -55,6 +57,7 @@ class LoopSocket:
         "_scheduled",
         "closed",
         "max_batch",
+        "max_busy_s",
         "on_error",
         "on_message",
         "sock",
@@ -67,11 +70,13 @@ class LoopSocket:
         on_error: Callable[[zmq.ZMQError], None] | None = None,
         *,
         max_batch: int = 128,
+        max_busy_s: float = 0.005,
     ) -> None:
         self.sock = sock
         self.on_message = on_message or _ignore
         self.on_error = on_error
         self.max_batch = max_batch
+        self.max_busy_s = max_busy_s
         self.closed = False
         self._backlog: deque[tuple[Sequence[Any], bool, asyncio.Future[None] | None]] = deque()
         self._scheduled = False
@@ -140,6 +145,7 @@ class LoopSocket:
         self._scheduled = False
         n = 0
         sock = self.sock
+        until = time.perf_counter() + self.max_busy_s
         try:
             while not self.closed:
                 ev = cast(int, sock.getsockopt(_EVENTS))
@@ -157,7 +163,7 @@ class LoopSocket:
                         raise
                     progressed = True
                     n += 1
-                    if n >= self.max_batch:
+                    if n >= self.max_batch or time.perf_counter() > until:
                         self._check_soon()
                         return
                 if not progressed:

@@ -25,6 +25,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import gc
 import heapq
 import itertools
 import logging
@@ -111,6 +112,7 @@ MAX_FRAMES_PER_MESSAGE = 1024
 #: a new connection's first message is one HELLO: anything larger is refused (and hung up)
 _MAX_FIRST_FRAME = 64 * 1024
 _MAX_GETS_PER_SESSION = 16
+_CANCEL_SLICE = 4096  # pending tensors of a lost session released per loop pass
 #: granted, not yet landed transfers of one session (zero-byte ones cost no budget)
 _MAX_GRANTED_PER_SESSION = 16384
 _MAX_GETS_SERVING = 64
@@ -161,7 +163,7 @@ class EngineStatistics:
 
 
 def _prepare(
-    items: Iterable[tuple[str, torch.Tensor]], max_id: int
+    items: Iterable[tuple[str, torch.Tensor]], max_id: int, max_tensors: int = 1 << 30
 ) -> tuple[list[TensorSpec], list[torch.Tensor]]:
     specs: list[TensorSpec] = []
     tensors: list[torch.Tensor] = []
@@ -190,6 +192,11 @@ def _prepare(
         tensors.append(c)
     if not specs:
         raise ConfigError("nothing to send")
+    if len(specs) > max_tensors:
+        raise ConfigError(
+            f"{len(specs)} tensors in one transfer; at most {max_tensors} "
+            "(Limits.max_tensors_per_transfer, both ends)"
+        )
     return specs, tensors
 
 
@@ -944,6 +951,7 @@ class _ServerSession:
         self.suspect = False
         self.fds: list[int] = []  # the connections' descriptors (router monitor events)
         self.gets = 0  # GETs of this peer being served
+        self.granted_tensors = 0  # tensors of the granted transfers
         # protocol v2 (the peer offered "credit"): its standing window and what it holds
         self.ledger: CreditLedger | None = None
         self.last_put = 0
@@ -1098,6 +1106,8 @@ class Engine:
                     "usable CUDA device(s)"
                 )
         self._started = True
+        if self.config.gc_freeze:
+            gc.freeze()
         if self.config.transport != "tcp":
             from .transport.nccl import nccl_available
 
@@ -1552,7 +1562,8 @@ class Engine:
     def _stage(self, items: list[tuple[str, torch.Tensor]]) -> _Staged:
         """Check and prepare tensors at call time (captures the caller's CUDA stream)."""
         self._check_open()
-        specs, tensors = _prepare(items, self.config.limits.max_id_length)
+        lim = self.config.limits
+        specs, tensors = _prepare(items, lim.max_id_length, lim.max_tensors_per_transfer)
         cuda = [t.is_cuda for t in tensors]
         ready = None
         if any(cuda):
@@ -1908,6 +1919,8 @@ class Engine:
             self._on_get(ss, msg)
         elif isinstance(msg, Failed):
             inx = ss.granted.pop(msg.xfer, None)
+            if inx is not None:
+                ss.granted_tensors -= len(inx.specs)
             if inx is not None and ss.peer is not None:
                 self._store.cancel(
                     ss.peer, [s.tensor_id for s in inx.specs], TransferAbortedError(msg.detail)
@@ -1973,6 +1986,11 @@ class Engine:
             code, detail = "busy", "too many queued reservations"
         elif len(ss.granted) >= _MAX_GRANTED_PER_SESSION:
             code, detail = "busy", "too many granted transfers in flight"
+        elif ss.granted_tensors + len(msg.specs) > max(
+            lim.store_tensors // 4, lim.max_tensors_per_transfer
+        ):
+            # one session's share of the store's tensor count (empty tensors cost no bytes)
+            code, detail = "busy", "too many tensors in flight from this peer"
         else:
             ids = [s.tensor_id for s in msg.specs]
             try:
@@ -2013,6 +2031,7 @@ class Engine:
             expires=time.monotonic() + self.config.timeouts.transfer,
         )
         ss.granted[msg.xfer] = inx
+        ss.granted_tensors += len(msg.specs)
         sink: Any = ss.nccl if msg.transport == "nccl" else ss.sink
         fut = sink.expect(seq, msg.xfer, msg.specs)
         # a sink aborted after the session died is not an error to log
@@ -2024,6 +2043,14 @@ class Engine:
         if _trace.enabled:
             _trace.mark("granted", ss.trace_id, msg.xfer)
         return True
+
+    def _cancel_in_slices(self, peer: PeerRef, ids: list[str], err: BaseException) -> None:
+        head, rest = ids[:_CANCEL_SLICE], ids[_CANCEL_SLICE:]
+        self._store.cancel(peer, head, err)
+        if rest:
+            asyncio.get_running_loop().call_soon(self._cancel_in_slices, peer, rest, err)
+        else:
+            self._pump_queue()
 
     def _pump_queue(self) -> None:
         """Grant queued reservations that fit now, oldest first across sessions.
@@ -2094,6 +2121,7 @@ class Engine:
             if inx.transport != "tcp":
                 continue  # a posted NCCL receive ends by the pair's abort rules
             del ss.granted[inx.xfer]
+            ss.granted_tensors -= len(inx.specs)
             ss.sink.cancel(inx.xfer)
             if len(ss.expired) >= 4096:
                 ss.expired.clear()
@@ -2265,6 +2293,7 @@ class Engine:
             return
         if ss.granted.pop(inx.xfer, None) is None:
             return  # already handled (TCP lands synchronously; the callback comes later)
+        ss.granted_tensors -= len(inx.specs)
         assert ss.peer is not None
         exc = fut.exception()
         if exc is None and inx.transport == "nccl":
@@ -2368,7 +2397,10 @@ class Engine:
             err = exc if isinstance(exc, AiokvError) else PeerLostError(str(exc))
             if not isinstance(err, PeerLostError):
                 err = PeerLostError(f"peer {ss.name} lost: {err}")
-            self._store.peer_lost(ss.peer, err)
+            # only this session's own transfers in flight (no scan of the whole store), in
+            # slices: a session with tens of thousands pending must not stall the loop
+            ids = [s.tensor_id for inx in ss.granted.values() for s in inx.specs]
+            self._cancel_in_slices(ss.peer, ids, err)
         ss.queued.clear()
         ss.granted.clear()
         ss.sess.close()

@@ -21,6 +21,7 @@ from typing import Any
 
 import msgpack
 import pytest
+from _kvutil import blocks, filled, make_layout, rand_ids
 
 with warnings.catch_warnings():
     warnings.simplefilter("ignore", UserWarning)
@@ -37,11 +38,9 @@ from aiokv import (
 )
 from aiokv.kv import (
     FlashAttentionLayout,
-    FlashInferLayout,
     IpcOptions,
     KVConnector,
     KVLayout,
-    MLALayout,
 )
 from aiokv.kv import ipc as ipcmod
 from aiokv.kv.ipc import (
@@ -118,32 +117,6 @@ class FakeBackend:
 
     def new_stream(self, device: torch.device) -> Any:
         return None
-
-
-def make_layout(kind: str, dtype: str, num_blocks: int, num_layers: int = 3) -> KVLayout:
-    if kind == "fa":
-        return FlashAttentionLayout(num_layers, num_blocks, 4, 2, 8, dtype)
-    if kind == "fi":
-        return FlashInferLayout(num_layers, num_blocks, 4, 2, 8, dtype)
-    return MLALayout(num_layers, num_blocks, 4, 24, dtype)
-
-
-def filled(layout: KVLayout, seed: int, *, stacked: bool = False) -> list[torch.Tensor]:
-    caches = layout.allocate(stacked=stacked)
-    g = torch.Generator().manual_seed(seed)
-    for t in caches:
-        b = t.view(torch.uint8)
-        b.copy_(torch.randint(0, 256, b.shape, dtype=torch.uint8, generator=g))
-    return caches
-
-
-def rand_ids(n: int, num_blocks: int, seed: int) -> list[int]:
-    g = torch.Generator().manual_seed(seed)
-    return [int(i) for i in torch.randperm(num_blocks, generator=g)[:n]]
-
-
-def blocks(cache: torch.Tensor, layout: KVLayout, ids: list[int]) -> torch.Tensor:
-    return cache.view(torch.uint8).index_select(layout.block_dim, torch.tensor(ids))
 
 
 def landed(

@@ -14,6 +14,7 @@ from contextlib import asynccontextmanager
 from typing import Any
 
 import pytest
+from _kvutil import blocks, filled, make_layout, rand_ids
 
 with warnings.catch_warnings():  # this CPU torch build warns at import when numpy is absent
     warnings.simplefilter("ignore", UserWarning)
@@ -31,11 +32,9 @@ from aiokv import (
 )
 from aiokv.kv import (
     FlashAttentionLayout,
-    FlashInferLayout,
     KVConnector,
     KVLayout,
     LayerChunker,
-    MLALayout,
 )
 
 DTYPE_NAMES = ["bfloat16", "float16", "float8_e4m3fn", "float32"]
@@ -43,32 +42,6 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 # anyio_backend (asyncio in debug mode, and uvloop) comes from tests/conftest.py
-
-
-def make_layout(kind: str, dtype: str, num_blocks: int, num_layers: int = 3) -> KVLayout:
-    if kind == "fa":
-        return FlashAttentionLayout(num_layers, num_blocks, 4, 2, 8, dtype)
-    if kind == "fi":
-        return FlashInferLayout(num_layers, num_blocks, 4, 2, 8, dtype)
-    return MLALayout(num_layers, num_blocks, 4, 24, dtype)
-
-
-def filled(layout: KVLayout, seed: int, *, stacked: bool = False) -> list[torch.Tensor]:
-    caches = layout.allocate(stacked=stacked)
-    g = torch.Generator().manual_seed(seed)
-    for t in caches:
-        b = t.view(torch.uint8)
-        b.copy_(torch.randint(0, 256, b.shape, dtype=torch.uint8, generator=g))
-    return caches
-
-
-def rand_ids(n: int, num_blocks: int, seed: int) -> list[int]:
-    g = torch.Generator().manual_seed(seed)
-    return [int(i) for i in torch.randperm(num_blocks, generator=g)[:n]]
-
-
-def blocks(cache: torch.Tensor, layout: KVLayout, ids: list[int]) -> torch.Tensor:
-    return cache.view(torch.uint8).index_select(layout.block_dim, torch.tensor(ids))
 
 
 def assert_landed(

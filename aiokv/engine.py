@@ -1306,7 +1306,15 @@ class Engine:
         self, tensor_id: str, tensor: torch.Tensor, *, to: str, timeout: float | None = None
     ) -> None:
         """PUT: return once the peer's engine holds ``tensor`` under ``tensor_id``."""
-        await self._transfer(to, self._stage([(tensor_id, tensor)]), timeout)
+        t = self._timeout(timeout)
+        staged = self._stage([(tensor_id, tensor)])
+        cs = self._clients.get(to)
+        if cs is not None and cs.dead is None and not staged.cuda:
+            # hot path: a live session, CPU tensors (a cancel of this task reaches the
+            # handle's future, which withdraws what can be withdrawn)
+            await self._handle(cs, cs.start(staged.specs, staged.tensors), t, to)
+            return
+        await self._transfer(to, staged, timeout)
 
     def send_nowait(
         self, tensor_id: str, tensor: torch.Tensor, *, to: str, timeout: float | None = None
@@ -1361,14 +1369,25 @@ class Engine:
             out.set_exception(exc)
             cs.abandon(x)
 
+        gave_up = False
+
         def on_cancel() -> None:  # the caller gave up (at once: nothing waits a loop pass)
+            nonlocal gave_up
+            if gave_up:
+                return
+            gave_up = True
             timer.cancel()
             if not x.done.done():
                 stats.transfers_failed += 1
                 cs.abandon(x)
 
+        def on_out(f: asyncio.Future[None]) -> None:
+            if f.cancelled():  # cancelled as the awaited future of a cancelled task
+                on_cancel()
+
         timer = loop.call_later(neg, expire)
         x.done.add_done_callback(finish)
+        out.add_done_callback(on_out)
         out.add_done_callback(_retrieve)
         assert x.released is not None
         return TransferHandle(out, x.released, on_cancel)

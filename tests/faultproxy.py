@@ -237,7 +237,7 @@ class FaultProxy:
             if delay < 0:  # duplicated data message
                 await sock.send_multipart(prefix + frames, copy=False)
 
-    def _dealer(self, port: int) -> zmq.asyncio.Socket:
+    def _dealer(self) -> zmq.asyncio.Socket:
         assert self._ctx is not None
         d = self._ctx.socket(zmq.DEALER)
         d.setsockopt(zmq.LINGER, 0)
@@ -246,7 +246,7 @@ class FaultProxy:
         return d
 
     def _open_ctrl(self, first: list[bytes]) -> zmq.asyncio.Socket | None:
-        d = self._dealer(0)
+        d = self._dealer()
         d.connect(f"tcp://{self.target}")
         return d
 
@@ -258,7 +258,7 @@ class FaultProxy:
             hello = None
         if not isinstance(hello, DataHello) or not self.target_data_port:
             return None
-        d = self._dealer(0)
+        d = self._dealer()
         d.setsockopt(zmq.PLAIN_USERNAME, b"aiokv")
         d.setsockopt(zmq.PLAIN_PASSWORD, hello.token.hex().encode())
         host = self.target.rsplit(":", 1)[0]
@@ -333,11 +333,18 @@ def decode_all(frames: list[bytes]) -> list[Message]:
 
 
 class TcpRelay:
-    """A byte-level TCP relay ``127.0.0.1:port -> target`` that records every byte both ways."""
+    """A byte-level TCP relay ``127.0.0.1:port -> target`` that records every byte both ways.
 
-    def __init__(self, target: str) -> None:
+    ``same_ports``: also relay ``127.0.0.1:p -> target host:p`` for each (an engine's data
+    port, which its WELCOME announces for the host the client connected to: the target
+    must then listen on another loopback address, e.g. 127.0.0.2).
+    """
+
+    def __init__(self, target: str, same_ports: tuple[int, ...] = ()) -> None:
         host, _, port = target.rpartition(":")
         self.target = (host, int(port))
+        self.same_ports = same_ports
+        self._extra: list[asyncio.base_events.Server] = []
         self.c2s = bytearray()
         self.s2c = bytearray()
         self.address = ""
@@ -349,6 +356,15 @@ class TcpRelay:
         self._server = await asyncio.start_server(self._handle, "127.0.0.1", 0)
         port = self._server.sockets[0].getsockname()[1]
         self.address = f"127.0.0.1:{port}"
+        for p in self.same_ports:
+            target = (self.target[0], p)
+
+            async def handle(
+                r: asyncio.StreamReader, w: asyncio.StreamWriter, t: tuple[str, int] = target
+            ) -> None:
+                await self._handle(r, w, t)
+
+            self._extra.append(await asyncio.start_server(handle, "127.0.0.1", p))
         return self
 
     async def __aenter__(self) -> TcpRelay:
@@ -376,9 +392,14 @@ class TcpRelay:
             with contextlib.suppress(Exception):
                 w.close()
 
-    async def _handle(self, r: asyncio.StreamReader, w: asyncio.StreamWriter) -> None:
+    async def _handle(
+        self,
+        r: asyncio.StreamReader,
+        w: asyncio.StreamWriter,
+        target: tuple[str, int] | None = None,
+    ) -> None:
         try:
-            ur, uw = await asyncio.open_connection(*self.target)
+            ur, uw = await asyncio.open_connection(*(target or self.target))
         except OSError:
             w.close()
             return
@@ -389,6 +410,8 @@ class TcpRelay:
         await asyncio.gather(t1, t2, return_exceptions=True)
 
     async def aclose(self) -> None:
+        for extra in self._extra:
+            extra.close()
         if self._server is not None:
             self._server.close()
         for w in self._writers:

@@ -1839,7 +1839,8 @@ class Engine:
                 ss = self._zap_session(f[8], f[9])
                 if ss is not None:
                     ss.data_authed = True
-                    code, user = b"200", f[9]
+                    # the connection's User-Id: its DATA_HELLO must name this session
+                    code, user = b"200", ss.token.hex().encode()
             # a refusal is not counted: a dropped session's data socket reconnects by itself
             self._zap_reply(f[0], f[3], code, user)
         except Exception as exc:  # the loop must survive anything
@@ -1892,7 +1893,7 @@ class Engine:
         with contextlib.suppress(zmq.ZMQError):
             uid = frame.get("User-Id")
             user = str(uid) if uid else None
-        ss = self._tokens.pop(msg.token, None) if isinstance(msg, DataHello) else None
+        ss = self._tokens.get(msg.token) if isinstance(msg, DataHello) else None
         if (
             ss is None
             or ss.data_rid is not None
@@ -1906,6 +1907,7 @@ class Engine:
                 seen = self._unbound.pop(fd, None)
                 _shutdown_fd(fd, seen[1] if seen else _peer_name(fd))
             return
+        del self._tokens[ss.token]
         ss.data_rid = rid
         self._data_rids[rid] = ss
         self._bind_fd(ss, frame)

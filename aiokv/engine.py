@@ -64,7 +64,7 @@ from ._exceptions import (
 )
 from ._zsock import LoopSocket, monitor_socket
 from .cuda import _resolve
-from .protocol.codec import MAX_ACKS, Codec, WireError, WireLimits
+from .protocol.codec import MAX_ACKS, TOKEN_BYTES, Codec, WireError, WireLimits
 from .protocol.credit import CreditAccount, CreditLedger
 from .protocol.messages import (
     PROTOCOL_VERSION,
@@ -111,6 +111,13 @@ log = logging.getLogger("aiokv")
 MAX_FRAMES_PER_MESSAGE = 1024
 #: a new connection's first message is one HELLO: anything larger is refused (and hung up)
 _MAX_FIRST_FRAME = 64 * 1024
+#: the capability in WELCOME naming the data port ("data:<port>")
+_DATA_CAP = "data:"
+#: PLAIN user name of data connections (the password is the session token, in hex)
+_PLAIN_USER = b"aiokv"
+#: ZAP domain of the data port without CURVE (this engine's own ZAP handler answers it)
+_DATA_DOMAIN = b"aiokv-data"
+_ZAP_ENDPOINT = "inproc://zeromq.zap.01"
 _MAX_GETS_PER_SESSION = 16
 _CANCEL_SLICE = 4096  # pending tensors of a lost session released per loop pass
 #: granted, not yet landed transfers of one session (zero-byte ones cost no budget)
@@ -315,6 +322,16 @@ def _shutdown_fd(fd: int, expect: str | None) -> None:
         pass
 
 
+def _data_port(caps: Sequence[str]) -> int | None:
+    """The data port a WELCOME announced, or None."""
+    for c in caps:
+        if c.startswith(_DATA_CAP):
+            digits = c[len(_DATA_CAP) :]
+            if digits.isascii() and digits.isdigit() and 0 < int(digits[:6]) < 65536:
+                return int(digits)
+    return None
+
+
 def _retrieve(fut: asyncio.Future[Any]) -> None:
     if not fut.cancelled():
         fut.exception()
@@ -372,12 +389,12 @@ class _ClientSession:
         engine._apply_curve_client(ctrl, address)
         engine._apply_curve_client(data, address)
         host, port = parse_address(address)
-        ep = f"tcp://[{host}]:{port}" if ":" in host else f"tcp://{host}:{port}"
+        self.host = f"[{host}]" if ":" in host else host
         # A zmq DEALER reconnects by itself; a peer that restarted on the same port
         # must not see this session's messages. Watch for the connection dropping.
         self.monitor = monitor_socket(ctrl, engine._ctx, zmq.EVENT_DISCONNECTED)
-        ctrl.connect(ep)
-        data.connect(ep)
+        ctrl.connect(f"tcp://{self.host}:{port}")
+        # the data socket connects once WELCOME named the data port and the token (open)
         self.ctrl = LoopSocket(ctrl, self._on_ctrl, self._on_socket_error)
         self.data = LoopSocket(data, None, self._on_socket_error)
         self.source = TcpSource(self.data)
@@ -428,7 +445,11 @@ class _ClientSession:
             # bound it by the connect deadline too (nothing listening must not hang).
             await asyncio.wait_for(self.ctrl.send_wait([self.sess.send(hello)]), dl.left())
             w = await _await_shielded(self.welcome, dl.left())
-            await self.data.send_wait([e._codec.encode(DataHello(w.token))])
+            self._connect_data(w)
+            # the first message waits for the data port's handshake (and its ZAP check)
+            await asyncio.wait_for(
+                self.data.send_wait([e._codec.encode(DataHello(w.token))]), dl.left()
+            )
         except (TimeoutError, asyncio.TimeoutError):  # the latter differs on Python 3.10
             raise ConnectTimeoutError(
                 f"no answer from {self.address} within {timeout:.3g}s"
@@ -442,6 +463,22 @@ class _ClientSession:
                 ) from None
             raise
         self.last_recv = time.monotonic()
+
+    def _connect_data(self, w: Welcome) -> None:
+        """Connect the data socket to the port WELCOME announced, proving the session's token.
+
+        The peer's data port reads frames up to a tensor's size, so it lets a connection
+        in only after zmq's handshake authenticated it: with CURVE by its key (as the
+        control connection), else by PLAIN with the session token as the password.
+        """
+        port = _data_port(w.capabilities)
+        if port is None:
+            raise ConnectError(f"{self.address} announced no data port")
+        sock = self.data.sock
+        if self.engine.config.curve is None:
+            sock.setsockopt(zmq.PLAIN_USERNAME, _PLAIN_USER)
+            sock.setsockopt(zmq.PLAIN_PASSWORD, w.token.hex().encode())
+        sock.connect(f"tcp://{self.host}:{port}")
 
     # ---- transfers
     def start(
@@ -937,6 +974,7 @@ class _ServerSession:
         self.peer: PeerRef | None = None
         self.token = secrets.token_bytes(16)
         self.data_rid: bytes | None = None
+        self.data_authed = False  # a data connection passed ZAP with this session's token
         self.sink = TcpSink()
         self.nccl: NcclSink | None = None
         self.granted: dict[int, _InXfer] = {}
@@ -1053,6 +1091,11 @@ class Engine:
         self._ctx: zmq.asyncio.Context = None  # type: ignore[assignment]
         self._sctx: zmq.Context[Any] = None  # type: ignore[assignment]
         self._router: LoopSocket = None  # type: ignore[assignment]
+        # data connections: a port of their own, entered only after authentication
+        self._data_router: LoopSocket = None  # type: ignore[assignment]
+        self._data_mon: zmq.asyncio.Socket = None  # type: ignore[assignment]
+        self._data_port = 0
+        self._zap: LoopSocket | None = None  # the data port's ZAP handler (no CURVE)
         self._address = ""
         self._clients: dict[str, _ClientSession] = {}
         self._connecting: dict[str, asyncio.Future[_ClientSession]] = {}
@@ -1124,35 +1167,67 @@ class Engine:
         self._ctx = zmq.asyncio.Context()
         # the hot sockets are plain ones on the same zmq context, run by LoopSocket
         self._sctx = zmq.Context.shadow(self._ctx.underlying)
-        r = self._sctx.socket(zmq.ROUTER)
+        lim = self.config.limits
+        # The control port carries control messages only: zmq drops (and hangs up) a
+        # connection whose frame exceeds one, before reading it. Data frames (up to a
+        # tensor, and never more than the store's whole budget, which no larger transfer
+        # is granted) arrive on a port of their own that authenticates first.
+        r = self._router_socket(lim.max_frame_bytes)
+        d = self._router_socket(
+            max(lim.max_frame_bytes, min(lim.max_tensor_bytes, lim.store_bytes))
+        )
+        if self.config.curve is not None:
+            self._apply_curve_server(r)
+            self._apply_curve_server(d)
+        else:
+            # PLAIN with the session token as password, checked by our own ZAP handler
+            # (bound before any connection can start a handshake)
+            zap = self._sctx.socket(zmq.ROUTER)
+            zap.setsockopt(zmq.LINGER, 0)
+            zap.bind(_ZAP_ENDPOINT)
+            self._zap = LoopSocket(zap, self._on_zap)
+            d.setsockopt(zmq.PLAIN_SERVER, 1)
+            d.setsockopt(zmq.ZAP_DOMAIN, _DATA_DOMAIN)
+        host, port = parse_address(self.config.listen)
+        try:
+            r.bind(f"tcp://{host}:{port}" if ":" not in host else f"tcp://[{host}]:{port}")
+            d.bind(f"tcp://{host}:0" if ":" not in host else f"tcp://[{host}]:0")
+        except zmq.ZMQError as exc:
+            r.close(0)
+            d.close(0)
+            if self._zap is not None:
+                self._zap.close(0)
+            if self._auth is not None:
+                self._auth.stop()
+            self._ctx.term()
+            raise ConfigError(f"cannot listen on {self.config.listen}: {exc}") from None
+        ep = bytes(r.getsockopt(zmq.LAST_ENDPOINT)).decode()
+        self._address = f"{host}:{ep.rsplit(':', 1)[1]}"
+        self._data_port = int(bytes(d.getsockopt(zmq.LAST_ENDPOINT)).decode().rsplit(":", 1)[1])
+        self._stats.address = self._address
+        # Connection events, so a peer whose process died is dropped at once rather
+        # than after its heartbeat timeout.
+        events = zmq.EVENT_ACCEPTED | zmq.EVENT_DISCONNECTED
+        self._router_mon = monitor_socket(r, self._ctx, events)
+        self._data_mon = monitor_socket(d, self._ctx, events)
+        self._router = LoopSocket(r, self._on_router_frames, self._on_router_error)
+        self._data_router = LoopSocket(d, self._on_data_frames, self._on_router_error)
+        self._main_tasks = [
+            asyncio.create_task(self._housekeeping(), name="aiokv-housekeeping"),
+            asyncio.create_task(self._router_watch(self._router_mon), name="aiokv-router-monitor"),
+            asyncio.create_task(self._router_watch(self._data_mon), name="aiokv-data-monitor"),
+        ]
+
+    def _router_socket(self, max_frame: int) -> zmq.Socket[Any]:
+        """A listening ROUTER whose connections may send frames of up to ``max_frame`` bytes."""
+        r: zmq.Socket[Any] = self._sctx.socket(zmq.ROUTER)
         r.setsockopt(zmq.LINGER, int(self.config.timeouts.linger * 1000))
         r.setsockopt(zmq.ROUTER_MANDATORY, 1)
         # per connection: a peer flooding messages waits in TCP, not in this process
         r.setsockopt(zmq.RCVHWM, 10_000)
         r.setsockopt(zmq.SNDHWM, 100_000)
-        r.setsockopt(
-            zmq.MAXMSGSIZE,
-            max(self.config.limits.max_frame_bytes, self.config.limits.max_tensor_bytes),
-        )
-        self._apply_curve_server(r)
-        host, port = parse_address(self.config.listen)
-        try:
-            r.bind(f"tcp://{host}:{port}" if ":" not in host else f"tcp://[{host}]:{port}")
-        except zmq.ZMQError as exc:
-            r.close(0)
-            self._ctx.term()
-            raise ConfigError(f"cannot listen on {self.config.listen}: {exc}") from None
-        ep = bytes(r.getsockopt(zmq.LAST_ENDPOINT)).decode()
-        self._address = f"{host}:{ep.rsplit(':', 1)[1]}"
-        self._stats.address = self._address
-        # Connection events, so a peer whose process died is dropped at once rather
-        # than after its heartbeat timeout.
-        self._router_mon = monitor_socket(r, self._ctx, zmq.EVENT_ACCEPTED | zmq.EVENT_DISCONNECTED)
-        self._router = LoopSocket(r, self._on_router_frames, self._on_router_error)
-        self._main_tasks = [
-            asyncio.create_task(self._housekeeping(), name="aiokv-housekeeping"),
-            asyncio.create_task(self._router_watch(), name="aiokv-router-monitor"),
-        ]
+        r.setsockopt(zmq.MAXMSGSIZE, max_frame)
+        return r
 
     @property
     def address(self) -> str:
@@ -1186,10 +1261,13 @@ class Engine:
         pending = [*self._main_tasks, *self._tasks]
         if pending:
             await asyncio.wait(pending, timeout=self.config.timeouts.linger + 1.0)
-        with contextlib.suppress(zmq.ZMQError):
-            self._router.sock.disable_monitor()
-        self._router_mon.close(linger=0)
-        self._router.close(linger=min(200, int(self.config.timeouts.linger * 1000)))
+        for rs, mon in ((self._router, self._router_mon), (self._data_router, self._data_mon)):
+            with contextlib.suppress(zmq.ZMQError):
+                rs.sock.disable_monitor()
+            mon.close(linger=0)
+            rs.close(linger=min(200, int(self.config.timeouts.linger * 1000)))
+        if self._zap is not None:
+            self._zap.close(0)
         if self._auth is not None:
             self._auth.stop()
         ctx = self._ctx
@@ -1259,12 +1337,15 @@ class Engine:
         cc = self.config.curve
         if cc is None:
             return
-        from zmq.auth.asyncio import AsyncioAuthenticator
+        if self._auth is None:
+            from zmq.auth.asyncio import AsyncioAuthenticator
 
-        auth = AsyncioAuthenticator(self._ctx)
-        auth.start()
-        auth.configure_curve_callback("aiokv", credentials_provider=_KeyCheck(cc.allowed_clients))
-        self._auth = auth
+            auth = AsyncioAuthenticator(self._ctx)
+            auth.start()
+            auth.configure_curve_callback(
+                "aiokv", credentials_provider=_KeyCheck(cc.allowed_clients)
+            )
+            self._auth = auth
         sock.setsockopt(zmq.ZAP_DOMAIN, b"aiokv")
         sock.setsockopt(zmq.CURVE_SERVER, 1)
         sock.setsockopt(zmq.CURVE_SECRETKEY, cc.secret_key)
@@ -1722,14 +1803,10 @@ class Engine:
         if len(parts) < 2:
             self._count_error("malformed")
             return
-        ss = self._data_rids.get(rid)
-        if ss is not None:
-            self._on_data(ss, parts[1:])
-            return
         ss = self._servers.get(rid)
         frames = parts[1:]
         if ss is None:
-            # a new connection: its first message must be one HELLO (or DATA_HELLO) frame
+            # a new connection: its first message must be one HELLO frame
             if len(frames) != 1:
                 self._refuse_connection(
                     rid, frames[0], "malformed", "the first message is one HELLO frame"
@@ -1760,7 +1837,101 @@ class Engine:
             if ss.dead:
                 return
 
-    async def _router_watch(self) -> None:
+    # ------------------------------------------------------------------ data port
+    def _on_zap(self, parts: list[zmq.Frame]) -> None:
+        """Answer one ZAP request (RFC 27) for this engine's sockets (no CURVE).
+
+        A data connection is let in only with the token of a live session whose data
+        connection is not open yet; until then zmq has read nothing but the
+        handshake from it. Other sockets of this context use NULL and are let in
+        (their peers must still say HELLO).
+        """
+        try:
+            f = [p.bytes for p in parts]
+            # [routing id, "", version, request id, domain, address, identity, mechanism, *creds]
+            if len(f) < 8 or f[1] != b"" or f[2] != b"1.0":
+                return  # not a ZAP request: nothing to answer
+            code, user = b"400", b""
+            if f[7] == b"NULL" and f[4] != _DATA_DOMAIN:
+                code = b"200"
+            elif f[4] == _DATA_DOMAIN and f[7] == b"PLAIN" and len(f) == 10:
+                ss = self._zap_session(f[8], f[9])
+                if ss is not None:
+                    ss.data_authed = True
+                    # the connection's User-Id: its DATA_HELLO must name this session
+                    code, user = b"200", ss.token.hex().encode()
+            # a refusal is not counted: a dropped session's data socket reconnects by itself
+            self._zap_reply(f[0], f[3], code, user)
+        except Exception as exc:  # the loop must survive anything
+            self._count_error("internal")
+            log.exception("aiokv: error answering a ZAP request: %s", exc)
+
+    def _zap_session(self, user: bytes, password: bytes) -> _ServerSession | None:
+        if user != _PLAIN_USER or len(password) != 2 * TOKEN_BYTES:
+            return None
+        try:
+            token = bytes.fromhex(password.decode("ascii"))
+        except (UnicodeDecodeError, ValueError):
+            return None
+        ss = self._tokens.get(token)
+        if ss is None or ss.dead or ss.data_authed or ss.data_rid is not None:
+            return None
+        return ss
+
+    def _zap_reply(self, rid: bytes, request_id: bytes, code: bytes, user: bytes) -> None:
+        if self._zap is None:
+            return
+        text = b"OK" if code == b"200" else b"unknown or used data token"
+        with contextlib.suppress(zmq.ZMQError):
+            self._zap.send([rid, b"", b"1.0", request_id, code, text, user, b""])
+
+    def _on_data_frames(self, parts: list[zmq.Frame]) -> None:
+        try:
+            self._on_data_message(parts)
+        except Exception as exc:  # the loop must survive anything a peer sends
+            self._count_error("internal")
+            log.exception("aiokv: error handling a data message: %s", exc)
+
+    def _on_data_message(self, parts: list[zmq.Frame]) -> None:
+        """A message on the data port: its connection passed zmq's authentication."""
+        rid = parts[0].bytes
+        if len(parts) < 2:
+            self._count_error("malformed")
+            return
+        ss = self._data_rids.get(rid)
+        if ss is not None:
+            self._on_data(ss, parts[1:])
+            return
+        # a new data connection: its first message is one DATA_HELLO naming its session
+        frame = parts[1]
+        msg: Message | None = None
+        if len(parts) == 2 and len(frame) <= _MAX_FIRST_FRAME:
+            with contextlib.suppress(WireError):
+                msg = self._codec.decode(frame.buffer)
+        user = None
+        with contextlib.suppress(zmq.ZMQError):
+            uid = frame.get("User-Id")
+            user = str(uid) if uid else None
+        ss = self._tokens.get(msg.token) if isinstance(msg, DataHello) else None
+        if (
+            ss is None
+            or ss.data_rid is not None
+            or ss.dead
+            # the token of the handshake (PLAIN) or the key (CURVE) must be the session's
+            or (ss.user if self.config.curve is not None else ss.token.hex()) != user
+        ):
+            self._count_error("bad_token")
+            fd = _frame_fd(frame)
+            if fd is not None and fd not in self._fd_sessions:
+                seen = self._unbound.pop(fd, None)
+                _shutdown_fd(fd, seen[1] if seen else _peer_name(fd))
+            return
+        del self._tokens[ss.token]
+        ss.data_rid = rid
+        self._data_rids[rid] = ss
+        self._bind_fd(ss, frame)
+
+    async def _router_watch(self, mon: zmq.asyncio.Socket) -> None:
         """Drop the session of a connection the moment it closes (peer died or left).
 
         Events are matched to sessions by the connection's file descriptor. A
@@ -1770,7 +1941,6 @@ class Engine:
         """
         from zmq.utils.monitor import parse_monitor_message
 
-        mon = self._router_mon
         try:
             while True:
                 batch = [parse_monitor_message(await mon.recv_multipart())]
@@ -1834,15 +2004,6 @@ class Engine:
             with contextlib.suppress(zmq.ZMQError):
                 uid = frame.get("User-Id")
                 user = str(uid) if uid is not None else None
-        if isinstance(msg, DataHello):
-            ss = self._tokens.pop(msg.token, None)
-            if ss is None or ss.data_rid is not None or (ss.user is not None and ss.user != user):
-                self._refuse_connection(rid, frame, "bad_token", "unknown data-connection token")
-                return
-            ss.data_rid = rid
-            self._data_rids[rid] = ss
-            self._bind_fd(ss, frame)
-            return
         if not isinstance(msg, Hello):
             self._refuse_connection(rid, frame, "no_session", f"{msg.NAME} before HELLO")
             return
@@ -1876,7 +2037,7 @@ class Engine:
             PROTOCOL_VERSION,
             self.engine_id,
             self._address,
-            self._capabilities(),
+            (*self._capabilities(), f"{_DATA_CAP}{self._data_port}"),
             self.config.layout,
             ss.token,
         )

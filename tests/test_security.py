@@ -5,6 +5,7 @@ or attribute lookup on wire data exists in the package."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import os
 import re
@@ -181,12 +182,19 @@ async def test_wire_capture_no_clear_text_under_curve(curve: bool) -> None:
     spub, ssec = keys()
     cpub, csec = keys()
     port = free_port()
+    # on 127.0.0.2: the relay takes the data port's number on 127.0.0.1, where the client
+    # connects to the data port WELCOME announces
     srv_cfg = (
-        server_cfg(port, spub, ssec, frozenset({cpub}))
+        dataclasses.replace(
+            server_cfg(port, spub, ssec, frozenset({cpub})), listen=f"127.0.0.2:{port}"
+        )
         if curve
-        else aiokv.EngineConfig(listen=f"127.0.0.1:{port}")
+        else aiokv.EngineConfig(listen=f"127.0.0.2:{port}")
     )
-    async with aiokv.Engine(srv_cfg) as srv, TcpRelay(srv.address) as relay:
+    async with (
+        aiokv.Engine(srv_cfg) as srv,
+        TcpRelay(srv.address, same_ports=(srv._data_port,)) as relay,
+    ):
         ccfg = (
             client_cfg(cpub, csec, {relay.address: spub}, connect=5)
             if curve

@@ -165,8 +165,13 @@ class EngineConfig:
     # the collector's view, so a full collection under load scans only what came after
     # (measured: 84 ms -> 28 ms per gen-2 pass with 65k tensors held). Process-wide.
     gc_freeze: bool = True
+    # the data connections' port (announced to peers in WELCOME); 0 picks a free one.
+    # Fix it where a firewall or a container opens only known ports.
+    data_port: int = 0
 
     def __post_init__(self) -> None:
+        if not isinstance(self.data_port, int) or not 0 <= self.data_port < 65536:
+            raise ConfigError(f"data_port must be 0..65535, got {self.data_port!r}")
         parse_address(self.listen)
         if self.layout is not None:
             # imported here: the layouts need torch, which a config alone should not import

@@ -1191,7 +1191,8 @@ class Engine:
         host, port = parse_address(self.config.listen)
         try:
             r.bind(f"tcp://{host}:{port}" if ":" not in host else f"tcp://[{host}]:{port}")
-            d.bind(f"tcp://{host}:0" if ":" not in host else f"tcp://[{host}]:0")
+            dp = self.config.data_port
+            d.bind(f"tcp://{host}:{dp}" if ":" not in host else f"tcp://[{host}]:{dp}")
         except zmq.ZMQError as exc:
             r.close(0)
             d.close(0)

@@ -178,3 +178,18 @@ async def test_the_data_port_lets_in_only_a_session_token(
             d.close(0)
         good.close(0)
         ctrl.close(0)
+
+
+async def test_a_fixed_data_port_is_used_and_announced(anyio_backend: Any) -> None:
+    import socket as _socket
+
+    with _socket.socket() as probe:  # a port free right now
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    async with aiokv.Engine(aiokv.EngineConfig(data_port=port)) as b, aiokv.Engine() as a:
+        assert b._data_port == port
+        t = torch.arange(5.0)
+        await a.send("x", t, to=b.address, timeout=5)
+        assert torch.equal(await b.recv("x", timeout=5), t)
+    with pytest.raises(aiokv.ConfigError):
+        aiokv.EngineConfig(data_port=70000)

@@ -7,6 +7,7 @@ a stretch (its thread's CPU time between ticks) and the stream must stay intact.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import socket
@@ -53,6 +54,7 @@ class Victim:
     address: str
     store_bytes: int
     peer_ids: tuple[str, ...]
+    data_port: int = 0
 
 
 def _attack_main(name: str, victim: Victim, legit: str) -> None:
@@ -67,7 +69,9 @@ def _attack_main(name: str, victim: Victim, legit: str) -> None:
 
 
 def _attack_in_a_process(name: str, victim: Victim, legit: str) -> None:
-    arg = json.dumps([name, victim.address, victim.store_bytes, list(victim.peer_ids), legit])
+    arg = json.dumps(
+        [name, victim.address, victim.store_bytes, list(victim.peer_ids), legit, victim.data_port]
+    )
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), str(ROOT / "tests")]))
     subprocess.run([sys.executable, __file__, arg], env=env, check=True, timeout=60)
 
@@ -151,11 +155,34 @@ async def item15(ctx: zmq.asyncio.Context, eng: Victim, legit: str) -> None:
     host, port = eng.address.rsplit(":", 1)
     idle = [socket.create_connection((host, int(port))) for _ in range(200)]
     s = await _dealer(ctx, eng.address)
-    await s.send(memoryview(bytearray(64 << 20)), copy=False)  # one 64 MiB first frame
+    await asyncio.sleep(0.1)
+    with contextlib.suppress(zmq.Again):  # one 64 MiB first frame
+        await s.send(memoryview(bytearray(64 << 20)), flags=zmq.NOBLOCK, copy=False)
     await asyncio.sleep(1.0)  # past the connect deadline: the idle ones are hung up
     s.close()
     for sk in idle:
         sk.close()
+
+
+async def item15_data(ctx: zmq.asyncio.Context, eng: Victim, legit: str) -> None:
+    # the data port without credentials, or with a made-up token: nothing gets in
+    host = eng.address.rsplit(":", 1)[0]
+    socks = []
+    for i in range(20):
+        s = ctx.socket(zmq.DEALER)
+        s.setsockopt(zmq.LINGER, 0)
+        if i % 2:
+            s.setsockopt(zmq.PLAIN_USERNAME, b"aiokv")
+            s.setsockopt(zmq.PLAIN_PASSWORD, b"00" * 16)
+        s.connect(f"tcp://{host}:{eng.data_port}")
+        socks.append(s)
+    await asyncio.sleep(0.2)
+    for s in socks:  # a refused handshake leaves no pipe: the send would wait forever
+        with contextlib.suppress(zmq.Again):
+            await s.send(memoryview(bytearray(4 << 20)), flags=zmq.NOBLOCK, copy=False)
+    await asyncio.sleep(1.0)
+    for s in socks:
+        s.close()
 
 
 ATTACKS: dict[str, Callable[[zmq.asyncio.Context, Victim, str], Awaitable[None]]] = {
@@ -166,6 +193,7 @@ ATTACKS: dict[str, Callable[[zmq.asyncio.Context, Victim, str], Awaitable[None]]
     "13-get-reply-to-flood": item13,
     "14-big-reservation-and-withdraws": item14,
     "15-idle-and-huge-first-frame": item15,
+    "15-data-port-without-a-token": item15_data,
 }
 
 
@@ -211,6 +239,7 @@ async def test_hostile_input_while_a_legit_peer_streams(
                 eng.address,
                 eng.config.limits.store_bytes,
                 tuple(ss.peer.engine_id for ss in eng._servers.values() if ss.peer is not None),
+                eng._data_port,
             )
             hostile = asyncio.ensure_future(
                 asyncio.to_thread(_attack_in_a_process, attack, victim, legit)
@@ -236,5 +265,5 @@ async def test_hostile_input_while_a_legit_peer_streams(
 
 
 if __name__ == "__main__":
-    _name, _addr, _cap, _ids, _legit = json.loads(sys.argv[1])
-    _attack_main(_name, Victim(_addr, _cap, tuple(_ids)), _legit)
+    _name, _addr, _cap, _ids, _legit, _dport = json.loads(sys.argv[1])
+    _attack_main(_name, Victim(_addr, _cap, tuple(_ids), _dport), _legit)

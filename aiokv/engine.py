@@ -500,8 +500,8 @@ class _ClientSession:
         self.last_used = time.monotonic()
         x.granted.add_done_callback(_retrieve)
         x.done.add_done_callback(_retrieve)
+        x.nbytes = sum(s.nbytes for s in specs)
         if transport == "tcp":
-            x.nbytes = sum(s.nbytes for s in specs)
             # protocol v2: a transfer within the window spends standing credit (one
             # message, no round trip); one larger asks with RESERVE. Both wait in one
             # queue per session, so a later transfer never takes room from an earlier.
@@ -650,25 +650,29 @@ class _ClientSession:
         if x is None or not x.put or not x.posted:
             return False
         del self.xfers[xfer]
+        if exc is not None:
+            self.engine._stats.refused_received += 1
+        self._end(x, exc)
+        return True
+
+    def _end(self, x: _OutXfer, exc: BaseException | None) -> None:
+        """A transfer is over: landed (``exc`` None, counted as sent) or failed with ``exc``."""
         e = self.engine
-        if _trace.enabled:
-            _trace.mark("done", e.engine_id, xfer)
         if exc is None:
+            if _trace.enabled:
+                _trace.mark("done", e.engine_id, x.xfer)
             e._stats.transfers_sent += 1
             e._stats.tensors_sent += len(x.specs)
             e._stats.bytes_sent += x.nbytes
             x.tensors = []
-        else:
-            e._stats.refused_received += 1
         x.release_when_idle()
         if exc is None:
             if not x.done.done():
                 x.done.set_result(None)
-        else:
-            for f in (x.granted, x.done):
-                if not f.done():
-                    f.set_exception(exc)
-        return True
+            return
+        for f in (x.granted, x.done):
+            if not f.done():
+                f.set_exception(exc)
 
     def _on_ack(self, msg: Ack) -> None:
         try:
@@ -777,44 +781,26 @@ class _ClientSession:
             else:
                 self.post_queue.put_nowait(x)
         elif isinstance(msg, Refuse):
-            x = self.xfers.pop(msg.xfer)
-            x.release_when_idle()
             e._stats.refused_received += 1
             cls = _REFUSALS.get(msg.code, RefusedError)
-            exc = cls(
-                f"{self.address} refused the transfer: {msg.code}: {msg.detail}", code=msg.code
+            self._end(
+                self.xfers.pop(msg.xfer),
+                cls(
+                    f"{self.address} refused the transfer: {msg.code}: {msg.detail}", code=msg.code
+                ),
             )
-            for f in (x.granted, x.done):
-                if not f.done():
-                    f.set_exception(exc)
         elif isinstance(msg, Withdrawn):
-            x = self.xfers.pop(msg.xfer)
-            x.release_when_idle()
             e._stats.withdrawn += 1
-            exc2 = TransferError("withdrawn")
-            for f in (x.granted, x.done):
-                if not f.done():
-                    f.set_exception(exc2)
+            self._end(self.xfers.pop(msg.xfer), TransferError("withdrawn"))
         elif isinstance(msg, Done):
-            x = self.xfers.pop(msg.xfer)
-            if _trace.enabled:
-                _trace.mark("done", e.engine_id, x.xfer)
-            e._stats.transfers_sent += 1
-            e._stats.tensors_sent += len(x.specs)
-            e._stats.bytes_sent += sum(s.nbytes for s in x.specs)
-            x.tensors = []
-            x.release_when_idle()
-            if not x.done.done():
-                x.done.set_result(None)
+            self._end(self.xfers.pop(msg.xfer), None)
         elif isinstance(msg, Failed):
-            x = self.xfers.pop(msg.xfer)
-            x.release_when_idle()
-            exc3 = TransferAbortedError(
-                f"{self.address} failed the transfer: {msg.code}: {msg.detail}"
+            self._end(
+                self.xfers.pop(msg.xfer),
+                TransferAbortedError(
+                    f"{self.address} failed the transfer: {msg.code}: {msg.detail}"
+                ),
             )
-            for f in (x.granted, x.done):
-                if not f.done():
-                    f.set_exception(exc3)
         elif isinstance(msg, GetReply):
             g = self.gets.pop(msg.req, None)
             if g is not None and not g.done():
@@ -1390,10 +1376,10 @@ class Engine:
         """PUT: return once the peer's engine holds ``tensor`` under ``tensor_id``."""
         t = self._timeout(timeout)
         staged = self._stage([(tensor_id, tensor)])
-        cs = self._clients.get(to)
-        if cs is not None and cs.dead is None and not staged.cuda:
-            # hot path: a live session, CPU tensors (a cancel of this task reaches the
-            # handle's future, which withdraws what can be withdrawn)
+        cs = self._hot_session(to, staged)
+        if cs is not None:
+            # a cancel of this task reaches the handle's future, which withdraws what
+            # can be withdrawn
             await self._handle(cs, cs.start(staged.specs, staged.tensors), t, to)
             return
         await self._transfer(to, staged, timeout)
@@ -1404,13 +1390,18 @@ class Engine:
         """PUT_ASYNC: start the transfer, return a handle to await (or cancel) later."""
         t = self._timeout(timeout)
         staged = self._stage([(tensor_id, tensor)])
-        cs = self._clients.get(to)
-        if cs is not None and cs.dead is None and not staged.cuda:
-            # hot path (a live session, CPU tensors): no task, a timer holds the deadline
+        cs = self._hot_session(to, staged)
+        if cs is not None:  # no task: a timer holds the deadline
             return self._handle(cs, cs.start(staged.specs, staged.tensors), t, to)
         released: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         task = asyncio.create_task(self._transfer(to, staged, timeout, released))
         return TransferHandle(task, released)
+
+    def _hot_session(self, to: str, staged: _Staged) -> _ClientSession | None:
+        """The live session a transfer of CPU tensors can start on at once (the hot path:
+        no connecting, no NCCL set-up, no copy to host), else None."""
+        cs = self._clients.get(to)
+        return cs if cs is not None and cs.dead is None and not staged.cuda else None
 
     def _handle(self, cs: _ClientSession, x: _OutXfer, t: float, to: str) -> TransferHandle:
         """A PUT_ASYNC handle on a started transfer: callbacks and one timer, no task."""
@@ -1924,8 +1915,7 @@ class Engine:
             self._count_error("bad_token")
             fd = _frame_fd(frame)
             if fd is not None and fd not in self._fd_sessions:
-                seen = self._unbound.pop(fd, None)
-                _shutdown_fd(fd, seen[1] if seen else _peer_name(fd))
+                self._hang_up(fd)
             return
         del self._tokens[ss.token]
         ss.data_rid = rid
@@ -1988,11 +1978,17 @@ class Engine:
         self._reply_raw(rid, ErrorMsg("protocol", detail[:200]))
         fd = _frame_fd(frame)
         if fd is not None and fd not in self._fd_sessions:
-            seen = self._unbound.pop(fd, None)
-            # let the ERROR leave first; the peer name guards against a reused descriptor
-            asyncio.get_running_loop().call_later(
-                0.05, _shutdown_fd, fd, seen[1] if seen else _peer_name(fd)
-            )
+            self._hang_up(fd, after=0.05)  # let the ERROR leave first
+
+    def _hang_up(self, fd: int, after: float = 0.0) -> None:
+        """Shut a connection zmq owns, now or ``after`` seconds; the remote end seen at
+        accept (or now) guards against the descriptor naming another connection by then."""
+        seen = self._unbound.pop(fd, None)
+        name = seen[1] if seen else _peer_name(fd)
+        if after:
+            asyncio.get_running_loop().call_later(after, _shutdown_fd, fd, name)
+        else:
+            _shutdown_fd(fd, name)
 
     def _on_new_connection(self, rid: bytes, frame: zmq.Frame) -> None:
         try:
@@ -2294,7 +2290,7 @@ class Engine:
 
         Queued reservations have no deadline here: the sender withdraws at its own
         (a patient producer may wait long for credit); what a session may queue is
-        bounded, and the round-robin keeps it from holding up other sessions.
+        bounded, and a head that does not fit holds up only its own session.
         """
         for inx in list(ss.granted.values()):
             if inx.expires > now:
@@ -2397,9 +2393,7 @@ class Engine:
             self._stats.tensors_received += k
             self._stats.bytes_received += n
             ss.acks.append(msg.xfer)
-        if not ss.ack_due:
-            ss.ack_due = True
-            asyncio.get_running_loop().call_soon(self._send_credit, ss)
+        self._ack_soon(ss)
 
     def _send_credit(self, ss: _ServerSession) -> None:
         """One ACK for everything landed or refused this loop pass, with any new credit."""
@@ -2448,12 +2442,16 @@ class Engine:
                 ),
             )
 
+    def _ack_soon(self, ss: _ServerSession) -> None:
+        """One ACK per loop pass: whatever landed, was refused or freed until then."""
+        if not ss.ack_due:
+            ss.ack_due = True
+            asyncio.get_running_loop().call_soon(self._send_credit, ss)
+
     def _unpause_credit(self, ss: _ServerSession, xfer: int) -> None:
         if ss.ledger is not None and ss.ledger.paused_for == xfer:
             ss.ledger.paused_for = 0
-            if not ss.ack_due:
-                ss.ack_due = True
-                asyncio.get_running_loop().call_soon(self._send_credit, ss)
+            self._ack_soon(ss)
 
     def _collected(self, peer: PeerRef, tensor_id: str) -> None:
         """A tensor left the store through ``recv``: its session's credit may refill."""
@@ -2463,9 +2461,7 @@ class Engine:
         held = ss.credit_held.pop(tensor_id, None)
         if held is not None:
             ss.ledger.release(held[0], 1)
-            if not ss.ack_due:
-                ss.ack_due = True
-                asyncio.get_running_loop().call_soon(self._send_credit, ss)
+            self._ack_soon(ss)
 
     def _on_landed(
         self, ss: _ServerSession, inx: _InXfer, fut: asyncio.Future[list[torch.Tensor]]
@@ -2570,7 +2566,7 @@ class Engine:
                 if lost and not self._closed:
                     # a peer judged dead or hostile: its connections must not linger
                     # (after a moment, so that an ERROR queued for it still leaves)
-                    asyncio.get_running_loop().call_later(0.05, _shutdown_fd, fd, _peer_name(fd))
+                    self._hang_up(fd, after=0.05)
         ss.sink.abort(exc)
         if ss.nccl is not None:
             ss.nccl.abort(exc)

@@ -1551,7 +1551,6 @@ class Engine:
         self, tensor_id: str, *, frm: str | None = None, timeout: float | None = None
     ) -> torch.Tensor:
         """Collect a tensor from the receive store, waiting for it up to ``timeout``."""
-        self._check_open()
         self._check_id(tensor_id)
         return await self._recv(tensor_id, frm, self._timeout(timeout))
 
@@ -2549,7 +2548,8 @@ class Engine:
         held = ss.credit_held.pop(tensor_id, None)
         if held is not None:
             ss.ledger.release(held[0], 1)
-            self._ack_soon(ss)
+            if ss.ledger.short:  # else the window is full: nothing to top up
+                self._ack_soon(ss)
 
     def _on_landed(
         self, ss: _ServerSession, inx: _InXfer, fut: asyncio.Future[list[torch.Tensor]]

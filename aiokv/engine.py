@@ -109,6 +109,12 @@ log = logging.getLogger("aiokv")
 #: Control messages queued in one loop pass leave as one zmq message of at most this
 #: many frames (a peer refuses more than 4x this; the sender splits, never the peer).
 MAX_FRAMES_PER_MESSAGE = 1024
+#: PUTs of one loop pass leave in zmq messages of about this many frames: large enough
+#: to share a message's cost, small enough that the receiver's ACK for the first ones
+#: is on its way while the sender still writes the rest (one message per pass would
+#: make a pipelined sender and its receiver take turns)
+_PUT_BATCH_FRAMES = 32
+_PUT_BATCH_BYTES = 256 * 1024
 #: a new connection's first message is one HELLO: anything larger is refused (and hung up)
 _MAX_FIRST_FRAME = 64 * 1024
 #: the capability in WELCOME naming the data port ("data:<port>")
@@ -419,6 +425,7 @@ class _ClientSession:
         self.credit_wait: deque[_OutXfer] = deque()  # PUTs waiting for credit, in order
         self.gave_up: set[int] = set()  # posted PUTs whose caller timed out: a late ACK is fine
         self.data_out: list[Any] = []  # PUT/RETURN frames of this loop pass
+        self.data_out_bytes = 0
 
     @property
     def peer_id(self) -> str | None:
@@ -624,21 +631,21 @@ class _ClientSession:
         if x.transport == "nccl":
             self.engine._get_poller().touch()  # the GRANT is read on a spinning loop
 
-    def _post_data(self, frames: list[Any], flush: bool = False) -> None:
+    def _post_data(self, frames: list[Any], flush: bool = False, nbytes: int = 0) -> None:
         """Queue PUT/RETURN frames; one zmq message per loop pass (fewer wake-ups of zmq's
         I/O thread: the cost of a small message is the hand-off, not the bytes), or
         now with ``flush`` (a caller waiting for this one transfer)."""
         out = self.data_out
         out.extend(frames)
-        if flush:
+        self.data_out_bytes += nbytes
+        if flush or len(out) >= _PUT_BATCH_FRAMES or self.data_out_bytes >= _PUT_BATCH_BYTES:
             self._flush_data()
         elif len(out) == len(frames):
             self.engine._loop.call_soon(self._flush_data)
-        elif len(out) >= MAX_FRAMES_PER_MESSAGE:
-            self._flush_data()
 
     def _flush_data(self) -> None:
         frames, self.data_out = self.data_out, []
+        self.data_out_bytes = 0
         if not frames or self.dead is not None:
             return
         try:
@@ -648,7 +655,7 @@ class _ClientSession:
 
     def _post_put(self, x: _OutXfer, flush: bool = False) -> None:
         header = self.engine._codec.encode(Put(x.xfer, tuple(x.specs)))
-        self._post_data([header, *(tensor_buffer(t) for t in x.tensors)], flush)
+        self._post_data([header, *(tensor_buffer(t) for t in x.tensors)], flush, x.nbytes)
         x.posted = True
         if not x.granted.done():
             x.granted.set_result(0)

@@ -128,6 +128,39 @@ def _kernel() -> Any:
     return pair_copy_kernel
 
 
+@functools.lru_cache(maxsize=64)
+def _geometry(
+    word: int,
+    seg_words: int,
+    src_part_stride: int,
+    dst_part_stride: int,
+    base_align: int,
+    program_bytes: int,
+) -> tuple[int, int, int, int]:
+    """Program size (words), programs per segment, vector width and warps of a geometry
+    (fixed per mapping: computed once, not per launch)."""
+    block = max(1, program_bytes // word)
+    block = min(block, 1 << max(0, (seg_words - 1).bit_length()))
+    chunks = -(-seg_words // block)
+    vec = max(1, min(max(1, min(16, base_align) // word), block))
+    while vec > 1 and (seg_words % vec or src_part_stride % vec or dst_part_stride % vec):
+        vec //= 2
+    num_warps = 8 if block * word >= 16384 else 4 if block * word >= 4096 else 1
+    return block, chunks, vec, num_warps
+
+
+_WORD_REFS: dict[tuple[torch.device, int], torch.Tensor] = {}
+
+
+def _word_ref(device: torch.device, word: int) -> torch.Tensor:
+    """The kernel's (never read or written) base pointer of ``word`` type on ``device``:
+    one tiny allocation per device and word for the process, not one per launch."""
+    t = _WORD_REFS.get((device, word))
+    if t is None:
+        t = _WORD_REFS[(device, word)] = torch.empty(1, dtype=WORDS[word], device=device)
+    return t
+
+
 def launch_pair_copy(
     src_table: torch.Tensor,
     dst_table: torch.Tensor,
@@ -156,19 +189,15 @@ def launch_pair_copy(
     power of two (the default, 32 KiB, is what the plane uses).
     """
     n_pairs = ids.shape[1]
-    block = max(1, program_bytes // word)
-    block = min(block, 1 << max(0, (seg_words - 1).bit_length()))
-    chunks = -(-seg_words // block)
+    block, chunks, vec, num_warps = _geometry(
+        word, seg_words, src_part_stride, dst_part_stride, base_align, program_bytes
+    )
     programs = n_layers * parts * n_pairs * chunks
     if programs == 0:
         return True
     if programs > _MAX_PROGRAMS:
         return False
-    vec = max(1, min(max(1, min(16, base_align) // word), block))
-    while vec > 1 and (seg_words % vec or src_part_stride % vec or dst_part_stride % vec):
-        vec //= 2
-    num_warps = 8 if block * word >= 16384 else 4 if block * word >= 4096 else 1
-    word_ref = torch.empty(1, dtype=WORDS[word], device=ids.device)
+    word_ref = _word_ref(ids.device, word)
     _kernel()[(programs,)](
         src_table,
         dst_table,

@@ -385,7 +385,7 @@ def _trace_summary(
     for rid, stage, t in [*prod, *cons]:
         by.setdefault(rid, {}).setdefault(stage, t)
     rows: dict[str, list[float]] = {}
-    for rid, st in by.items():
+    for st in by.values():
         t0 = st.get("send")
         if t0 is None:
             continue

@@ -121,6 +121,14 @@ def take_trace() -> list[tuple[str, str, float]]:
     return out
 
 
+def _on(stream: Any, device: torch.device) -> contextlib.AbstractContextManager[Any]:
+    """``torch.cuda.stream(stream)``, or nothing when it is already current (the common
+    case: the copy runs on the caller's stream; a switch costs several CUDA calls)."""
+    if torch.cuda.current_stream(device) == stream:
+        return contextlib.nullcontext()
+    return torch.cuda.stream(stream)
+
+
 def _layer_id(rid: str, lo: int) -> str:
     """Tensor id of the :class:`LayerReady` message of the chunk starting at layer ``lo``."""
     return f"{rid}#ipcL{lo}"
@@ -875,6 +883,7 @@ class IpcPlane:
         self._abort_next = 0
         self._free_slots: list[int] = []
         self._slotbufs: dict[int, _SlotBufs] = {}
+        self._deferred: list[tuple[Descriptor, Release]] = []  # ok releases, sent soon
         self._ctl_stream: Any = None
         self._poller: Any = None
         self._closed = False
@@ -971,6 +980,7 @@ class IpcPlane:
         deadline = con._deadline(timeout)
         host = con._host_ids(block_ids, unique=False, what="send_request")
         n = host.numel()
+        _mark(request_id, "ids")
         reason = self.disabled or self._broken_to.get(to)
         if reason or n == 0:
             # the consumer waits for a descriptor: tell it the blocks come the ordinary way
@@ -995,6 +1005,7 @@ class IpcPlane:
         slot, ev, ev_handle = self._take_event()
         # after everything queued so far on the current stream (the KV writes)
         ev.record(torch.cuda.current_stream(self.device) if self.device.type == "cuda" else None)
+        _mark(request_id, "recorded")
         lease = self._clock() + max(0.0, deadline - time.monotonic())
         desc = Descriptor(
             rid=request_id,
@@ -1230,7 +1241,6 @@ class IpcPlane:
         self._stats.requests_sent += 1
         st = con._stats
         st.requests_sent += 1
-        st.chunks_sent += L
         st.bytes_sent += self.layout.request_nbytes(sv.host.numel())
         st.send_seconds += time.perf_counter() - sv.started
         con._finished_sending.add(request_id)
@@ -1564,12 +1574,19 @@ class IpcPlane:
         ab, slot = self._slot()
         sb = self._slot_bufs(slot, n)
         dev = self.device
+        # The copy runs on the caller's current stream: ordered after its work so far and
+        # before its next, with no extra stream, event or switch per request. Only a
+        # launch that may be queued behind the producer's event (gpu_wait) runs on the
+        # mapping's own stream, so that a dead producer can only ever block that one.
+        own = triton and self.options.gpu_wait and dev.type == "cuda"
+        stream = m.stream if own or dev.type != "cuda" else torch.cuda.current_stream(dev)
         L = lay.num_layers
         nxt = 0  # layers [0, nxt) are launched
         launched = False
         m.inflight += 1
         try:
-            ids = self._stage_ids(m, sb, desc.src, host)
+            ids = self._stage_ids(stream, own, sb, desc.src, host)
+            _mark(desc.rid, "staged")
             while nxt < L:
                 if layerwise:
                     lr = await self._next_layers(m, desc, nxt, frm, until)
@@ -1588,7 +1605,9 @@ class IpcPlane:
                         await self._wait_ready(ready, until)
                 _mark(desc.rid, f"ready{nxt}")
                 launched = True  # (from here on a launch may be queued: abort rules apply)
-                self._launch(m, ready if gpu_wait else None, ids, ab, slot, triton, nxt, hi, sb)
+                self._launch(
+                    m, stream, ready if gpu_wait else None, ids, ab, slot, triton, nxt, hi, sb
+                )
                 _mark(desc.rid, f"launched{nxt}")
                 nxt = hi
             done = sb.done if sb.done is not None else _Fired()
@@ -1633,7 +1652,7 @@ class IpcPlane:
             raise
         m.inflight -= 1
         self._free_slots.append(slot)
-        if dev.type == "cuda" and sb.done is not None:
+        if own and sb.done is not None:
             torch.cuda.current_stream(dev).wait_event(sb.done)  # fired: orders the caller
         # off the critical path: sent after the caller (woken by our return) ran
         self._release_soon(desc, Release(desc.rid, True))
@@ -1670,27 +1689,36 @@ class IpcPlane:
 
     def _release_soon(self, desc: Descriptor, rel: Release) -> None:
         """Send ``rel`` two loop passes from now: the caller of ``recv_request``, woken
-        by its return in the next pass, runs before the release is encoded and sent."""
-        loop = asyncio.get_running_loop()
-        loop.call_soon(loop.call_soon, self._release, desc, rel)
+        by its return in the next pass, runs before the release is encoded and sent.
+        Releases of one pass go together; :meth:`aclose` sends any still waiting."""
+        self._deferred.append((desc, rel))
+        if len(self._deferred) == 1:
+            loop = asyncio.get_running_loop()
+            loop.call_soon(loop.call_soon, self._flush_releases)
+
+    def _flush_releases(self) -> None:
+        pending, self._deferred = self._deferred, []
+        for desc, rel in pending:
+            self._release(desc, rel)
 
     def _stage_ids(
-        self, m: _Mapping, sb: _SlotBufs, src: Sequence[int], host: torch.Tensor
+        self, stream: Any, own: bool, sb: _SlotBufs, src: Sequence[int], host: torch.Tensor
     ) -> torch.Tensor:
         """Write the ``[2, n]`` ids (source, destination) into the slot's buffers and, on a
-        GPU, enqueue their upload on the mapping's stream, ordered after the caller's
-        current stream (its work so far may still read the destination blocks)."""
+        GPU, enqueue their upload on ``stream``; the mapping's own stream (``own``) first
+        waits for the caller's current stream (its work so far may still read the
+        destination blocks)."""
         n = host.numel()
         pin = sb.pin
         pin[:n] = torch.tensor(src, dtype=torch.int64) if n else pin[:0]
         pin[n : 2 * n] = host
         if self.device.type != "cuda":
             return pin[: 2 * n].view(2, n)
-        stream = m.stream
-        assert sb.order is not None
-        sb.order.record(torch.cuda.current_stream(self.device))
-        stream.wait_event(sb.order)
-        with torch.cuda.stream(stream):
+        if own:
+            assert sb.order is not None
+            sb.order.record(torch.cuda.current_stream(self.device))
+            stream.wait_event(sb.order)
+        with _on(stream, self.device):
             sb.dev[: 2 * n].copy_(pin[: 2 * n], non_blocking=True)
         sb.dev.record_stream(stream)  # freed (retired) only after this stream's work
         return sb.dev[: 2 * n].view(2, n)
@@ -1698,6 +1726,7 @@ class IpcPlane:
     def _launch(
         self,
         m: _Mapping,
+        stream: Any,
         ready: Any,
         ids: torch.Tensor,
         ab: torch.Tensor,
@@ -1707,9 +1736,9 @@ class IpcPlane:
         hi: int,
         sb: _SlotBufs,
     ) -> None:
-        """Enqueue the copy of layers ``[lo, hi)`` on the mapping's stream (after the
-        producer's event ``ready`` on the GPU, if given) and re-record the slot's
-        completion event after it."""
+        """Enqueue the copy of layers ``[lo, hi)`` on ``stream`` (after the producer's
+        event ``ready`` on the GPU, if given) and re-record the slot's completion event
+        after it."""
         dev = self.device
         lay = self.layout
         whole = lo == 0 and hi == lay.num_layers
@@ -1720,8 +1749,7 @@ class IpcPlane:
                 src, dst if whole else dst[lo:hi], lay.block_dim, ids[0], ids[1]
             )
             return
-        stream = m.stream
-        with torch.cuda.stream(stream):
+        with _on(stream, dev):
             if ready is not None:
                 stream.wait_event(ready)  # the producer's KV is written (GPU-side wait)
             if triton:
@@ -1806,6 +1834,7 @@ class IpcPlane:
         """Stop: wait (bounded) for background messages and in-flight copies, then unmap."""
         self._closed = True
         end = time.monotonic() + timeout
+        self._flush_releases()
         if self._background:
             await asyncio.wait(list(self._background), timeout=timeout)
         # unmap only after the copies reading the mappings are over (a launch stuck

@@ -24,9 +24,7 @@ def layout(kind: str = "fa", dtype: str = "bfloat16", nb: int = 24) -> KVLayout:
     return make_layout(kind, dtype, nb, num_layers=L)
 
 
-def layer_landed(
-    pl: KVLayout, p: Any, src: list[int], c: Any, dst: list[int], layer: int
-) -> bool:
+def layer_landed(pl: KVLayout, p: Any, src: list[int], c: Any, dst: list[int], layer: int) -> bool:
     import torch
 
     return torch.equal(blocks(p[layer], pl, src), blocks(c[layer], pl, dst))

@@ -1157,9 +1157,7 @@ class IpcPlane:
                 lease=lease,
                 offer=None if to in self._acked else export.offer,
             )
-            self._send_msg(
-                f"{request_id}#ipc", desc.to_wire(), to, max(0.0, lease - self._clock())
-            )
+            self._send_msg(f"{request_id}#ipc", desc.to_wire(), to, max(0.0, lease - self._clock()))
             rel_task = asyncio.ensure_future(self._await_release(request_id, to, lease))
             rel_task.add_done_callback(_retrieve)
             sv = _IpcSave(to, host, deadline, lease, time.perf_counter(), rel_task)

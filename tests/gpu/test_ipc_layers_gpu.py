@@ -14,6 +14,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+
 from .test_ipc_gpu import run_pair
 
 pytestmark = [pytest.mark.gpu, pytest.mark.timeout(300)]

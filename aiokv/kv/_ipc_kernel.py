@@ -168,6 +168,7 @@ def launch_pair_copy(
     abort: torch.Tensor,
     slot: int,
     *,
+    n_pairs: int | None = None,
     word: int,
     n_layers: int,
     parts: int,
@@ -182,13 +183,16 @@ def launch_pair_copy(
 
     ``src_table``/``dst_table``: ``n_layers`` int64 base addresses (device tensors),
     aligned to ``word``. ``ids``: int64 device tensor ``[2, n]`` (source ids, then
-    destination ids). ``abort``: int32 device tensor; ``abort[slot]`` non-zero makes
+    destination ids; or, with ``n_pairs``, any int64 device buffer whose first
+    ``2 n_pairs`` elements are the source then destination ids). ``abort``: int32
+    device tensor; ``abort[slot]`` non-zero makes
     the launch copy nothing. Strides and sizes are in words. ``base_align``: a power of
     two (bytes) dividing every base address in both tables; with the strides it decides
     the vector width (up to 16 bytes). ``program_bytes``: bytes per program (CTA), a
     power of two (the default, 32 KiB, is what the plane uses).
     """
-    n_pairs = ids.shape[1]
+    if n_pairs is None:
+        n_pairs = ids.shape[1]
     block, chunks, vec, num_warps = _geometry(
         word, seg_words, src_part_stride, dst_part_stride, base_align, program_bytes
     )

@@ -245,7 +245,9 @@ def _no_ext(code: int, data: bytes) -> Any:
 def _tensor_bytes(t: torch.Tensor) -> bytes:
     from ..transport.tcp import tensor_buffer
 
-    return bytes(tensor_buffer(t.detach().cpu().contiguous()))
+    if t.device.type != "cpu" or not t.is_contiguous():  # (the engine hands out CPU ones)
+        t = t.detach().cpu().contiguous()
+    return bytes(tensor_buffer(t))
 
 
 def _int(d: Mapping[str, Any], k: str, lo: int, hi: int) -> int:
@@ -797,6 +799,8 @@ class _SlotBufs:
     dev: torch.Tensor  # device copy the kernel reads
     done: Any  # recorded after each launch of the slot's request
     order: Any  # the caller's stream, recorded before the ids' upload
+    mv: memoryview  # of pin, for struct.pack_into
+    streams: list[Any] = field(default_factory=list)  # dev was record_stream'ed on these
 
 
 @dataclass(slots=True, eq=False)
@@ -804,7 +808,7 @@ class _IpcSave:
     """A request being saved layer by layer over the plane (producer)."""
 
     to: str
-    host: torch.Tensor
+    host: tuple[int, ...]
     deadline: float
     lease: float
     started: float
@@ -920,6 +924,24 @@ class IpcPlane:
 
         self._track(reap())
 
+    def _ids(
+        self, block_ids: torch.Tensor | Sequence[int], *, unique: bool, what: str
+    ) -> tuple[int, ...]:
+        """Block ids as a checked tuple (the connector's rules). A list or tuple of ints
+        is checked in Python: the torch calls of the connector's check cost ~80 µs per
+        request on the device host (run s11-ipc-r2), more than the copy itself."""
+        if isinstance(block_ids, (list, tuple)) and all(type(i) is int for i in block_ids):
+            ids = tuple(block_ids)
+            nb = self.layout.num_blocks
+            if ids and (min(ids) < 0 or max(ids) >= nb):
+                raise ConfigError(
+                    f"{what}: block ids must be in [0, {nb}), got [{min(ids)}, {max(ids)}]"
+                )
+            if unique and len(set(ids)) != len(ids):
+                raise ConfigError(f"{what}: duplicate block ids")
+            return ids
+        return tuple(self.con._host_ids(block_ids, unique=unique, what=what).tolist())
+
     def _seg_bytes(self) -> int:
         return self.layout.segment_numel() * self.layout.itemsize
 
@@ -978,8 +1000,8 @@ class IpcPlane:
         con._check_open()
         con._check_rid(request_id)
         deadline = con._deadline(timeout)
-        host = con._host_ids(block_ids, unique=False, what="send_request")
-        n = host.numel()
+        host = self._ids(block_ids, unique=False, what="send_request")
+        n = len(host)
         _mark(request_id, "ids")
         reason = self.disabled or self._broken_to.get(to)
         if reason or n == 0:
@@ -1004,7 +1026,7 @@ class IpcPlane:
             return await self.send_request(request_id, host, to=to, timeout=timeout)
         slot, ev, ev_handle = self._take_event()
         # after everything queued so far on the current stream (the KV writes)
-        ev.record(torch.cuda.current_stream(self.device) if self.device.type == "cuda" else None)
+        ev.record()  # on the current stream: after the KV writes queued so far
         _mark(request_id, "recorded")
         lease = self._clock() + max(0.0, deadline - time.monotonic())
         desc = Descriptor(
@@ -1013,7 +1035,7 @@ class IpcPlane:
             n=n,
             reply_to=str(getattr(con.engine, "address", "")),
             token=export.offer.token,
-            src=tuple(host.tolist()),
+            src=host,
             event=ev_handle,
             event_slot=slot,
             lease=lease,
@@ -1121,8 +1143,8 @@ class IpcPlane:
         if request_id in self._plain_saves:
             con.save_layer(request_id, layer, block_ids, to=to, timeout=timeout, _plain=True)
             return
-        host = con._host_ids(block_ids, unique=False, what="save_layer")
-        n = host.numel()
+        host = self._ids(block_ids, unique=False, what="save_layer")
+        n = len(host)
         sv = self._saves.get(request_id)
         if sv is None:
             deadline = con._deadline(timeout)
@@ -1153,7 +1175,7 @@ class IpcPlane:
                 n=n,
                 reply_to=str(getattr(con.engine, "address", "")),
                 token=export.offer.token,
-                src=tuple(host.tolist()),
+                src=host,
                 lease=lease,
                 offer=None if to in self._acked else export.offer,
             )
@@ -1162,7 +1184,7 @@ class IpcPlane:
             rel_task.add_done_callback(_retrieve)
             sv = _IpcSave(to, host, deadline, lease, time.perf_counter(), rel_task)
             self._saves[request_id] = sv
-        elif sv.to != to or sv.host.numel() != n or not torch.equal(sv.host, host):
+        elif sv.to != to or sv.host != host:
             raise ConfigError(
                 f"save_layer({request_id!r}, {layer}): other block ids or peer than the "
                 "earlier layers of the request"
@@ -1239,7 +1261,7 @@ class IpcPlane:
         self._stats.requests_sent += 1
         st = con._stats
         st.requests_sent += 1
-        st.bytes_sent += self.layout.request_nbytes(sv.host.numel())
+        st.bytes_sent += self.layout.request_nbytes(len(sv.host))
         st.send_seconds += time.perf_counter() - sv.started
         con._finished_sending.add(request_id)
 
@@ -1258,8 +1280,8 @@ class IpcPlane:
         con._check_open()
         con._check_rid(request_id)
         deadline = con._deadline(timeout)
-        host = con._host_ids(block_ids, unique=True, what="recv_request")
-        n = host.numel()
+        host = self._ids(block_ids, unique=True, what="recv_request")
+        n = len(host)
         raw = await self.channel.recv(
             f"{request_id}#ipc", frm=frm, timeout=max(0.0, deadline - time.monotonic())
         )
@@ -1369,11 +1391,26 @@ class IpcPlane:
 
     def _aborts(self) -> torch.Tensor:
         if self._abort is None:
-            self._abort = torch.zeros(4096, dtype=torch.int32, device=self.device)
+            if self.device.type == "cuda":
+                # Zeroed on the control stream (where the words are later set) and waited
+                # for: a zero-fill left queued on the caller's stream could otherwise run
+                # after an abort's fill and clear it (run s11-ipc-r2 caught the probe's
+                # aborted launch writing). A tiny fill once per 4096 requests.
+                ctl = self._ctl()
+                with torch.cuda.stream(ctl):
+                    self._abort = torch.zeros(4096, dtype=torch.int32, device=self.device)
+                ctl.synchronize()
+            else:
+                self._abort = torch.zeros(4096, dtype=torch.int32, device=self.device)
             # never freed: a launch stuck behind a dead producer's event may read its
             # word whenever (if ever) that event fires
             self._keep.append(self._abort)
         return self._abort
+
+    def _ctl(self) -> Any:
+        if self._ctl_stream is None:
+            self._ctl_stream = self.backend.new_stream(self.device)
+        return self._ctl_stream
 
     def _slot(self) -> tuple[torch.Tensor, int]:
         """An abort word never set before (aborted words are never reused)."""
@@ -1390,9 +1427,7 @@ class IpcPlane:
 
     def _set_abort(self, ab: torch.Tensor, slot: int) -> None:
         if ab.device.type == "cuda":
-            if self._ctl_stream is None:
-                self._ctl_stream = self.backend.new_stream(self.device)
-            with torch.cuda.stream(self._ctl_stream):
+            with torch.cuda.stream(self._ctl()):
                 ab[slot : slot + 1].fill_(1)
         else:
             ab[slot] = 1
@@ -1450,8 +1485,10 @@ class IpcPlane:
             ab, slot = self._slot()
             ab_off, slot_off = self._slot()
             self._set_abort(ab_off, slot_off)  # also loads the fill kernel, off any peer wait
+            # after the zero-fills above (caller's stream) and the abort (control stream)
+            stream.wait_stream(torch.cuda.current_stream(dev))
+            stream.wait_stream(self._ctl_stream)
             with torch.cuda.stream(stream):
-                stream.wait_stream(self._ctl_stream)
                 for target, a, s in ((dst, ab, slot), (untouched.view(wdt), ab_off, slot_off)):
                     # separate (aligned) tables: the same specialisation as the real copies
                     st = torch.tensor([src.data_ptr()], dtype=torch.int64).to(dev)
@@ -1521,7 +1558,9 @@ class IpcPlane:
         if cuda:
             done = torch.cuda.Event()  # type: ignore[no-untyped-call]
             order = torch.cuda.Event()  # type: ignore[no-untyped-call]
-        sb = _SlotBufs(cap, pin, dbuf, done, order)
+        from ..transport.tcp import tensor_buffer
+
+        sb = _SlotBufs(cap, pin, dbuf, done, order, tensor_buffer(pin))
         self._slotbufs[slot] = sb
         return sb
 
@@ -1536,14 +1575,14 @@ class IpcPlane:
         self,
         m: _Mapping,
         desc: Descriptor,
-        host: torch.Tensor,
+        host: tuple[int, ...],
         deadline: float,
         frm: str | None = None,
     ) -> None:
         """Copy the request: one launch (``plane == "ipc"``), or one per chunk of layers
         as the producer's :class:`LayerReady` messages arrive (``LAYERS``)."""
         con = self.con
-        n = host.numel()
+        n = len(host)
         lay = self.layout
         layerwise = desc.plane == LAYERS
         if n and max(desc.src) >= m.layout.num_blocks:  # uint32 on the wire: never < 0
@@ -1604,7 +1643,7 @@ class IpcPlane:
                 _mark(desc.rid, f"ready{nxt}")
                 launched = True  # (from here on a launch may be queued: abort rules apply)
                 self._launch(
-                    m, stream, ready if gpu_wait else None, ids, ab, slot, triton, nxt, hi, sb
+                    m, stream, ready if gpu_wait else None, ids, ab, slot, triton, nxt, hi, sb, n
                 )
                 _mark(desc.rid, f"launched{nxt}")
                 nxt = hi
@@ -1700,26 +1739,28 @@ class IpcPlane:
             self._release(desc, rel)
 
     def _stage_ids(
-        self, stream: Any, own: bool, sb: _SlotBufs, src: Sequence[int], host: torch.Tensor
+        self, stream: Any, own: bool, sb: _SlotBufs, src: Sequence[int], dst: Sequence[int]
     ) -> torch.Tensor:
-        """Write the ``[2, n]`` ids (source, destination) into the slot's buffers and, on a
-        GPU, enqueue their upload on ``stream``; the mapping's own stream (``own``) first
-        waits for the caller's current stream (its work so far may still read the
-        destination blocks)."""
-        n = host.numel()
-        pin = sb.pin
-        pin[:n] = torch.tensor(src, dtype=torch.int64) if n else pin[:0]
-        pin[n : 2 * n] = host
+        """Write the ids (``n`` source, then ``n`` destination) into the slot's pinned
+        buffer and, on a GPU, enqueue their upload on ``stream``; returns what the copy
+        reads. The mapping's own stream (``own``) first waits for the caller's current
+        stream (its work so far may still read the destination blocks). A few Python
+        and torch calls, no allocation: each one costs tens of µs on the device host."""
+        n = len(dst)
+        if n:
+            struct.pack_into(f"<{2 * n}q", sb.mv, 0, *src, *dst)
         if self.device.type != "cuda":
-            return pin[: 2 * n].view(2, n)
+            return sb.pin[: 2 * n].view(2, n)
         if own:
             assert sb.order is not None
             sb.order.record(torch.cuda.current_stream(self.device))
             stream.wait_event(sb.order)
         with _on(stream, self.device):
-            sb.dev[: 2 * n].copy_(pin[: 2 * n], non_blocking=True)
-        sb.dev.record_stream(stream)  # freed (retired) only after this stream's work
-        return sb.dev[: 2 * n].view(2, n)
+            sb.dev[: 2 * n].copy_(sb.pin[: 2 * n], non_blocking=True)
+        if stream not in sb.streams:
+            sb.dev.record_stream(stream)  # freed (retired) only after this stream's work
+            sb.streams.append(stream)
+        return sb.dev
 
     def _launch(
         self,
@@ -1733,6 +1774,7 @@ class IpcPlane:
         lo: int,
         hi: int,
         sb: _SlotBufs,
+        n: int,
     ) -> None:
         """Enqueue the copy of layers ``[lo, hi)`` on ``stream`` (after the producer's
         event ``ready`` on the GPU, if given) and re-record the slot's completion event
@@ -1759,6 +1801,7 @@ class IpcPlane:
                     ids,
                     ab,
                     slot,
+                    n_pairs=n,
                     word=w,
                     n_layers=hi - lo,
                     parts=lay.kv_parts,
@@ -1773,7 +1816,7 @@ class IpcPlane:
             else:
                 dst = self.con.caches.raw(m.word)
                 _ipc_kernel.torch_pair_copy(
-                    m.src_layers[lo:hi], dst[lo:hi], lay.block_dim, ids[0], ids[1]
+                    m.src_layers[lo:hi], dst[lo:hi], lay.block_dim, ids[:n], ids[n : 2 * n]
                 )
             assert sb.done is not None
             sb.done.record(stream)

@@ -26,7 +26,8 @@ block counts, or different ``chunk_bytes`` on the two sides. A 1-D uint8 chunk o
 the right byte count is also accepted.
 
 Layer-wise streaming (:meth:`KVConnector.save_layer`) sends layer ``l`` as
-``f"{request_id}#L{l}"`` of shape ``(1, n_blocks * block_nbytes)``.
+``f"{request_id}#L{l}"`` of shape ``(1, n_blocks * block_nbytes)`` (with the IPC
+plane: an event and a small message per layer instead, docs/ipc.md).
 
 Every request also carries a small header, ``f"{request_id}#kvh"``: a CPU uint8
 tensor (so it travels over TCP and is read on the host, never synchronising a

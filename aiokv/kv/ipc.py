@@ -21,9 +21,16 @@ See ``docs/ipc.md`` for the design, the wire messages and the safety rules; in s
   ones to that peer -- through the connector's ordinary path (NCCL, or TCP),
   with a log line and a counter. Never silently.
 
+* **Layer-wise.** ``save_layer`` records an event per layer and announces it
+  (:class:`LayerReady`); the consumer copies each layer with one launch once its
+  event fired, all under the request's one abort word and one release.
+
 Control messages travel as small uint8 CPU tensors carrying msgpack through the
-engine's public ``send_nowait``/``recv`` (tensor ids ``"{rid}#ipc"`` and
-``"{rid}#ipcrel"``); every received field is checked before use.
+engine's public ``send_nowait``/``recv`` (tensor ids ``"{rid}#ipc"``,
+``"{rid}#ipcL{layer}"`` and ``"{rid}#ipcrel"``); every received field is checked
+before use. The per-request path avoids allocations and most torch calls (each
+costs tens of µs on a GPU host); ``AIOKV_IPC_TRACE=1`` stamps its stages
+(:func:`take_trace`, ``aiokv bench kv --transport ipc --trace``).
 """
 
 from __future__ import annotations
@@ -63,6 +70,7 @@ if TYPE_CHECKING:
     from .connector import KVConnector
 
 __all__ = [
+    "LAYERS",
     "ControlChannel",
     "Descriptor",
     "EngineChannel",
@@ -76,6 +84,7 @@ __all__ = [
     "StorageExport",
     "decode_message",
     "encode_message",
+    "take_trace",
     "unsupported_reason",
 ]
 

@@ -316,3 +316,30 @@ def test_layers_descriptor() -> None:
     for bad in ({"event": b"e" * 64}, {"event_slot": 3}, {"plane": "ipc-layer"}):
         with pytest.raises(RemoteProtocolError):
             Descriptor.from_wire({**d, **bad})
+
+
+@pytest.mark.anyio
+@pytest.mark.timeout(60)
+async def test_layer_tables_are_the_layers_addresses_in_aligned_allocations() -> None:
+    """The kernel's tables for a chunk of layers: the producer's and the consumer's
+    base addresses of exactly those layers, each table its own 16-byte aligned
+    allocation (a slice of the whole table at an odd layer would be 8-byte aligned and
+    make Triton compile another variant mid-request), made once per chunk."""
+    pl = layout()
+    p, c = filled(pl, 1), filled(pl, 2)
+    async with pair(pl, pl) as (a, b):
+        prod, cons = connectors(a, b, pl, p, pl, c)
+        await move(prod, cons, a, b, "w", [1], [1])
+        plane = cons._ipc
+        assert plane is not None
+        (m,) = plane._maps.values()
+        for lo, hi in ((1, 2), (1, 3), (0, L), (3, 4)):
+            st, dt = plane._tables(m, lo, hi)
+            assert st.tolist() == [m.src_layers[i].data_ptr() for i in range(lo, hi)]
+            assert dt.tolist() == [c[i].data_ptr() for i in range(lo, hi)]
+            assert st.data_ptr() % 16 == 0 and dt.data_ptr() % 16 == 0
+            assert plane._tables(m, lo, hi)[0] is st  # cached
+        # the producer's layers, as the consumer maps them: the same bytes
+        assert all(torch_equal(m.src_layers[i], p[i].view(m.src_layers[i].dtype)) for i in range(L))
+        await prod.aclose()
+        await cons.aclose()

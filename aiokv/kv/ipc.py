@@ -797,6 +797,11 @@ class _Mapping:
     events: dict[int, tuple[bytes, Any]] = field(default_factory=dict)
     inflight: int = 0
     broken: str = ""
+    # layer-wise: the tables of layers [lo, hi), each its own (16-byte aligned)
+    # allocation, never freed while the mapping lives: a slice of src_table at an odd
+    # layer would be only 8-byte aligned, and Triton would compile (and load) another
+    # variant of the kernel in the middle of a request
+    tables: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
 
 
 @dataclass(slots=True, eq=False)
@@ -1213,7 +1218,12 @@ class IpcPlane:
         pending, sv.pending = sv.pending, []
         left = max(0.0, sv.lease - self._clock())
         for lr in pending:
-            self._send_msg(_layer_id(lr.rid, lr.lo), lr.to_wire(), sv.to, left)
+            try:
+                self._send_msg(_layer_id(lr.rid, lr.lo), lr.to_wire(), sv.to, left)
+            except Exception as exc:  # engine closing: the consumer's lease runs out instead
+                log.warning(
+                    "aiokv IPC plane: could not announce %r: %s", _layer_id(lr.rid, lr.lo), exc
+                )
 
     async def wait_saved(self, request_id: str) -> None:
         """Wait for the consumer's release of a request saved over IPC (see
@@ -1684,7 +1694,7 @@ class IpcPlane:
             settled = await self._settle(m, sb.done if sb.done is not None else _Fired())
             self._retire_slot(slot, keep=not settled)
             if not settled:  # a stuck launch keeps its mapping's tensors forever
-                self._keep.append((m.src_table, m.storages))
+                self._keep.append((m.src_table, m.tables, m.storages))
             m.inflight -= 1
             reason = "cancelled" if isinstance(exc, asyncio.CancelledError) else "deadline"
             if not (timeout or isinstance(exc, asyncio.CancelledError)):
@@ -1771,6 +1781,20 @@ class IpcPlane:
             sb.streams.append(stream)
         return sb.dev
 
+    def _tables(self, m: _Mapping, lo: int, hi: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Source and destination base-address tables of layers ``[lo, hi)`` (device)."""
+        t = m.tables.get((lo, hi))
+        if t is None:
+            if lo == 0 and hi == self.layout.num_layers:
+                t = (m.src_table, self.con.caches.ptr_table(range(lo, hi)))
+            else:
+                src = [x.data_ptr() for x in m.src_layers[lo:hi]]
+                dst = [x.data_ptr() for x in self.con.caches.tensors[lo:hi]]
+                both = torch.tensor([src, dst], dtype=torch.int64).to(self.device)
+                t = (both[0].clone(), both[1].clone())  # two allocations, both aligned
+            m.tables[(lo, hi)] = t
+        return t
+
     def _launch(
         self,
         m: _Mapping,
@@ -1804,9 +1828,10 @@ class IpcPlane:
             if triton:
                 seg = self._seg_bytes()
                 w = m.word
+                st, dt = self._tables(m, lo, hi)
                 ok = _ipc_kernel.launch_pair_copy(
-                    m.src_table if whole else m.src_table[lo:hi],
-                    self.con.caches.ptr_table(range(lo, hi)),
+                    st,
+                    dt,
                     ids,
                     ab,
                     slot,

@@ -343,3 +343,45 @@ async def test_layer_tables_are_the_layers_addresses_in_aligned_allocations() ->
         assert all(torch_equal(m.src_layers[i], p[i].view(m.src_layers[i].dtype)) for i in range(L))
         await prod.aclose()
         await cons.aclose()
+
+
+@pytest.mark.anyio
+@pytest.mark.timeout(60)
+async def test_block_ids_checked_in_python_as_the_connector_does() -> None:
+    """The plane checks list block ids itself (no torch calls): the connector's rules
+    hold, and nothing is sent for a call it refuses."""
+    from aiokv import ConfigError
+
+    pl = layout(nb=24)
+    p, c = filled(pl, 1), filled(pl, 2)
+    async with pair(pl, pl) as (a, b):
+        prod, cons = connectors(a, b, pl, p, pl, c)
+        for bad in ([-1], [24], [1, True], [1.0], "12"):
+            with pytest.raises(ConfigError):
+                await prod.send_request("b", bad, to=b.address, timeout=1)  # type: ignore[arg-type]
+            with pytest.raises(ConfigError):
+                prod.save_layer("b", 0, bad, to=b.address)  # type: ignore[arg-type]
+        with pytest.raises(ConfigError, match="duplicate"):
+            await cons.recv_request("b", [3, 3], frm=a.address, timeout=1)
+        assert prod._ipc is not None and not prod._ipc._saves
+        # tuples and tensors take the same path as lists
+        import torch
+
+        recv = asyncio.create_task(
+            cons.recv_request("t", torch.tensor([4, 5]), frm=a.address, timeout=10)
+        )
+        await prod.send_request("t", (2, 3), to=b.address, timeout=10)
+        await recv
+        assert landed(pl, p, [2, 3], c, [4, 5])
+        await prod.aclose()
+        await cons.aclose()
+
+
+def test_trace_summary() -> None:
+    from aiokv.kv.bench import _trace_summary
+
+    prod = [("lat0", "send", 1.0), ("lat0", "sent", 1.0002), ("lat1", "send", 2.0)]
+    cons = [("lat0", "desc", 1.0005), ("lat1", "desc", 2.0007), ("x", "desc", 0.0)]
+    out = _trace_summary(prod, cons, [1.0, 2.0], [1.001, 2.003])
+    assert list(out) == ["send", "sent", "desc", "end"]  # ordered by time
+    assert out["desc"] == pytest.approx(0.6) and out["end"] == pytest.approx(2.0)

@@ -1,10 +1,19 @@
 #!/usr/bin/env bash
 # Issue 15, second round (one request's latency, layer-wise IPC): the IPC GPU tests, then
 # `aiokv.kv.bench --transport ipc` short/long with the code BEFORE this round (a copy of
-# the base commit's aiokv/ in build/base, carried) and after it, same command, same run,
+# the base commit's aiokv/ in build/base) and after it, same command, same run,
 # interleaved; the "after" runs also stamp each latency request's stages (--trace).
-#   run (kind nvidia-h200, carry .whl .whl2 build):  TAG=s11-ipc-r1 bash benchmarks/gpu_ipc2.sh
-#   build/base is made here with:  mkdir -p build/base && git archive BASE aiokv | tar -x -C build/base
+#
+# The device receives the session's checkout (/work/main), not a helper's worktree, so
+# runs s11-ipc-r1..r3 went like this (the scratch folder is git-ignored, removed after):
+#   here:   D=/work/main/build/ipc2-s11; mkdir -p $D/new $D/base
+#           git ls-files aiokv tests benchmarks pyproject.toml | tar -cf - -T - | tar -xf - -C $D/new
+#           git archive 0343d39 aiokv | tar -x -C $D/base
+#   device (kind nvidia-h200, carry build/ipc2-s11 .whl .whl2):
+#           python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl .whl2/*.whl
+#           cd build/ipc2-s11/new && mkdir -p build && ln -s ../../base build/base
+#           TAG=s11-ipc-r3 TEST_TIMEOUT=110 LAT_N=150 TESTS="..." bash benchmarks/gpu_ipc2.sh
+# From a checkout of this branch itself: make build/base as above and carry .whl .whl2 build.
 set -uo pipefail
 . "$(dirname "${BASH_SOURCE[0]}")/_device_env.sh"
 TAG="${TAG:-s11-ipc}"

@@ -1708,8 +1708,10 @@ class IpcPlane:
             raise
         m.inflight -= 1
         self._free_slots.append(slot)
-        if own and sb.done is not None:
-            torch.cuda.current_stream(dev).wait_event(sb.done)  # fired: orders the caller
+        if sb.done is not None and (own or torch.cuda.current_stream(dev) != stream):
+            # the copy ran on another stream than the caller's current one (gpu_wait, or
+            # a stream switched by other code during our awaits): order the caller after it
+            torch.cuda.current_stream(dev).wait_event(sb.done)
         # off the critical path: sent after the caller (woken by our return) ran
         self._release_soon(desc, Release(desc.rid, True))
         self._stats.requests_received += 1

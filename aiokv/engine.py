@@ -1842,10 +1842,11 @@ class Engine:
         pe = self._stats.protocol_errors
         pe[code] = pe.get(code, 0) + 1
 
-    def _reply(self, ss: _ServerSession, data: bytes) -> None:
-        """Queue a control message to ``ss``; one zmq message per session per loop pass."""
+    def _reply(self, ss: _ServerSession, data: bytes, now: bool = False) -> None:
+        """Queue a control message to ``ss``; one zmq message per session per loop pass
+        (``now``: the caller flushes at once, nothing to schedule)."""
         ss.outbox.append(data)
-        if len(ss.outbox) == 1:
+        if len(ss.outbox) == 1 and not now:
             self._loop.call_soon(self._flush_reply, ss)
 
     def _flush_reply(self, ss: _ServerSession) -> None:
@@ -2415,7 +2416,7 @@ class Engine:
                 # the ACK leaves now, before anything this message woke up (a waiting
                 # recv, the caller's next step) runs: it is the sender's critical path
                 if ss.ack_due and not ss.dead:
-                    self._send_credit(ss)
+                    self._send_credit(ss, now=True)
                     if ss.outbox:
                         self._flush_reply(ss)
                 return
@@ -2483,10 +2484,11 @@ class Engine:
             self._stats.tensors_received += k
             self._stats.bytes_received += n
             ss.acks.append(msg.xfer)
-        self._ack_soon(ss)
+        ss.ack_due = True  # sent by _on_data once the whole message is handled
 
-    def _send_credit(self, ss: _ServerSession) -> None:
-        """One ACK for everything landed or refused this loop pass, with any new credit."""
+    def _send_credit(self, ss: _ServerSession, now: bool = False) -> None:
+        """One ACK for everything landed or refused this loop pass, with any new credit
+        (``now``: the caller flushes the session's replies itself, at once)."""
         ss.ack_due = False
         ledger = ss.ledger
         if ledger is None or ss.dead:
@@ -2530,6 +2532,7 @@ class Engine:
                         tuple(refused[i : i + MAX_ACKS]),
                     )
                 ),
+                now,
             )
 
     def _ack_soon(self, ss: _ServerSession) -> None:

@@ -507,6 +507,21 @@ class Codec:
                     ]
                 ),
             )
+        if type(msg) is Ack:
+            return cast(
+                bytes,
+                self._pack(
+                    [
+                        Ack.KIND,
+                        msg.window_bytes,
+                        msg.window_tensors,
+                        msg.add_bytes,
+                        msg.add_tensors,
+                        list(msg.done),
+                        [list(r) for r in msg.refused],
+                    ]
+                ),
+            )
         names = _FIELD_NAMES.get(type(msg))
         if names is None:
             names = _FIELD_NAMES[type(msg)] = tuple(f.name for f in fields(msg))  # type: ignore[arg-type]

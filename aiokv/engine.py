@@ -189,7 +189,7 @@ def _prepare(
         seen.add(tid)
         if not isinstance(t, torch.Tensor):
             raise ConfigError(f"{tid!r}: expected a torch.Tensor, got {type(t).__name__}")
-        if t.device.type not in ("cpu", "cuda") or t.layout is not torch.strided:
+        if not (t.is_cpu or t.is_cuda) or t.layout is not torch.strided:
             # a meta tensor has no memory (zmq would read address 0); sparse ones no flat bytes
             raise ConfigError(
                 f"{tid!r}: only dense CPU or CUDA tensors can be sent, "
@@ -198,7 +198,7 @@ def _prepare(
         name = dtype_name(t.dtype)
         if name is None:
             raise ConfigError(f"{tid!r}: dtype {t.dtype} cannot be sent")
-        c = t.detach()
+        c = t.detach() if t.requires_grad else t  # (a new tensor object costs a little)
         if not c.is_contiguous():
             c = c.contiguous()
         specs.append(TensorSpec(tid, name, tuple(c.shape)))
@@ -503,7 +503,7 @@ class _ClientSession:
             raise PeerLostError(f"session with {self.address} is gone: {self.dead}")
         loop = self.engine._loop
         if transport == "tcp" and not self.credit_wait:
-            nbytes = sum(s.nbytes for s in specs)
+            nbytes = specs[0].nbytes if len(specs) == 1 else sum(s.nbytes for s in specs)
             k = len(specs)
             if self.credit.fits_window(nbytes, k) and self.credit.try_spend(nbytes, k):
                 # the common case: credit in hand, nobody queued before it. Posted now;
@@ -1739,6 +1739,8 @@ class Engine:
         self._check_open()
         lim = self.config.limits
         specs, tensors = _prepare(items, lim.max_id_length, lim.max_tensors_per_transfer)
+        if not any(t.is_cuda for t in tensors):
+            return _Staged(specs, tensors, None, False)
         cuda = [t.is_cuda for t in tensors]
         ready = None
         if any(cuda):

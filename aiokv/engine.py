@@ -26,7 +26,6 @@ import asyncio
 import contextlib
 import dataclasses
 import gc
-import heapq
 import itertools
 import logging
 import os
@@ -64,6 +63,7 @@ from ._exceptions import (
 )
 from ._zsock import LoopSocket, monitor_socket
 from .cuda import _resolve
+from .protocol.admission import AdmissionQueue, PeerQueue
 from .protocol.codec import MAX_ACKS, TOKEN_BYTES, Codec, WireError, WireLimits
 from .protocol.credit import CreditAccount, CreditLedger
 from .protocol.messages import (
@@ -1004,9 +1004,8 @@ class _ServerSession:
         self.nccl: NcclSink | None = None
         self.granted: dict[int, _InXfer] = {}
         # reservations waiting for room, oldest first
-        self.queued: dict[int, tuple[Reserve, int]] = {}  # xfer -> (RESERVE, arrival no.)
-        self.queued_ids: set[str] = set()
-        self.heap_key: int | None = None  # its entry in the engine's heap of queue heads
+        # RESERVEs waiting for room, in the engine's AdmissionQueue
+        self.queued: PeerQueue[Reserve] = PeerQueue(owner=self)
         self.expired: set[int] = set()  # grants this end gave up on (late data is dropped)
         self.last_recv = time.monotonic()
         self.dead = False
@@ -1135,10 +1134,8 @@ class Engine:
         # accepted connections without a session yet: fd -> (accepted at, peer name)
         self._unbound: dict[int, tuple[float, str | None]] = {}
         self._router_mon: zmq.asyncio.Socket = None  # type: ignore[assignment]
-        # sessions with queued reservations, by the arrival of their oldest one: grants
-        # follow arrival order, but a head that does not fit holds up only its session
-        self._heads: list[tuple[int, int, _ServerSession]] = []
-        self._arrivals = itertools.count()
+        # reservations waiting for room, every session's (see aiokv.protocol.admission)
+        self._admission: AdmissionQueue[Reserve] = AdmissionQueue()
         self._published: dict[str, torch.Tensor] = {}
         self._stats = EngineStatistics()
         self._tasks: set[asyncio.Task[Any]] = set()
@@ -2167,10 +2164,7 @@ class Engine:
         if isinstance(msg, Reserve):
             self._on_reserve(ss, msg)
         elif isinstance(msg, Withdraw):
-            if msg.xfer in ss.queued:
-                res, _ = ss.queued.pop(msg.xfer)
-                for s in res.specs:
-                    ss.queued_ids.discard(s.tensor_id)
+            if self._admission.withdraw(ss.queued, msg.xfer) is not None:
                 self._reply(ss, ss.sess.send(Withdrawn(msg.xfer)))
                 self._unpause_credit(ss, msg.xfer)
                 self._stats.withdrawn += 1
@@ -2258,7 +2252,7 @@ class Engine:
             ids = [s.tensor_id for s in msg.specs]
             try:
                 self._store.check_free(ss.peer, ids)
-                if ss.queued_ids.intersection(ids):
+                if ss.queued.claims_any(ids):
                     raise DuplicateTensorError("duplicate")
             except DuplicateTensorError:
                 code, detail = (
@@ -2272,12 +2266,7 @@ class Engine:
             return
         if not ss.queued and self._try_grant(ss, msg):
             return
-        n = next(self._arrivals)
-        ss.queued[msg.xfer] = (msg, n)
-        ss.queued_ids.update(s.tensor_id for s in msg.specs)
-        if ss.heap_key is None:
-            ss.heap_key = n
-            heapq.heappush(self._heads, (n, id(ss), ss))
+        self._admission.add(ss.queued, msg.xfer, msg, [s.tensor_id for s in msg.specs])
 
     def _try_grant(self, ss: _ServerSession, msg: Reserve) -> bool:
         assert ss.peer is not None
@@ -2322,35 +2311,8 @@ class Engine:
         later ones (one order per peer) but never another session's: one peer's
         large reservation waiting for room does not block the others.
         """
-        heads = self._heads
-        stuck: list[tuple[int, int, _ServerSession]] = []
-        while heads:
-            key, tie, ss = heads[0]
-            if ss.dead or not ss.queued or ss.heap_key != key:
-                heapq.heappop(heads)  # stale entry
-                if ss.heap_key == key:
-                    ss.heap_key = None
-                continue
-            xfer, (msg, arrival) = next(iter(ss.queued.items()))
-            if arrival != key:  # its head was withdrawn: re-file under the new head
-                ss.heap_key = arrival
-                heapq.heapreplace(heads, (arrival, tie, ss))
-                continue
-            if not self._try_grant(ss, msg):
-                stuck.append(heapq.heappop(heads))
-                continue
-            del ss.queued[xfer]
-            for sp in msg.specs:
-                ss.queued_ids.discard(sp.tensor_id)
-            if ss.queued:
-                nxt = next(iter(ss.queued.values()))[1]
-                ss.heap_key = nxt
-                heapq.heapreplace(heads, (nxt, tie, ss))
-            else:
-                ss.heap_key = None
-                heapq.heappop(heads)
-        for e in stuck:
-            heapq.heappush(heads, e)
+        if self._admission.queued:
+            self._admission.pump(lambda q, msg: self._try_grant(q.owner, msg))
         if self._starved:
             for ss in sorted(self._starved, key=_share):
                 if not ss.ack_due:
@@ -2465,7 +2427,7 @@ class Engine:
         pairs = [(sp.tensor_id, sp.nbytes) for sp in msg.specs]
         why = ""
         try:
-            if ss.queued_ids.intersection(t for t, _ in pairs):
+            if ss.queued.claims_any(t for t, _ in pairs):
                 raise DuplicateTensorError("duplicate")
             if not self._store.try_reserve(ss.peer, pairs):
                 why = "busy"  # the store's tensor count is full (bytes were credited)
@@ -2649,6 +2611,7 @@ class Engine:
         if ss.dead:
             return
         ss.dead = True
+        self._admission.close(ss.queued)  # before anything below may pump the queue
         if lost:
             self._stats.peers_lost += 1
         self._servers.pop(ss.rid, None)
@@ -2679,7 +2642,6 @@ class Engine:
             # slices: a session with tens of thousands pending must not stall the loop
             ids = [s.tensor_id for inx in ss.granted.values() for s in inx.specs]
             self._cancel_in_slices(ss.peer, ids, err)
-        ss.queued.clear()
         ss.granted.clear()
         ss.sess.close()
         self._pump_queue()

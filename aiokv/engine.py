@@ -61,7 +61,7 @@ from ._exceptions import (
     TransferError,
     TransferTimeoutError,
 )
-from ._zsock import LoopSocket, monitor_socket
+from ._zsock import LoopSocket, Outbox, monitor_socket
 from .cuda import _resolve
 from .protocol.admission import AdmissionQueue, PeerQueue
 from .protocol.codec import MAX_ACKS, TOKEN_BYTES, Codec, WireError, WireLimits
@@ -415,7 +415,11 @@ class _ClientSession:
         self.last_recv = time.monotonic()
         self.last_ping = 0.0
         self.last_used = time.monotonic()
-        self.outbox: list[bytes] = []
+        self.outbox = Outbox(
+            self.ctrl,
+            lambda exc: self.fail(PeerLostError(f"control channel to {address} failed: {exc}")),
+            max_frames=MAX_FRAMES_PER_MESSAGE,
+        )
         self.suspect = False  # missed its heartbeat once; judged on the next tick
         self.nonce = itertools.count(1)
         self.get_ids = itertools.count(1)
@@ -424,8 +428,14 @@ class _ClientSession:
         self.credit = CreditAccount()  # protocol v2, once the peer announced its window
         self.credit_wait: deque[_OutXfer] = deque()  # PUTs waiting for credit, in order
         self.gave_up: set[int] = set()  # posted PUTs whose caller timed out: a late ACK is fine
-        self.data_out: list[Any] = []  # PUT/RETURN frames of this loop pass
-        self.data_out_bytes = 0
+        # PUT/RETURN frames of this loop pass: a PUT's frames stay in one message
+        self.data_out = Outbox(
+            self.data,
+            lambda exc: self.fail(PeerLostError(f"data channel to {address} failed: {exc}")),
+            copy=False,
+            batch_frames=_PUT_BATCH_FRAMES,
+            batch_bytes=_PUT_BATCH_BYTES,
+        )
 
     @property
     def peer_id(self) -> str | None:
@@ -624,38 +634,18 @@ class _ClientSession:
             # give unspent credit back first (after our PUTs, on their connection), so
             # that the whole budget can serve a transfer larger than the window
             b, t = self.credit.take_all()
-            self._post_data([self.engine._codec.encode(Return(x.xfer, b, t))])
+            self.data_out.put([self.engine._codec.encode(Return(x.xfer, b, t))])
         self._send_ctrl(self.sess.send(Reserve(x.xfer, x.transport, tuple(x.specs))))
         if _trace.enabled:
             _trace.mark("start", self.engine.engine_id, x.xfer)
         if x.transport == "nccl":
             self.engine._get_poller().touch()  # the GRANT is read on a spinning loop
 
-    def _post_data(self, frames: list[Any], flush: bool = False, nbytes: int = 0) -> None:
-        """Queue PUT/RETURN frames; one zmq message per loop pass (fewer wake-ups of zmq's
-        I/O thread: the cost of a small message is the hand-off, not the bytes), or
-        now with ``flush`` (a caller waiting for this one transfer)."""
-        out = self.data_out
-        out.extend(frames)
-        self.data_out_bytes += nbytes
-        if flush or len(out) >= _PUT_BATCH_FRAMES or self.data_out_bytes >= _PUT_BATCH_BYTES:
-            self._flush_data()
-        elif len(out) == len(frames):
-            self.engine._loop.call_soon(self._flush_data)
-
-    def _flush_data(self) -> None:
-        frames, self.data_out = self.data_out, []
-        self.data_out_bytes = 0
-        if not frames or self.dead is not None:
-            return
-        try:
-            self.data.send(frames, copy=False)
-        except zmq.ZMQError as exc:
-            self.fail(PeerLostError(f"data channel to {self.address} failed: {exc}"))
-
     def _post_put(self, x: _OutXfer, flush: bool = False) -> None:
         header = self.engine._codec.encode(Put(x.xfer, tuple(x.specs)))
-        self._post_data([header, *(tensor_buffer(t) for t in x.tensors)], flush, x.nbytes)
+        self.data_out.put(
+            [header, *(tensor_buffer(t) for t in x.tensors)], nbytes=x.nbytes, now=flush
+        )
         x.posted = True
         if not x.granted.done():
             x.granted.set_result(0)
@@ -756,21 +746,8 @@ class _ClientSession:
 
     def _send_ctrl(self, data: bytes) -> None:
         """Queue a control message; everything queued in one loop pass leaves as one zmq message."""
-        if self.dead is not None:
-            return
-        self.outbox.append(data)
-        if len(self.outbox) == 1:
-            self.engine._loop.call_soon(self._flush)
-
-    def _flush(self) -> None:
-        frames, self.outbox = self.outbox, []
-        if not frames or self.dead is not None:
-            return
-        try:
-            for i in range(0, len(frames), MAX_FRAMES_PER_MESSAGE):
-                self.ctrl.send(frames[i : i + MAX_FRAMES_PER_MESSAGE])
-        except zmq.ZMQError as exc:
-            self.fail(PeerLostError(f"control channel to {self.address} failed: {exc}"))
+        if self.dead is None:
+            self.outbox.put([data])
 
     def _on_socket_error(self, exc: zmq.ZMQError) -> None:
         self.fail(PeerLostError(f"connection to {self.address} failed: {exc}"))
@@ -900,6 +877,8 @@ class _ClientSession:
         if self.dead is not None:
             return
         self.dead = exc
+        self.outbox.close()  # what this session had queued dies with it
+        self.data_out.close()
         e = self.engine
         if not self.welcome.done():
             self.welcome.set_exception(
@@ -969,7 +948,7 @@ class _ClientSession:
         if self.dead is None and self.sess.state is SessionState.OPEN:
             with contextlib.suppress(Exception):
                 self._send_ctrl(self.sess.send(Bye()))
-                self._flush()  # now: fail() below stops the session's queue
+                self.outbox.flush()  # now: fail() below stops the session's queue
         self.fail(exc or EngineClosedError("engine closed"))
 
 
@@ -1009,7 +988,14 @@ class _ServerSession:
         self.expired: set[int] = set()  # grants this end gave up on (late data is dropped)
         self.last_recv = time.monotonic()
         self.dead = False
-        self.outbox: list[bytes] = []
+        self.outbox = Outbox(
+            engine._router,
+            lambda exc: engine._drop_server(
+                self, PeerLostError(f"peer {self.name} unreachable"), lost=True
+            ),
+            prefix=rid,
+            max_frames=MAX_FRAMES_PER_MESSAGE,
+        )
         self.suspect = False
         self.fds: list[int] = []  # the connections' descriptors (router monitor events)
         self.gets = 0  # GETs of this peer being served
@@ -1843,20 +1829,8 @@ class Engine:
 
     def _reply(self, ss: _ServerSession, data: bytes, now: bool = False) -> None:
         """Queue a control message to ``ss``; one zmq message per session per loop pass
-        (``now``: the caller flushes at once, nothing to schedule)."""
-        ss.outbox.append(data)
-        if len(ss.outbox) == 1 and not now:
-            self._loop.call_soon(self._flush_reply, ss)
-
-    def _flush_reply(self, ss: _ServerSession) -> None:
-        frames, ss.outbox = ss.outbox, []
-        if not frames or self._router.closed:
-            return
-        try:
-            for i in range(0, len(frames), MAX_FRAMES_PER_MESSAGE):
-                self._router.send([ss.rid, *frames[i : i + MAX_FRAMES_PER_MESSAGE]])
-        except zmq.ZMQError:
-            self._drop_server(ss, PeerLostError(f"peer {ss.name} unreachable"), lost=True)
+        (``now``: the caller flushes at once)."""
+        ss.outbox.put([data], now=now)
 
     def _reply_raw(self, rid: bytes, msg: Message) -> None:
         with contextlib.suppress(zmq.ZMQError):
@@ -2381,8 +2355,6 @@ class Engine:
                 # recv, the caller's next step) runs: it is the sender's critical path
                 if ss.ack_due and not ss.dead:
                     self._send_credit(ss, now=True)
-                    if ss.outbox:
-                        self._flush_reply(ss)
                 return
             if not isinstance(header, DataHeader):
                 raise RemoteProtocolError(f"{header.NAME} on the data connection")

@@ -823,7 +823,7 @@ async def test_hostile_frames_get_structured_errors_and_counters_engine_keeps_se
     from aiokv.protocol.codec import Codec
 
     codec = Codec()
-    hello = _enc(m.Hello(1, "hostile", "127.0.0.1:1", ("tcp",), None))
+    hello = _enc(m.Hello(m.PROTOCOL_VERSION, "hostile", "127.0.0.1:1", ("tcp",), None))
     spec_ok = ["t", "float32", [4]]
     cases: list[tuple[str, bool, list[bytes], str]] = [
         # (name, after a HELLO?, frames of one message, expected counter code)
@@ -988,7 +988,7 @@ async def test_duplicate_id_from_a_spoofed_engine_id_is_refused_never_overwrites
             d = ctx.socket(zmq.DEALER)
             d.setsockopt(zmq.LINGER, 0)
             d.connect(f"tcp://{b.address}")
-            await d.send(codec.encode(m.Hello(1, a.engine_id, a.address, ("tcp",), None)))
+            await d.send(codec.encode(m.Hello(m.PROTOCOL_VERSION, a.engine_id, a.address, ("tcp",), None)))
             assert isinstance(
                 codec.decode((await asyncio.wait_for(d.recv_multipart(), 5))[0]), m.Welcome
             )

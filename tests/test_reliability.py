@@ -175,6 +175,7 @@ async def test_proxy_dropped_done_times_out_at_deadline_others_served(path: str)
     """The receiver's acknowledgement is lost: DONE (RESERVE path) or the ACK listing the PUT
     (protocol v2; the first ACK, with WELCOME, announces the window and is let through)."""
     lim = {"credit_bytes": 1} if path == "reserve" else {}
+    nbytes = 8 * MiB if path == "reserve" else aiokv.protocol.DATA_FRAME_BYTES
     async with engines(cfg(), cfg(**lim), cfg()) as (a, b, c), FaultProxy(b.address) as px:
         if path == "reserve":
             px.add(Fault(S2C, "DONE", "drop"))
@@ -278,13 +279,15 @@ async def test_proxy_duplicated_frames_are_protocol_errors_engine_keeps_serving(
 async def test_proxy_cut_mid_transfer_peer_lost_within_heartbeat(close: bool, path: str) -> None:
     before = await warm_up()
     lim = {"credit_bytes": 1} if path == "reserve" else {}
+    nbytes = 8 * MiB if path == "reserve" else aiokv.protocol.DATA_FRAME_BYTES
     async with engines(cfg(), cfg(**lim), cfg()) as (a, b, c), FaultProxy(b.address) as px:
         await a.connect(px.address)
         hb = a.config.timeouts.heartbeat_timeout
         px.add(Fault(C2S, "DATA" if path == "reserve" else "PUT", "cut", close=close))
         recv = asyncio.ensure_future(b.recv("big", timeout=30))
         send = asyncio.ensure_future(
-            a.send("big", torch.ones(8 * MiB, dtype=torch.uint8), to=px.address, timeout=30)
+            # a PUT carries tensors of one data frame (1 MiB) at most; larger ones reserve
+            a.send("big", torch.ones(nbytes, dtype=torch.uint8), to=px.address, timeout=30)
         )
         await wait_until(lambda: px.cut_now, 10, "the cut")
         t0 = time.monotonic()

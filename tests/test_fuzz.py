@@ -207,7 +207,9 @@ def sessions_in_every_state() -> list[tuple[str, Session]]:
     c, s = Session(Role.CLIENT, CODEC), Session(Role.SERVER, CODEC)
     s.receive(c.send(m.Hello(m.PROTOCOL_VERSION, "c", "127.0.0.1:1", ("tcp",), None)))
     out.append(("client-HELLO_SENT", c.__copy__() if hasattr(c, "__copy__") else _clone(c)))
-    c.receive(s.send(m.Welcome(m.PROTOCOL_VERSION, "s", "127.0.0.1:2", ("tcp",), None, b"\x01" * 16)))
+    c.receive(
+        s.send(m.Welcome(m.PROTOCOL_VERSION, "s", "127.0.0.1:2", ("tcp",), None, b"\x01" * 16))
+    )
     out += [("client-OPEN", _clone(c)), ("server-OPEN", _clone(s))]
     # transfers: 1 RESERVED, 2 WITHDRAWING, 3 GRANTED, 4 SENT (client); mirrored on the server
     spec = (m.TensorSpec("t", "float32", (4,)),)

@@ -175,7 +175,6 @@ async def test_proxy_dropped_done_times_out_at_deadline_others_served(path: str)
     """The receiver's acknowledgement is lost: DONE (RESERVE path) or the ACK listing the PUT
     (protocol v2; the first ACK, with WELCOME, announces the window and is let through)."""
     lim = {"credit_bytes": 1} if path == "reserve" else {}
-    nbytes = 8 * MiB if path == "reserve" else aiokv.protocol.DATA_FRAME_BYTES
     async with engines(cfg(), cfg(**lim), cfg()) as (a, b, c), FaultProxy(b.address) as px:
         if path == "reserve":
             px.add(Fault(S2C, "DONE", "drop"))
@@ -991,7 +990,9 @@ async def test_duplicate_id_from_a_spoofed_engine_id_is_refused_never_overwrites
             d = ctx.socket(zmq.DEALER)
             d.setsockopt(zmq.LINGER, 0)
             d.connect(f"tcp://{b.address}")
-            await d.send(codec.encode(m.Hello(m.PROTOCOL_VERSION, a.engine_id, a.address, ("tcp",), None)))
+            await d.send(
+                codec.encode(m.Hello(m.PROTOCOL_VERSION, a.engine_id, a.address, ("tcp",), None))
+            )
             assert isinstance(
                 codec.decode((await asyncio.wait_for(d.recv_multipart(), 5))[0]), m.Welcome
             )

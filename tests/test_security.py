@@ -86,7 +86,12 @@ async def raw_dealer_gets_nothing(
     try:
         try:
             await asyncio.wait_for(
-                d.send(Codec().encode(Hello(PROTOCOL_VERSION, "intruder", "127.0.0.1:1", ("tcp",), None))), 1.0
+                d.send(
+                    Codec().encode(
+                        Hello(PROTOCOL_VERSION, "intruder", "127.0.0.1:1", ("tcp",), None)
+                    )
+                ),
+                1.0,
             )
         except asyncio.TimeoutError:
             pass

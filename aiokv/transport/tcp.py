@@ -32,6 +32,7 @@ from __future__ import annotations
 import asyncio
 import ctypes
 import functools
+import os
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
@@ -184,6 +185,16 @@ def _assembler_pool() -> ThreadPoolExecutor:
     if _assembler is None:
         _assembler = ThreadPoolExecutor(1, thread_name_prefix="aiokv-assemble")
     return _assembler
+
+
+def _forget_assembler() -> None:
+    """A forked child has no worker thread: it makes its own pool when it needs one."""
+    global _assembler
+    _assembler = None
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_forget_assembler)
 
 
 class TcpSource:

@@ -111,11 +111,17 @@ class LoopSocket:
             return False
         try:
             self.sock.send_multipart(frames, _NOBLOCK, copy=copy)
-            return True
         except zmq.Again:
+            self._check_soon()  # a blocked send needs POLLOUT
             return False
-        finally:
-            self._check_soon()  # a send can consume the FD's edge; and a blocked one needs POLLOUT
+        except BaseException:
+            self._check_soon()
+            raise
+        if self.on_message is not _ignore:
+            # a send can consume the FD's edge of a message that arrived meanwhile (not
+            # worth a look for a socket that only sends: one system call per send)
+            self._check_soon()
+        return True
 
     def _flush(self) -> bool:
         """Send queued messages until one would block; True if any left."""

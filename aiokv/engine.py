@@ -117,6 +117,12 @@ log = logging.getLogger("aiokv")
 #: Control messages queued in one loop pass leave as one zmq message of at most this
 #: many frames (a peer refuses more than 4x this; the sender splits, never the peer).
 MAX_FRAMES_PER_MESSAGE = 1024
+#: PUTs of one loop pass leave in zmq messages of about this many frames: large enough
+#: to share a message's cost, small enough that the receiver's ACK for the first ones
+#: is on its way while the sender still writes the rest (one message per pass would
+#: make a pipelined sender and its receiver take turns)
+_PUT_BATCH_FRAMES = 32
+_PUT_BATCH_BYTES = 256 * 1024
 #: a new connection's first message is one HELLO: anything larger is refused (and hung up)
 _MAX_FIRST_FRAME = 64 * 1024
 #: the capability in WELCOME naming the data port ("data:<port>")
@@ -245,7 +251,7 @@ async def _await_shielded(fut: asyncio.Future[Any], timeout: float) -> Any:
     """
     if fut.done():
         return fut.result()
-    loop = asyncio.get_running_loop()
+    loop = fut.get_loop()  # (asyncio.get_running_loop costs a getpid syscall on 3.11)
     waiter: asyncio.Future[None] = loop.create_future()
 
     def wake(_: object = None) -> None:
@@ -409,7 +415,7 @@ class _ClientSession:
         self.nccl: NcclSource | None = None
         self.nccl_setup: asyncio.Future[None] | None = None
         self.nccl_ready: asyncio.Future[NcclReady] | None = None
-        self.welcome: asyncio.Future[Welcome] = asyncio.get_running_loop().create_future()
+        self.welcome: asyncio.Future[Welcome] = engine._loop.create_future()
         self.welcome.add_done_callback(_retrieve)
         self.xfers: dict[int, _OutXfer] = {}
         self.gets: dict[int, asyncio.Future[GetReply]] = {}
@@ -427,6 +433,7 @@ class _ClientSession:
         self.credit_wait: deque[_OutXfer] = deque()  # PUTs waiting for credit, in order
         self.gave_up: set[int] = set()  # posted PUTs whose caller timed out: a late ACK is fine
         self.data_out: list[Any] = []  # PUT/RETURN frames of this loop pass
+        self.data_out_bytes = 0
 
     @property
     def peer_id(self) -> str | None:
@@ -495,10 +502,38 @@ class _ClientSession:
         tensors: list[torch.Tensor],
         transport: str = "tcp",
         ready: Any = None,
+        lean: bool = False,
     ) -> _OutXfer:
+        """Start a transfer. ``lean``: the caller awaits ``done`` itself (no ``released``
+        future, no retrieval callback) and wants an immediate PUT sent at once rather
+        than with the rest of this loop pass's."""
         if self.dead is not None:
             raise PeerLostError(f"session with {self.address} is gone: {self.dead}")
-        loop = asyncio.get_running_loop()
+        loop = self.engine._loop
+        if transport == "tcp" and not self.credit_wait:
+            nbytes = sum(s.nbytes for s in specs)
+            k = len(specs)
+            if self.credit.fits_window(nbytes, k) and self.credit.try_spend(nbytes, k):
+                # the common case: credit in hand, nobody queued before it. Posted now;
+                # "granted" is the engine's resolved future (no room to wait for)
+                x = _OutXfer(
+                    self.sess.new_xfer_id(),
+                    specs,
+                    tensors,
+                    self.engine._granted_now,
+                    loop.create_future(),
+                    put=True,
+                    nbytes=nbytes,
+                )
+                self.last_used = time.monotonic()
+                if not lean:
+                    x.released = loop.create_future()
+                    x.done.add_done_callback(_retrieve)
+                if _trace.enabled:
+                    _trace.mark("start", self.engine.engine_id, x.xfer)
+                self.xfers[x.xfer] = x
+                self._post_put(x, flush=lean)
+                return x
         x = _OutXfer(
             self.sess.new_xfer_id(), specs, tensors, loop.create_future(), loop.create_future()
         )
@@ -608,18 +643,21 @@ class _ClientSession:
         if x.transport == "nccl":
             self.engine._get_poller().touch()  # the GRANT is read on a spinning loop
 
-    def _post_data(self, frames: list[Any]) -> None:
+    def _post_data(self, frames: list[Any], flush: bool = False, nbytes: int = 0) -> None:
         """Queue PUT/RETURN frames; one zmq message per loop pass (fewer wake-ups of zmq's
-        I/O thread: the cost of a small message is the hand-off, not the bytes)."""
+        I/O thread: the cost of a small message is the hand-off, not the bytes), or
+        now with ``flush`` (a caller waiting for this one transfer)."""
         out = self.data_out
         out.extend(frames)
-        if len(out) == len(frames):
-            asyncio.get_running_loop().call_soon(self._flush_data)
-        elif len(out) >= MAX_FRAMES_PER_MESSAGE:
+        self.data_out_bytes += nbytes
+        if flush or len(out) >= _PUT_BATCH_FRAMES or self.data_out_bytes >= _PUT_BATCH_BYTES:
             self._flush_data()
+        elif len(out) == len(frames):
+            self.engine._loop.call_soon(self._flush_data)
 
     def _flush_data(self) -> None:
         frames, self.data_out = self.data_out, []
+        self.data_out_bytes = 0
         if not frames or self.dead is not None:
             return
         try:
@@ -627,9 +665,9 @@ class _ClientSession:
         except zmq.ZMQError as exc:
             self.fail(PeerLostError(f"data channel to {self.address} failed: {exc}"))
 
-    def _post_put(self, x: _OutXfer) -> None:
+    def _post_put(self, x: _OutXfer, flush: bool = False) -> None:
         header = self.engine._codec.encode(Put(x.xfer, tuple(x.specs)))
-        self._post_data([header, *(tensor_buffer(t) for t in x.tensors)])
+        self._post_data([header, *(tensor_buffer(t) for t in x.tensors)], flush, x.nbytes)
         x.posted = True
         if not x.granted.done():
             x.granted.set_result(0)
@@ -734,7 +772,7 @@ class _ClientSession:
             return
         self.outbox.append(data)
         if len(self.outbox) == 1:
-            asyncio.get_running_loop().call_soon(self._flush)
+            self.engine._loop.call_soon(self._flush)
 
     def _flush(self) -> None:
         frames, self.outbox = self.outbox, []
@@ -1118,6 +1156,7 @@ class Engine:
         self._main_tasks: list[asyncio.Task[None]] = []
         self._started = False
         self._closed = False
+        self._loop: asyncio.AbstractEventLoop  # bound by start()
         self._nccl_ok = False
         self._nccl_why = "not started"
         self._poller: ProgressPoller | None = None
@@ -1137,6 +1176,12 @@ class Engine:
             raise EngineClosedError("engine closed: an Engine cannot be started again")
         if self._started:
             return
+        # the loop, once: asyncio.get_running_loop() makes a getpid() system call per
+        # call on Python < 3.12, several times per transfer on the hot path
+        self._loop = asyncio.get_running_loop()
+        self._store.loop = self._loop
+        self._granted_now: asyncio.Future[int] = self._loop.create_future()
+        self._granted_now.set_result(0)
         dev = self.config.device
         if dev.startswith("cuda"):
             idx = torch.device(dev).index or 0
@@ -1389,11 +1434,49 @@ class Engine:
         staged = self._stage([(tensor_id, tensor)])
         cs = self._hot_session(to, staged)
         if cs is not None:
-            # a cancel of this task reaches the handle's future, which withdraws what
-            # can be withdrawn
-            await self._handle(cs, cs.start(staged.specs, staged.tensors), t, to)
+            await self._await_xfer(cs, cs.start(staged.specs, staged.tensors, lean=True), t, to)
             return
         await self._transfer(to, staged, timeout)
+
+    async def _await_xfer(self, cs: _ClientSession, x: _OutXfer, t: float, to: str) -> None:
+        """``send``'s wait on a started transfer: its own ``done`` future and one timer
+        (what ``_handle`` does for a handle, without a second future and a loop pass)."""
+        loop = self._loop
+        done = x.done
+        t_end = loop.time() + t
+        err: BaseException | None = None
+        timer: asyncio.TimerHandle
+
+        def expire() -> None:
+            nonlocal timer, err
+            if done.done():
+                return
+            g = x.granted
+            if not (g.done() and not g.cancelled() and g.exception() is None):
+                err = NegotiateTimeoutError(f"{to} granted no room within the deadline")
+            elif loop.time() < t_end:  # granted in time: the rest of the deadline
+                timer = loop.call_at(t_end, expire)
+                return
+            else:
+                err = TransferTimeoutError(f"transfer to {to} did not complete within the deadline")
+            cs.abandon(x)  # may cancel ``done`` (nothing left the process)
+            if not done.done():
+                done.set_exception(err)
+
+        timer = loop.call_later(min(t, self.config.timeouts.negotiate), expire)
+        try:
+            await done
+        except asyncio.CancelledError:
+            self._stats.transfers_failed += 1
+            if err is not None:
+                raise err from None
+            cs.abandon(x)  # this task was cancelled: withdraw what can be withdrawn
+            raise
+        except BaseException:
+            self._stats.transfers_failed += 1
+            raise
+        finally:
+            timer.cancel()
 
     def send_nowait(
         self, tensor_id: str, tensor: torch.Tensor, *, to: str, timeout: float | None = None
@@ -1404,7 +1487,7 @@ class Engine:
         cs = self._hot_session(to, staged)
         if cs is not None:  # no task: a timer holds the deadline
             return self._handle(cs, cs.start(staged.specs, staged.tensors), t, to)
-        released: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        released: asyncio.Future[None] = self._loop.create_future()
         task = asyncio.create_task(self._transfer(to, staged, timeout, released))
         return TransferHandle(task, released)
 
@@ -1416,7 +1499,7 @@ class Engine:
 
     def _handle(self, cs: _ClientSession, x: _OutXfer, t: float, to: str) -> TransferHandle:
         """A PUT_ASYNC handle on a started transfer: callbacks and one timer, no task."""
-        loop = asyncio.get_running_loop()
+        loop = self._loop
         out: asyncio.Future[None] = loop.create_future()
         neg = min(t, self.config.timeouts.negotiate)
         t_end = loop.time() + t
@@ -1486,7 +1569,6 @@ class Engine:
         self, tensor_id: str, *, frm: str | None = None, timeout: float | None = None
     ) -> torch.Tensor:
         """Collect a tensor from the receive store, waiting for it up to ``timeout``."""
-        self._check_open()
         self._check_id(tensor_id)
         return await self._recv(tensor_id, frm, self._timeout(timeout))
 
@@ -1774,7 +1856,7 @@ class Engine:
         """Queue a control message to ``ss``; one zmq message per session per loop pass."""
         ss.outbox.append(data)
         if len(ss.outbox) == 1:
-            asyncio.get_running_loop().call_soon(self._flush_reply, ss)
+            self._loop.call_soon(self._flush_reply, ss)
 
     def _flush_reply(self, ss: _ServerSession) -> None:
         frames, ss.outbox = ss.outbox, []
@@ -2338,8 +2420,15 @@ class Engine:
                     else:
                         raise RemoteProtocolError(f"{header.NAME} among PUTs")
                     if i >= len(frames) or ss.dead:
-                        return
+                        break
                     header = self._codec.decode(frames[i].buffer)
+                # the ACK leaves now, before anything this message woke up (a waiting
+                # recv, the caller's next step) runs: it is the sender's critical path
+                if ss.ack_due and not ss.dead:
+                    self._send_credit(ss)
+                    if ss.outbox:
+                        self._flush_reply(ss)
+                return
             if not isinstance(header, DataHeader):
                 raise RemoteProtocolError(f"{header.NAME} on the data connection")
             if header.xfer in ss.expired:
@@ -2454,10 +2543,15 @@ class Engine:
             )
 
     def _ack_soon(self, ss: _ServerSession) -> None:
-        """One ACK per loop pass: whatever landed, was refused or freed until then."""
+        """One ACK per loop pass: whatever landed, was refused or freed until then
+        (a data message sends its ACK itself as soon as it is handled)."""
         if not ss.ack_due:
             ss.ack_due = True
-            asyncio.get_running_loop().call_soon(self._send_credit, ss)
+            self._loop.call_soon(self._ack_if_due, ss)
+
+    def _ack_if_due(self, ss: _ServerSession) -> None:
+        if ss.ack_due:
+            self._send_credit(ss)
 
     def _unpause_credit(self, ss: _ServerSession, xfer: int) -> None:
         if ss.ledger is not None and ss.ledger.paused_for == xfer:
@@ -2472,7 +2566,8 @@ class Engine:
         held = ss.credit_held.pop(tensor_id, None)
         if held is not None:
             ss.ledger.release(held[0], 1)
-            self._ack_soon(ss)
+            if ss.ledger.short:  # else the window is full: nothing to top up
+                self._ack_soon(ss)
 
     def _on_landed(
         self, ss: _ServerSession, inx: _InXfer, fut: asyncio.Future[list[torch.Tensor]]

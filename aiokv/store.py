@@ -109,6 +109,8 @@ class ReceiveStore:
     expired_count: int = 0
     collected_count: int = 0
     discarded_count: int = 0
+    #: the engine's event loop, set when it starts (saves a system call per wait)
+    loop: asyncio.AbstractEventLoop | None = None
 
     # ---------------------------------------------------------------- budget
     @property
@@ -217,7 +219,7 @@ class ReceiveStore:
 
     def wait_future(self, tid: str, frm: str | None) -> asyncio.Future[Any]:
         """A future resolved with ``(peer, tensor)`` (already landed or arriving later)."""
-        fut: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
+        fut: asyncio.Future[Any] = (self.loop or asyncio.get_running_loop()).create_future()
         try:
             fut.set_result(self.take_nowait(tid, frm))
         except KeyError:

@@ -267,6 +267,27 @@ async def test_cancel_send_waiting_for_credit_withdraws_it() -> None:
 
 
 @pytest.mark.timeout(30)
+async def test_send_deadline_on_the_hot_path() -> None:
+    """``await send()`` on a live session waits on its transfer directly (no handle): a
+    deadline still ends it with the right error, counts one failure, and withdraws it."""
+    async with engines(cfg(), cfg(store_bytes=1000)) as (a, b):
+        await a.send("fill", torch.zeros(250), to=b.address)  # the whole budget is held
+        t0 = time.monotonic()
+        with pytest.raises(aiokv.NegotiateTimeoutError):
+            await a.send("late", torch.ones(10), to=b.address, timeout=0.3)
+        assert 0.25 < time.monotonic() - t0 < 3
+        st = a.statistics()
+        assert st.transfers_failed == 1 and st.waiting_for_credit == 0 and st.withdrawn == 1
+        await b.recv("fill", timeout=5)
+        with pytest.raises(aiokv.TransferTimeoutError):
+            await b.recv("late", timeout=0.3)
+        # the session is healthy: the next send goes on standing credit again
+        await a.send("late", torch.full((2,), 7.0), to=b.address, timeout=5)
+        assert same_bytes(await b.recv("late", timeout=5), torch.full((2,), 7.0))
+        assert a.statistics().transfers_failed == 1 and a.statistics().peers_lost == 0
+
+
+@pytest.mark.timeout(30)
 async def test_cancel_send_nowait_handle() -> None:
     async with engines(cfg(), cfg(store_bytes=1000)) as (a, b):
         await a.send("fill", torch.zeros(250), to=b.address)

@@ -304,3 +304,64 @@ def test_messages_are_frozen_and_slotted() -> None:
     g = m.Grant(1, 2)
     with pytest.raises(dataclasses.FrozenInstanceError):
         g.seq = 3  # type: ignore[misc]
+
+
+# --------------------------------------------------------------------------- two decoders
+
+WALK_ONLY = Codec(LIM)
+
+
+def _outcome(codec: Codec, raw: bytes, walk: bool) -> object:
+    """What one decoder makes of ``raw``: the message, or "error" (codes may differ)."""
+    try:
+        if walk:
+            import aiokv.protocol.codec as codec_mod
+
+            saved = codec_mod.FAST_DECODE_MAX_BYTES
+            codec_mod.FAST_DECODE_MAX_BYTES = -1  # every frame is walked
+            try:
+                return codec.decode(raw)
+            finally:
+                codec_mod.FAST_DECODE_MAX_BYTES = saved
+        return codec._decode_small(memoryview(raw))
+    except aiokv.RemoteProtocolError as exc:
+        assert isinstance(exc, WireError) and exc.code
+        return "error"
+
+
+@settings(max_examples=600, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(any_message | msgpack_values | near_messages, st.data())
+def test_small_frame_fast_path_agrees_with_the_schema_walk(
+    obj: object, data: st.DataObject
+) -> None:
+    """Frames up to FAST_DECODE_MAX_BYTES are unpacked whole and then checked; larger ones
+    are walked. Both must accept exactly the same frames, as the same messages."""
+    try:
+        raw = CODEC.encode(obj) if isinstance(obj, m.Message) else _pack(obj)
+    except (TypeError, ValueError, OverflowError):
+        return
+    if data.draw(st.booleans()) and raw:  # and a mutated copy
+        wire = bytearray(raw)
+        wire[data.draw(st.integers(0, len(wire) - 1))] = data.draw(st.integers(0, 255))
+        raw = bytes(wire[: data.draw(st.integers(0, len(wire)))])
+    assert _outcome(WALK_ONLY, raw, walk=True) == _outcome(WALK_ONLY, raw, walk=False)
+
+
+def test_small_hostile_frame_is_cheap() -> None:
+    """The worst a fast-path frame can do: build one object per byte, then fail."""
+    import time
+
+    from aiokv.protocol.codec import FAST_DECODE_MAX_BYTES
+
+    nested = b"\x91" * (FAST_DECODE_MAX_BYTES // 2) + b"\x90" * (FAST_DECODE_MAX_BYTES // 2)
+    flat = (
+        b"\xdc"
+        + (FAST_DECODE_MAX_BYTES - 3).to_bytes(2, "big")
+        + b"\x90" * (FAST_DECODE_MAX_BYTES - 3)
+    )
+    for raw in (nested[:FAST_DECODE_MAX_BYTES], flat):
+        assert len(raw) <= FAST_DECODE_MAX_BYTES
+        t0 = time.thread_time()
+        for _ in range(100):
+            assert _reason(raw) in ("malformed", "unknown_kind", "bad_arity")
+        assert (time.thread_time() - t0) / 100 < 0.002  # well under 2 ms each

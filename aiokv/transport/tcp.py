@@ -254,7 +254,8 @@ def frames_to_tensors(
         if spec.nbytes == 0:
             out.append(torch.empty(spec.shape, dtype=dt))
         else:
-            out.append(torch.frombuffer(fr.buffer, dtype=dt).view(spec.shape))
+            t = torch.frombuffer(fr.buffer, dtype=dt)
+            out.append(t if len(spec.shape) == 1 else t.view(spec.shape))
     return out
 
 

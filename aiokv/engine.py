@@ -513,7 +513,11 @@ class _ClientSession:
         if transport == "tcp" and not self.credit_wait:
             nbytes = sum(s.nbytes for s in specs)
             k = len(specs)
-            if self.credit.fits_window(nbytes, k) and self.credit.try_spend(nbytes, k):
+            if (
+                self.credit.fits_window(nbytes, k)
+                and one_frame_each(specs, nbytes)  # a PUT carries one-frame tensors only
+                and self.credit.try_spend(nbytes, k)
+            ):
                 # the common case: credit in hand, nobody queued before it. Posted now;
                 # "granted" is the engine's resolved future (no room to wait for)
                 x = _OutXfer(

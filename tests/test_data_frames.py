@@ -173,13 +173,13 @@ def paths(monkeypatch: pytest.MonkeyPatch) -> dict[str, int]:
     cs = engine_mod._ClientSession
     put, reserve = cs._post_put, cs._reserve
 
-    def spy_put(self: Any, x: Any) -> None:
+    def spy_put(self: Any, x: Any, *args: Any, **kwargs: Any) -> None:
         seen["put"] += 1
-        put(self, x)
+        put(self, x, *args, **kwargs)
 
-    def spy_reserve(self: Any, x: Any) -> None:
+    def spy_reserve(self: Any, x: Any, *args: Any, **kwargs: Any) -> None:
         seen["reserve"] += 1
-        reserve(self, x)
+        reserve(self, x, *args, **kwargs)
 
     monkeypatch.setattr(cs, "_post_put", spy_put)
     monkeypatch.setattr(cs, "_reserve", spy_reserve)

@@ -811,6 +811,9 @@ class _ClientSession:
                 return
 
     def _dispatch(self, msg: Message) -> None:
+        if type(msg) is Ack:  # the one message of the hot path: first
+            self._on_ack(msg)
+            return
         e = self.engine
         if isinstance(msg, Welcome):
             if not self.welcome.done():
@@ -859,8 +862,6 @@ class _ClientSession:
             g = self.gets.pop(msg.req, None)
             if g is not None and not g.done():
                 g.set_result(msg)
-        elif isinstance(msg, Ack):
-            self._on_ack(msg)
         elif isinstance(msg, Pong):
             pass
         elif isinstance(msg, ErrorMsg):

@@ -67,6 +67,7 @@ from .protocol.admission import AdmissionQueue, PeerQueue
 from .protocol.codec import MAX_ACKS, TOKEN_BYTES, Codec, WireError, WireLimits
 from .protocol.credit import CreditAccount, CreditLedger
 from .protocol.messages import (
+    DATA_FRAME_BYTES,
     PROTOCOL_VERSION,
     Ack,
     Bye,
@@ -95,7 +96,14 @@ from .protocol.messages import (
 )
 from .protocol.session import Role, Session, SessionState, XferState
 from .store import PeerRef, ReceiveStore, StoreStatistics
-from .transport.tcp import TcpSink, TcpSource, dtype_name, frames_to_tensors, tensor_buffer
+from .transport.tcp import (
+    TcpSink,
+    TcpSource,
+    dtype_name,
+    frames_to_tensors,
+    one_frame_each,
+    tensor_buffer,
+)
 
 if TYPE_CHECKING:
     from ._watchdog import LoopWatchdog
@@ -515,7 +523,11 @@ class _ClientSession:
         if transport == "tcp" and not self.credit_wait:
             nbytes = specs[0].nbytes if len(specs) == 1 else sum(s.nbytes for s in specs)
             k = len(specs)
-            if self.credit.fits_window(nbytes, k) and self.credit.try_spend(nbytes, k):
+            if (
+                self.credit.fits_window(nbytes, k)
+                and one_frame_each(specs, nbytes)  # a PUT carries one-frame tensors only
+                and self.credit.try_spend(nbytes, k)
+            ):
                 # the common case: credit in hand, nobody queued before it. Posted now;
                 # "granted" is the engine's resolved future (no room to wait for)
                 x = _OutXfer(
@@ -550,7 +562,11 @@ class _ClientSession:
             # protocol v2: a transfer within the window spends standing credit (one
             # message, no round trip); one larger asks with RESERVE. Both wait in one
             # queue per session, so a later transfer never takes room from an earlier.
-            x.put = self.credit.fits_window(x.nbytes, len(specs))
+            # A PUT lands synchronously on the receiver's loop, so it carries only
+            # tensors of one data frame each (no copy to make there).
+            x.put = self.credit.fits_window(x.nbytes, len(specs)) and one_frame_each(
+                specs, x.nbytes
+            )
             if x.put and _trace.enabled:
                 _trace.mark("start", self.engine.engine_id, x.xfer)
             if x.put or self.credit_wait:
@@ -1184,13 +1200,12 @@ class Engine:
         self._sctx = zmq.Context.shadow(self._ctx.underlying)
         lim = self.config.limits
         # The control port carries control messages only: zmq drops (and hangs up) a
-        # connection whose frame exceeds one, before reading it. Data frames (up to a
-        # tensor, and never more than the store's whole budget, which no larger transfer
-        # is granted) arrive on a port of their own that authenticates first.
+        # connection whose frame exceeds one, before reading it. Data arrives on a port
+        # of its own that authenticates first, in frames of at most DATA_FRAME_BYTES
+        # (1 MiB; a tensor travels as several): zmq applies MAXMSGSIZE to the handshake
+        # too, so this bounds what a stranger can make it buffer on either port.
         r = self._router_socket(lim.max_frame_bytes)
-        d = self._router_socket(
-            max(lim.max_frame_bytes, min(lim.max_tensor_bytes, lim.store_bytes))
-        )
+        d = self._router_socket(max(lim.max_frame_bytes, DATA_FRAME_BYTES))
         if self.config.curve is not None:
             self._apply_curve_server(r)
             self._apply_curve_server(d)

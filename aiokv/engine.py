@@ -100,9 +100,11 @@ from .transport.tcp import (
     TcpSink,
     TcpSource,
     dtype_name,
+    fits_put,
     frames_to_tensors,
-    one_frame_each,
+    put_frame_count,
     tensor_buffer,
+    tensor_frames,
 )
 
 if TYPE_CHECKING:
@@ -525,7 +527,7 @@ class _ClientSession:
             k = len(specs)
             if (
                 self.credit.fits_window(nbytes, k)
-                and one_frame_each(specs, nbytes)  # a PUT carries one-frame tensors only
+                and fits_put(specs, nbytes)  # larger tensors: RESERVE (reassembled off-loop)
                 and self.credit.try_spend(nbytes, k)
             ):
                 # the common case: credit in hand, nobody queued before it. Posted now;
@@ -563,10 +565,8 @@ class _ClientSession:
             # message, no round trip); one larger asks with RESERVE. Both wait in one
             # queue per session, so a later transfer never takes room from an earlier.
             # A PUT lands synchronously on the receiver's loop, so it carries only
-            # tensors of one data frame each (no copy to make there).
-            x.put = self.credit.fits_window(x.nbytes, len(specs)) and one_frame_each(
-                specs, x.nbytes
-            )
+            # tensors of at most PUT_MAX_TENSOR_BYTES (a short copy there, if any).
+            x.put = self.credit.fits_window(x.nbytes, len(specs)) and fits_put(specs, x.nbytes)
             if x.put and _trace.enabled:
                 _trace.mark("start", self.engine.engine_id, x.xfer)
             if x.put or self.credit_wait:
@@ -659,9 +659,13 @@ class _ClientSession:
 
     def _post_put(self, x: _OutXfer, flush: bool = False) -> None:
         header = self.engine._codec.encode(Put(x.xfer, tuple(x.specs)))
-        self.data_out.put(
-            [header, *(tensor_buffer(t) for t in x.tensors)], nbytes=x.nbytes, now=flush
-        )
+        if x.nbytes <= DATA_FRAME_BYTES:
+            frames = [header, *(tensor_buffer(t) for t in x.tensors)]
+        else:
+            frames = [header]
+            for t in x.tensors:
+                frames.extend(tensor_frames(t))
+        self.data_out.put(frames, nbytes=x.nbytes, now=flush)
         x.posted = True
         if not x.granted.done():
             x.granted.set_result(0)
@@ -2355,7 +2359,7 @@ class Engine:
                 i = 0
                 while True:
                     if isinstance(header, Put):
-                        n = len(header.specs)
+                        n = put_frame_count(header.specs)
                         self._on_put(ss, header, frames[i + 1 : i + 1 + n])
                         i += 1 + n
                     elif isinstance(header, Return):

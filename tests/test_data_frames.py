@@ -36,6 +36,7 @@ from aiokv.transport import tcp
 pytestmark = [pytest.mark.anyio, pytest.mark.timeout(60)]
 CODEC = Codec()
 F = m.DATA_FRAME_BYTES
+PUT_MAX = tcp.PUT_MAX_TENSOR_BYTES
 MiB = 1 << 20
 SIZES = [0, 1, F - 1, F, F + 1, 3 * F + 5]
 
@@ -186,22 +187,23 @@ def paths(monkeypatch: pytest.MonkeyPatch) -> dict[str, int]:
     return seen
 
 
-async def test_sizes_round_trip_on_credit_and_one_frame_tensors_only_go_as_put(
+async def test_sizes_round_trip_on_credit_and_tensors_over_the_put_limit_reserve(
     anyio_backend: Any, paths: dict[str, int]
 ) -> None:
     async with aiokv.Engine() as a, aiokv.Engine() as b:
-        for i, n in enumerate(SIZES):
+        for i, n in enumerate([*SIZES, PUT_MAX + 1]):
             t = _bytes(n, 100 + i)
             await a.send(f"one{i}", t, to=b.address, timeout=20)
             assert same_bytes(await b.recv(f"one{i}", timeout=20), t), n
-        # 0, 1, F-1, F: PUT; F+1 and 3F+5 bytes are several frames: RESERVE
-        assert paths == {"put": 4, "reserve": 2}
+        # up to PUT_MAX_TENSOR_BYTES (several frames, reassembled on landing): PUT;
+        # one byte more: RESERVE
+        assert paths == {"put": 6, "reserve": 1}
         small = {f"m{i}": _bytes(n, 200 + i) for i, n in enumerate(SIZES[:4])}
         small["f32"] = torch.randn(F // 4)  # exactly one frame, float32
         await a.send_many(small, to=b.address, timeout=20)
         for k, t in small.items():
             assert same_bytes(await b.recv(k, timeout=20), t), k
-        assert paths == {"put": 5, "reserve": 2}
+        assert paths == {"put": 7, "reserve": 1}
 
 
 async def test_sizes_round_trip_on_the_reserve_path_inline_and_in_a_worker(
@@ -276,7 +278,9 @@ FORGED = [
     ("a one-frame tensor split", False, F - 1, 1, [F // 2, F // 2 - 1]),
     ("an empty tensor without its frame", False, 0, 1, []),
     ("header counts two tensors", False, F + 1, 2, [F, 1]),
-    ("PUT of a multi-frame tensor", True, F + 1, 1, [F, 1]),
+    ("PUT of a tensor over the PUT limit", True, PUT_MAX + 1, 1, [F, F, F, F, 1]),
+    ("PUT of a multi-frame tensor, a frame short", True, 2 * F + 1, 1, [F, F]),
+    ("PUT of a multi-frame tensor, a short first frame", True, F + 1, 1, [F - 1, 2]),
     ("PUT with a short frame", True, F - 1, 1, [F - 2]),
 ]
 
@@ -343,6 +347,10 @@ async def test_forged_but_correct_frames_land(
         spec = (m.TensorSpec("y", "uint8", (F,)),)
         await data.send_multipart([CODEC.encode(m.Put(2, spec)), *tcp.tensor_frames(u)])
         assert same_bytes(await eng.recv("y", timeout=5), u)
+        v = _bytes(2 * F + 3, 3)  # several frames, on credit: reassembled as it lands
+        spec = (m.TensorSpec("z", "uint8", (2 * F + 3,)),)
+        await data.send_multipart([CODEC.encode(m.Put(3, spec)), *tcp.tensor_frames(v)])
+        assert same_bytes(await eng.recv("z", timeout=5), v)
         ctrl.close(0)
         data.close(0)
 

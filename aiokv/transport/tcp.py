@@ -46,13 +46,15 @@ from ..protocol.messages import ALLOWED_DTYPES, DATA_FRAME_BYTES, DataHeader, Te
 
 __all__ = [
     "INLINE_ASSEMBLY_BYTES",
+    "PUT_MAX_TENSOR_BYTES",
     "TcpSink",
     "TcpSource",
     "assemble",
     "check_frames",
+    "fits_put",
     "frame_count",
     "frames_to_tensors",
-    "one_frame_each",
+    "put_frame_count",
     "tensor_buffer",
     "tensor_frames",
     "torch_dtype",
@@ -118,9 +120,24 @@ def tensor_frames(t: torch.Tensor) -> list[memoryview]:
     return [buf[i : i + _F] for i in range(0, n, _F)]
 
 
-def one_frame_each(specs: Sequence[TensorSpec], nbytes: int) -> bool:
-    """Does every tensor fit one frame (the rule for a PUT)? ``nbytes`` is their sum."""
-    return nbytes <= _F or all(s.nbytes <= _F for s in specs)
+#: The largest tensor a PUT (standing credit) may carry. A PUT lands on the receiver's
+#: loop at once, so a tensor of several frames is reassembled there: at most this many
+#: bytes each (a few hundred microseconds of copying); larger tensors take the RESERVE
+#: path, whose landing copies in a worker thread. Both ends apply it: a receiver refuses
+#: a PUT with a larger tensor as a protocol error.
+PUT_MAX_TENSOR_BYTES = 4 * DATA_FRAME_BYTES
+
+
+def fits_put(specs: Sequence[TensorSpec], nbytes: int) -> bool:
+    """May these tensors travel in a PUT? ``nbytes`` is their sum."""
+    return nbytes <= PUT_MAX_TENSOR_BYTES or all(s.nbytes <= PUT_MAX_TENSOR_BYTES for s in specs)
+
+
+def put_frame_count(specs: Sequence[TensorSpec]) -> int:
+    """How many data frames follow a PUT header with these specs."""
+    if len(specs) == 1:
+        return frame_count(specs[0].nbytes)
+    return sum(frame_count(s.nbytes) for s in specs)
 
 
 def check_frames(specs: Sequence[TensorSpec], frames: Sequence[zmq.Frame]) -> None:
@@ -230,21 +247,24 @@ class TcpSource:
 def frames_to_tensors(
     specs: Sequence[TensorSpec], frames: Sequence[zmq.Frame]
 ) -> list[torch.Tensor]:
-    """Wrap arriving frames, one per tensor, as tensors of ``specs``, zero-copy.
+    """Arriving frames as tensors of ``specs``: a one-frame tensor wraps its frame, a
+    larger one (at most :data:`PUT_MAX_TENSOR_BYTES`) is reassembled here.
 
-    The PUT path: every tensor must fit one frame (a larger one takes the RESERVE path,
-    whose landing may copy off the loop). Sizes are checked first; raises
-    RemoteProtocolError when the frames do not match the specs or a tensor is too large.
+    The PUT path. Sizes are checked first; raises RemoteProtocolError when the frames
+    do not match the specs or a tensor is too large for a PUT.
     """
     if len(frames) != len(specs):
+        for spec in specs:
+            if spec.nbytes > PUT_MAX_TENSOR_BYTES:
+                raise RemoteProtocolError(
+                    f"tensor {spec.tensor_id!r}: {spec.nbytes} bytes in a PUT, over "
+                    f"{PUT_MAX_TENSOR_BYTES} (larger tensors take the RESERVE path)"
+                )
+        check_frames(specs, frames)
+        return assemble(specs, list(frames))
         raise RemoteProtocolError(f"{len(frames)} frames for {len(specs)} tensors")
     for spec, fr in zip(specs, frames):
-        if spec.nbytes > _F:
-            raise RemoteProtocolError(
-                f"tensor {spec.tensor_id!r}: {spec.nbytes} bytes in a PUT, over the "
-                f"{_F}-byte frame (larger tensors take the RESERVE path)"
-            )
-        if len(fr) != spec.nbytes:
+        if len(fr) != spec.nbytes or spec.nbytes > _F:
             raise RemoteProtocolError(
                 f"tensor {spec.tensor_id!r}: {len(fr)} bytes, expected {spec.nbytes}"
             )

@@ -329,9 +329,13 @@ def _shutdown_fd(fd: int, expect: str | None) -> None:
     ``expect`` is the remote end seen when the connection was accepted; if the
     descriptor now names another connection (closed and reused), leave it alone.
     """
+    if expect is None:
+        # no remote end was seen: the connection was gone already, and the descriptor
+        # may name somebody else's by now (a reused number): leave it alone
+        return
     try:
         with socket.socket(fileno=os.dup(fd)) as s:
-            if expect is not None and repr(s.getpeername()) != expect:
+            if repr(s.getpeername()) != expect:
                 return
             s.shutdown(socket.SHUT_RDWR)
     except OSError:

@@ -425,3 +425,37 @@ async def test_one_shared_secret_authenticates_a_cluster(anyio_backend: Any) -> 
             await stranger.send("y", t, to=b.address, timeout=2)
         with pytest.raises(aiokv.TransferTimeoutError):
             await b.recv("y", timeout=0.3)
+
+
+@pytest.mark.timeout(30)
+async def test_a_delayed_hang_up_never_shuts_a_reused_descriptor() -> None:
+    """A hang-up scheduled for a connection that was already gone (no remote end seen)
+    must not shut whatever connection reuses its descriptor number by then (seen once
+    in a full run: a fresh engine's connection closed after a hostile one was dropped)."""
+    import socket as _socket
+
+    async with aiokv.Engine() as eng:
+        lsn = _socket.socket()
+        lsn.bind(("127.0.0.1", 0))
+        lsn.listen()
+        gone = _socket.create_connection(lsn.getsockname())
+        gone_peer, _ = lsn.accept()
+        fd = gone.fileno()
+        gone.close()  # the hostile connection is gone when its hang-up is scheduled
+        gone_peer.close()
+        eng._hang_up(fd, after=0.05)
+        fresh = _socket.create_connection(lsn.getsockname())  # reuses the number
+        peer, _ = lsn.accept()
+        try:
+            assert fresh.fileno() == fd, "the OS did not reuse the descriptor number"
+            await asyncio.sleep(0.2)
+            fresh.sendall(b"ping")
+            peer.settimeout(2)
+            assert peer.recv(4) == b"ping"
+            peer.sendall(b"pong")
+            fresh.settimeout(2)
+            assert fresh.recv(4) == b"pong"  # not shut down
+        finally:
+            fresh.close()
+            peer.close()
+            lsn.close()

@@ -4,11 +4,16 @@ from __future__ import annotations
 
 import dataclasses
 import os
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
 from ._exceptions import ConfigError
 
-__all__ = ["CurveConfig", "EngineConfig", "Limits", "Timeouts", "parse_address"]
+__all__ = ["CurveConfig", "EngineConfig", "LayoutCheck", "Limits", "Timeouts", "parse_address"]
+
+#: ``check(mine, theirs)``: None when a peer offering layout ``theirs`` may send into an
+#: engine holding ``mine``, else the reason (see :attr:`EngineConfig.layout_check`)
+LayoutCheck = Callable[[Mapping[str, str | int], Mapping[str, str | int]], "str | None"]
 
 KiB = 1024
 MiB = 1024 * KiB
@@ -157,10 +162,16 @@ class EngineConfig:
     nccl_blocking_ops: bool = field(
         default_factory=lambda: os.environ.get("AIOKV_NCCL_BLOCKING_OPS", "0") == "1"
     )
-    #: KV layout offered at HELLO (see :mod:`aiokv.kv`): a :class:`~aiokv.kv.KVLayout` or its
-    #: wire form (``layout.to_wire()``); checked here and stored in the wire form. (Type
-    #: checkers see the wire form: pass ``layout.to_wire()`` if yours objects to a KVLayout.)
+    #: KV layout offered at HELLO: opaque to the engine, which only carries it (in its
+    #: wire form, a flat dict) and asks :attr:`layout_check` about a peer's. Pass a
+    #: :class:`~aiokv.kv.KVLayout` or its wire form (``layout.to_wire()``); checked here
+    #: and stored in the wire form. (Type checkers see the wire form: pass
+    #: ``layout.to_wire()`` if yours objects to a KVLayout.)
     layout: dict[str, str | int] | None = None
+    #: whether a peer's layout is compatible with :attr:`layout` (see :data:`LayoutCheck`);
+    #: None with a layout set: the KV layer's :func:`aiokv.kv.engine_layout_check`. It
+    #: also validates :attr:`layout` itself at construction (``check(layout, layout)``).
+    layout_check: LayoutCheck | None = None
     # gc.freeze() at start: everything alive then (torch's ~170k objects, the app's) leaves
     # the collector's view, so a full collection under load scans only what came after
     # (measured: 84 ms -> 28 ms per gen-2 pass with 65k tensors held). Process-wide.
@@ -174,18 +185,35 @@ class EngineConfig:
             raise ConfigError(f"data_port must be 0..65535, got {self.data_port!r}")
         parse_address(self.listen)
         if self.layout is not None:
-            # imported here: the layouts need torch, which a config alone should not import
-            from .kv.layouts import KVLayout, layout_from_wire
-
-            lay: object = self.layout
-            if not isinstance(lay, KVLayout):
-                if not isinstance(lay, dict):
-                    raise ConfigError(
-                        f"layout must be a KVLayout or its to_wire() dict, got {type(lay).__name__}"
-                    )
-                lay = layout_from_wire(lay)  # ConfigError naming what is wrong
-            object.__setattr__(self, "layout", lay.to_wire())
+            self._set_layout()
         if self.transport not in ("auto", "tcp", "nccl"):
             raise ConfigError(f"transport must be 'auto', 'tcp' or 'nccl', got {self.transport!r}")
         if not (self.device == "cpu" or self.device.startswith("cuda")):
             raise ConfigError(f"device must be 'cpu' or 'cuda[:N]', got {self.device!r}")
+
+    def _set_layout(self) -> None:
+        """Store :attr:`layout` in its wire form, pick the check, validate the layout with it."""
+        lay: object = self.layout
+        if not isinstance(lay, dict):
+            to_wire = getattr(lay, "to_wire", None)  # a KVLayout (or anything like one)
+            if not callable(to_wire):
+                raise ConfigError(
+                    f"layout must be a KVLayout or its to_wire() dict, got {type(lay).__name__}"
+                )
+            lay = to_wire()
+            if not isinstance(lay, dict):
+                raise ConfigError(f"layout.to_wire() must give a dict, got {type(lay).__name__}")
+        check = self.layout_check
+        if check is None:
+            # the default is the KV layer's, imported only when a layout is set (it needs
+            # torch); the engine itself never imports aiokv.kv
+            from .kv.layouts import engine_layout_check
+
+            check = engine_layout_check
+        elif not callable(check):
+            raise ConfigError(f"layout_check must be callable, got {type(check).__name__}")
+        err = check(lay, lay)
+        if err is not None:
+            raise ConfigError(f"layout: {err}")
+        object.__setattr__(self, "layout", dict(lay))
+        object.__setattr__(self, "layout_check", check)

@@ -2140,17 +2140,20 @@ class Engine:
         return PeerRef(engine_id, address)
 
     def _layout_error(self, theirs: dict[str, str | int]) -> str | None:
-        try:
-            from .kv.layouts import check_compatible, layout_from_wire
-        except ImportError:  # pragma: no cover - kv package always present
+        """The configured check's verdict on a peer's layout (None: compatible).
+
+        The engine carries layouts opaquely: what compatible means is the check's
+        business (``EngineConfig.layout_check``, by default the KV layer's). ``theirs``
+        is untrusted, so a check that raises refuses the peer instead of failing here.
+        """
+        check, mine = self.config.layout_check, self.config.layout
+        if check is None or mine is None:
             return None
         try:
-            mine = layout_from_wire(dict(self.config.layout or {}))
-            other = layout_from_wire(dict(theirs))
-            check_compatible(other, mine)
-        except AiokvError as exc:
-            return str(exc)[:500]
-        return None
+            err = check(mine, theirs)
+        except Exception as exc:
+            return f"layout check failed: {type(exc).__name__}: {exc}"[:500]
+        return None if err is None else str(err)[:500]
 
     def _on_server_message(self, ss: _ServerSession, msg: Message) -> None:
         if isinstance(msg, Reserve):

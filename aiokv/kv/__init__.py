@@ -15,6 +15,7 @@ from .layouts import (
     KVLayout,
     MLALayout,
     check_compatible,
+    engine_layout_check,
     layout_from_wire,
 )
 from .ops import (
@@ -47,6 +48,7 @@ __all__ = [
     "StagingPool",
     "StagingSlice",
     "check_compatible",
+    "engine_layout_check",
     "gather_blocks",
     "layout_from_wire",
     "scatter_blocks",

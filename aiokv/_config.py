@@ -6,6 +6,7 @@ import dataclasses
 import os
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
+from typing import Protocol, runtime_checkable
 
 from ._exceptions import ConfigError
 
@@ -124,6 +125,13 @@ class CurveConfig:
         return cls(pk, sk, frozenset({pk}), {}, pk)
 
 
+@runtime_checkable
+class _HasWireForm(Protocol):
+    """What :attr:`EngineConfig.layout` accepts besides a dict: an object with a wire form."""
+
+    def to_wire(self) -> object: ...
+
+
 def parse_address(addr: str) -> tuple[str, int]:
     """Split ``host:port`` and check it. Raises :class:`ConfigError`."""
     if not isinstance(addr, str) or ":" not in addr:
@@ -195,12 +203,11 @@ class EngineConfig:
         """Store :attr:`layout` in its wire form, pick the check, validate the layout with it."""
         lay: object = self.layout
         if not isinstance(lay, dict):
-            to_wire = getattr(lay, "to_wire", None)  # a KVLayout (or anything like one)
-            if not callable(to_wire):
+            if not isinstance(lay, _HasWireForm):  # a KVLayout, or anything like one
                 raise ConfigError(
                     f"layout must be a KVLayout or its to_wire() dict, got {type(lay).__name__}"
                 )
-            lay = to_wire()
+            lay = lay.to_wire()
             if not isinstance(lay, dict):
                 raise ConfigError(f"layout.to_wire() must give a dict, got {type(lay).__name__}")
         check = self.layout_check

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import dataclasses
-import os
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Protocol, runtime_checkable
@@ -22,6 +21,9 @@ GiB = 1024 * MiB
 
 #: default of :attr:`Limits.store_tensors`
 DEFAULT_STORE_TENSORS = 65536
+#: defaults of :attr:`EngineConfig.nccl_recv_batch` and ``nccl_recv_batch_bytes``
+DEFAULT_NCCL_RECV_BATCH = 8
+DEFAULT_NCCL_RECV_BATCH_BYTES = 128 * MiB
 
 
 @dataclass(frozen=True, slots=True)
@@ -164,12 +166,17 @@ class EngineConfig:
     limits: Limits = field(default_factory=Limits)
     curve: CurveConfig | None = None
     nccl_max_channels: int | None = None
-    # Blocking NCCL communicators (init and a warm-up exchange on a worker thread) make
-    # every later enqueue a plain launch; non-blocking ones need settle-polling after
-    # enqueues. Default from AIOKV_NCCL_BLOCKING_OPS (read once, never written).
-    nccl_blocking_ops: bool = field(
-        default_factory=lambda: os.environ.get("AIOKV_NCCL_BLOCKING_OPS", "0") == "1"
-    )
+    #: Blocking NCCL communicators (init and a warm-up exchange on a worker thread) make
+    #: every later enqueue a plain launch; non-blocking ones (the default) need
+    #: settle-polling after enqueues. The command-line tools set it from
+    #: ``AIOKV_NCCL_BLOCKING_OPS=1``.
+    nccl_blocking_ops: bool = False
+    #: NCCL receives are posted in groups of at most this many transfers and
+    #: ``nccl_recv_batch_bytes`` bytes (one completion event per group; see
+    #: docs/design.md). The command-line tools set both from
+    #: ``AIOKV_NCCL_RECV_BATCH="count,MiB"``.
+    nccl_recv_batch: int = DEFAULT_NCCL_RECV_BATCH
+    nccl_recv_batch_bytes: int = DEFAULT_NCCL_RECV_BATCH_BYTES
     #: KV layout offered at HELLO: opaque to the engine, which only carries it (in its
     #: wire form, a flat dict) and asks :attr:`layout_check` about a peer's. Pass a
     #: :class:`~aiokv.kv.KVLayout` or its wire form (``layout.to_wire()``); checked here
@@ -189,6 +196,12 @@ class EngineConfig:
     data_port: int = 0
 
     def __post_init__(self) -> None:
+        if not isinstance(self.nccl_blocking_ops, bool):
+            raise ConfigError(f"nccl_blocking_ops must be a bool, got {self.nccl_blocking_ops!r}")
+        for name in ("nccl_recv_batch", "nccl_recv_batch_bytes"):
+            v = getattr(self, name)
+            if type(v) is not int or v < 1:
+                raise ConfigError(f"{name} must be a positive int, got {v!r}")
         if not isinstance(self.data_port, int) or not 0 <= self.data_port < 65536:
             raise ConfigError(f"data_port must be 0..65535, got {self.data_port!r}")
         parse_address(self.listen)

@@ -2219,7 +2219,13 @@ class Engine:
         if ss.dead:
             comm.abort()
             return
-        ss.nccl = NcclSink(comm, self._get_poller(), device)
+        ss.nccl = NcclSink(
+            comm,
+            self._get_poller(),
+            device,
+            max_batch=self.config.nccl_recv_batch,
+            max_batch_bytes=self.config.nccl_recv_batch_bytes,
+        )
         self._reply(ss, ss.sess.send(NcclReady(msg.comm, True, "")))
 
     def _on_reserve(self, ss: _ServerSession, msg: Reserve) -> None:

@@ -132,3 +132,77 @@ def test_a_kv_layout_gets_the_kv_layers_check() -> None:
     err = engine_layout_check(lay.to_wire(), other.to_wire())  # other heads are not
     assert err is not None and "num_kv_heads" in err
     assert "unknown kind" in (engine_layout_check(lay.to_wire(), {"kind": "x"}) or "")
+
+
+# -- every knob in the config; the environment is read by the entry points only --------
+
+#: files that may read the environment, and why
+ENV_READERS = {
+    "cli.py": "the command line: translates AIOKV_* variables into config fields",
+    "bench.py": "entry point (benchmark processes)",
+    "bench_control.py": "entry point (benchmark processes)",
+    "kv/bench.py": "entry point (benchmark processes)",
+    "demo/run.py": "entry point (demo)",
+    "demo/worker.py": "entry point (demo worker)",
+    "router/__init__.py": "entry point (router command line)",
+    "router/app.py": "entry point (router's token default)",
+    "serving.py": "the router token shared by router and workers: a secret, kept out of argv",
+    "_trace.py": "debugging timeline: must reach every process of a run (docs/design.md)",
+    "nccl/library.py": "where to find libnccl (like LD_LIBRARY_PATH); load_library(path) too",
+    "cuda.py": "reports CUDA's own CUDA_MODULE_LOADING, which aiokv does not set",
+    "kv/ipc.py": "reports torch's own allocator settings, which aiokv does not set",
+}
+
+
+def test_the_environment_is_read_only_by_entry_points() -> None:
+    pkg = ROOT / "aiokv"
+    readers = sorted(
+        p.relative_to(pkg).as_posix()
+        for p in pkg.rglob("*.py")
+        if "os.environ" in p.read_text() or "getenv(" in p.read_text()
+    )
+    assert [r for r in readers if r not in ENV_READERS] == []
+
+
+def test_nccl_knobs_are_config_fields_that_the_cli_sets_from_the_environment(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from aiokv.cli import engine_overrides
+
+    monkeypatch.setenv("AIOKV_NCCL_BLOCKING_OPS", "1")
+    monkeypatch.setenv("AIOKV_NCCL_RECV_BATCH", "4,16")
+    assert EngineConfig().nccl_blocking_ops is False  # the library ignores the environment
+    cfg = EngineConfig(**engine_overrides())
+    assert cfg.nccl_blocking_ops is True
+    assert (cfg.nccl_recv_batch, cfg.nccl_recv_batch_bytes) == (4, 16 << 20)
+    assert engine_overrides({}) == {}
+    assert engine_overrides({"AIOKV_NCCL_BLOCKING_OPS": "0"}) == {"nccl_blocking_ops": False}
+    with pytest.raises(ConfigError, match="nccl_blocking_ops"):
+        EngineConfig(nccl_blocking_ops="yes")  # type: ignore[arg-type]
+
+
+def test_triton_switch_is_an_argument_that_the_cli_sets_from_the_environment() -> None:
+    from aiokv.cli import apply_process_env
+    from aiokv.kv import _triton, set_triton
+
+    try:
+        set_triton(True)
+        assert _triton.available() == _triton._importable()
+        apply_process_env({"AIOKV_DISABLE_TRITON": "0"})
+        assert _triton.available() == _triton._importable()
+        apply_process_env({"AIOKV_DISABLE_TRITON": "1"})
+        assert _triton.available() is False
+    finally:
+        set_triton(True)
+
+
+def test_the_cli_applies_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    from aiokv import cli
+    from aiokv.kv import _triton, set_triton
+
+    monkeypatch.setenv("AIOKV_DISABLE_TRITON", "1")
+    try:
+        assert cli.main(["doctor"]) in (0, 1)
+        assert _triton.available() is False
+    finally:
+        set_triton(True)

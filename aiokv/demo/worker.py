@@ -51,6 +51,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from .._exceptions import AiokvError
+from ..cli import apply_process_env, engine_overrides
 
 if TYPE_CHECKING:
     from .model import ModelConfig, TinyTransformer
@@ -550,6 +551,7 @@ def create_app(cfg: WorkerConfig, url: str = "") -> FastAPI:
             device=cfg.device,
             transport=cfg.transport,
             layout=w.layout.to_wire(),
+            **engine_overrides(),
         )
 
         async def on_engine(engine: Any) -> None:
@@ -751,6 +753,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         logging.getLogger("httpx").setLevel(logging.WARNING)
     import torch
 
+    apply_process_env()
     torch.set_num_threads(args.threads)
     if args.device.startswith("cuda"):
         torch.cuda.set_device(torch.device(args.device))

@@ -6,6 +6,7 @@ See :mod:`aiokv.kv.layouts` for the layouts and their wire form, and
 
 from __future__ import annotations
 
+from ._triton import set_enabled as set_triton
 from .connector import ConnectorStatistics, KVConnector
 from .ipc import IpcOptions, IpcStatistics
 from .layouts import (
@@ -52,4 +53,5 @@ __all__ = [
     "gather_blocks",
     "layout_from_wire",
     "scatter_blocks",
+    "set_triton",
 ]

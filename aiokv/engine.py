@@ -32,7 +32,6 @@ import logging
 import os
 import secrets
 import socket
-import threading
 import time
 from collections import OrderedDict, deque
 from collections.abc import Awaitable, Callable, Generator, Iterable, Mapping, Sequence
@@ -43,7 +42,7 @@ import torch
 import zmq
 import zmq.asyncio
 
-from . import _trace
+from . import _blocking, _trace
 from ._config import EngineConfig, parse_address
 from ._exceptions import (
     AiokvError,
@@ -254,32 +253,6 @@ async def _await_shielded(fut: asyncio.Future[Any], timeout: float) -> Any:
     if fut.done():
         return fut.result()
     raise TimeoutError
-
-
-def _in_thread(fn: Callable[[], object], name: str) -> asyncio.Future[None]:
-    """Run a blocking call on a short-lived daemon thread; a future for its end."""
-    loop = asyncio.get_running_loop()
-    fut: asyncio.Future[None] = loop.create_future()
-
-    def done(exc: BaseException | None) -> None:
-        if fut.done():
-            return
-        if exc is None:
-            fut.set_result(None)
-        else:
-            fut.set_exception(exc)
-
-    def run() -> None:
-        err: BaseException | None = None
-        try:
-            fn()
-        except BaseException as exc:  # reported to the awaiting side
-            err = exc
-        with contextlib.suppress(RuntimeError):  # the loop may be gone (caller timed out)
-            loop.call_soon_threadsafe(done, err)
-
-    threading.Thread(target=run, name=name, daemon=True).start()
-    return fut
 
 
 def _watchdog_report(why: str) -> None:
@@ -1296,11 +1269,11 @@ class Engine:
         if self._auth is not None:
             self._auth.stop()
         ctx = self._ctx
-        # term() waits for lingering sockets; never on the loop.
-        # On a thread of its own that ends with it (the default executor would keep its
-        # threads for the life of the process).
+        # term() waits for lingering sockets (forever if one never flushes): never on
+        # the loop, and on a daemon thread of its own (aiokv._blocking says why)
         await asyncio.wait_for(
-            _in_thread(ctx.term, "aiokv-zmq-term"), timeout=self.config.timeouts.linger + 1.0
+            _blocking.in_daemon(ctx.term, "aiokv-zmq-term"),
+            timeout=self.config.timeouts.linger + 1.0,
         )
 
     def _spawn(self, coro: Awaitable[Any]) -> asyncio.Task[Any]:

@@ -9,11 +9,14 @@ bounded when peers churn.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 
 import httpx
 import pytest
+from fastapi import FastAPI, Request  # module level: FastAPI resolves the annotations here
+from fastapi.responses import JSONResponse
 from test_demo import demo_cluster, needs_connector
 
 import aiokv
@@ -138,3 +141,37 @@ def test_peer_addresses_pick_the_other_role_of_the_same_model() -> None:
     assert _peer_addresses(reg, listing) == ["10.0.0.1:5000", "10.0.0.3:5000"]
     assert _peer_addresses(reg, {"instances": "nope"}) == []
     assert _peer_addresses(reg, []) == []
+
+
+@pytest.mark.anyio
+@pytest.mark.timeout(30)
+async def test_the_router_connects_to_a_newly_registered_worker_before_routing_to_it() -> None:
+    from test_router import running
+
+    from aiokv.router import RouterConfig
+    from aiokv.router import create_app as create_router_app
+    from aiokv.serving import register_with_router
+
+    peers: list[tuple[str, int]] = []
+    worker = FastAPI()
+
+    @worker.get("/v1/models")
+    async def models(request: Request) -> JSONResponse:
+        assert request.client is not None
+        peers.append((request.client.host, request.client.port))
+        return JSONResponse({"object": "list", "data": []})
+
+    async with (
+        running(create_router_app(RouterConfig())) as router_url,
+        running(worker) as worker_url,
+    ):
+        reg = WorkerRegistration(router_url, "decode", worker_url, "127.0.0.1:9", "m", 5.0)
+        task = asyncio.create_task(register_with_router(reg))
+        try:
+            await asyncio.wait_for(reg.registered.wait(), 5)
+            # no request was routed, yet the router already holds a connection to it
+            await _until(lambda: len(peers) == 1)
+        finally:
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task

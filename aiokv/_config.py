@@ -13,7 +13,7 @@ __all__ = ["CurveConfig", "EngineConfig", "LayoutCheck", "Limits", "Timeouts", "
 
 #: ``check(mine, theirs)``: None when a peer offering layout ``theirs`` may send into an
 #: engine holding ``mine``, else the reason (see :attr:`EngineConfig.layout_check`)
-LayoutCheck = Callable[[Mapping[str, str | int], Mapping[str, str | int]], "str | None"]
+LayoutCheck = Callable[[Mapping[str, str | int], Mapping[str, str | int]], str | None]
 
 KiB = 1024
 MiB = 1024 * KiB

@@ -61,6 +61,7 @@ from ._exceptions import (
     TransferError,
     TransferTimeoutError,
 )
+from ._zmqerr import channel_error, listen_error
 from ._zsock import LoopSocket, monitor_socket
 from .cuda import _resolve
 from .protocol.codec import MAX_ACKS, TOKEN_BYTES, Codec, WireError, WireLimits
@@ -736,10 +737,10 @@ class _ClientSession:
             for i in range(0, len(frames), MAX_FRAMES_PER_MESSAGE):
                 self.ctrl.send(frames[i : i + MAX_FRAMES_PER_MESSAGE])
         except zmq.ZMQError as exc:
-            self.fail(PeerLostError(f"control channel to {self.address} failed: {exc}"))
+            self.fail(channel_error(exc, f"control channel to {self.address}"))
 
     def _on_socket_error(self, exc: zmq.ZMQError) -> None:
-        self.fail(PeerLostError(f"connection to {self.address} failed: {exc}"))
+        self.fail(channel_error(exc, f"connection to {self.address}"))
 
     def _on_ctrl(self, frames: list[zmq.Frame]) -> None:
         """Control messages from the peer (called by the socket's reader, in order)."""
@@ -854,7 +855,7 @@ class _ClientSession:
         except asyncio.CancelledError:
             raise
         except (zmq.ZMQError, AiokvError) as exc:
-            self.fail(PeerLostError(f"data channel to {self.address} failed: {exc}"))
+            self.fail(channel_error(exc, f"data channel to {self.address}"))
 
     def ping(self, now: float) -> None:
         self.last_ping = now
@@ -1198,7 +1199,7 @@ class Engine:
             if self._auth is not None:
                 self._auth.stop()
             self._ctx.term()
-            raise ConfigError(f"cannot listen on {self.config.listen}: {exc}") from None
+            raise listen_error(exc, self.config.listen) from None
         ep = bytes(r.getsockopt(zmq.LAST_ENDPOINT)).decode()
         self._address = f"{host}:{ep.rsplit(':', 1)[1]}"
         self._data_port = int(bytes(d.getsockopt(zmq.LAST_ENDPOINT)).decode().rsplit(":", 1)[1])
@@ -1820,8 +1821,8 @@ class Engine:
         try:
             for i in range(0, len(frames), MAX_FRAMES_PER_MESSAGE):
                 self._router.send([ss.rid, *frames[i : i + MAX_FRAMES_PER_MESSAGE]])
-        except zmq.ZMQError:
-            self._drop_server(ss, PeerLostError(f"peer {ss.name} unreachable"), lost=True)
+        except zmq.ZMQError as exc:
+            self._drop_server(ss, channel_error(exc, f"reply channel to {ss.name}"), lost=True)
 
     def _reply_raw(self, rid: bytes, msg: Message) -> None:
         with contextlib.suppress(zmq.ZMQError):

@@ -198,8 +198,10 @@ class EngineConfig:
     def __post_init__(self) -> None:
         if not isinstance(self.nccl_blocking_ops, bool):
             raise ConfigError(f"nccl_blocking_ops must be a bool, got {self.nccl_blocking_ops!r}")
-        for name in ("nccl_recv_batch", "nccl_recv_batch_bytes"):
-            v = getattr(self, name)
+        for name, v in (
+            ("nccl_recv_batch", self.nccl_recv_batch),
+            ("nccl_recv_batch_bytes", self.nccl_recv_batch_bytes),
+        ):
             if type(v) is not int or v < 1:
                 raise ConfigError(f"{name} must be a positive int, got {v!r}")
         if not isinstance(self.data_port, int) or not 0 <= self.data_port < 65536:

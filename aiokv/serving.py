@@ -253,7 +253,10 @@ async def register_with_router(
                     peers = await _read_peers(http, reg)
                     if peers:
                         peers_wait = reg.peers_interval
-                        reg.on_peers(peers)
+                        try:
+                            reg.on_peers(peers)
+                        except Exception:  # the heartbeat must outlive a faulty callback
+                            log.exception("on_peers callback failed")
                     else:
                         peers_wait = min(peers_wait * 2, reg.peers_interval)
                     peers_due = time.monotonic() + peers_wait

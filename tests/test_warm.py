@@ -175,3 +175,35 @@ async def test_the_router_connects_to_a_newly_registered_worker_before_routing_t
             task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await task
+
+
+@pytest.mark.anyio
+@pytest.mark.timeout(30)
+async def test_a_failing_on_peers_callback_does_not_stop_the_heartbeat() -> None:
+    from test_router import running
+
+    from aiokv.router import RouterConfig
+    from aiokv.router import create_app as create_router_app
+    from aiokv.serving import register_with_router
+
+    calls = 0
+
+    def broken(peers: list[str]) -> None:
+        nonlocal calls
+        calls += 1
+        raise RuntimeError("bug in the callback")
+
+    async with running(create_router_app(RouterConfig())) as router_url:
+        peer = WorkerRegistration(router_url, "prefill", "http://127.0.0.1:7", "127.0.0.1:7", "m")
+        me = WorkerRegistration(router_url, "decode", "http://127.0.0.1:9", "127.0.0.1:9", "m", 0.1)
+        me.on_peers, me.peers_interval = broken, 0.1
+        tasks = [asyncio.create_task(register_with_router(r)) for r in (peer, me)]
+        try:
+            await _until(lambda: calls >= 2 and me.heartbeats >= 3)
+            assert not any(t.done() for t in tasks)
+        finally:
+            for t in tasks:
+                t.cancel()
+            for t in tasks:
+                with contextlib.suppress(asyncio.CancelledError):
+                    await t

@@ -204,3 +204,98 @@ def monitor_socket(sock: zmq.Socket[Any], actx: Any, events: int) -> Any:
     mon = actx.socket(zmq.PAIR)
     mon.connect(addr)
     return mon
+
+
+class Outbox:
+    """Messages queued on one connection during a loop pass, sent as few zmq messages.
+
+    The cost of a small zmq message is the hand-off to zmq's I/O thread, not its
+    bytes, so frames queued in one loop pass leave together: at the end of the pass,
+    or at once with ``now`` (a caller waiting on exactly this message), or as soon as
+    ``batch_frames`` frames / ``batch_bytes`` bytes are queued (a pipelining peer then
+    answers the first batch while the rest is written). ``max_frames`` splits a flush
+    into messages of at most that many frames; with ``max_frames=None`` every flush is
+    one message (frames that must stay together, like a PUT and its tensors). Sent
+    on ``sock`` after ``prefix`` (a ROUTER's routing id), zero-copy unless ``copy``.
+    A send that fails calls ``on_error`` once; a closed outbox drops what it gets.
+    """
+
+    __slots__ = (
+        "_bytes",
+        "_frames",
+        "_loop",
+        "batch_bytes",
+        "batch_frames",
+        "closed",
+        "copy",
+        "max_frames",
+        "on_error",
+        "prefix",
+        "sock",
+    )
+
+    def __init__(
+        self,
+        sock: LoopSocket,
+        on_error: Callable[[zmq.ZMQError], None],
+        *,
+        prefix: bytes | None = None,
+        copy: bool = True,
+        max_frames: int | None = None,
+        batch_frames: int | None = None,
+        batch_bytes: int | None = None,
+    ) -> None:
+        self.sock = sock
+        self.on_error = on_error
+        self.prefix = prefix
+        self.copy = copy
+        self.max_frames = max_frames
+        self.batch_frames = batch_frames
+        self.batch_bytes = batch_bytes
+        self.closed = False
+        self._loop = sock._loop
+        self._frames: list[Any] = []
+        self._bytes = 0
+
+    def __len__(self) -> int:
+        return len(self._frames)
+
+    def put(self, frames: Sequence[Any], *, nbytes: int = 0, now: bool = False) -> None:
+        """Queue ``frames`` (``nbytes`` of payload among them); see the class docstring."""
+        if self.closed:
+            return
+        out = self._frames
+        was_empty = not out
+        out.extend(frames)
+        self._bytes += nbytes
+        if (
+            now
+            or (self.batch_frames is not None and len(out) >= self.batch_frames)
+            or (self.batch_bytes is not None and self._bytes >= self.batch_bytes)
+        ):
+            self.flush()
+        elif was_empty:
+            self._loop.call_soon(self.flush)
+
+    def flush(self) -> None:
+        """Send everything queued now (a no-op when empty)."""
+        frames, self._frames = self._frames, []
+        self._bytes = 0
+        if not frames or self.closed or self.sock.closed:
+            return
+        step = self.max_frames or len(frames)
+        try:
+            for i in range(0, len(frames), step):
+                part = frames[i : i + step]
+                if self.prefix is not None:
+                    part = [self.prefix, *part]
+                self.sock.send(part, copy=self.copy)
+        except zmq.ZMQError as exc:
+            self.close()
+            self.on_error(exc)
+
+    def close(self) -> None:
+        """Drop what is queued; later puts are dropped too."""
+        self.closed = True
+        self._frames = []
+        self._bytes = 0

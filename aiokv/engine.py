@@ -26,7 +26,6 @@ import asyncio
 import contextlib
 import dataclasses
 import gc
-import heapq
 import itertools
 import logging
 import os
@@ -62,11 +61,13 @@ from ._exceptions import (
     TransferTimeoutError,
 )
 from ._zmqerr import channel_error, listen_error
-from ._zsock import LoopSocket, monitor_socket
+from ._zsock import LoopSocket, Outbox, monitor_socket
 from .cuda import _resolve
+from .protocol.admission import AdmissionQueue, PeerQueue
 from .protocol.codec import MAX_ACKS, TOKEN_BYTES, Codec, WireError, WireLimits
 from .protocol.credit import CreditAccount, CreditLedger
 from .protocol.messages import (
+    DATA_FRAME_BYTES,
     PROTOCOL_VERSION,
     Ack,
     Bye,
@@ -95,7 +96,14 @@ from .protocol.messages import (
 )
 from .protocol.session import Role, Session, SessionState, XferState
 from .store import PeerRef, ReceiveStore, StoreStatistics
-from .transport.tcp import TcpSink, TcpSource, dtype_name, frames_to_tensors, tensor_buffer
+from .transport.tcp import (
+    TcpSink,
+    TcpSource,
+    dtype_name,
+    frames_to_tensors,
+    one_frame_each,
+    tensor_buffer,
+)
 
 if TYPE_CHECKING:
     from ._watchdog import LoopWatchdog
@@ -109,6 +117,12 @@ log = logging.getLogger("aiokv")
 #: Control messages queued in one loop pass leave as one zmq message of at most this
 #: many frames (a peer refuses more than 4x this; the sender splits, never the peer).
 MAX_FRAMES_PER_MESSAGE = 1024
+#: PUTs of one loop pass leave in zmq messages of about this many frames: large enough
+#: to share a message's cost, small enough that the receiver's ACK for the first ones
+#: is on its way while the sender still writes the rest (one message per pass would
+#: make a pipelined sender and its receiver take turns)
+_PUT_BATCH_FRAMES = 32
+_PUT_BATCH_BYTES = 256 * 1024
 #: a new connection's first message is one HELLO: anything larger is refused (and hung up)
 _MAX_FIRST_FRAME = 64 * 1024
 #: the capability in WELCOME naming the data port ("data:<port>")
@@ -183,7 +197,7 @@ def _prepare(
         seen.add(tid)
         if not isinstance(t, torch.Tensor):
             raise ConfigError(f"{tid!r}: expected a torch.Tensor, got {type(t).__name__}")
-        if t.device.type not in ("cpu", "cuda") or t.layout is not torch.strided:
+        if not (t.is_cpu or t.is_cuda) or t.layout is not torch.strided:
             # a meta tensor has no memory (zmq would read address 0); sparse ones no flat bytes
             raise ConfigError(
                 f"{tid!r}: only dense CPU or CUDA tensors can be sent, "
@@ -192,7 +206,7 @@ def _prepare(
         name = dtype_name(t.dtype)
         if name is None:
             raise ConfigError(f"{tid!r}: dtype {t.dtype} cannot be sent")
-        c = t.detach()
+        c = t.detach() if t.requires_grad else t  # (a new tensor object costs a little)
         if not c.is_contiguous():
             c = c.contiguous()
         specs.append(TensorSpec(tid, name, tuple(c.shape)))
@@ -383,7 +397,11 @@ class _ClientSession:
         self.last_recv = time.monotonic()
         self.last_ping = 0.0
         self.last_used = time.monotonic()
-        self.outbox: list[bytes] = []
+        self.outbox = Outbox(
+            self.ctrl,
+            lambda exc: self.fail(channel_error(exc, f"control channel to {address}")),
+            max_frames=MAX_FRAMES_PER_MESSAGE,
+        )
         self.suspect = False  # missed its heartbeat once; judged on the next tick
         self.nonce = itertools.count(1)
         self.get_ids = itertools.count(1)
@@ -392,7 +410,14 @@ class _ClientSession:
         self.credit = CreditAccount()  # protocol v2, once the peer announced its window
         self.credit_wait: deque[_OutXfer] = deque()  # PUTs waiting for credit, in order
         self.gave_up: set[int] = set()  # posted PUTs whose caller timed out: a late ACK is fine
-        self.data_out: list[Any] = []  # PUT/RETURN frames of this loop pass
+        # PUT/RETURN frames of this loop pass: a PUT's frames stay in one message
+        self.data_out = Outbox(
+            self.data,
+            lambda exc: self.fail(channel_error(exc, f"data channel to {address}")),
+            copy=False,
+            batch_frames=_PUT_BATCH_FRAMES,
+            batch_bytes=_PUT_BATCH_BYTES,
+        )
 
     @property
     def peer_id(self) -> str | None:
@@ -470,9 +495,13 @@ class _ClientSession:
             raise PeerLostError(f"session with {self.address} is gone: {self.dead}")
         loop = self.engine._loop
         if transport == "tcp" and not self.credit_wait:
-            nbytes = sum(s.nbytes for s in specs)
+            nbytes = specs[0].nbytes if len(specs) == 1 else sum(s.nbytes for s in specs)
             k = len(specs)
-            if self.credit.fits_window(nbytes, k) and self.credit.try_spend(nbytes, k):
+            if (
+                self.credit.fits_window(nbytes, k)
+                and one_frame_each(specs, nbytes)  # a PUT carries one-frame tensors only
+                and self.credit.try_spend(nbytes, k)
+            ):
                 # the common case: credit in hand, nobody queued before it. Posted now;
                 # "granted" is the engine's resolved future (no room to wait for)
                 x = _OutXfer(
@@ -507,7 +536,11 @@ class _ClientSession:
             # protocol v2: a transfer within the window spends standing credit (one
             # message, no round trip); one larger asks with RESERVE. Both wait in one
             # queue per session, so a later transfer never takes room from an earlier.
-            x.put = self.credit.fits_window(x.nbytes, len(specs))
+            # A PUT lands synchronously on the receiver's loop, so it carries only
+            # tensors of one data frame each (no copy to make there).
+            x.put = self.credit.fits_window(x.nbytes, len(specs)) and one_frame_each(
+                specs, x.nbytes
+            )
             if x.put and _trace.enabled:
                 _trace.mark("start", self.engine.engine_id, x.xfer)
             if x.put or self.credit_wait:
@@ -591,38 +624,18 @@ class _ClientSession:
             # give unspent credit back first (after our PUTs, on their connection), so
             # that the whole budget can serve a transfer larger than the window
             b, t = self.credit.take_all()
-            self._post_data([self.engine._codec.encode(Return(x.xfer, b, t))])
+            self.data_out.put([self.engine._codec.encode(Return(x.xfer, b, t))])
         self._send_ctrl(self.sess.send(Reserve(x.xfer, x.transport, tuple(x.specs))))
         if _trace.enabled:
             _trace.mark("start", self.engine.engine_id, x.xfer)
         if x.transport == "nccl":
             self.engine._get_poller().touch()  # the GRANT is read on a spinning loop
 
-    def _post_data(self, frames: list[Any], flush: bool = False) -> None:
-        """Queue PUT/RETURN frames; one zmq message per loop pass (fewer wake-ups of zmq's
-        I/O thread: the cost of a small message is the hand-off, not the bytes), or
-        now with ``flush`` (a caller waiting for this one transfer)."""
-        out = self.data_out
-        out.extend(frames)
-        if flush:
-            self._flush_data()
-        elif len(out) == len(frames):
-            self.engine._loop.call_soon(self._flush_data)
-        elif len(out) >= MAX_FRAMES_PER_MESSAGE:
-            self._flush_data()
-
-    def _flush_data(self) -> None:
-        frames, self.data_out = self.data_out, []
-        if not frames or self.dead is not None:
-            return
-        try:
-            self.data.send(frames, copy=False)
-        except zmq.ZMQError as exc:
-            self.fail(PeerLostError(f"data channel to {self.address} failed: {exc}"))
-
     def _post_put(self, x: _OutXfer, flush: bool = False) -> None:
         header = self.engine._codec.encode(Put(x.xfer, tuple(x.specs)))
-        self._post_data([header, *(tensor_buffer(t) for t in x.tensors)], flush)
+        self.data_out.put(
+            [header, *(tensor_buffer(t) for t in x.tensors)], nbytes=x.nbytes, now=flush
+        )
         x.posted = True
         if not x.granted.done():
             x.granted.set_result(0)
@@ -723,21 +736,8 @@ class _ClientSession:
 
     def _send_ctrl(self, data: bytes) -> None:
         """Queue a control message; everything queued in one loop pass leaves as one zmq message."""
-        if self.dead is not None:
-            return
-        self.outbox.append(data)
-        if len(self.outbox) == 1:
-            self.engine._loop.call_soon(self._flush)
-
-    def _flush(self) -> None:
-        frames, self.outbox = self.outbox, []
-        if not frames or self.dead is not None:
-            return
-        try:
-            for i in range(0, len(frames), MAX_FRAMES_PER_MESSAGE):
-                self.ctrl.send(frames[i : i + MAX_FRAMES_PER_MESSAGE])
-        except zmq.ZMQError as exc:
-            self.fail(channel_error(exc, f"control channel to {self.address}"))
+        if self.dead is None:
+            self.outbox.put([data])
 
     def _on_socket_error(self, exc: zmq.ZMQError) -> None:
         self.fail(channel_error(exc, f"connection to {self.address}"))
@@ -762,6 +762,9 @@ class _ClientSession:
                 return
 
     def _dispatch(self, msg: Message) -> None:
+        if type(msg) is Ack:  # the one message of the hot path: first
+            self._on_ack(msg)
+            return
         e = self.engine
         if isinstance(msg, Welcome):
             if not self.welcome.done():
@@ -810,8 +813,6 @@ class _ClientSession:
             g = self.gets.pop(msg.req, None)
             if g is not None and not g.done():
                 g.set_result(msg)
-        elif isinstance(msg, Ack):
-            self._on_ack(msg)
         elif isinstance(msg, Pong):
             pass
         elif isinstance(msg, ErrorMsg):
@@ -866,6 +867,8 @@ class _ClientSession:
         if self.dead is not None:
             return
         self.dead = exc
+        self.outbox.close()  # what this session had queued dies with it
+        self.data_out.close()
         e = self.engine
         if not self.welcome.done():
             self.welcome.set_exception(
@@ -935,7 +938,7 @@ class _ClientSession:
         if self.dead is None and self.sess.state is SessionState.OPEN:
             with contextlib.suppress(Exception):
                 self._send_ctrl(self.sess.send(Bye()))
-                self._flush()  # now: fail() below stops the session's queue
+                self.outbox.flush()  # now: fail() below stops the session's queue
         self.fail(exc or EngineClosedError("engine closed"))
 
 
@@ -970,13 +973,19 @@ class _ServerSession:
         self.nccl: NcclSink | None = None
         self.granted: dict[int, _InXfer] = {}
         # reservations waiting for room, oldest first
-        self.queued: dict[int, tuple[Reserve, int]] = {}  # xfer -> (RESERVE, arrival no.)
-        self.queued_ids: set[str] = set()
-        self.heap_key: int | None = None  # its entry in the engine's heap of queue heads
+        # RESERVEs waiting for room, in the engine's AdmissionQueue
+        self.queued: PeerQueue[Reserve] = PeerQueue(owner=self)
         self.expired: set[int] = set()  # grants this end gave up on (late data is dropped)
         self.last_recv = time.monotonic()
         self.dead = False
-        self.outbox: list[bytes] = []
+        self.outbox = Outbox(
+            engine._router,
+            lambda exc: engine._drop_server(
+                self, channel_error(exc, f"reply channel to {self.name}"), lost=True
+            ),
+            prefix=rid,
+            max_frames=MAX_FRAMES_PER_MESSAGE,
+        )
         self.suspect = False
         self.fds: list[int] = []  # the connections' descriptors (router monitor events)
         self.gets = 0  # GETs of this peer being served
@@ -1101,10 +1110,8 @@ class Engine:
         # accepted connections without a session yet: fd -> (accepted at, peer name)
         self._unbound: dict[int, tuple[float, str | None]] = {}
         self._router_mon: zmq.asyncio.Socket = None  # type: ignore[assignment]
-        # sessions with queued reservations, by the arrival of their oldest one: grants
-        # follow arrival order, but a head that does not fit holds up only its session
-        self._heads: list[tuple[int, int, _ServerSession]] = []
-        self._arrivals = itertools.count()
+        # reservations waiting for room, every session's (see aiokv.protocol.admission)
+        self._admission: AdmissionQueue[Reserve] = AdmissionQueue()
         self._published: dict[str, torch.Tensor] = {}
         self._stats = EngineStatistics()
         self._tasks: set[asyncio.Task[Any]] = set()
@@ -1167,13 +1174,12 @@ class Engine:
         self._sctx = zmq.Context.shadow(self._ctx.underlying)
         lim = self.config.limits
         # The control port carries control messages only: zmq drops (and hangs up) a
-        # connection whose frame exceeds one, before reading it. Data frames (up to a
-        # tensor, and never more than the store's whole budget, which no larger transfer
-        # is granted) arrive on a port of their own that authenticates first.
+        # connection whose frame exceeds one, before reading it. Data arrives on a port
+        # of its own that authenticates first, in frames of at most DATA_FRAME_BYTES
+        # (1 MiB; a tensor travels as several): zmq applies MAXMSGSIZE to the handshake
+        # too, so this bounds what a stranger can make it buffer on either port.
         r = self._router_socket(lim.max_frame_bytes)
-        d = self._router_socket(
-            max(lim.max_frame_bytes, min(lim.max_tensor_bytes, lim.store_bytes))
-        )
+        d = self._router_socket(max(lim.max_frame_bytes, DATA_FRAME_BYTES))
         if self.config.curve is not None:
             self._apply_curve_server(r)
             self._apply_curve_server(d)
@@ -1705,6 +1711,8 @@ class Engine:
         self._check_open()
         lim = self.config.limits
         specs, tensors = _prepare(items, lim.max_id_length, lim.max_tensors_per_transfer)
+        if not any(t.is_cuda for t in tensors):
+            return _Staged(specs, tensors, None, False)
         cuda = [t.is_cuda for t in tensors]
         ready = None
         if any(cuda):
@@ -1808,21 +1816,10 @@ class Engine:
         pe = self._stats.protocol_errors
         pe[code] = pe.get(code, 0) + 1
 
-    def _reply(self, ss: _ServerSession, data: bytes) -> None:
-        """Queue a control message to ``ss``; one zmq message per session per loop pass."""
-        ss.outbox.append(data)
-        if len(ss.outbox) == 1:
-            self._loop.call_soon(self._flush_reply, ss)
-
-    def _flush_reply(self, ss: _ServerSession) -> None:
-        frames, ss.outbox = ss.outbox, []
-        if not frames or self._router.closed:
-            return
-        try:
-            for i in range(0, len(frames), MAX_FRAMES_PER_MESSAGE):
-                self._router.send([ss.rid, *frames[i : i + MAX_FRAMES_PER_MESSAGE]])
-        except zmq.ZMQError as exc:
-            self._drop_server(ss, channel_error(exc, f"reply channel to {ss.name}"), lost=True)
+    def _reply(self, ss: _ServerSession, data: bytes, now: bool = False) -> None:
+        """Queue a control message to ``ss``; one zmq message per session per loop pass
+        (``now``: the caller flushes at once)."""
+        ss.outbox.put([data], now=now)
 
     def _reply_raw(self, rid: bytes, msg: Message) -> None:
         with contextlib.suppress(zmq.ZMQError):
@@ -2133,10 +2130,7 @@ class Engine:
         if isinstance(msg, Reserve):
             self._on_reserve(ss, msg)
         elif isinstance(msg, Withdraw):
-            if msg.xfer in ss.queued:
-                res, _ = ss.queued.pop(msg.xfer)
-                for s in res.specs:
-                    ss.queued_ids.discard(s.tensor_id)
+            if self._admission.withdraw(ss.queued, msg.xfer) is not None:
                 self._reply(ss, ss.sess.send(Withdrawn(msg.xfer)))
                 self._unpause_credit(ss, msg.xfer)
                 self._stats.withdrawn += 1
@@ -2230,7 +2224,7 @@ class Engine:
             ids = [s.tensor_id for s in msg.specs]
             try:
                 self._store.check_free(ss.peer, ids)
-                if ss.queued_ids.intersection(ids):
+                if ss.queued.claims_any(ids):
                     raise DuplicateTensorError("duplicate")
             except DuplicateTensorError:
                 code, detail = (
@@ -2244,12 +2238,7 @@ class Engine:
             return
         if not ss.queued and self._try_grant(ss, msg):
             return
-        n = next(self._arrivals)
-        ss.queued[msg.xfer] = (msg, n)
-        ss.queued_ids.update(s.tensor_id for s in msg.specs)
-        if ss.heap_key is None:
-            ss.heap_key = n
-            heapq.heappush(self._heads, (n, id(ss), ss))
+        self._admission.add(ss.queued, msg.xfer, msg, [s.tensor_id for s in msg.specs])
 
     def _try_grant(self, ss: _ServerSession, msg: Reserve) -> bool:
         assert ss.peer is not None
@@ -2294,35 +2283,8 @@ class Engine:
         later ones (one order per peer) but never another session's: one peer's
         large reservation waiting for room does not block the others.
         """
-        heads = self._heads
-        stuck: list[tuple[int, int, _ServerSession]] = []
-        while heads:
-            key, tie, ss = heads[0]
-            if ss.dead or not ss.queued or ss.heap_key != key:
-                heapq.heappop(heads)  # stale entry
-                if ss.heap_key == key:
-                    ss.heap_key = None
-                continue
-            xfer, (msg, arrival) = next(iter(ss.queued.items()))
-            if arrival != key:  # its head was withdrawn: re-file under the new head
-                ss.heap_key = arrival
-                heapq.heapreplace(heads, (arrival, tie, ss))
-                continue
-            if not self._try_grant(ss, msg):
-                stuck.append(heapq.heappop(heads))
-                continue
-            del ss.queued[xfer]
-            for sp in msg.specs:
-                ss.queued_ids.discard(sp.tensor_id)
-            if ss.queued:
-                nxt = next(iter(ss.queued.values()))[1]
-                ss.heap_key = nxt
-                heapq.heapreplace(heads, (nxt, tie, ss))
-            else:
-                ss.heap_key = None
-                heapq.heappop(heads)
-        for e in stuck:
-            heapq.heappush(heads, e)
+        if self._admission.queued:
+            self._admission.pump(lambda q, msg: self._try_grant(q.owner, msg))
         if self._starved:
             for ss in sorted(self._starved, key=_share):
                 if not ss.ack_due:
@@ -2390,9 +2352,7 @@ class Engine:
                 # the ACK leaves now, before anything this message woke up (a waiting
                 # recv, the caller's next step) runs: it is the sender's critical path
                 if ss.ack_due and not ss.dead:
-                    self._send_credit(ss)
-                    if ss.outbox:
-                        self._flush_reply(ss)
+                    self._send_credit(ss, now=True)
                 return
             if not isinstance(header, DataHeader):
                 raise RemoteProtocolError(f"{header.NAME} on the data connection")
@@ -2437,7 +2397,7 @@ class Engine:
         pairs = [(sp.tensor_id, sp.nbytes) for sp in msg.specs]
         why = ""
         try:
-            if ss.queued_ids.intersection(t for t, _ in pairs):
+            if ss.queued.claims_any(t for t, _ in pairs):
                 raise DuplicateTensorError("duplicate")
             if not self._store.try_reserve(ss.peer, pairs):
                 why = "busy"  # the store's tensor count is full (bytes were credited)
@@ -2458,10 +2418,11 @@ class Engine:
             self._stats.tensors_received += k
             self._stats.bytes_received += n
             ss.acks.append(msg.xfer)
-        self._ack_soon(ss)
+        ss.ack_due = True  # sent by _on_data once the whole message is handled
 
-    def _send_credit(self, ss: _ServerSession) -> None:
-        """One ACK for everything landed or refused this loop pass, with any new credit."""
+    def _send_credit(self, ss: _ServerSession, now: bool = False) -> None:
+        """One ACK for everything landed or refused this loop pass, with any new credit
+        (``now``: the caller flushes the session's replies itself, at once)."""
         ss.ack_due = False
         ledger = ss.ledger
         if ledger is None or ss.dead:
@@ -2505,6 +2466,7 @@ class Engine:
                         tuple(refused[i : i + MAX_ACKS]),
                     )
                 ),
+                now,
             )
 
     def _ack_soon(self, ss: _ServerSession) -> None:
@@ -2619,6 +2581,7 @@ class Engine:
         if ss.dead:
             return
         ss.dead = True
+        self._admission.close(ss.queued)  # before anything below may pump the queue
         if lost:
             self._stats.peers_lost += 1
         self._servers.pop(ss.rid, None)
@@ -2649,7 +2612,6 @@ class Engine:
             # slices: a session with tens of thousands pending must not stall the loop
             ids = [s.tensor_id for inx in ss.granted.values() for s in inx.specs]
             self._cancel_in_slices(ss.peer, ids, err)
-        ss.queued.clear()
         ss.granted.clear()
         ss.sess.close()
         self._pump_queue()

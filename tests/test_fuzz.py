@@ -145,9 +145,10 @@ def structured_frame(draw: Any) -> bytes:
 def valid_frame(draw: Any) -> bytes:
     """A well-formed message of a random kind (legal or not for the state it meets)."""
     x = draw(st.integers(0, 4))
+    v = m.PROTOCOL_VERSION
     choices = [
-        m.Hello(draw(st.sampled_from([1, 1, 2])), "peer", "127.0.0.1:1", ("tcp",), None),
-        m.Welcome(1, "srv", "127.0.0.1:2", ("tcp",), None, b"\x01" * 16),
+        m.Hello(draw(st.sampled_from([v, v, v - 1])), "peer", "127.0.0.1:1", ("tcp",), None),
+        m.Welcome(m.PROTOCOL_VERSION, "srv", "127.0.0.1:2", ("tcp",), None, b"\x01" * 16),
         m.DataHello(b"\x02" * 16),
         m.Reserve(x, "tcp", (m.TensorSpec(f"t{x}", "float32", (4,)),)),
         m.Grant(x, draw(st.integers(0, 3))),
@@ -204,9 +205,11 @@ def sessions_in_every_state() -> list[tuple[str, Session]]:
         ("server-IDLE", Session(Role.SERVER, CODEC)),
     ]
     c, s = Session(Role.CLIENT, CODEC), Session(Role.SERVER, CODEC)
-    s.receive(c.send(m.Hello(1, "c", "127.0.0.1:1", ("tcp",), None)))
+    s.receive(c.send(m.Hello(m.PROTOCOL_VERSION, "c", "127.0.0.1:1", ("tcp",), None)))
     out.append(("client-HELLO_SENT", c.__copy__() if hasattr(c, "__copy__") else _clone(c)))
-    c.receive(s.send(m.Welcome(1, "s", "127.0.0.1:2", ("tcp",), None, b"\x01" * 16)))
+    c.receive(
+        s.send(m.Welcome(m.PROTOCOL_VERSION, "s", "127.0.0.1:2", ("tcp",), None, b"\x01" * 16))
+    )
     out += [("client-OPEN", _clone(c)), ("server-OPEN", _clone(s))]
     # transfers: 1 RESERVED, 2 WITHDRAWING, 3 GRANTED, 4 SENT (client); mirrored on the server
     spec = (m.TensorSpec("t", "float32", (4,)),)
@@ -296,7 +299,7 @@ def test_fuzz_garbage_frames_to_a_live_engine() -> None:
         loop.run_until_complete(eng.start())
         loop.run_until_complete(good.start())
         ep = f"tcp://{eng.address}"
-        hello = CODEC.encode(m.Hello(1, "fuzzer", "127.0.0.1:9", ("tcp",), None))
+        hello = CODEC.encode(m.Hello(m.PROTOCOL_VERSION, "fuzzer", "127.0.0.1:9", ("tcp",), None))
 
         async def one(msgs: list[list[bytes]], in_session: bool) -> None:
             d = ctx.socket(zmq.DEALER)

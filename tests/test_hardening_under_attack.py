@@ -11,6 +11,7 @@ import contextlib
 import json
 import os
 import socket
+import struct
 import subprocess
 import sys
 import time
@@ -185,6 +186,24 @@ async def item15_data(ctx: zmq.asyncio.Context, eng: Victim, legit: str) -> None
         s.close()
 
 
+def _huge_handshake_frames(host: str, port: int) -> None:
+    """Ten raw connections speaking ZMTP 3.0 PLAIN announce a 512 MiB HELLO command and
+    stream it: zmq must hang up on the frame's header (data frames are at most 1 MiB)."""
+    greeting = b"\xff" + b"\x00" * 8 + b"\x7f\x03\x00" + b"PLAIN".ljust(20, b"\x00") + b"\x00" * 32
+    chunk = b"\x00" * (256 * 1024)
+    for _ in range(10):
+        with socket.create_connection((host, port), timeout=2) as s:
+            with contextlib.suppress(OSError):  # reset, broken pipe, or a full buffer
+                s.sendall(greeting + b"\x06" + struct.pack(">Q", 512 << 20))
+                for _ in range(2048):
+                    s.sendall(chunk)
+
+
+async def item15_data_handshake(ctx: zmq.asyncio.Context, eng: Victim, legit: str) -> None:
+    host = eng.address.rsplit(":", 1)[0]
+    await asyncio.to_thread(_huge_handshake_frames, host, eng.data_port)
+
+
 ATTACKS: dict[str, Callable[[zmq.asyncio.Context, Victim, str], Awaitable[None]]] = {
     "9-nested-frames": item9,
     "10-overflowing-shape": item10,
@@ -194,6 +213,7 @@ ATTACKS: dict[str, Callable[[zmq.asyncio.Context, Victim, str], Awaitable[None]]
     "14-big-reservation-and-withdraws": item14,
     "15-idle-and-huge-first-frame": item15,
     "15-data-port-without-a-token": item15_data,
+    "15-data-port-huge-handshake-frame": item15_data_handshake,
 }
 
 

@@ -27,7 +27,7 @@ from faultproxy import TcpRelay
 
 import aiokv
 from aiokv.protocol.codec import Codec
-from aiokv.protocol.messages import Hello
+from aiokv.protocol.messages import PROTOCOL_VERSION, Hello
 
 pytestmark = [pytest.mark.anyio]
 FIGURES = os.environ.get("AIOKV_RELIABILITY_LOG")  # figures are kept only where this names a file
@@ -86,7 +86,12 @@ async def raw_dealer_gets_nothing(
     try:
         try:
             await asyncio.wait_for(
-                d.send(Codec().encode(Hello(1, "intruder", "127.0.0.1:1", ("tcp",), None))), 1.0
+                d.send(
+                    Codec().encode(
+                        Hello(PROTOCOL_VERSION, "intruder", "127.0.0.1:1", ("tcp",), None)
+                    )
+                ),
+                1.0,
             )
         except asyncio.TimeoutError:
             pass

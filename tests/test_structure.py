@@ -238,10 +238,10 @@ async def test_a_taken_port_is_a_config_error() -> None:
             await b.start()
 
 
-#: ZMQError handlers in engine.py that still build their aiokv error inline: both are in
-#: the per-transfer hot path, rewritten in parallel (issue 11); they adopt channel_error
-#: when that work lands
-_INLINE_ZMQ_MAPPING = {"_flush_data", "_dispatch"}
+#: ZMQError handlers in engine.py that still build their aiokv error inline: in the
+#: per-transfer hot path, rewritten in parallel (issue 11); it adopts channel_error when
+#: that work lands
+_INLINE_ZMQ_MAPPING = {"_dispatch"}
 
 
 def test_engine_maps_zmq_errors_through_one_function() -> None:

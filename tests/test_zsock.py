@@ -8,7 +8,7 @@ from typing import Any
 import pytest
 import zmq
 
-from aiokv._zsock import LoopSocket
+from aiokv._zsock import LoopSocket, Outbox
 
 pytestmark = [pytest.mark.anyio, pytest.mark.timeout(30)]
 
@@ -109,5 +109,81 @@ async def test_sends_that_would_block_keep_their_order() -> None:
             rx.close(0)
         else:
             b.close(0)
+        tx.close(0)
+        ctx.term()
+
+
+# --------------------------------------------------------------------------- Outbox
+
+
+async def test_outbox_coalesces_a_loop_pass_and_flushes_at_once_when_asked() -> None:
+    ctx: zmq.Context[Any] = zmq.Context()
+    a, b = await _pair(ctx)
+    msgs: list[list[bytes]] = []
+    rx = LoopSocket(b, lambda fr: msgs.append([f.bytes for f in fr]))
+    tx = LoopSocket(a)
+    errors: list[Any] = []
+    out = Outbox(tx, errors.append, max_frames=3)
+    try:
+        for i in range(7):  # one loop pass: split into messages of at most 3 frames
+            out.put([b"%d" % i])
+        assert len(out) == 7  # nothing left yet: it goes at the end of the pass
+        await _until(lambda: sum(map(len, msgs)) == 7)
+        assert msgs == [[b"0", b"1", b"2"], [b"3", b"4", b"5"], [b"6"]]
+        msgs.clear()
+        out.put([b"a"])
+        out.put([b"b"], now=True)  # a waiting caller: both leave now, in order
+        assert len(out) == 0
+        await _until(lambda: len(msgs) == 1)
+        assert msgs == [[b"a", b"b"]] and not errors
+    finally:
+        rx.close(0)
+        tx.close(0)
+        ctx.term()
+
+
+async def test_outbox_batches_by_frames_and_bytes_and_keeps_a_put_whole() -> None:
+    ctx: zmq.Context[Any] = zmq.Context()
+    a, b = await _pair(ctx)
+    msgs: list[list[bytes]] = []
+    rx = LoopSocket(b, lambda fr: msgs.append([f.bytes for f in fr]))
+    tx = LoopSocket(a)
+    out = Outbox(tx, lambda e: None, copy=False, batch_frames=4, batch_bytes=100)
+    try:
+        out.put([b"h1", b"x"], nbytes=1)
+        out.put([b"h2", b"y", b"z"], nbytes=2)  # 5 frames >= 4: sent now, as one message
+        assert len(out) == 0
+        out.put([b"h3", b"big"], nbytes=100)  # 100 bytes: now
+        out.put([b"h4", b"s"], nbytes=1)  # below both: end of the pass
+        assert len(out) == 2
+        await _until(lambda: len(msgs) == 3)
+        assert msgs == [[b"h1", b"x", b"h2", b"y", b"z"], [b"h3", b"big"], [b"h4", b"s"]]
+    finally:
+        rx.close(0)
+        tx.close(0)
+        ctx.term()
+
+
+async def test_outbox_failure_reports_once_and_closing_drops_what_is_queued() -> None:
+    ctx: zmq.Context[Any] = zmq.Context()
+    r = ctx.socket(zmq.ROUTER)
+    r.setsockopt(zmq.LINGER, 0)
+    r.setsockopt(zmq.ROUTER_MANDATORY, 1)
+    r.bind("inproc://zsock-outbox")
+    tx = LoopSocket(r)
+    errors: list[zmq.ZMQError] = []
+    out = Outbox(tx, errors.append, prefix=b"nobody")
+    try:
+        out.put([b"m1"])
+        out.put([b"m2"], now=True)  # no such peer: EHOSTUNREACH
+        assert len(errors) == 1 and out.closed
+        out.put([b"m3"], now=True)  # dropped: the owner was told once
+        assert len(errors) == 1 and len(out) == 0
+        out2 = Outbox(tx, errors.append, prefix=b"nobody")
+        out2.put([b"x"])
+        out2.close()
+        await asyncio.sleep(0.01)  # the pass ends: nothing is sent, nothing fails
+        assert len(errors) == 1
+    finally:
         tx.close(0)
         ctx.term()

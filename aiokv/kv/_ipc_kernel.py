@@ -129,6 +129,39 @@ def _kernel() -> Any:
     return pair_copy_kernel
 
 
+@functools.lru_cache(maxsize=64)
+def _geometry(
+    word: int,
+    seg_words: int,
+    src_part_stride: int,
+    dst_part_stride: int,
+    base_align: int,
+    program_bytes: int,
+) -> tuple[int, int, int, int]:
+    """Program size (words), programs per segment, vector width and warps of a geometry
+    (fixed per mapping: computed once, not per launch)."""
+    block = max(1, program_bytes // word)
+    block = min(block, 1 << max(0, (seg_words - 1).bit_length()))
+    chunks = -(-seg_words // block)
+    vec = max(1, min(max(1, min(16, base_align) // word), block))
+    while vec > 1 and (seg_words % vec or src_part_stride % vec or dst_part_stride % vec):
+        vec //= 2
+    num_warps = 8 if block * word >= 16384 else 4 if block * word >= 4096 else 1
+    return block, chunks, vec, num_warps
+
+
+_WORD_REFS: dict[tuple[torch.device, int], torch.Tensor] = {}
+
+
+def _word_ref(device: torch.device, word: int) -> torch.Tensor:
+    """The kernel's (never read or written) base pointer of ``word`` type on ``device``:
+    one tiny allocation per device and word for the process, not one per launch."""
+    t = _WORD_REFS.get((device, word))
+    if t is None:
+        t = _WORD_REFS[(device, word)] = torch.empty(1, dtype=WORDS[word], device=device)
+    return t
+
+
 def launch_pair_copy(
     src_table: torch.Tensor,
     dst_table: torch.Tensor,
@@ -136,6 +169,7 @@ def launch_pair_copy(
     abort: torch.Tensor,
     slot: int,
     *,
+    n_pairs: int | None = None,
     word: int,
     n_layers: int,
     parts: int,
@@ -150,26 +184,25 @@ def launch_pair_copy(
 
     ``src_table``/``dst_table``: ``n_layers`` int64 base addresses (device tensors),
     aligned to ``word``. ``ids``: int64 device tensor ``[2, n]`` (source ids, then
-    destination ids). ``abort``: int32 device tensor; ``abort[slot]`` non-zero makes
+    destination ids; or, with ``n_pairs``, any int64 device buffer whose first
+    ``2 n_pairs`` elements are the source then destination ids). ``abort``: int32
+    device tensor; ``abort[slot]`` non-zero makes
     the launch copy nothing. Strides and sizes are in words. ``base_align``: a power of
     two (bytes) dividing every base address in both tables; with the strides it decides
     the vector width (up to 16 bytes). ``program_bytes``: bytes per program (CTA), a
     power of two (the default, 32 KiB, is what the plane uses).
     """
-    n_pairs = ids.shape[1]
-    block = max(1, program_bytes // word)
-    block = min(block, 1 << max(0, (seg_words - 1).bit_length()))
-    chunks = -(-seg_words // block)
+    if n_pairs is None:
+        n_pairs = ids.shape[1]
+    block, chunks, vec, num_warps = _geometry(
+        word, seg_words, src_part_stride, dst_part_stride, base_align, program_bytes
+    )
     programs = n_layers * parts * n_pairs * chunks
     if programs == 0:
         return True
     if programs > _MAX_PROGRAMS:
         return False
-    vec = max(1, min(max(1, min(16, base_align) // word), block))
-    while vec > 1 and (seg_words % vec or src_part_stride % vec or dst_part_stride % vec):
-        vec //= 2
-    num_warps = 8 if block * word >= 16384 else 4 if block * word >= 4096 else 1
-    word_ref = torch.empty(1, dtype=WORDS[word], device=ids.device)
+    word_ref = _word_ref(ids.device, word)
     _kernel()[(programs,)](
         src_table,
         dst_table,

@@ -242,6 +242,7 @@ async def _producer(a: dict[str, Any], chan: _Chan) -> dict[str, Any]:
             if push is not None:
                 push.close(linger=0)
         out["connector"] = asdict(con.statistics())
+        out["trace"] = _take_trace(a)
         await con.aclose()
     _raw_teardown(pg)
     return out
@@ -355,6 +356,7 @@ async def _consumer(a: dict[str, Any], chan: _Chan) -> dict[str, Any]:
             if pull is not None:
                 pull.close(linger=0)
         res["connector"] = asdict(con.statistics())
+        res["trace"] = _take_trace(a)
         await con.aclose()
     _raw_teardown(pg)
     res["bytes"] = total
@@ -367,6 +369,36 @@ async def _consumer(a: dict[str, Any], chan: _Chan) -> dict[str, Any]:
 def _engine_transport(a: dict[str, Any]) -> str:
     # the IPC plane's control messages are CPU tensors (TCP); its fallback takes NCCL
     return "auto" if a["transport"] == "ipc" else str(a["transport"])
+
+
+def _take_trace(a: dict[str, Any]) -> list[tuple[str, str, float]]:
+    """The IPC plane's stamps of the latency requests (``--trace``)."""
+    if a["transport"] != "ipc" or not a.get("trace"):
+        return []
+    from . import ipc
+
+    return [x for x in ipc.take_trace() if x[0].startswith("lat")]
+
+
+def _trace_summary(
+    prod: list[Any], cons: list[Any], starts: list[float], ends: list[float]
+) -> dict[str, float]:
+    """Median time of each stamped stage after the producer's call (ms), both processes;
+    ``end`` is the consumer's clock stop (blocks in place, device synchronised)."""
+    by: dict[str, dict[str, float]] = {}
+    for rid, stage, t in [*prod, *cons]:
+        by.setdefault(rid, {}).setdefault(stage, t)
+    rows: dict[str, list[float]] = {}
+    for st in by.values():
+        t0 = st.get("send")
+        if t0 is None:
+            continue
+        for stage, t in st.items():
+            rows.setdefault(stage, []).append((t - t0) * 1e3)
+    out = {k: round(statistics.median(v), 4) for k, v in rows.items()}
+    if starts and ends:
+        out["end"] = round(statistics.median([(e - s) * 1e3 for s, e in zip(starts, ends)]), 4)
+    return dict(sorted(out.items(), key=lambda kv: kv[1]))
 
 
 def _ipc_options(a: dict[str, Any]) -> Any:
@@ -513,6 +545,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--seed", type=int, default=1234)
     ap.add_argument("--timeout", type=float, default=120.0)
     ap.add_argument("--loop", choices=["uvloop", "asyncio"], default=None)
+    ap.add_argument(
+        "--trace",
+        action="store_true",
+        help="ipc: stamp each latency request's stages in both processes (trace_ms)",
+    )
     args = ap.parse_args(argv)
     if args.iters < 1 or args.latency_n < 1 or args.concurrency < 1:
         ap.error("--iters, --latency-n and --concurrency must be >= 1")
@@ -565,7 +602,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         "dist_port": _free_port(),
         "raw": raw_kind,
         "gpus": gpus,
+        "trace": bool(args.trace),
     }
+    if args.trace:
+        os.environ["AIOKV_IPC_TRACE"] = "1"  # read by aiokv.kv.ipc at import, in the children
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
     pc, cc = ctx.Pipe()
@@ -622,6 +662,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         t_aiokv = statistics.median(c["aiokv_s"])
         t_raw = statistics.median(c["raw_s"])
         lat = [(e - s) * 1e3 for s, e in zip(c["lat_start"], c["lat_end"])]
+        if args.trace:
+            rec["trace_ms"] = _trace_summary(
+                got["producer"][1].get("trace", []),
+                c.get("trace", []),
+                c["lat_start"],
+                c["lat_end"],
+            )
         rec.update(
             aiokv_gbps=round(total / t_aiokv / 1e9, 4),
             raw_gbps=round(total / t_raw / 1e9, 4),

@@ -26,7 +26,8 @@ block counts, or different ``chunk_bytes`` on the two sides. A 1-D uint8 chunk o
 the right byte count is also accepted.
 
 Layer-wise streaming (:meth:`KVConnector.save_layer`) sends layer ``l`` as
-``f"{request_id}#L{l}"`` of shape ``(1, n_blocks * block_nbytes)``.
+``f"{request_id}#L{l}"`` of shape ``(1, n_blocks * block_nbytes)`` (with the IPC
+plane: an event and a small message per layer instead, docs/ipc.md).
 
 Every request also carries a small header, ``f"{request_id}#kvh"``: a CPU uint8
 tensor (so it travels over TCP and is read on the host, never synchronising a
@@ -588,6 +589,7 @@ class KVConnector:
         *,
         to: str,
         timeout: float | None = None,
+        _plain: bool = False,
     ) -> None:
         """Start sending one layer of a request (call after the layer's KV is written).
 
@@ -595,7 +597,12 @@ class KVConnector:
         GPU) and starts ``send_nowait`` of ``f"{request_id}#L{layer}"``. Then
         ``await wait_saved(request_id)`` once every layer was saved. ``timeout``
         bounds each layer's transfer. Must be called from the event loop's thread.
+        With ``ipc=`` the layers go through the IPC plane where it works (an event
+        per layer, one copy per layer on the consumer; docs/ipc.md).
         """
+        if self._ipc is not None and not _plain:
+            self._ipc.save_layer(request_id, layer, block_ids, to=to, timeout=timeout)
+            return
         self._check_open()
         self._check_rid(request_id)
         if type(layer) is not int or not 0 <= layer < self.layout.num_layers:
@@ -652,6 +659,11 @@ class KVConnector:
         ``num_layers`` layers were saved (the consumer would wait for them) or the
         request is unknown. On success the request joins :meth:`finished_sending`.
         """
+        if self._ipc is not None:
+            if self._ipc.owns_save(request_id):
+                await self._ipc.wait_saved(request_id)
+                return
+            self._ipc._plain_saves.discard(request_id)
         save = self._saves.pop(request_id, None)
         if save is None:
             raise ConfigError(f"no layers of {request_id!r} are being saved")

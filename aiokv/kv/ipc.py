@@ -21,9 +21,16 @@ See ``docs/ipc.md`` for the design, the wire messages and the safety rules; in s
   ones to that peer -- through the connector's ordinary path (NCCL, or TCP),
   with a log line and a counter. Never silently.
 
+* **Layer-wise.** ``save_layer`` records an event per layer and announces it
+  (:class:`LayerReady`); the consumer copies each layer with one launch once its
+  event fired, all under the request's one abort word and one release.
+
 Control messages travel as small uint8 CPU tensors carrying msgpack through the
-engine's public ``send_nowait``/``recv`` (tensor ids ``"{rid}#ipc"`` and
-``"{rid}#ipcrel"``); every received field is checked before use.
+engine's public ``send_nowait``/``recv`` (tensor ids ``"{rid}#ipc"``,
+``"{rid}#ipcL{layer}"`` and ``"{rid}#ipcrel"``); every received field is checked
+before use. The per-request path avoids allocations and most torch calls (each
+costs tens of µs on a GPU host); ``AIOKV_IPC_TRACE=1`` stamps its stages
+(:func:`take_trace`, ``aiokv bench kv --transport ipc --trace``).
 """
 
 from __future__ import annotations
@@ -36,6 +43,7 @@ import math
 import os
 import re
 import secrets
+import struct
 import sys
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -62,6 +70,7 @@ if TYPE_CHECKING:
     from .connector import KVConnector
 
 __all__ = [
+    "LAYERS",
     "ControlChannel",
     "Descriptor",
     "EngineChannel",
@@ -69,11 +78,13 @@ __all__ = [
     "IpcPlane",
     "IpcStatistics",
     "IpcUnavailableError",
+    "LayerReady",
     "Offer",
     "Release",
     "StorageExport",
     "decode_message",
     "encode_message",
+    "take_trace",
     "unsupported_reason",
 ]
 
@@ -91,6 +102,45 @@ _REFCOUNT_RE = re.compile(rb"^/torch_[0-9_]{1,64}$")
 # a producer's "now" more than this far from ours means another clock (host, VM, sandbox)
 _MAX_CLOCK_SKEW_S = 30.0
 _PROBE_SEGMENTS = 2
+_MAX_EVENT_SLOT = 1 << 20
+#: how long the consumer polls a producer's event without sleeping (a forward pass
+#: that ends within it is noticed within microseconds)
+_READY_SPIN_S = 0.002
+#: the descriptor's plane for layer-wise streaming (save_layer / recv_request(layerwise=True))
+LAYERS = "ipc-layers"
+
+
+#: per-request timestamps, ``(request id, stage, time.perf_counter())``, kept only when
+#: ``AIOKV_IPC_TRACE`` is set (``aiokv bench kv --transport ipc`` reports them):
+#: ``perf_counter`` is ``CLOCK_MONOTONIC``, so the two processes' stamps compare.
+_trace: list[tuple[str, str, float]] | None = [] if os.environ.get("AIOKV_IPC_TRACE") else None
+
+
+def _mark(rid: str, stage: str) -> None:
+    if _trace is not None and len(_trace) < 1_000_000:
+        _trace.append((rid, stage, time.perf_counter()))
+
+
+def take_trace() -> list[tuple[str, str, float]]:
+    """The stamps recorded so far (and forget them); empty unless ``AIOKV_IPC_TRACE``."""
+    if _trace is None:
+        return []
+    out = list(_trace)
+    _trace.clear()
+    return out
+
+
+def _on(stream: Any, device: torch.device) -> contextlib.AbstractContextManager[Any]:
+    """``torch.cuda.stream(stream)``, or nothing when it is already current (the common
+    case: the copy runs on the caller's stream; a switch costs several CUDA calls)."""
+    if torch.cuda.current_stream(device) == stream:
+        return contextlib.nullcontext()
+    return torch.cuda.stream(stream)
+
+
+def _layer_id(rid: str, lo: int) -> str:
+    """Tensor id of the :class:`LayerReady` message of the chunk starting at layer ``lo``."""
+    return f"{rid}#ipcL{lo}"
 
 
 class IpcUnavailableError(AiokvError):
@@ -204,7 +254,9 @@ def _no_ext(code: int, data: bytes) -> Any:
 def _tensor_bytes(t: torch.Tensor) -> bytes:
     from ..transport.tcp import tensor_buffer
 
-    return bytes(tensor_buffer(t.detach().cpu().contiguous()))
+    if t.device.type != "cpu" or not t.is_contiguous():  # (the engine hands out CPU ones)
+        t = t.detach().cpu().contiguous()
+    return bytes(tensor_buffer(t))
 
 
 def _int(d: Mapping[str, Any], k: str, lo: int, hi: int) -> int:
@@ -424,11 +476,11 @@ class Descriptor:
 
     def to_wire(self) -> dict[str, Any]:
         d: dict[str, Any] = {"v": WIRE_VERSION, "rid": self.rid, "plane": self.plane, "n": self.n}
-        if self.plane == "ipc":
+        if self.plane in ("ipc", LAYERS):
             d.update(
                 reply_to=self.reply_to,
                 token=self.token,
-                src=b"".join(i.to_bytes(4, "little") for i in self.src),
+                src=struct.pack(f"<{len(self.src)}I", *self.src),
                 event=self.event,
                 event_slot=self.event_slot,
                 lease=self.lease,
@@ -444,7 +496,7 @@ class Descriptor:
         if plane == "chunks":
             _exact_keys(d, "IPC descriptor", ("v", "rid", "plane", "n"))
             return cls(rid=rid, plane="chunks", n=n), None
-        if plane != "ipc":
+        if plane not in ("ipc", LAYERS):
             raise RemoteProtocolError(f"IPC descriptor: unknown plane {plane!r:.32}")
         _exact_keys(
             d,
@@ -473,7 +525,7 @@ class Descriptor:
             raise RemoteProtocolError(
                 f"IPC descriptor: {len(src_b)} bytes of block ids for {n} blocks"
             )
-        src = tuple(int.from_bytes(src_b[i : i + 4], "little") for i in range(0, len(src_b), 4))
+        src = struct.unpack(f"<{n}I", src_b)
         offer = None
         layout = None
         if d.get("offer") is not None:
@@ -484,13 +536,14 @@ class Descriptor:
         return (
             cls(
                 rid=rid,
-                plane="ipc",
+                plane=plane,
                 n=n,
                 reply_to=reply_to,
                 token=token,
                 src=src,
-                event=_bytes(d, "event", 1, _MAX_HANDLE),
-                event_slot=_int(d, "event_slot", 0, 1 << 20),
+                # layer-wise: the events travel in the LayerReady messages, none here
+                event=_bytes(d, "event", *((0, 0) if plane == LAYERS else (1, _MAX_HANDLE))),
+                event_slot=_int(d, "event_slot", 0, 0 if plane == LAYERS else _MAX_EVENT_SLOT),
                 lease=_float(d, "lease"),
                 offer=offer,
             ),
@@ -530,6 +583,45 @@ class Release:
             raise RemoteProtocolError("IPC release: ok/fallback must be booleans, not both true")
         return cls(
             rid=_str(d, "rid", 4096), ok=ok, fallback=fb, reason=_str(d, "reason", _MAX_REASON)
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class LayerReady:
+    """Producer → consumer, tensor id ``f"{rid}#ipcL{lo}"`` (layer-wise streaming only):
+    layers ``lo`` to ``hi - 1`` of the request are written once IPC event ``event``
+    (slot ``event_slot``) fired. The chunks of one request partition ``[0, num_layers)``
+    (each layer is saved once), so the consumer asks for ``#ipcL0`` first and then for
+    the chunk that starts where the last one ended."""
+
+    rid: str
+    lo: int
+    hi: int
+    event: bytes
+    event_slot: int
+
+    def to_wire(self) -> dict[str, Any]:
+        return {
+            "v": WIRE_VERSION,
+            "rid": self.rid,
+            "lo": self.lo,
+            "hi": self.hi,
+            "event": self.event,
+            "event_slot": self.event_slot,
+        }
+
+    @classmethod
+    def from_wire(cls, d: Mapping[str, Any], num_layers: int) -> LayerReady:
+        """Parse and check against the consumer's layer count (untrusted)."""
+        _exact_keys(d, "IPC layer message", ("v", "rid", "lo", "hi", "event", "event_slot"))
+        lo = _int(d, "lo", 0, num_layers - 1)
+        hi = _int(d, "hi", lo + 1, num_layers)
+        return cls(
+            rid=_str(d, "rid", 4096),
+            lo=lo,
+            hi=hi,
+            event=_bytes(d, "event", 1, _MAX_HANDLE),
+            event_slot=_int(d, "event_slot", 0, _MAX_EVENT_SLOT),
         )
 
 
@@ -705,6 +797,44 @@ class _Mapping:
     events: dict[int, tuple[bytes, Any]] = field(default_factory=dict)
     inflight: int = 0
     broken: str = ""
+    # layer-wise: the tables of layers [lo, hi), each its own (16-byte aligned)
+    # allocation, never freed while the mapping lives: a slice of src_table at an odd
+    # layer would be only 8-byte aligned, and Triton would compile (and load) another
+    # variant of the kernel in the middle of a request
+    tables: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
+
+
+@dataclass(slots=True, eq=False)
+class _SlotBufs:
+    """Per abort slot (consumer): the ids buffers and the two events its launches use."""
+
+    cap: int  # int64 elements of each buffer (2 n ids fit)
+    pin: torch.Tensor  # pinned host (CPU caches: the only buffer)
+    dev: torch.Tensor  # device copy the kernel reads
+    done: Any  # recorded after each launch of the slot's request
+    order: Any  # the caller's stream, recorded before the ids' upload
+    mv: memoryview  # of pin, for struct.pack_into
+    streams: list[Any] = field(default_factory=list)  # dev was record_stream'ed on these
+
+
+@dataclass(slots=True, eq=False)
+class _IpcSave:
+    """A request being saved layer by layer over the plane (producer)."""
+
+    to: str
+    host: tuple[int, ...]
+    deadline: float
+    lease: float
+    started: float
+    rel_task: asyncio.Task[Release | None]
+    saved: set[int] = field(default_factory=set)
+    events: list[tuple[int, Any, bytes]] = field(default_factory=list)
+    pending: list[LayerReady] = field(default_factory=list)
+
+
+def _retrieve(t: asyncio.Task[Any]) -> None:
+    if not t.cancelled():
+        t.exception()
 
 
 @dataclass(slots=True, eq=False)
@@ -761,6 +891,8 @@ class IpcPlane:
         self._free_events: list[tuple[int, Any, bytes]] = []
         self._n_events = 0
         self._background: set[asyncio.Task[None]] = set()
+        self._saves: dict[str, _IpcSave] = {}  # layer-wise requests being saved over IPC
+        self._plain_saves: set[str] = set()  # ... and those that take the ordinary path
         # consumer side
         self._maps: dict[int, _Mapping] = {}
         self._failed_tokens: dict[int, str] = {}
@@ -768,6 +900,8 @@ class IpcPlane:
         self._keep: list[Any] = []
         self._abort_next = 0
         self._free_slots: list[int] = []
+        self._slotbufs: dict[int, _SlotBufs] = {}
+        self._deferred: list[tuple[Descriptor, Release]] = []  # ok releases, sent soon
         self._ctl_stream: Any = None
         self._poller: Any = None
         self._closed = False
@@ -803,6 +937,24 @@ class IpcPlane:
                 log.warning("aiokv IPC plane: sending %r to %s failed: %s", tensor_id, to, exc)
 
         self._track(reap())
+
+    def _ids(
+        self, block_ids: torch.Tensor | Sequence[int], *, unique: bool, what: str
+    ) -> tuple[int, ...]:
+        """Block ids as a checked tuple (the connector's rules). A list or tuple of ints
+        is checked in Python: the torch calls of the connector's check cost ~80 µs per
+        request on the device host (run s11-ipc-r2), more than the copy itself."""
+        if isinstance(block_ids, (list, tuple)) and all(type(i) is int for i in block_ids):
+            ids = tuple(block_ids)
+            nb = self.layout.num_blocks
+            if ids and (min(ids) < 0 or max(ids) >= nb):
+                raise ConfigError(
+                    f"{what}: block ids must be in [0, {nb}), got [{min(ids)}, {max(ids)}]"
+                )
+            if unique and len(set(ids)) != len(ids):
+                raise ConfigError(f"{what}: duplicate block ids")
+            return ids
+        return tuple(self.con._host_ids(block_ids, unique=unique, what=what).tolist())
 
     def _seg_bytes(self) -> int:
         return self.layout.segment_numel() * self.layout.itemsize
@@ -857,12 +1009,14 @@ class IpcPlane:
         to: str,
         timeout: float | None,
     ) -> None:
+        _mark(request_id, "send")
         con = self.con
         con._check_open()
         con._check_rid(request_id)
         deadline = con._deadline(timeout)
-        host = con._host_ids(block_ids, unique=False, what="send_request")
-        n = host.numel()
+        host = self._ids(block_ids, unique=False, what="send_request")
+        n = len(host)
+        _mark(request_id, "ids")
         reason = self.disabled or self._broken_to.get(to)
         if reason or n == 0:
             # the consumer waits for a descriptor: tell it the blocks come the ordinary way
@@ -886,7 +1040,8 @@ class IpcPlane:
             return await self.send_request(request_id, host, to=to, timeout=timeout)
         slot, ev, ev_handle = self._take_event()
         # after everything queued so far on the current stream (the KV writes)
-        ev.record(torch.cuda.current_stream(self.device) if self.device.type == "cuda" else None)
+        ev.record()  # on the current stream: after the KV writes queued so far
+        _mark(request_id, "recorded")
         lease = self._clock() + max(0.0, deadline - time.monotonic())
         desc = Descriptor(
             rid=request_id,
@@ -894,7 +1049,7 @@ class IpcPlane:
             n=n,
             reply_to=str(getattr(con.engine, "address", "")),
             token=export.offer.token,
-            src=tuple(int(i) for i in host.tolist()),
+            src=host,
             event=ev_handle,
             event_slot=slot,
             lease=lease,
@@ -902,13 +1057,15 @@ class IpcPlane:
         )
         t0 = time.perf_counter()
         self._send_msg(f"{request_id}#ipc", desc.to_wire(), to, max(0.0, lease - self._clock()))
+        _mark(request_id, "sent")
         rel_task = asyncio.ensure_future(self._await_release(request_id, to, lease))
         try:
             rel = await asyncio.shield(rel_task)
+            _mark(request_id, "released")
         except asyncio.CancelledError:
             # the consumer may still be reading: the event slot comes back (and the
             # request counts as sent) only when its release arrives or the lease is over
-            self._track(self._settle_cancelled(rel_task, slot, ev, ev_handle, request_id))
+            self._track(self._settle_cancelled(rel_task, [(slot, ev, ev_handle)], request_id))
             con._stats.send_failures += 1
             raise
         if rel is None:
@@ -952,16 +1109,180 @@ class IpcPlane:
         return rel
 
     async def _settle_cancelled(
-        self, rel_task: asyncio.Task[Release | None], slot: int, ev: Any, h: bytes, rid: str
+        self,
+        rel_task: asyncio.Task[Release | None],
+        events: list[tuple[int, Any, bytes]],
+        rid: str,
     ) -> None:
         try:
             rel = await rel_task
         except Exception:
             rel = None
         if rel is not None:
-            self._free_events.append((slot, ev, h))
+            self._free_events.extend(events)
         # blocks are free to reuse from here on (release, or lease + grace over)
         self.con._finished_sending.add(rid)
+
+    # ------------------------------------------------------------------ producer, layer-wise
+
+    def owns_save(self, request_id: str) -> bool:
+        """True when the layers of ``request_id`` are being saved over IPC (not the
+        ordinary path)."""
+        return request_id in self._saves
+
+    def save_layer(
+        self,
+        request_id: str,
+        layer: int,
+        block_ids: torch.Tensor | Sequence[int],
+        *,
+        to: str,
+        timeout: float | None,
+    ) -> None:
+        """Layer-wise streaming over the plane (see :meth:`KVConnector.save_layer`).
+
+        The first layer of a request sends its descriptor (plane ``"ipc-layers"``: the
+        block ids, the lease, the offer); every layer then records an IPC event of its
+        own on the current stream and, at the end of this loop pass, sends a
+        :class:`LayerReady` naming it. The consumer copies each layer with one launch
+        once that event fired. Where the plane is off for this consumer the descriptor
+        says ``"chunks"`` and the request takes the ordinary path from its first layer.
+        """
+        con = self.con
+        con._check_open()
+        con._check_rid(request_id)
+        L = self.layout.num_layers
+        if type(layer) is not int or not 0 <= layer < L:
+            raise ConfigError(f"layer must be an int in [0, {L}), got {layer!r}")
+        if request_id in self._plain_saves:
+            con.save_layer(request_id, layer, block_ids, to=to, timeout=timeout, _plain=True)
+            return
+        host = self._ids(block_ids, unique=False, what="save_layer")
+        n = len(host)
+        sv = self._saves.get(request_id)
+        if sv is None:
+            deadline = con._deadline(timeout)
+            reason = self.disabled or self._broken_to.get(to)
+            export = None
+            if not reason and n:
+                try:
+                    export = self._make_export()
+                except Exception as exc:  # see send_request
+                    reason = self.disabled = "export_failed"
+                    self._count_fallback("export_failed", to, f"{type(exc).__name__}: {exc}")
+            if export is None:
+                self._send_msg(
+                    f"{request_id}#ipc",
+                    Descriptor(request_id, "chunks", n).to_wire(),
+                    to,
+                    max(0.0, deadline - time.monotonic()),
+                )
+                if reason:
+                    self._stats.fallbacks[reason] = self._stats.fallbacks.get(reason, 0) + 1
+                self._plain_saves.add(request_id)
+                con.save_layer(request_id, layer, host, to=to, timeout=timeout, _plain=True)
+                return
+            lease = self._clock() + max(0.0, deadline - time.monotonic())
+            desc = Descriptor(
+                rid=request_id,
+                plane=LAYERS,
+                n=n,
+                reply_to=str(getattr(con.engine, "address", "")),
+                token=export.offer.token,
+                src=host,
+                lease=lease,
+                offer=None if to in self._acked else export.offer,
+            )
+            self._send_msg(f"{request_id}#ipc", desc.to_wire(), to, max(0.0, lease - self._clock()))
+            rel_task = asyncio.ensure_future(self._await_release(request_id, to, lease))
+            rel_task.add_done_callback(_retrieve)
+            sv = _IpcSave(to, host, deadline, lease, time.perf_counter(), rel_task)
+            self._saves[request_id] = sv
+        elif sv.to != to or sv.host != host:
+            raise ConfigError(
+                f"save_layer({request_id!r}, {layer}): other block ids or peer than the "
+                "earlier layers of the request"
+            )
+        if layer in sv.saved:
+            raise ConfigError(f"layer {layer} of {request_id!r} was already saved")
+        sv.saved.add(layer)
+        slot, ev, handle = self._take_event()
+        sv.events.append((slot, ev, handle))
+        # after everything queued so far on the current stream (this layer's KV writes)
+        ev.record(torch.cuda.current_stream(self.device) if self.device.type == "cuda" else None)
+        sv.pending.append(LayerReady(request_id, layer, layer + 1, handle, slot))
+        if len(sv.pending) == 1:  # one flush per loop pass: the engine coalesces the PUTs
+            asyncio.get_running_loop().call_soon(self._flush_layers, sv)
+
+    def _flush_layers(self, sv: _IpcSave) -> None:
+        pending, sv.pending = sv.pending, []
+        left = max(0.0, sv.lease - self._clock())
+        for lr in pending:
+            try:
+                self._send_msg(_layer_id(lr.rid, lr.lo), lr.to_wire(), sv.to, left)
+            except Exception as exc:  # engine closing: the consumer's lease runs out instead
+                log.warning(
+                    "aiokv IPC plane: could not announce %r: %s", _layer_id(lr.rid, lr.lo), exc
+                )
+
+    async def wait_saved(self, request_id: str) -> None:
+        """Wait for the consumer's release of a request saved over IPC (see
+        :meth:`KVConnector.wait_saved`); the request then joins ``finished_sending()``.
+
+        As with :meth:`send_request`, the blocks are the consumer's to read until its
+        release or the lease (plus grace) is over: also when this raises (layers never
+        saved, cancellation), the request joins ``finished_sending()`` only then."""
+        con = self.con
+        sv = self._saves.pop(request_id)
+        self._flush_layers(sv)
+        L = self.layout.num_layers
+        missing = [i for i in range(L) if i not in sv.saved]
+        if missing:
+            # the consumer waits for them until the lease; what it read so far stays its
+            self._track(self._settle_cancelled(sv.rel_task, sv.events, request_id))
+            con._stats.send_failures += 1
+            raise ConfigError(
+                f"request {request_id!r}: layers {missing[:8]}{'...' if len(missing) > 8 else ''} "
+                "were never saved"
+            )
+        try:
+            rel = await asyncio.shield(sv.rel_task)
+        except asyncio.CancelledError:
+            self._track(self._settle_cancelled(sv.rel_task, sv.events, request_id))
+            con._stats.send_failures += 1
+            raise
+        except BaseException:
+            con._stats.send_failures += 1
+            raise
+        if rel is None:
+            con._stats.send_failures += 1
+            self._stats.lease_expired += 1
+            raise TransferTimeoutError(
+                f"IPC: no release of {request_id!r} from {sv.to} before its lease ran out "
+                "(the consumer no longer reads the blocks)"
+            )
+        self._free_events.extend(sv.events)
+        if rel.fallback:
+            self._broken_to[sv.to] = rel.reason or "consumer_refused"
+            self._count_fallback(rel.reason or "consumer_refused", sv.to)
+            # nothing was read: every layer the ordinary way (all are written by now)
+            left = max(0.0, sv.deadline - time.monotonic())
+            for i in range(L):
+                con.save_layer(request_id, i, sv.host, to=sv.to, timeout=left, _plain=True)
+            await con.wait_saved(request_id)
+            return
+        if not rel.ok:
+            con._stats.send_failures += 1
+            raise TransferAbortedError(
+                f"IPC: the consumer {sv.to} failed request {request_id!r}: {rel.reason}"
+            )
+        self._acked.add(sv.to)
+        self._stats.requests_sent += 1
+        st = con._stats
+        st.requests_sent += 1
+        st.bytes_sent += self.layout.request_nbytes(len(sv.host))
+        st.send_seconds += time.perf_counter() - sv.started
+        con._finished_sending.add(request_id)
 
     # ------------------------------------------------------------------ consumer
 
@@ -977,28 +1298,42 @@ class IpcPlane:
         con = self.con
         con._check_open()
         con._check_rid(request_id)
-        if layerwise:  # layer-wise streaming is the ordinary path's (no descriptor)
-            await con.recv_request(
-                request_id, block_ids, frm=frm, timeout=timeout, layerwise=True, _plain=True
-            )
-            return
         deadline = con._deadline(timeout)
-        host = con._host_ids(block_ids, unique=True, what="recv_request")
-        n = host.numel()
+        host = self._ids(block_ids, unique=True, what="recv_request")
+        n = len(host)
         raw = await self.channel.recv(
             f"{request_id}#ipc", frm=frm, timeout=max(0.0, deadline - time.monotonic())
         )
+        _mark(request_id, "desc")
         d = decode_message(raw)
         desc, plout = Descriptor.from_wire(d)
         if desc.rid != request_id:
             raise RemoteProtocolError(f"IPC descriptor for {desc.rid!r:.64} under {request_id!r}")
+        L = self.layout.num_layers
+
+        def drop_layers() -> None:
+            if desc.plane == LAYERS:  # the layer messages the producer sends regardless
+                con._drop(request_id, [_layer_id(request_id, i) for i in range(L)], frm, deadline)
+
         if desc.n != n:
-            if desc.plane == "ipc":
+            if desc.plane != "chunks":
                 self._release(desc, Release(request_id, False, reason="block count mismatch"))
+                drop_layers()
             raise LayoutMismatchError(
                 f"IPC: the producer sends {desc.n} blocks of {request_id!r}, "
                 f"{n} were allocated here",
                 code="kv_size_mismatch",
+            )
+        if desc.plane != "chunks" and (desc.plane == LAYERS) != layerwise:
+            self._release(desc, Release(request_id, False, reason="mode mismatch"))
+            drop_layers()
+            raise LayoutMismatchError(
+                f"IPC: the producer sends {request_id!r} "
+                + ("layer by layer (save_layer)" if desc.plane == LAYERS else "whole")
+                + f" but the consumer expects {'layers' if layerwise else 'the whole request'} "
+                "(send_request pairs with recv_request(layerwise=False), save_layer with "
+                "layerwise=True)",
+                code="kv_mode_mismatch",
             )
 
         async def plain() -> None:
@@ -1007,6 +1342,7 @@ class IpcPlane:
                 host,
                 frm=frm,
                 timeout=max(0.0, deadline - time.monotonic()),
+                layerwise=layerwise,
                 _plain=True,
             )
 
@@ -1018,12 +1354,15 @@ class IpcPlane:
         except IpcUnavailableError as exc:
             self._count_fallback(exc.reason, desc.reply_to, str(exc))
             self._release(desc, Release(request_id, False, fallback=True, reason=exc.reason))
+            drop_layers()
             await plain()
             return
         except LayoutMismatchError:
             self._release(desc, Release(request_id, False, reason="layout mismatch"))
+            drop_layers()
             raise
-        await self._pull(m, desc, host, deadline)
+        _mark(request_id, "mapped")
+        await self._pull(m, desc, host, deadline, frm)
 
     def _release(self, desc: Descriptor, rel: Release) -> None:
         try:
@@ -1071,11 +1410,26 @@ class IpcPlane:
 
     def _aborts(self) -> torch.Tensor:
         if self._abort is None:
-            self._abort = torch.zeros(4096, dtype=torch.int32, device=self.device)
+            if self.device.type == "cuda":
+                # Zeroed on the control stream (where the words are later set) and waited
+                # for: a zero-fill left queued on the caller's stream could otherwise run
+                # after an abort's fill and clear it (run s11-ipc-r2 caught the probe's
+                # aborted launch writing). A tiny fill once per 4096 requests.
+                ctl = self._ctl()
+                with torch.cuda.stream(ctl):
+                    self._abort = torch.zeros(4096, dtype=torch.int32, device=self.device)
+                ctl.synchronize()
+            else:
+                self._abort = torch.zeros(4096, dtype=torch.int32, device=self.device)
             # never freed: a launch stuck behind a dead producer's event may read its
             # word whenever (if ever) that event fires
             self._keep.append(self._abort)
         return self._abort
+
+    def _ctl(self) -> Any:
+        if self._ctl_stream is None:
+            self._ctl_stream = self.backend.new_stream(self.device)
+        return self._ctl_stream
 
     def _slot(self) -> tuple[torch.Tensor, int]:
         """An abort word never set before (aborted words are never reused)."""
@@ -1092,9 +1446,7 @@ class IpcPlane:
 
     def _set_abort(self, ab: torch.Tensor, slot: int) -> None:
         if ab.device.type == "cuda":
-            if self._ctl_stream is None:
-                self._ctl_stream = self.backend.new_stream(self.device)
-            with torch.cuda.stream(self._ctl_stream):
+            with torch.cuda.stream(self._ctl()):
                 ab[slot : slot + 1].fill_(1)
         else:
             ab[slot] = 1
@@ -1152,8 +1504,10 @@ class IpcPlane:
             ab, slot = self._slot()
             ab_off, slot_off = self._slot()
             self._set_abort(ab_off, slot_off)  # also loads the fill kernel, off any peer wait
+            # after the zero-fills above (caller's stream) and the abort (control stream)
+            stream.wait_stream(torch.cuda.current_stream(dev))
+            stream.wait_stream(self._ctl_stream)
             with torch.cuda.stream(stream):
-                stream.wait_stream(self._ctl_stream)
                 for target, a, s in ((dst, ab, slot), (untouched.view(wdt), ab_off, slot_off)):
                     # separate (aligned) tables: the same specialisation as the real copies
                     st = torch.tensor([src.data_ptr()], dtype=torch.int64).to(dev)
@@ -1190,102 +1544,176 @@ class IpcPlane:
             raise IpcUnavailableError("verify_failed", "a launch with its abort word set wrote")
         del probe
 
-    def _event(self, m: _Mapping, desc: Descriptor) -> Any:
-        cached = m.events.get(desc.event_slot)
-        if cached is not None and cached[0] == desc.event:
+    def _event(self, m: _Mapping, slot: int, handle: bytes) -> Any:
+        """The producer's IPC event in ``slot`` (opened once per slot and handle)."""
+        cached = m.events.get(slot)
+        if cached is not None and cached[0] == handle:
             return cached[1]
         try:
-            ev = self.backend.open_event(desc.event, self.device)
+            ev = self.backend.open_event(handle, self.device)
         except Exception as exc:
             raise IpcUnavailableError("event_failed", f"{type(exc).__name__}: {exc}") from None
         if len(m.events) >= 4096:
             m.events.clear()
-        m.events[desc.event_slot] = (desc.event, ev)
+        m.events[slot] = (handle, ev)
         return ev
 
+    def _slot_bufs(self, slot: int, n: int) -> _SlotBufs:
+        """The abort slot's reusable ids buffers (pinned host + device) and events.
+
+        A slot is handed out again only after the launch that used it finished (or
+        never, once its abort word was set), so its buffers can be rewritten without
+        a wait: no allocation, pinning or event creation per request.
+        """
+        sb = self._slotbufs.get(slot)
+        if sb is not None and sb.cap >= 2 * n:
+            return sb
+        dev = self.device
+        cap = max(64, 1 << max(0, 2 * n - 1).bit_length())
+        cuda = dev.type == "cuda"
+        pin = torch.empty(cap, dtype=torch.int64, pin_memory=cuda)
+        dbuf = torch.empty(cap, dtype=torch.int64, device=dev) if cuda else pin
+        done = order = None
+        if cuda:
+            done = torch.cuda.Event()  # type: ignore[no-untyped-call]
+            order = torch.cuda.Event()  # type: ignore[no-untyped-call]
+        from ..transport.tcp import tensor_buffer
+
+        sb = _SlotBufs(cap, pin, dbuf, done, order, tensor_buffer(pin))
+        self._slotbufs[slot] = sb
+        return sb
+
+    def _retire_slot(self, slot: int, keep: bool) -> None:
+        """The slot's buffers after an abort or a failed launch: never rewritten again
+        (kept forever when a launch may still read them)."""
+        sb = self._slotbufs.pop(slot, None)
+        if sb is not None and keep:
+            self._keep.append(sb)
+
     async def _pull(
-        self, m: _Mapping, desc: Descriptor, host: torch.Tensor, deadline: float
+        self,
+        m: _Mapping,
+        desc: Descriptor,
+        host: tuple[int, ...],
+        deadline: float,
+        frm: str | None = None,
     ) -> None:
+        """Copy the request: one launch (``plane == "ipc"``), or one per chunk of layers
+        as the producer's :class:`LayerReady` messages arrive (``LAYERS``)."""
         con = self.con
-        n = host.numel()
+        n = len(host)
         lay = self.layout
-        src_ids = torch.tensor(desc.src, dtype=torch.int64)
-        if n and (int(src_ids.min()) < 0 or int(src_ids.max()) >= m.layout.num_blocks):
+        layerwise = desc.plane == LAYERS
+        if n and max(desc.src) >= m.layout.num_blocks:  # uint32 on the wire: never < 0
             self._release(desc, Release(desc.rid, False, reason="source block id out of range"))
             raise RemoteProtocolError(
                 f"IPC descriptor of {desc.rid!r}: source block ids out of [0, {m.layout.num_blocks})"
             )
-        # our own deadline, and never past the producer's lease
-        end = min(deadline - time.monotonic(), desc.lease - self._clock())
-        if end <= 0:
+        # our own deadline, and never past the producer's lease (both as time.monotonic())
+        until = min(deadline, time.monotonic() + desc.lease - self._clock())
+        if until <= time.monotonic():
             self._stats.lease_expired += 1
             self._release(desc, Release(desc.rid, False, reason="lease over before the copy"))
             raise TransferTimeoutError(f"IPC: the lease of {desc.rid!r} was over on arrival")
-        try:
-            ready = self._event(m, desc)
-        except IpcUnavailableError as exc:
-            self._count_fallback(exc.reason, desc.reply_to, str(exc))
-            self._release(desc, Release(desc.rid, False, fallback=True, reason=exc.reason))
-            await con.recv_request(
-                desc.rid, host, timeout=max(0.0, deadline - time.monotonic()), _plain=True
-            )
-            return
+        if not layerwise:
+            try:
+                first = self._event(m, desc.event_slot, desc.event)
+            except IpcUnavailableError as exc:
+                self._count_fallback(exc.reason, desc.reply_to, str(exc))
+                self._release(desc, Release(desc.rid, False, fallback=True, reason=exc.reason))
+                await con.recv_request(
+                    desc.rid, host, timeout=max(0.0, deadline - time.monotonic()), _plain=True
+                )
+                return
         t0 = time.perf_counter()
         triton = self._use_triton()
         ab, slot = self._slot()
+        sb = self._slot_bufs(slot, n)
         dev = self.device
+        # The copy runs on the caller's current stream: ordered after its work so far and
+        # before its next, with no extra stream, event or switch per request. Only a
+        # launch that may be queued behind the producer's event (gpu_wait) runs on the
+        # mapping's own stream, so that a dead producer can only ever block that one.
+        own = triton and self.options.gpu_wait and dev.type == "cuda"
+        stream = m.stream if own or dev.type != "cuda" else torch.cuda.current_stream(dev)
+        L = lay.num_layers
+        nxt = 0  # layers [0, nxt) are launched
+        launched = False
         m.inflight += 1
         try:
-            gpu_wait = False
-            if not bool(ready.query()):
-                if triton and self.options.gpu_wait:
-                    gpu_wait = True
+            ids = self._stage_ids(stream, own, sb, desc.src, host)
+            _mark(desc.rid, "staged")
+            while nxt < L:
+                if layerwise:
+                    lr = await self._next_layers(m, desc, nxt, frm, until)
+                    hi, ready = lr.hi, self._layer_event(m, lr)
                 else:
-                    # Not launched before the producer's event fired: a launch queued
-                    # behind the event of a producer that then dies would keep its
-                    # stream (and any device-wide synchronize) waiting forever.
-                    await self._wait_ready(ready, time.monotonic() + end)
-            ids = torch.stack([src_ids, host])
-            done, keep = self._launch(m, ready if gpu_wait else None, ids, ab, slot, triton)
+                    hi, ready = L, first
+                _mark(desc.rid, f"ready?{nxt}")
+                gpu_wait = False
+                if not bool(ready.query()):
+                    if triton and self.options.gpu_wait:
+                        gpu_wait = True
+                    else:
+                        # Not launched before the producer's event fired: a launch queued
+                        # behind the event of a producer that then dies would keep its
+                        # stream (and any device-wide synchronize) waiting forever.
+                        await self._wait_ready(ready, until)
+                _mark(desc.rid, f"ready{nxt}")
+                launched = True  # (from here on a launch may be queued: abort rules apply)
+                self._launch(
+                    m, stream, ready if gpu_wait else None, ids, ab, slot, triton, nxt, hi, sb, n
+                )
+                _mark(desc.rid, f"launched{nxt}")
+                nxt = hi
+            done = sb.done if sb.done is not None else _Fired()
+            await self._wait_done(done, until - time.monotonic())
+            _mark(desc.rid, "done")
         except BaseException as exc:
-            m.inflight -= 1
-            self._free_slots.append(slot)  # nothing was launched with it
-            if isinstance(exc, AiokvTimeoutError):
-                self._stats.lease_expired += 1
-                self._release(desc, Release(desc.rid, False, reason="producer not ready"))
+            if layerwise and nxt < L:  # the producer's later layer messages: dropped
+                con._drop(desc.rid, [_layer_id(desc.rid, i) for i in range(nxt, L)], frm, deadline)
+            timeout = isinstance(exc, (AiokvTimeoutError, asyncio.TimeoutError, TimeoutError))
+            if not launched:
+                m.inflight -= 1
+                # nothing was launched with the slot: it may serve again, with new buffers
+                # (its ids' upload may still be queued; the device buffer is marked used
+                # by the copy stream and the pinned one by the copy, so neither is reused
+                # before that upload ran)
+                self._retire_slot(slot, keep=False)
+                self._free_slots.append(slot)
+                if timeout:
+                    self._stats.lease_expired += 1
+                    self._release(desc, Release(desc.rid, False, reason="producer not ready"))
+                else:
+                    why = "cancelled" if isinstance(exc, asyncio.CancelledError) else "failed"
+                    self._release(desc, Release(desc.rid, False, reason=why))
                 con._stats.recv_failures += 1
-            else:
-                why = "cancelled" if isinstance(exc, asyncio.CancelledError) else "launch failed"
-                self._release(desc, Release(desc.rid, False, reason=why))
-                con._stats.recv_failures += 1
-            raise
-        ok = False
-        try:
-            await self._wait_done(done, end)
-            ok = True
-        except BaseException as exc:
+                raise
             self._set_abort(ab, slot)
             self._stats.aborted += 1
-            if not await self._settle(m, done):
-                self._keep.append(keep)  # a stuck launch keeps its ids and tables forever
+            settled = await self._settle(m, sb.done if sb.done is not None else _Fired())
+            self._retire_slot(slot, keep=not settled)
+            if not settled:  # a stuck launch keeps its mapping's tensors forever
+                self._keep.append((m.src_table, m.tables, m.storages))
             m.inflight -= 1
             reason = "cancelled" if isinstance(exc, asyncio.CancelledError) else "deadline"
+            if not (timeout or isinstance(exc, asyncio.CancelledError)):
+                reason = "failed"
             self._release(desc, Release(desc.rid, False, reason=reason))
             con._stats.recv_failures += 1
-            if isinstance(exc, (asyncio.TimeoutError, TimeoutError)) and not isinstance(
-                exc, TransferTimeoutError
-            ):
+            if timeout and not isinstance(exc, TransferTimeoutError):
                 raise TransferTimeoutError(
                     f"IPC copy of {desc.rid!r} did not finish within its deadline/lease"
                 ) from None
             raise
-        finally:
-            if ok:
-                m.inflight -= 1
-                self._free_slots.append(slot)
-        if dev.type == "cuda":
-            torch.cuda.current_stream(dev).wait_event(done)  # already fired: orders the caller
-        self._release(desc, Release(desc.rid, True))
+        m.inflight -= 1
+        self._free_slots.append(slot)
+        if sb.done is not None and (own or torch.cuda.current_stream(dev) != stream):
+            # the copy ran on another stream than the caller's current one (gpu_wait, or
+            # a stream switched by other code during our awaits): order the caller after it
+            torch.cuda.current_stream(dev).wait_event(sb.done)
+        # off the critical path: sent after the caller (woken by our return) ran
+        self._release_soon(desc, Release(desc.rid, True))
         self._stats.requests_received += 1
         self._stats.bytes_received += lay.request_nbytes(n)
         st = con._stats
@@ -1293,37 +1721,125 @@ class IpcPlane:
         st.bytes_received += lay.request_nbytes(n)
         st.recv_seconds += time.perf_counter() - t0
         con._finished_receiving.add(desc.rid)
+        _mark(desc.rid, "return")
+
+    async def _next_layers(
+        self, m: _Mapping, desc: Descriptor, lo: int, frm: str | None, until: float
+    ) -> LayerReady:
+        """The producer's message for the chunk of layers starting at ``lo`` (validated)."""
+        raw = await self.channel.recv(
+            _layer_id(desc.rid, lo), frm=frm, timeout=max(0.0, until - time.monotonic())
+        )
+        _mark(desc.rid, f"layermsg{lo}")
+        lr = LayerReady.from_wire(decode_message(raw), self.layout.num_layers)
+        if lr.rid != desc.rid or lr.lo != lo:
+            raise RemoteProtocolError(
+                f"IPC layer message for {lr.rid!r:.64} layer {lr.lo} under {desc.rid!r:.64} "
+                f"layer {lo}"
+            )
+        return lr
+
+    def _layer_event(self, m: _Mapping, lr: LayerReady) -> Any:
+        try:
+            return self._event(m, lr.event_slot, lr.event)
+        except IpcUnavailableError as exc:  # mid-stream: no fallback once layers were read
+            raise TransferAbortedError(f"IPC: {exc}") from None
+
+    def _release_soon(self, desc: Descriptor, rel: Release) -> None:
+        """Send ``rel`` two loop passes from now: the caller of ``recv_request``, woken
+        by its return in the next pass, runs before the release is encoded and sent.
+        Releases of one pass go together; :meth:`aclose` sends any still waiting."""
+        self._deferred.append((desc, rel))
+        if len(self._deferred) == 1:
+            loop = asyncio.get_running_loop()
+            loop.call_soon(loop.call_soon, self._flush_releases)
+
+    def _flush_releases(self) -> None:
+        pending, self._deferred = self._deferred, []
+        for desc, rel in pending:
+            self._release(desc, rel)
+
+    def _stage_ids(
+        self, stream: Any, own: bool, sb: _SlotBufs, src: Sequence[int], dst: Sequence[int]
+    ) -> torch.Tensor:
+        """Write the ids (``n`` source, then ``n`` destination) into the slot's pinned
+        buffer and, on a GPU, enqueue their upload on ``stream``; returns what the copy
+        reads. The mapping's own stream (``own``) first waits for the caller's current
+        stream (its work so far may still read the destination blocks). A few Python
+        and torch calls, no allocation: each one costs tens of µs on the device host."""
+        n = len(dst)
+        if n:
+            struct.pack_into(f"<{2 * n}q", sb.mv, 0, *src, *dst)
+        if self.device.type != "cuda":
+            return sb.pin[: 2 * n].view(2, n)
+        if own:
+            assert sb.order is not None
+            sb.order.record(torch.cuda.current_stream(self.device))
+            stream.wait_event(sb.order)
+        with _on(stream, self.device):
+            sb.dev[: 2 * n].copy_(sb.pin[: 2 * n], non_blocking=True)
+        if stream not in sb.streams:
+            sb.dev.record_stream(stream)  # freed (retired) only after this stream's work
+            sb.streams.append(stream)
+        return sb.dev
+
+    def _tables(self, m: _Mapping, lo: int, hi: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Source and destination base-address tables of layers ``[lo, hi)`` (device)."""
+        t = m.tables.get((lo, hi))
+        if t is None:
+            if lo == 0 and hi == self.layout.num_layers:
+                t = (m.src_table, self.con.caches.ptr_table(range(lo, hi)))
+            else:
+                src = [x.data_ptr() for x in m.src_layers[lo:hi]]
+                dst = [x.data_ptr() for x in self.con.caches.tensors[lo:hi]]
+                both = torch.tensor([src, dst], dtype=torch.int64).to(self.device)
+                t = (both[0].clone(), both[1].clone())  # two allocations, both aligned
+            m.tables[(lo, hi)] = t
+        return t
 
     def _launch(
-        self, m: _Mapping, ready: Any, ids: torch.Tensor, ab: torch.Tensor, slot: int, triton: bool
-    ) -> tuple[Any, Any]:
-        """Enqueue the copy on the mapping's stream; returns its completion event and
-        what must stay alive until it ran."""
+        self,
+        m: _Mapping,
+        stream: Any,
+        ready: Any,
+        ids: torch.Tensor,
+        ab: torch.Tensor,
+        slot: int,
+        triton: bool,
+        lo: int,
+        hi: int,
+        sb: _SlotBufs,
+        n: int,
+    ) -> None:
+        """Enqueue the copy of layers ``[lo, hi)`` on ``stream`` (after the producer's
+        event ``ready`` on the GPU, if given) and re-record the slot's completion event
+        after it."""
         dev = self.device
         lay = self.layout
+        whole = lo == 0 and hi == lay.num_layers
         if dev.type != "cuda":
+            dst = self.con.caches.raw(m.word)
+            src = m.src_layers if whole else m.src_layers[lo:hi]
             _ipc_kernel.torch_pair_copy(
-                m.src_layers, self.con.caches.raw(m.word), lay.block_dim, ids[0], ids[1]
+                src, dst if whole else dst[lo:hi], lay.block_dim, ids[0], ids[1]
             )
-            return _Fired(), None
-        stream = m.stream
-        # after the caller's work so far (it may still read the destination blocks)
-        stream.wait_stream(torch.cuda.current_stream(dev))
-        with torch.cuda.stream(stream):
-            dids = ids.pin_memory().to(dev, non_blocking=True)
+            return
+        with _on(stream, dev):
             if ready is not None:
                 stream.wait_event(ready)  # the producer's KV is written (GPU-side wait)
             if triton:
                 seg = self._seg_bytes()
                 w = m.word
+                st, dt = self._tables(m, lo, hi)
                 ok = _ipc_kernel.launch_pair_copy(
-                    m.src_table,
-                    self.con.caches.ptr_table(range(lay.num_layers)),
-                    dids,
+                    st,
+                    dt,
+                    ids,
                     ab,
                     slot,
+                    n_pairs=n,
                     word=w,
-                    n_layers=lay.num_layers,
+                    n_layers=hi - lo,
                     parts=lay.kv_parts,
                     seg_words=seg // w,
                     src_part_stride=m.layout.num_blocks * seg // w,
@@ -1334,12 +1850,12 @@ class IpcPlane:
                 if not ok:
                     raise ConfigError("IPC: request too large for one launch")
             else:
+                dst = self.con.caches.raw(m.word)
                 _ipc_kernel.torch_pair_copy(
-                    m.src_layers, self.con.caches.raw(m.word), lay.block_dim, dids[0], dids[1]
+                    m.src_layers[lo:hi], dst[lo:hi], lay.block_dim, ids[:n], ids[n : 2 * n]
                 )
-            done = torch.cuda.Event()  # type: ignore[no-untyped-call]
-            done.record(stream)
-        return done, (dids, m.src_table, m.storages)
+            assert sb.done is not None
+            sb.done.record(stream)
 
     def _poll(self) -> Any:
         if self._poller is None:
@@ -1354,11 +1870,14 @@ class IpcPlane:
 
     async def _wait_ready(self, ev: Any, until: float) -> None:
         """Poll the producer's event from the loop until it fired, or raise
-        :class:`~aiokv.TransferTimeoutError` at ``until`` (``time.monotonic``). Spins
-        (yielding) for the first 0.5 ms, then sleeps up to 1 ms between polls; nothing
-        stays registered afterwards (a dead producer's event never fires)."""
-        spin_until = time.monotonic() + 0.0005
-        nap = 0.0001
+        :class:`~aiokv.TransferTimeoutError` at ``until`` (``time.monotonic``).
+
+        Spins (``sleep(0)``: other tasks run between polls) for the first
+        ``_READY_SPIN_S``, then sleeps 1 ms between polls: on an idle loop any shorter
+        sleep costs a millisecond anyway (docs/benchmarks.md), so a finer back-off only
+        pretended to be finer. Nothing stays registered afterwards (a dead producer's
+        event never fires)."""
+        spin_until = time.monotonic() + _READY_SPIN_S
         while not bool(ev.query()):
             now = time.monotonic()
             if now >= until:
@@ -1366,8 +1885,7 @@ class IpcPlane:
             if now < spin_until:
                 await asyncio.sleep(0)
             else:
-                await asyncio.sleep(min(nap, until - now))
-                nap = min(nap * 2, 0.001)
+                await asyncio.sleep(min(0.001, until - now))
 
     async def _settle(self, m: _Mapping, done: Any) -> bool:
         """After an abort: wait (bounded by the grace period) until the launch is over.
@@ -1393,6 +1911,7 @@ class IpcPlane:
         """Stop: wait (bounded) for background messages and in-flight copies, then unmap."""
         self._closed = True
         end = time.monotonic() + timeout
+        self._flush_releases()
         if self._background:
             await asyncio.wait(list(self._background), timeout=timeout)
         # unmap only after the copies reading the mappings are over (a launch stuck

@@ -9,6 +9,7 @@ come next (:mod:`.session`).
 from .codec import PRE_HELLO_MAX_FRAME_BYTES, Codec, WireLimits
 from .messages import (
     ALLOWED_DTYPES,
+    DATA_FRAME_BYTES,
     MAX_DIM,
     PROTOCOL_VERSION,
     Bye,
@@ -38,6 +39,7 @@ from .session import Role, Session, SessionState, XferState
 
 __all__ = [
     "ALLOWED_DTYPES",
+    "DATA_FRAME_BYTES",
     "MAX_DIM",
     "PRE_HELLO_MAX_FRAME_BYTES",
     "PROTOCOL_VERSION",

@@ -496,6 +496,32 @@ class Codec:
         return Codec(self.limits)  # stateless but for its packer, which cannot be copied
 
     def encode(self, msg: Message) -> bytes:
+        if type(msg) is Put:  # the hot path's header: the same bytes, built directly
+            return cast(
+                bytes,
+                self._pack(
+                    [
+                        Put.KIND,
+                        msg.xfer,
+                        [[sp.tensor_id, sp.dtype, list(sp.shape)] for sp in msg.specs],
+                    ]
+                ),
+            )
+        if type(msg) is Ack:
+            return cast(
+                bytes,
+                self._pack(
+                    [
+                        Ack.KIND,
+                        msg.window_bytes,
+                        msg.window_tensors,
+                        msg.add_bytes,
+                        msg.add_tensors,
+                        list(msg.done),
+                        [list(r) for r in msg.refused],
+                    ]
+                ),
+            )
         names = _FIELD_NAMES.get(type(msg))
         if names is None:
             names = _FIELD_NAMES[type(msg)] = tuple(f.name for f in fields(msg))  # type: ignore[arg-type]

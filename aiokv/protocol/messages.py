@@ -1,4 +1,4 @@
-"""Message types of the aiokv control protocol (version 1).
+"""Message types of the aiokv control protocol (version 2: bounded data frames).
 
 Every message is a frozen, slotted dataclass. On the wire a message is a
 msgpack array ``[kind, field1, field2, ...]`` in the field order below; the
@@ -45,7 +45,18 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
-PROTOCOL_VERSION = 1
+#: 2: tensors travel in frames of at most :data:`DATA_FRAME_BYTES` (1 was one frame per
+#: tensor); a peer of the other version is refused at HELLO/WELCOME ("version").
+PROTOCOL_VERSION = 2
+
+#: The largest data frame on the wire. A tensor of ``n`` bytes travels as
+#: ``max(1, ceil(n / DATA_FRAME_BYTES))`` frames, every one ``DATA_FRAME_BYTES`` long but
+#: the last; both ends derive the count from the specs. It bounds the data port's
+#: ``MAXMSGSIZE`` -- what zmq buffers for a connection that has not authenticated yet --
+#: to the control port's 1 MiB; a 1 MiB tensor (the ``stream1m`` benchmark, a typical KV
+#: block run) is still one frame, received zero-copy. A PUT carries only one-frame
+#: tensors (docs/design.md, "Bounded data frames").
+DATA_FRAME_BYTES = 1 << 20
 
 # dtype names allowed on the wire -> bytes per element. Nothing outside this
 # table is ever turned into a dtype.
@@ -225,7 +236,7 @@ class DataHeader(Message):
     NAME: ClassVar[str] = "DATA"
     xfer: int
     seq: int
-    count: int  # number of tensor frames that follow
+    count: int  # number of tensors; their frames follow (see DATA_FRAME_BYTES)
 
 
 @dataclass(frozen=True, slots=True)
@@ -312,7 +323,9 @@ class Put(Message):
     """Protocol v2 (capability ``credit``): a transfer spent from standing credit.
 
     Sent on the data connection as the first frame of one zmq message whose other
-    frames are the tensors: the whole transfer is one message, no round trip.
+    frames are the tensors: the whole transfer is one message, no round trip. Every
+    tensor of a PUT fits one frame (``nbytes <= DATA_FRAME_BYTES``); a larger one takes
+    the RESERVE path, whose landing may copy off the event loop.
     """
 
     KIND: ClassVar[int] = 20

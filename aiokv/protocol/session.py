@@ -140,6 +140,9 @@ OPEN_MESSAGES: dict[Role, frozenset[type[Message]]] = {
     C: frozenset({Get, NcclSetup, Ping, Bye, ErrorMsg}),
     S: frozenset({GetReply, NcclReady, Pong, Bye, ErrorMsg, Ack}),
 }
+#: open-session messages that change no state of the session: only who may send them
+#: is checked (the same rule as OPEN_MESSAGES, on a shorter path; ACK is per transfer)
+_PLAIN: dict[type[Message], Role] = {Ack: S, Ping: C, Pong: S}
 
 
 @dataclass(slots=True)
@@ -226,6 +229,8 @@ class Session:
         err: type[LocalProtocolError] | type[RemoteProtocolError],
     ) -> None:
         t = type(msg)
+        if t in _PLAIN and self.state is SessionState.OPEN and _PLAIN[t] is sender:
+            return  # the hot path: PUT/ACK/RETURN carry no per-session state here
         if self.state is SessionState.CLOSED:
             raise err(f"{msg.NAME} on a closed session")
         if t is Bye or t is ErrorMsg:

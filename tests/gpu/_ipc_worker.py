@@ -263,6 +263,158 @@ async def cancel(role: str, d: str) -> dict[str, Any]:
     return out
 
 
+# --------------------------------------------------------------------------- layer-wise
+
+LAYER_COMBOS = [
+    ("fa", "bfloat16"),
+    ("fi", "bfloat16"),
+    ("mla", "bfloat16"),
+    ("odd", "bfloat16"),
+    ("fa", "float8_e4m3fn"),
+    ("mla", "float32"),
+]
+LAYER_SLEEP = 20_000_000  # torch.cuda._sleep cycles (~10 ms) before each layer is written
+
+
+def layer_block(big: torch.Tensor, layout: KVLayout, layer: int, b: list[int]) -> torch.Tensor:
+    return blocks(big[layer : layer + 1], layout, b)
+
+
+async def layers(role: str, d: str) -> dict[str, Any]:
+    """save_layer / recv_request(layerwise=True) over the plane. The producer writes
+    each layer on its stream only after ~10 ms of GPU sleep and saves it at once (the
+    host runs ahead), so a copy that did not wait for that layer's event would read the
+    previous request's bytes."""
+    dev = device(role)
+    torch.cuda.set_device(dev)
+    out: dict[str, Any] = {"combos": []}
+    async with engine(dev) as eng:
+        peer = await addresses(d, role, eng)
+        for ci, (kind, dtype) in enumerate(LAYER_COMBOS):
+            seed = 3000 + 10 * ci
+            if role == "producer":
+                lay = make_layout(kind, dtype, PB)
+                big, caches = fill(lay, dev, seed)
+                con = KVConnector(eng, lay, caches, ipc=OPTS)
+                for r, n in enumerate(LENGTHS):
+                    ref, _ = fill(lay, dev, seed + 1 + r)  # this request's KV
+                    rid = f"L{ci}r{r}"
+                    src = ids(n, PB, seed + r)
+                    for li in range(lay.num_layers):
+                        torch.cuda._sleep(LAYER_SLEEP)
+                        big[li].copy_(ref[li])  # the layer's "forward"
+                        con.save_layer(rid, li, src, to=peer, timeout=30)
+                    await con.wait_saved(rid)
+                out["combos"].append({"kind": kind, "dtype": dtype, **stats(con)})
+                await con.aclose()
+            else:
+                lay = make_layout(kind, dtype, CB)
+                plays = make_layout(kind, dtype, PB)
+                big = torch.zeros(
+                    (lay.num_layers, *lay.layer_shape()), dtype=lay.torch_dtype, device=dev
+                )
+                con = KVConnector(eng, lay, list(big.unbind(0)), ipc=OPTS)
+                ok = True
+                touched: set[int] = set()
+                for r, n in enumerate(LENGTHS):
+                    ref, _ = fill(plays, dev, seed + 1 + r)
+                    dst = ids(n, CB, seed + 50 + r)
+                    await con.recv_request(f"L{ci}r{r}", dst, frm=peer, timeout=30, layerwise=True)
+                    ok = ok and torch.equal(
+                        blocks(ref, plays, ids(n, PB, seed + r)), blocks(big, lay, dst)
+                    )
+                    touched |= set(dst)
+                rest = [b for b in range(CB) if b not in touched]
+                cs = con.statistics()
+                out["combos"].append(
+                    {
+                        "kind": kind,
+                        "dtype": dtype,
+                        "ok": ok,
+                        "untouched": not bool(blocks(big, lay, rest).any()),
+                        "ordinary_chunks": cs.chunks_received,
+                        **stats(con),
+                    }
+                )
+                await con.aclose()
+    return out
+
+
+LBIG = FlashAttentionLayout(8, 256, 16, 8, 128, "bfloat16")
+
+
+async def layers_cancel(role: str, d: str) -> dict[str, Any]:
+    """Cancellation mid-stream: layers 0-1 are written and saved at once, layers 2-7
+    only after ~2 s of GPU sleep (saved at once on the host: their events are pending).
+    The consumer cancels after ~0.6 s: layers 0-1 are in place, 2-7 must never be
+    written (also after their events fired), the producer's wait_saved fails, and the
+    same destination blocks take the next request at once."""
+    dev = device(role)
+    torch.cuda.set_device(dev)
+    out: dict[str, Any] = {}
+    src = ids(64, 256, 7)
+    dst = list(range(64, 128))
+    async with engine(dev) as eng:
+        peer = await addresses(d, role, eng)
+        if role == "producer":
+            big, caches = fill(LBIG, dev, 11)
+            con = KVConnector(eng, LBIG, caches, ipc=OPTS)
+            await con.send_request("warm", [0], to=peer, timeout=30)
+            ref, _ = fill(LBIG, dev, 12)
+            for li in range(LBIG.num_layers):
+                if li == 2:
+                    torch.cuda._sleep(SLEEP_2S)
+                big[li].copy_(ref[li])
+                con.save_layer("lc", li, src, to=peer, timeout=30)
+            t0 = time.monotonic()
+            try:
+                await con.wait_saved("lc")
+                out["lc"] = "ok"
+            except Exception as exc:
+                out["lc"] = type(exc).__name__
+            out["lc_s"] = time.monotonic() - t0
+            torch.cuda.synchronize()
+            await con.send_request("after", src, to=peer, timeout=30)
+            out["finished"] = sorted(con.finished_sending())
+            out.update(stats(con))
+            await con.aclose()
+        else:
+            big = torch.zeros(
+                (LBIG.num_layers, *LBIG.layer_shape()), dtype=LBIG.torch_dtype, device=dev
+            )
+            con = KVConnector(eng, LBIG, list(big.unbind(0)), ipc=OPTS)
+            await con.recv_request("warm", [0], frm=peer, timeout=30)
+            want, _ = fill(LBIG, dev, 12)
+            task = asyncio.ensure_future(
+                con.recv_request("lc", dst, frm=peer, timeout=30, layerwise=True)
+            )
+            await asyncio.sleep(0.6)
+            out["done_before_cancel"] = task.done()
+            task.cancel()
+            t0 = time.monotonic()
+            try:
+                await task
+                out["lc"] = "ok"
+            except asyncio.CancelledError:
+                out["lc"] = "cancelled"
+            out["cancel_s"] = time.monotonic() - t0
+            torch.cuda.current_stream().synchronize()
+            w = blocks(want, LBIG, src)
+            out["first_layers_landed"] = all(
+                torch.equal(layer_block(big, LBIG, li, dst), w[li : li + 1]) for li in (0, 1)
+            )
+            out["untouched_at_return"] = not bool(blocks(big[2:], LBIG, dst).any())
+            await asyncio.sleep(2.5)  # the producer's later events have fired by now
+            torch.cuda.synchronize()
+            out["untouched_later"] = not bool(blocks(big[2:], LBIG, dst).any())
+            await con.recv_request("after", dst, frm=peer, timeout=30)
+            out["after_ok"] = bool(torch.equal(blocks(big, LBIG, dst), w))  # all layers now
+            out["finished"] = sorted(con.finished_receiving())
+            out.update(stats(con))
+            await con.aclose()
+    return out
+
+
 def _sync_returns(seconds: float) -> bool:
     """Whether a device-wide synchronize returns within ``seconds`` (run on a thread)."""
     import threading
@@ -426,6 +578,8 @@ def main() -> None:
             "kill_producer": kill_producer,
             "kill_producer_gpuwait": kill_producer_gpu_wait,
             "kill_consumer": kill_consumer,
+            "layers": layers,
+            "layers_cancel": layers_cancel,
         }[scenario]
         out = asyncio.run(fn(role, d))
     say(role=role, **out)

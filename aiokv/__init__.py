@@ -13,7 +13,7 @@ from ._exceptions import *  # noqa: F403
 from ._exceptions import __all__ as _exc_all
 
 if TYPE_CHECKING:
-    from ._config import CurveConfig, EngineConfig, Limits, Timeouts
+    from ._config import CurveConfig, EngineConfig, LayoutCheck, Limits, Timeouts
     from .engine import Engine, EngineStatistics, TransferHandle
 
 __version__ = "0.1.0"
@@ -23,6 +23,7 @@ __all__ = [
     "Engine",
     "EngineConfig",
     "EngineStatistics",
+    "LayoutCheck",
     "Limits",
     "Timeouts",
     "TransferHandle",
@@ -33,6 +34,7 @@ __all__ = [
 _LAZY = {
     "CurveConfig": "._config",
     "EngineConfig": "._config",
+    "LayoutCheck": "._config",
     "Limits": "._config",
     "Timeouts": "._config",
     "Engine": ".engine",

@@ -3,12 +3,17 @@
 from __future__ import annotations
 
 import dataclasses
-import os
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
+from typing import Protocol, runtime_checkable
 
 from ._exceptions import ConfigError
 
-__all__ = ["CurveConfig", "EngineConfig", "Limits", "Timeouts", "parse_address"]
+__all__ = ["CurveConfig", "EngineConfig", "LayoutCheck", "Limits", "Timeouts", "parse_address"]
+
+#: ``check(mine, theirs)``: None when a peer offering layout ``theirs`` may send into an
+#: engine holding ``mine``, else the reason (see :attr:`EngineConfig.layout_check`)
+LayoutCheck = Callable[[Mapping[str, str | int], Mapping[str, str | int]], str | None]
 
 KiB = 1024
 MiB = 1024 * KiB
@@ -16,6 +21,9 @@ GiB = 1024 * MiB
 
 #: default of :attr:`Limits.store_tensors`
 DEFAULT_STORE_TENSORS = 65536
+#: defaults of :attr:`EngineConfig.nccl_recv_batch` and ``nccl_recv_batch_bytes``
+DEFAULT_NCCL_RECV_BATCH = 8
+DEFAULT_NCCL_RECV_BATCH_BYTES = 128 * MiB
 
 
 @dataclass(frozen=True, slots=True)
@@ -119,6 +127,13 @@ class CurveConfig:
         return cls(pk, sk, frozenset({pk}), {}, pk)
 
 
+@runtime_checkable
+class _HasWireForm(Protocol):
+    """What :attr:`EngineConfig.layout` accepts besides a dict: an object with a wire form."""
+
+    def to_wire(self) -> object: ...
+
+
 def parse_address(addr: str) -> tuple[str, int]:
     """Split ``host:port`` and check it. Raises :class:`ConfigError`."""
     if not isinstance(addr, str) or ":" not in addr:
@@ -151,16 +166,27 @@ class EngineConfig:
     limits: Limits = field(default_factory=Limits)
     curve: CurveConfig | None = None
     nccl_max_channels: int | None = None
-    # Blocking NCCL communicators (init and a warm-up exchange on a worker thread) make
-    # every later enqueue a plain launch; non-blocking ones need settle-polling after
-    # enqueues. Default from AIOKV_NCCL_BLOCKING_OPS (read once, never written).
-    nccl_blocking_ops: bool = field(
-        default_factory=lambda: os.environ.get("AIOKV_NCCL_BLOCKING_OPS", "0") == "1"
-    )
-    #: KV layout offered at HELLO (see :mod:`aiokv.kv`): a :class:`~aiokv.kv.KVLayout` or its
-    #: wire form (``layout.to_wire()``); checked here and stored in the wire form. (Type
-    #: checkers see the wire form: pass ``layout.to_wire()`` if yours objects to a KVLayout.)
+    #: Blocking NCCL communicators (init and a warm-up exchange on a worker thread) make
+    #: every later enqueue a plain launch; non-blocking ones (the default) need
+    #: settle-polling after enqueues. The command-line tools set it from
+    #: ``AIOKV_NCCL_BLOCKING_OPS=1``.
+    nccl_blocking_ops: bool = False
+    #: NCCL receives are posted in groups of at most this many transfers and
+    #: ``nccl_recv_batch_bytes`` bytes (one completion event per group; see
+    #: docs/design.md). The command-line tools set both from
+    #: ``AIOKV_NCCL_RECV_BATCH="count,MiB"``.
+    nccl_recv_batch: int = DEFAULT_NCCL_RECV_BATCH
+    nccl_recv_batch_bytes: int = DEFAULT_NCCL_RECV_BATCH_BYTES
+    #: KV layout offered at HELLO: opaque to the engine, which only carries it (in its
+    #: wire form, a flat dict) and asks :attr:`layout_check` about a peer's. Pass a
+    #: :class:`~aiokv.kv.KVLayout` or its wire form (``layout.to_wire()``); checked here
+    #: and stored in the wire form. (Type checkers see the wire form: pass
+    #: ``layout.to_wire()`` if yours objects to a KVLayout.)
     layout: dict[str, str | int] | None = None
+    #: whether a peer's layout is compatible with :attr:`layout` (see :data:`LayoutCheck`);
+    #: None with a layout set: the KV layer's :func:`aiokv.kv.engine_layout_check`. It
+    #: also validates :attr:`layout` itself at construction (``check(layout, layout)``).
+    layout_check: LayoutCheck | None = None
     # gc.freeze() at start: everything alive then (torch's ~170k objects, the app's) leaves
     # the collector's view, so a full collection under load scans only what came after
     # (measured: 84 ms -> 28 ms per gen-2 pass with 65k tensors held). Process-wide.
@@ -170,22 +196,46 @@ class EngineConfig:
     data_port: int = 0
 
     def __post_init__(self) -> None:
+        if not isinstance(self.nccl_blocking_ops, bool):
+            raise ConfigError(f"nccl_blocking_ops must be a bool, got {self.nccl_blocking_ops!r}")
+        for name, v in (
+            ("nccl_recv_batch", self.nccl_recv_batch),
+            ("nccl_recv_batch_bytes", self.nccl_recv_batch_bytes),
+        ):
+            if type(v) is not int or v < 1:
+                raise ConfigError(f"{name} must be a positive int, got {v!r}")
         if not isinstance(self.data_port, int) or not 0 <= self.data_port < 65536:
             raise ConfigError(f"data_port must be 0..65535, got {self.data_port!r}")
         parse_address(self.listen)
         if self.layout is not None:
-            # imported here: the layouts need torch, which a config alone should not import
-            from .kv.layouts import KVLayout, layout_from_wire
-
-            lay: object = self.layout
-            if not isinstance(lay, KVLayout):
-                if not isinstance(lay, dict):
-                    raise ConfigError(
-                        f"layout must be a KVLayout or its to_wire() dict, got {type(lay).__name__}"
-                    )
-                lay = layout_from_wire(lay)  # ConfigError naming what is wrong
-            object.__setattr__(self, "layout", lay.to_wire())
+            self._set_layout()
         if self.transport not in ("auto", "tcp", "nccl"):
             raise ConfigError(f"transport must be 'auto', 'tcp' or 'nccl', got {self.transport!r}")
         if not (self.device == "cpu" or self.device.startswith("cuda")):
             raise ConfigError(f"device must be 'cpu' or 'cuda[:N]', got {self.device!r}")
+
+    def _set_layout(self) -> None:
+        """Store :attr:`layout` in its wire form, pick the check, validate the layout with it."""
+        lay: object = self.layout
+        if not isinstance(lay, dict):
+            if not isinstance(lay, _HasWireForm):  # a KVLayout, or anything like one
+                raise ConfigError(
+                    f"layout must be a KVLayout or its to_wire() dict, got {type(lay).__name__}"
+                )
+            lay = lay.to_wire()
+            if not isinstance(lay, dict):
+                raise ConfigError(f"layout.to_wire() must give a dict, got {type(lay).__name__}")
+        check = self.layout_check
+        if check is None:
+            # the default is the KV layer's, imported only when a layout is set (it needs
+            # torch); the engine itself never imports aiokv.kv
+            from .kv.layouts import engine_layout_check
+
+            check = engine_layout_check
+        elif not callable(check):
+            raise ConfigError(f"layout_check must be callable, got {type(check).__name__}")
+        err = check(lay, lay)
+        if err is not None:
+            raise ConfigError(f"layout: {err}")
+        object.__setattr__(self, "layout", dict(lay))
+        object.__setattr__(self, "layout_check", check)

@@ -1,7 +1,7 @@
 """Opt-in timeline of each transfer's steps, for finding where latency goes.
 
-Set ``AIOKV_TRACE=/some/prefix`` before the process starts: every engine in
-the process then records ``(step, client engine id, transfer, time)`` at the
+Set ``AIOKV_TRACE=/some/prefix`` before the process starts (or call
+:func:`enable` before the first transfer): every engine in the process then records ``(step, client engine id, transfer, time)`` at the
 steps below, and the process writes them to ``/some/prefix.<pid>.json`` when
 it exits. Times are
 ``time.perf_counter()`` (CLOCK_MONOTONIC on Linux), so the files of two
@@ -13,6 +13,13 @@ Client steps: ``start`` (RESERVE queued), ``grant`` (GRANT received),
 ``posted`` (data handed to the transport), ``done`` (DONE received).
 Server steps: ``reserve`` (RESERVE received), ``granted`` (GRANT queued),
 ``landed`` (data complete in the store).
+
+Why this one knob is still read from the environment by the library (every other
+is an argument; see docs/design.md, "Engine structure"): a trace is wanted in every
+process of a run at once -- benchmark children spawned by ``multiprocessing``, test
+subprocesses, a user's own two scripts -- none of which pass aiokv's command line, and
+it costs one module-level bool test per step when off. It changes no behaviour, only
+records times.
 """
 
 from __future__ import annotations
@@ -22,10 +29,11 @@ import json
 import os
 import time
 
-__all__ = ["enabled", "mark"]
+__all__ = ["enable", "enabled", "mark"]
 
 _PREFIX = os.environ.get("AIOKV_TRACE", "")
 enabled = bool(_PREFIX)
+_registered = False
 _events: list[tuple[str, str, int, float]] = []
 _LIMIT = 2_000_000  # bound the memory a forgotten trace can take
 
@@ -43,5 +51,18 @@ def _dump() -> None:
         json.dump({"pid": os.getpid(), "events": _events}, fh)
 
 
+def enable(prefix: str) -> None:
+    """Record from now on and write ``<prefix>.<pid>.json`` at exit (as ``AIOKV_TRACE`` does)."""
+    global _PREFIX, enabled, _registered
+    if not isinstance(prefix, str) or not prefix:
+        raise ValueError("enable() needs a non-empty path prefix")
+    _PREFIX = prefix
+    enabled = True
+    if not _registered:
+        _registered = True
+        atexit.register(_dump)
+
+
 if enabled:
+    _registered = True
     atexit.register(_dump)

@@ -43,6 +43,8 @@ from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from .cli import engine_overrides
+
 __all__ = [
     "SizeResult",
     "add_transport_arguments",
@@ -445,7 +447,9 @@ async def _tcp_parent(
         push.setsockopt(zmq.LINGER, 1000)
         push.connect(f"tcp://127.0.0.1:{hello['raw_port']}")
         try:
-            async with aiokv.Engine(aiokv.EngineConfig(listen="127.0.0.1:0")) as eng:
+            async with aiokv.Engine(
+                aiokv.EngineConfig(listen="127.0.0.1:0", **engine_overrides())
+            ) as eng:
                 await eng.connect(peer)
                 for size, iters in zip(sizes, iters_l):
                     t = torch.empty(size, dtype=torch.uint8)
@@ -556,7 +560,9 @@ async def _tcp_child(ns: argparse.Namespace, extra: Mapping[str, _ChildOp] | Non
     meter = _GcMeter()
     meter.install()
     try:
-        async with aiokv.Engine(aiokv.EngineConfig(listen="127.0.0.1:0")) as eng:
+        async with aiokv.Engine(
+            aiokv.EngineConfig(listen="127.0.0.1:0", **engine_overrides())
+        ) as eng:
             st = _TcpChild(eng, pull, back, ack, ticker, meter)
             hello = {"engine": eng.address, "raw_port": raw_port, "back_port": back_port}
             await ack.send(json.dumps(hello).encode())
@@ -674,7 +680,9 @@ async def _nccl_parent(
         await asyncio.to_thread(_dist_init, 0, hello["dist_port"], 0)
         await ctl.recv(args.timeout)
         try:
-            cfg = aiokv.EngineConfig(listen="127.0.0.1:0", device="cuda:0", transport="nccl")
+            cfg = aiokv.EngineConfig(
+                listen="127.0.0.1:0", device="cuda:0", transport="nccl", **engine_overrides()
+            )
             async with aiokv.Engine(cfg) as eng:
                 await eng.connect(peer)
                 for size, iters in zip(sizes, iters_l):
@@ -739,7 +747,9 @@ async def _nccl_child(ns: argparse.Namespace) -> None:
     ticker.start()
     dist_on = False
     try:
-        cfg = aiokv.EngineConfig(listen="127.0.0.1:0", device="cuda:1", transport="nccl")
+        cfg = aiokv.EngineConfig(
+            listen="127.0.0.1:0", device="cuda:1", transport="nccl", **engine_overrides()
+        )
         async with aiokv.Engine(cfg) as eng:
             hello = {"engine": eng.address, "dist_port": _free_port()}
             await ack.send(json.dumps(hello).encode())

@@ -56,6 +56,7 @@ from .bench import (
     _Ticker,
     _with_receiver,
 )
+from .cli import engine_overrides
 
 __all__ = ["CHILD_OPS", "TARGETS", "WORKLOADS", "add_control_arguments", "control_main"]
 
@@ -456,7 +457,9 @@ async def _parent(
         ticker.start()
         meter.install()
         try:
-            async with aiokv.Engine(aiokv.EngineConfig(listen="127.0.0.1:0")) as eng:
+            async with aiokv.Engine(
+                aiokv.EngineConfig(listen="127.0.0.1:0", **engine_overrides())
+            ) as eng:
                 await eng.connect(hello["engine"])
                 s = _Sender(eng, hello["engine"], ctl, push, back, ticker, meter, args)
                 if args.profile:  # import the profilers now, not inside the first profiled block

@@ -31,7 +31,6 @@ import logging
 import os
 import secrets
 import socket
-import threading
 import time
 from collections import OrderedDict, deque
 from collections.abc import Awaitable, Callable, Generator, Iterable, Mapping, Sequence
@@ -42,7 +41,7 @@ import torch
 import zmq
 import zmq.asyncio
 
-from . import _trace
+from . import _blocking, _trace
 from ._config import EngineConfig, parse_address
 from ._exceptions import (
     AiokvError,
@@ -61,6 +60,7 @@ from ._exceptions import (
     TransferError,
     TransferTimeoutError,
 )
+from ._zmqerr import channel_error, listen_error
 from ._zsock import LoopSocket, Outbox, monitor_socket
 from .cuda import _resolve
 from .protocol.admission import AdmissionQueue, PeerQueue
@@ -272,32 +272,6 @@ async def _await_shielded(fut: asyncio.Future[Any], timeout: float) -> Any:
     raise TimeoutError
 
 
-def _in_thread(fn: Callable[[], object], name: str) -> asyncio.Future[None]:
-    """Run a blocking call on a short-lived daemon thread; a future for its end."""
-    loop = asyncio.get_running_loop()
-    fut: asyncio.Future[None] = loop.create_future()
-
-    def done(exc: BaseException | None) -> None:
-        if fut.done():
-            return
-        if exc is None:
-            fut.set_result(None)
-        else:
-            fut.set_exception(exc)
-
-    def run() -> None:
-        err: BaseException | None = None
-        try:
-            fn()
-        except BaseException as exc:  # reported to the awaiting side
-            err = exc
-        with contextlib.suppress(RuntimeError):  # the loop may be gone (caller timed out)
-            loop.call_soon_threadsafe(done, err)
-
-    threading.Thread(target=run, name=name, daemon=True).start()
-    return fut
-
-
 def _watchdog_report(why: str) -> None:
     """The loop watchdog's report (on its thread): the engine's log, at ERROR."""
     log.error("aiokv: %s", why)
@@ -431,7 +405,7 @@ class _ClientSession:
         self.last_used = time.monotonic()
         self.outbox = Outbox(
             self.ctrl,
-            lambda exc: self.fail(PeerLostError(f"control channel to {address} failed: {exc}")),
+            lambda exc: self.fail(channel_error(exc, f"control channel to {address}")),
             max_frames=MAX_FRAMES_PER_MESSAGE,
         )
         self.suspect = False  # missed its heartbeat once; judged on the next tick
@@ -445,7 +419,7 @@ class _ClientSession:
         # PUT/RETURN frames of this loop pass: a PUT's frames stay in one message
         self.data_out = Outbox(
             self.data,
-            lambda exc: self.fail(PeerLostError(f"data channel to {address} failed: {exc}")),
+            lambda exc: self.fail(channel_error(exc, f"data channel to {address}")),
             copy=False,
             batch_frames=_PUT_BATCH_FRAMES,
             batch_bytes=_PUT_BATCH_BYTES,
@@ -774,7 +748,7 @@ class _ClientSession:
             self.outbox.put([data])
 
     def _on_socket_error(self, exc: zmq.ZMQError) -> None:
-        self.fail(PeerLostError(f"connection to {self.address} failed: {exc}"))
+        self.fail(channel_error(exc, f"connection to {self.address}"))
 
     def _on_ctrl(self, frames: list[zmq.Frame]) -> None:
         """Control messages from the peer (called by the socket's reader, in order)."""
@@ -890,7 +864,7 @@ class _ClientSession:
         except asyncio.CancelledError:
             raise
         except (zmq.ZMQError, AiokvError) as exc:
-            self.fail(PeerLostError(f"data channel to {self.address} failed: {exc}"))
+            self.fail(channel_error(exc, f"data channel to {self.address}"))
 
     def ping(self, now: float) -> None:
         self.last_ping = now
@@ -1015,7 +989,7 @@ class _ServerSession:
         self.outbox = Outbox(
             engine._router,
             lambda exc: engine._drop_server(
-                self, PeerLostError(f"peer {self.name} unreachable"), lost=True
+                self, channel_error(exc, f"reply channel to {self.name}"), lost=True
             ),
             prefix=rid,
             max_frames=MAX_FRAMES_PER_MESSAGE,
@@ -1239,7 +1213,7 @@ class Engine:
             if self._auth is not None:
                 self._auth.stop()
             self._ctx.term()
-            raise ConfigError(f"cannot listen on {self.config.listen}: {exc}") from None
+            raise listen_error(exc, self.config.listen) from None
         ep = bytes(r.getsockopt(zmq.LAST_ENDPOINT)).decode()
         self._address = f"{host}:{ep.rsplit(':', 1)[1]}"
         self._data_port = int(bytes(d.getsockopt(zmq.LAST_ENDPOINT)).decode().rsplit(":", 1)[1])
@@ -1310,11 +1284,11 @@ class Engine:
         if self._auth is not None:
             self._auth.stop()
         ctx = self._ctx
-        # term() waits for lingering sockets; never on the loop.
-        # On a thread of its own that ends with it (the default executor would keep its
-        # threads for the life of the process).
+        # term() waits for lingering sockets (forever if one never flushes): never on
+        # the loop, and on a daemon thread of its own (aiokv._blocking says why)
         await asyncio.wait_for(
-            _in_thread(ctx.term, "aiokv-zmq-term"), timeout=self.config.timeouts.linger + 1.0
+            _blocking.in_daemon(ctx.term, "aiokv-zmq-term"),
+            timeout=self.config.timeouts.linger + 1.0,
         )
 
     def _spawn(self, coro: Awaitable[Any]) -> asyncio.Task[Any]:
@@ -2145,17 +2119,20 @@ class Engine:
         return PeerRef(engine_id, address)
 
     def _layout_error(self, theirs: dict[str, str | int]) -> str | None:
-        try:
-            from .kv.layouts import check_compatible, layout_from_wire
-        except ImportError:  # pragma: no cover - kv package always present
+        """The configured check's verdict on a peer's layout (None: compatible).
+
+        The engine carries layouts opaquely: what compatible means is the check's
+        business (``EngineConfig.layout_check``, by default the KV layer's). ``theirs``
+        is untrusted, so a check that raises refuses the peer instead of failing here.
+        """
+        check, mine = self.config.layout_check, self.config.layout
+        if check is None or mine is None:
             return None
         try:
-            mine = layout_from_wire(dict(self.config.layout or {}))
-            other = layout_from_wire(dict(theirs))
-            check_compatible(other, mine)
-        except AiokvError as exc:
-            return str(exc)[:500]
-        return None
+            err = check(mine, theirs)
+        except Exception as exc:
+            return f"layout check failed: {type(exc).__name__}: {exc}"[:500]
+        return None if err is None else str(err)[:500]
 
     def _on_server_message(self, ss: _ServerSession, msg: Message) -> None:
         if isinstance(msg, Reserve):
@@ -2218,7 +2195,13 @@ class Engine:
         if ss.dead:
             comm.abort()
             return
-        ss.nccl = NcclSink(comm, self._get_poller(), device)
+        ss.nccl = NcclSink(
+            comm,
+            self._get_poller(),
+            device,
+            max_batch=self.config.nccl_recv_batch,
+            max_batch_bytes=self.config.nccl_recv_batch_bytes,
+        )
         self._reply(ss, ss.sess.send(NcclReady(msg.comm, True, "")))
 
     def _on_reserve(self, ss: _ServerSession, msg: Reserve) -> None:

@@ -32,6 +32,13 @@ debug level only.
 :func:`bind_socket` and :func:`serve_app` run an ASGI app under uvicorn on a
 socket bound beforehand, so port 0 works and the real port is known before
 serving starts.
+
+No cold start: :class:`PeerWarmer` opens this engine's sessions (and, where
+NCCL applies, their communicators) to its peers in the background as soon as
+they are known, so the first request does not pay for them.
+:func:`worker_lifespan` runs one by default and feeds it the router's
+``/instances`` listing (the instances of the other role serving the same
+model); a server also hands it the peers its requests name.
 """
 
 from __future__ import annotations
@@ -41,18 +48,23 @@ import contextlib
 import logging
 import os
 import socket
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+import time
+from collections import OrderedDict
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal
 
 import anyio
 import httpx
 
+from ._exceptions import AiokvError
+
 if TYPE_CHECKING:
     from aiokv import Engine, EngineConfig
 
 __all__ = [
     "TOKEN_ENV",
+    "PeerWarmer",
     "WorkerHandle",
     "WorkerRegistration",
     "bind_socket",
@@ -91,6 +103,12 @@ class WorkerRegistration:
     instance_secret: str | None = None
     #: the model's context length in tokens; the router refuses longer ``max_tokens``
     max_model_len: int | None = None
+    #: called with the KV addresses of the live instances of the other role serving the
+    #: same model, as listed by the router's ``/instances`` (None: the listing is not read)
+    on_peers: Callable[[list[str]], None] | None = None
+    #: seconds between two ``/instances`` readings once a peer is known (until then they
+    #: come sooner: 50 ms after registering, doubling up to this)
+    peers_interval: float = 5.0
 
     def payload(self) -> dict[str, str | int]:
         p: dict[str, str | int] = {
@@ -136,6 +154,40 @@ class _Refused(Exception):
     """The router refused the registration (bad token, URL policy, identity conflict)."""
 
 
+def _peer_addresses(reg: WorkerRegistration, listing: object) -> list[str]:
+    """The KV addresses, in ``/instances``'s answer, of the live instances this worker pairs with.
+
+    Instances of the other role serving this model (or any model), healthy, other than
+    this worker itself. Anything malformed is skipped: the answer is only a hint.
+    """
+    other = "decode" if reg.role == "prefill" else "prefill"
+    items = listing.get("instances") if isinstance(listing, dict) else None
+    out: list[str] = []
+    for inst in items if isinstance(items, list) else ():
+        if not isinstance(inst, dict) or inst.get("role") != other:
+            continue
+        addr, model = inst.get("kv_address"), inst.get("model")
+        if not isinstance(addr, str) or not addr or addr == reg.kv_address or len(addr) > 300:
+            continue
+        if model not in (reg.model, "*") or inst.get("healthy") is False:
+            continue
+        out.append(addr)
+    return out
+
+
+async def _read_peers(client: httpx.AsyncClient, reg: WorkerRegistration) -> list[str] | None:
+    """The router's listing of this worker's peers, or None when it cannot be read."""
+    try:
+        resp = await client.get(reg.router_url.rstrip("/") + "/instances", headers=reg.headers())
+        if resp.status_code != 200:
+            log.debug("router %s /instances answered HTTP %d", reg.router_url, resp.status_code)
+            return None
+        return _peer_addresses(reg, resp.json())
+    except (httpx.HTTPError, ValueError) as e:
+        log.debug("router %s /instances unreadable: %s", reg.router_url, e)
+        return None
+
+
 async def register_with_router(
     router_url: str | WorkerRegistration,
     role: Role = "prefill",
@@ -151,7 +203,10 @@ async def register_with_router(
     Pass either the fields or a ready :class:`WorkerRegistration` (whose
     ``registered`` event and ``instance_id`` the caller can watch). Errors
     talking to the router are logged and retried every ``interval``; this
-    coroutine only ends by cancellation.
+    coroutine only ends by cancellation. With ``reg.on_peers`` set it also reads
+    the router's ``/instances`` once registered (soon and often while no peer is
+    listed, every ``reg.peers_interval`` seconds once one is) and hands the
+    peers' KV addresses to it.
     """
     if isinstance(router_url, WorkerRegistration):
         reg = router_url
@@ -161,30 +216,52 @@ async def register_with_router(
     http = client or httpx.AsyncClient(
         timeout=httpx.Timeout(max(1.0, reg.interval * 2)), trust_env=False
     )
+    beat_due = 0.0  # monotonic time of the next registration or heartbeat
+    # /instances: read right after registering, then again after 50 ms, 100 ms, ...
+    # (doubling up to peers_interval) while no peer is listed, every peers_interval once
+    # one is: a peer that registers just after this worker is warmed within ~100 ms
+    peers_due, peers_wait = 0.0, 0.05
     try:
         while True:
-            try:
-                if reg.instance_id is None:
-                    await _register_once(http, reg)
-                else:
-                    resp = await http.post(
-                        reg.router_url.rstrip("/") + "/heartbeat",
-                        json=reg.identity(),
-                        headers=reg.headers(),
-                    )
-                    if resp.status_code == 404:
-                        log.warning("router forgot this instance; registering again")
-                        reg.instance_id = None
-                        reg.instance_secret = None
-                        continue
-                    resp.raise_for_status()
-                    reg.heartbeats += 1
-                    log.debug("heartbeat %d to %s ok", reg.heartbeats, reg.router_url)
-            except _Refused as e:
-                log.warning("router %s refused the registration: %s", reg.router_url, e)
-            except (httpx.HTTPError, ValueError, KeyError) as e:
-                log.warning("router %s unreachable: %s", reg.router_url, e)
-            await asyncio.sleep(reg.interval)
+            if time.monotonic() >= beat_due:
+                beat_due = time.monotonic() + reg.interval
+                try:
+                    if reg.instance_id is None:
+                        await _register_once(http, reg)
+                    else:
+                        resp = await http.post(
+                            reg.router_url.rstrip("/") + "/heartbeat",
+                            json=reg.identity(),
+                            headers=reg.headers(),
+                        )
+                        if resp.status_code == 404:
+                            log.warning("router forgot this instance; registering again")
+                            reg.instance_id = None
+                            reg.instance_secret = None
+                            beat_due = 0.0
+                            continue
+                        resp.raise_for_status()
+                        reg.heartbeats += 1
+                        log.debug("heartbeat %d to %s ok", reg.heartbeats, reg.router_url)
+                except _Refused as e:
+                    log.warning("router %s refused the registration: %s", reg.router_url, e)
+                except (httpx.HTTPError, ValueError, KeyError) as e:
+                    log.warning("router %s unreachable: %s", reg.router_url, e)
+            wake = beat_due
+            if reg.on_peers is not None and reg.instance_id is not None:
+                if time.monotonic() >= peers_due:
+                    peers = await _read_peers(http, reg)
+                    if peers:
+                        peers_wait = reg.peers_interval
+                        try:
+                            reg.on_peers(peers)
+                        except Exception:  # the heartbeat must outlive a faulty callback
+                            log.exception("on_peers callback failed")
+                    else:
+                        peers_wait = min(peers_wait * 2, reg.peers_interval)
+                    peers_due = time.monotonic() + peers_wait
+                wake = min(wake, peers_due)
+            await asyncio.sleep(max(0.0, wake - time.monotonic()))
     finally:
         if own_client:
             with _shielded(1.0):
@@ -221,6 +298,8 @@ class WorkerHandle:
     engine: Engine
     registration: WorkerRegistration | None
     task: asyncio.Task[None] | None
+    #: warms the engine's sessions to the peers (None when ``warm_peers=False``)
+    warmer: PeerWarmer | None = None
 
 
 @contextlib.asynccontextmanager
@@ -238,6 +317,7 @@ async def worker_lifespan(
     token: str | None = None,
     max_model_len: int | None = None,
     kv_host: str | None = None,
+    warm_peers: bool = True,
 ) -> AsyncIterator[WorkerHandle]:
     """Start an engine and (when ``router_url`` is given) the heartbeat task.
 
@@ -249,15 +329,18 @@ async def worker_lifespan(
     ``wait_registered`` waits up to that many seconds for the first
     registration. ``token``: the router's shared token (default
     ``$AIOKV_ROUTER_TOKEN``). ``max_model_len``: the model's context in tokens,
-    told to the router so it refuses longer ``max_tokens`` up front. On exit the
-    heartbeat is cancelled, the instance deregistered (bounded) and the engine
-    closed.
+    told to the router so it refuses longer ``max_tokens`` up front.
+    ``warm_peers``: run a :class:`PeerWarmer` (the handle's ``warmer``) fed with the
+    router's listing of this worker's peers, so their sessions are open before the
+    first request. On exit the warmer and the heartbeat are stopped, the instance
+    deregistered (bounded) and the engine closed.
     """
     from aiokv import Engine
 
     async with Engine(engine_config) as engine:
         if on_engine is not None:
             await on_engine(engine)
+        warmer = PeerWarmer(engine) if warm_peers else None
         reg: WorkerRegistration | None = None
         task: asyncio.Task[None] | None = None
         if router_url is not None:
@@ -270,6 +353,8 @@ async def worker_lifespan(
                 heartbeat_interval,
                 max_model_len=max_model_len,
             )
+            if warmer is not None:
+                reg.on_peers = warmer.warm
             if token is not None:
                 reg.token = token
             task = asyncio.create_task(register_with_router(reg), name=f"aiokv-heartbeat-{role}")
@@ -277,8 +362,10 @@ async def worker_lifespan(
                 with contextlib.suppress(asyncio.TimeoutError):
                     await asyncio.wait_for(reg.registered.wait(), wait_registered)
         try:
-            yield WorkerHandle(engine, reg, task)
+            yield WorkerHandle(engine, reg, task, warmer)
         finally:
+            if warmer is not None:
+                await warmer.aclose()
             if task is not None:
                 task.cancel()
                 with contextlib.suppress(asyncio.CancelledError):
@@ -286,6 +373,116 @@ async def worker_lifespan(
             if reg is not None:
                 with _shielded(1.5):
                     await deregister(reg)
+
+
+class PeerWarmer:
+    """Opens an engine's sessions to its peers in the background, ahead of their traffic.
+
+    :meth:`warm` takes the peers' addresses and returns at once: each one not yet warm
+    gets :meth:`aiokv.Engine.connect` (the session, and the NCCL communicator where NCCL
+    applies) on a background task, so a request never waits for it and the first one
+    finds the session open. A failed connect is logged and forgotten, so the next
+    :meth:`warm` naming that peer (the next request, or the next router listing) tries
+    again. A warm peer is checked again (a cheap ``connect`` that finds the session open,
+    or re-opens one the engine closed since) only when named after ``recheck`` seconds.
+
+    Bounded whatever the churn of peers: at most ``concurrency`` connects run at once,
+    at most ``max_peers`` peers wait for one (more are left to a later call), and at most
+    ``max_peers`` warm peers are remembered (the oldest forgotten first). Use it from
+    the engine's event loop.
+    """
+
+    def __init__(
+        self,
+        engine: Engine,
+        *,
+        concurrency: int = 4,
+        max_peers: int = 256,
+        recheck: float = 5.0,
+        timeout: float | None = None,
+    ) -> None:
+        if concurrency < 1 or max_peers < 1 or recheck < 0:
+            raise ValueError("concurrency and max_peers must be >= 1, recheck >= 0")
+        self.engine = engine
+        self.concurrency = concurrency
+        self.max_peers = max_peers
+        self.recheck = recheck
+        self.timeout = timeout
+        self._warm: OrderedDict[str, float] = OrderedDict()  # address -> when confirmed
+        self._waiting: OrderedDict[str, None] = OrderedDict()
+        self._tasks: dict[str, asyncio.Task[None]] = {}
+        self._closed = False
+        #: connects that succeeded / failed so far
+        self.connected = 0
+        self.failures = 0
+
+    def warm(self, peers: Iterable[str]) -> None:
+        """Open the sessions to ``peers`` in the background; returns at once."""
+        if self._closed:
+            return
+        now = time.monotonic()
+        for peer in peers:
+            if peer in self._tasks or peer in self._waiting:
+                continue
+            seen = self._warm.get(peer)
+            if seen is not None and now - seen < self.recheck:
+                continue
+            if len(self._waiting) >= self.max_peers:
+                break  # bounded: the rest are named again by a later call
+            self._waiting[peer] = None
+        self._pump()
+
+    def is_warm(self, peer: str) -> bool:
+        """Whether the last connect to ``peer`` succeeded."""
+        return peer in self._warm
+
+    @property
+    def warm_peers(self) -> list[str]:
+        """The peers whose last connect succeeded, oldest first."""
+        return list(self._warm)
+
+    @property
+    def pending(self) -> int:
+        """Connects running or waiting for a slot."""
+        return len(self._tasks) + len(self._waiting)
+
+    def _pump(self) -> None:
+        while self._waiting and len(self._tasks) < self.concurrency and not self._closed:
+            peer, _ = self._waiting.popitem(last=False)
+            self._tasks[peer] = asyncio.get_running_loop().create_task(
+                self._connect(peer), name=f"aiokv-warm-{peer}"
+            )
+
+    async def _connect(self, peer: str) -> None:
+        try:
+            await self.engine.connect(peer, timeout=self.timeout)
+        except Exception as e:  # whatever it is: logged, and tried again when next named
+            self.failures += 1
+            self._warm.pop(peer, None)
+            level = logging.WARNING if isinstance(e, AiokvError) else logging.ERROR
+            log.log(level, "warming the session to %s failed (tried again when named): %r", peer, e)
+        else:
+            self.connected += 1
+            self._warm[peer] = time.monotonic()
+            self._warm.move_to_end(peer)
+            while len(self._warm) > self.max_peers:
+                self._warm.popitem(last=False)
+        finally:
+            self._tasks.pop(peer, None)
+            if not self._closed:
+                self._pump()
+
+    async def aclose(self) -> None:
+        """Stop: cancel the connects in progress and wait for them."""
+        self._closed = True
+        self._waiting.clear()
+        tasks = list(self._tasks.values())
+        for t in tasks:
+            t.cancel()
+        for t in tasks:
+            with contextlib.suppress(asyncio.CancelledError):
+                await t
+        self._tasks.clear()  # a task cancelled before it ran never reached its finally
 
 
 def _with_host(address: str, host: str | None) -> str:

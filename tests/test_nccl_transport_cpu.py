@@ -21,6 +21,7 @@ import torch
 import aiokv
 import aiokv.transport.nccl as nccl_mod
 from aiokv import TransferAbortedError
+from aiokv.cli import engine_overrides, parse_recv_batch
 from aiokv.cuda import ProgressPoller
 from aiokv.protocol.messages import TensorSpec
 
@@ -110,12 +111,17 @@ async def settle(poller: ProgressPoller, until: Any, limit: float = 5.0) -> None
 
 @pytest.mark.anyio
 async def test_receive_batches_are_capped_by_count_and_bytes(
-    events: list[FakeEvent], monkeypatch: pytest.MonkeyPatch
+    events: list[FakeEvent],
 ) -> None:
-    monkeypatch.setenv("AIOKV_NCCL_RECV_BATCH", "4,8")  # small caps, small tensors
     poller = ProgressPoller(spin_s=0.0)
     comm = FakeComm()
-    sink = nccl_mod.NcclSink(comm, poller, torch.device("cpu"))  # type: ignore[arg-type]
+    sink = nccl_mod.NcclSink(  # small caps, small tensors
+        comm,  # type: ignore[arg-type]
+        poller,
+        torch.device("cpu"),
+        max_batch=4,
+        max_batch_bytes=8 * MiB,
+    )
     small = [sink.expect(i, i, [spec(i, MiB)]) for i in range(10)]
     await settle(poller, lambda: len(events) >= 3)
     assert [len(g) for g in comm.groups] == [4, 4, 2]  # 1 MiB each: at most 4 a group
@@ -133,12 +139,17 @@ async def test_receive_batches_are_capped_by_count_and_bytes(
 
 @pytest.mark.anyio
 async def test_batches_land_in_posting_order_whatever_order_events_fire(
-    events: list[FakeEvent], monkeypatch: pytest.MonkeyPatch
+    events: list[FakeEvent],
 ) -> None:
-    monkeypatch.setenv("AIOKV_NCCL_RECV_BATCH", "4,8")
     poller = ProgressPoller(spin_s=0.0)
     comm = FakeComm()
-    sink = nccl_mod.NcclSink(comm, poller, torch.device("cpu"))  # type: ignore[arg-type]
+    sink = nccl_mod.NcclSink(
+        comm,  # type: ignore[arg-type]
+        poller,
+        torch.device("cpu"),
+        max_batch=4,
+        max_batch_bytes=8 * MiB,
+    )
     futs = [sink.expect(i, i, [spec(i, MiB)]) for i in range(12)]  # three batches of four
     await settle(poller, lambda: len(events) == 3)
     assert len(events) == 3
@@ -182,14 +193,19 @@ async def test_cut_short_post_keeps_buffers_until_the_stream_passed_them(
     await poller.stop()
 
 
-def test_recv_batch_caps_default_and_override(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.delenv("AIOKV_NCCL_RECV_BATCH", raising=False)
-    assert nccl_mod.recv_batch_caps() == (8, 128 * MiB)
-    monkeypatch.setenv("AIOKV_NCCL_RECV_BATCH", "16, 64")
-    assert nccl_mod.recv_batch_caps() == (16, 64 * MiB)
-    monkeypatch.setenv("AIOKV_NCCL_RECV_BATCH", "2,0.5")
-    assert nccl_mod.recv_batch_caps() == (2, MiB // 2)
+def test_recv_batch_caps_default_and_override() -> None:
+    # the sink's defaults are the config's; the CLI turns AIOKV_NCCL_RECV_BATCH into them
+    cfg = aiokv.EngineConfig()
+    assert (cfg.nccl_recv_batch, cfg.nccl_recv_batch_bytes) == (8, 128 * MiB)
+    assert engine_overrides({"AIOKV_NCCL_RECV_BATCH": "16, 64"}) == {
+        "nccl_recv_batch": 16,
+        "nccl_recv_batch_bytes": 64 * MiB,
+    }
+    assert parse_recv_batch("2,0.5") == (2, MiB // 2)
     for bad in ("8", "x,1", "0,8", "4,-1", "4,8,1"):
-        monkeypatch.setenv("AIOKV_NCCL_RECV_BATCH", bad)
         with pytest.raises(aiokv.ConfigError, match="AIOKV_NCCL_RECV_BATCH"):
-            nccl_mod.recv_batch_caps()
+            engine_overrides({"AIOKV_NCCL_RECV_BATCH": bad})
+    for field in ("nccl_recv_batch", "nccl_recv_batch_bytes"):
+        for value in (0, -1, 1.5, True):
+            with pytest.raises(aiokv.ConfigError, match=field):
+                aiokv.EngineConfig(**{field: value})

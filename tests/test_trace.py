@@ -79,3 +79,19 @@ def test_no_trace_without_the_variable(tmp_path: Path) -> None:
     )
     assert out.stdout.strip() == "False"
     assert not list(tmp_path.iterdir())
+
+
+@pytest.mark.timeout(60)
+def test_enable_from_code_traces_without_the_variable(tmp_path: Path) -> None:
+    env = {k: v for k, v in os.environ.items() if k != "AIOKV_TRACE"}
+    prefix = tmp_path / "fn"
+    code = "import sys, aiokv._trace as t; t.enable(sys.argv[2]); " + CHILD.replace(
+        "import asyncio, sys, torch, aiokv", "import asyncio, torch, aiokv"
+    )
+    subprocess.run(
+        [sys.executable, "-c", code, "credit", str(prefix)], env=env, check=True, timeout=50
+    )
+    files = sorted(tmp_path.glob("fn.*.json"))
+    assert len(files) == 1
+    steps = {e[0] for e in json.loads(files[0].read_text())["events"]}
+    assert steps == {"start", "posted", "landed", "done"}

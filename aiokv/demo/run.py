@@ -159,6 +159,30 @@ async def _wait_ready(client: httpx.AsyncClient, children: Children, within: flo
         await asyncio.sleep(0.1)
 
 
+async def _wait_warm(client: httpx.AsyncClient, token: str, within: float = 5.0) -> bool:
+    """Wait (bounded) until every registered worker has warmed a session to a peer.
+
+    The workers open their engine sessions as soon as the router lists their peers
+    (``aiokv.serving.PeerWarmer``), which takes a few tens of milliseconds after both
+    registered; waiting for it here, as a readiness probe would, keeps the first
+    request from racing the warm-up. Returns False if not warm in time (the demo then
+    goes on: the first request opens its sessions itself).
+    """
+    deadline = time.monotonic() + within
+    auth = {"authorization": f"Bearer {token}"}
+    while time.monotonic() < deadline:
+        with contextlib.suppress(httpx.HTTPError, ValueError, KeyError, TypeError):
+            listing = (await client.get("/instances", headers=auth)).json()["instances"]
+            warm = [
+                bool((await client.get(str(i["url"]) + "/healthz")).json().get("warm_peers"))
+                for i in listing
+            ]
+            if warm and all(warm):
+                return True
+        await asyncio.sleep(0.02)
+    return False
+
+
 def _float(h: httpx.Headers, key: str) -> float | None:
     try:
         return float(h[key])
@@ -332,6 +356,8 @@ async def _run(args: argparse.Namespace, children: Children, console: Console) -
     timeout = httpx.Timeout(args.request_timeout, connect=5.0)
     async with httpx.AsyncClient(base_url=router_url, timeout=timeout, trust_env=False) as client:
         await _wait_ready(client, children, args.startup_timeout)
+        if not await _wait_warm(client, children.token):
+            console.print("[yellow]the workers did not warm their sessions in 5 s[/]")
         sem = asyncio.Semaphore(args.concurrency)
         t0 = time.perf_counter()
         with Progress(

@@ -51,6 +51,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from .._exceptions import AiokvError
+from ..cli import apply_process_env, engine_overrides
 
 if TYPE_CHECKING:
     from .model import ModelConfig, TinyTransformer
@@ -127,6 +128,8 @@ class _Worker:
         self.mod = model_mod
         self.model: TinyTransformer | None = None
         self.engine: Any = None
+        #: the serving helper's PeerWarmer: opens sessions to peers ahead of requests
+        self.warmer: Any = None
         self.layout: Any = None
         self.executor = ThreadPoolExecutor(
             1, thread_name_prefix="aiokv-model", initializer=self._init_thread
@@ -272,6 +275,24 @@ class _Worker:
         }
         return f"data: {json.dumps(data)}\n\n".encode()
 
+    def warm_model(self) -> None:
+        """On the model thread, before serving: run each path a request takes once.
+
+        The first call of each (prefill, gather, scatter, a decode step) pays one-off
+        costs (allocations, torch's first dispatch of each op), which would otherwise
+        land on the first request's TTFT.
+        """
+        from aiokv.kv import gather_blocks, scatter_blocks
+
+        tokens = self.mod.tokenize("warm-up")
+        first, blocks = self.m.prefill(tokens)
+        try:
+            buf = gather_blocks(self.m.kv_caches, self.layout, blocks)
+            scatter_blocks(buf, self.m.kv_caches, self.layout, blocks)
+            self.m.decode(blocks, len(tokens), first, 2)
+        finally:
+            self.m.free(blocks)
+
     # -- the two legs ----------------------------------------------------------------------
 
     def _prefill_gather(self, tokens: list[int]) -> tuple[int, list[int], Any]:
@@ -369,6 +390,10 @@ class _Worker:
         except self.mod.OutOfBlocksError as e:
             return _err(503, str(e), "out_of_kv_blocks", "server_error")
         address = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+        if self.warmer is not None:
+            # a peer the router has not listed yet (or whose warm-up failed): warm it for
+            # the next request; this GET opens the session itself if it is not open yet
+            self.warmer.warm([address])
         expected = self.layout.request_nbytes(n_blocks)
         t0 = time.perf_counter()
         try:
@@ -519,12 +544,14 @@ def create_app(cfg: WorkerConfig, url: str = "") -> FastAPI:
             head_dim=mc.head_dim,
             dtype="float32",
         )
+        await w.run(w.warm_model)
         # the layout is offered at connection set-up: incompatible peers are refused early
         engine_cfg = aiokv.EngineConfig(
             listen=cfg.kv_listen,
             device=cfg.device,
             transport=cfg.transport,
             layout=w.layout.to_wire(),
+            **engine_overrides(),
         )
 
         async def on_engine(engine: Any) -> None:
@@ -542,7 +569,8 @@ def create_app(cfg: WorkerConfig, url: str = "") -> FastAPI:
                 token=cfg.router_token,
                 max_model_len=mc.max_positions,
                 kv_host=cfg.advertise_host,
-            ):
+            ) as handle:
+                w.warmer = handle.warmer
                 log.info("%s worker up: http %s, kv %s", cfg.role, url, w.engine.address)
                 yield
         finally:
@@ -583,6 +611,7 @@ def create_app(cfg: WorkerConfig, url: str = "") -> FastAPI:
                 "role": cfg.role,
                 "kv_address": w.kv_address if w.engine else None,
                 "free_blocks": w.m.allocator.num_free,
+                "warm_peers": w.warmer.warm_peers if w.warmer is not None else [],
             }
         )
 
@@ -724,6 +753,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         logging.getLogger("httpx").setLevel(logging.WARNING)
     import torch
 
+    apply_process_env()
     torch.set_num_threads(args.threads)
     if args.device.startswith("cuda"):
         torch.cuda.set_device(torch.device(args.device))

@@ -6,6 +6,7 @@ See :mod:`aiokv.kv.layouts` for the layouts and their wire form, and
 
 from __future__ import annotations
 
+from ._triton import set_enabled as set_triton
 from .connector import ConnectorStatistics, KVConnector
 from .ipc import IpcOptions, IpcStatistics
 from .layouts import (
@@ -15,6 +16,7 @@ from .layouts import (
     KVLayout,
     MLALayout,
     check_compatible,
+    engine_layout_check,
     layout_from_wire,
 )
 from .ops import (
@@ -47,7 +49,9 @@ __all__ = [
     "StagingPool",
     "StagingSlice",
     "check_compatible",
+    "engine_layout_check",
     "gather_blocks",
     "layout_from_wire",
     "scatter_blocks",
+    "set_triton",
 ]

@@ -20,7 +20,8 @@ request is cancelled or its lease runs out, so a launch that has not started yet
 -- e.g. one queued behind the producer's ready event of a producer that died --
 can never write into blocks the consumer has since handed to another request.
 
-Without Triton (``AIOKV_DISABLE_TRITON=1`` or not installed) :func:`torch_pair_copy`
+Without Triton (:func:`aiokv.kv.set_triton` ``(False)``, which ``AIOKV_DISABLE_TRITON=1``
+does for the command-line tools, or not installed) :func:`torch_pair_copy`
 does the same copy with torch ops, one gather and one scatter per layer. It
 cannot see the abort word, so the plane then waits for the producer's event on
 the host before it enqueues anything (see :mod:`aiokv.kv.ipc`).

@@ -18,12 +18,11 @@ base address is ``table[li]`` (int64 data_ptr), at word offset
 from __future__ import annotations
 
 import functools
-import os
 from typing import Any
 
 import torch
 
-__all__ = ["available", "launch_copy"]
+__all__ = ["available", "launch_copy", "set_enabled"]
 
 _BLOCK_BYTES = 8192  # bytes per program
 _MAX_PROGRAMS = 2**31 - 1
@@ -71,11 +70,26 @@ def _kernel() -> Any:
     return kv_copy_kernel
 
 
-@functools.lru_cache(maxsize=1)
+_enabled = True
+
+
+def set_enabled(enabled: bool) -> None:
+    """Use the Triton kernels when they import (True, the default) or never (False).
+
+    Process-wide (public as :func:`aiokv.kv.set_triton`); the command-line entry points
+    call it for ``AIOKV_DISABLE_TRITON=1``. Without Triton the copies are torch ops.
+    """
+    global _enabled
+    _enabled = bool(enabled)
+
+
 def available() -> bool:
-    """True when Triton imports (and ``AIOKV_DISABLE_TRITON`` is not set)."""
-    if os.environ.get("AIOKV_DISABLE_TRITON", "") not in ("", "0"):
-        return False
+    """True when Triton imports and :func:`set_enabled` did not turn it off."""
+    return _enabled and _importable()
+
+
+@functools.lru_cache(maxsize=1)
+def _importable() -> bool:
     try:
         import triton
         import triton.language  # noqa: F401

@@ -57,6 +57,8 @@ from dataclasses import asdict, dataclass
 from multiprocessing.connection import Connection
 from typing import Any
 
+from ..cli import apply_process_env, engine_overrides
+
 __all__ = ["WORKLOADS", "Workload", "main"]
 
 MiB = 1 << 20
@@ -193,6 +195,7 @@ async def _producer(a: dict[str, Any], chan: _Chan) -> dict[str, Any]:
         layout=layout.to_wire(),
         timeouts=aiokv.Timeouts(transfer=a["timeout"], negotiate=a["timeout"]),
         limits=aiokv.Limits(store_bytes=4 * GiB),
+        **engine_overrides(),
     )
     pg = _raw_setup(a, rank=0)
     out: dict[str, Any] = {}
@@ -274,6 +277,7 @@ async def _consumer(a: dict[str, Any], chan: _Chan) -> dict[str, Any]:
         layout=layout.to_wire(),
         timeouts=aiokv.Timeouts(transfer=a["timeout"], negotiate=a["timeout"]),
         limits=aiokv.Limits(store_bytes=4 * GiB),
+        **engine_overrides(),
     )
     bd = layout.block_dim + 1  # in the stacked [L, ...] view
 
@@ -490,6 +494,7 @@ def _zmq_raw_pull(sock: Any, n: int, nbytes: int) -> None:
 
 def _child(role: str, a: dict[str, Any], conn: Connection, results: Any) -> None:
     warnings.simplefilter("ignore")
+    apply_process_env()  # a spawned child: AIOKV_DISABLE_TRITON is applied here too
     fn = _producer if role == "producer" else _consumer
     chan = _Chan(conn)
     try:

@@ -75,12 +75,12 @@ import sys
 import time
 from collections import deque
 from collections.abc import Callable, Generator, Sequence
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, Protocol, TypeVar, runtime_checkable
 
 import torch
 
+from .._blocking import in_pool
 from .._exceptions import (
     AiokvError,
     AiokvTimeoutError,
@@ -239,7 +239,6 @@ class KVConnector:
         self.max_inflight = max_inflight
         self.thread_min_bytes = thread_min_bytes
         self._pool: StagingPool | None = None
-        self._executor: ThreadPoolExecutor | None = None
         self._finished_sending: set[str] = set()
         self._finished_receiving: set[str] = set()
         self._sending: set[str] = set()
@@ -404,17 +403,13 @@ class KVConnector:
             return host.to(self.device)
         return pinned.to(self.device, non_blocking=True)
 
-    def _get_executor(self) -> ThreadPoolExecutor:
-        if self._executor is None:
-            self._executor = ThreadPoolExecutor(max_workers=2, thread_name_prefix="aiokv-kv")
-        return self._executor
-
     async def _copy(self, fn: Callable[[], T], nbytes: int) -> T:
         """Run a cache copy: inline on GPU (async on the stream) or for small CPU copies,
-        else on a worker thread. On cancellation, wait for a running copy to finish."""
+        else on aiokv's shared pool for short CPU work (:mod:`aiokv._blocking`). On
+        cancellation, wait for a running copy to finish."""
         if self.device.type != "cpu" or nbytes < self.thread_min_bytes:
             return fn()
-        fut = asyncio.get_running_loop().run_in_executor(self._get_executor(), fn)
+        fut = in_pool(fn)
         try:
             return await asyncio.shield(fut)
         except asyncio.CancelledError:
@@ -904,7 +899,7 @@ class KVConnector:
     # ------------------------------------------------------------------ lifecycle
 
     async def aclose(self, timeout: float = 5.0) -> None:
-        """Refuse new work, wait (bounded) for in-flight sends, free the worker threads."""
+        """Refuse new work, wait (bounded) for in-flight sends, close the IPC plane."""
         self._closed = True
         pending: list[asyncio.Task[Any]] = list(self._background)
         for save in self._saves.values():
@@ -919,10 +914,6 @@ class KVConnector:
             await asyncio.wait(pending, timeout=timeout)
         if self._ipc is not None:
             await self._ipc.aclose(timeout)
-        if self._executor is not None:
-            ex, self._executor = self._executor, None
-            with contextlib.suppress(Exception):
-                ex.shutdown(wait=False)
 
     async def __aenter__(self) -> KVConnector:
         return self

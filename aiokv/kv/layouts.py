@@ -39,6 +39,7 @@ __all__ = [
     "KVLayout",
     "MLALayout",
     "check_compatible",
+    "engine_layout_check",
     "layout_from_wire",
 ]
 
@@ -365,6 +366,27 @@ def layout_from_wire(d: object) -> KVLayout:
             raise ConfigError(f"KV layout {kind}: {n} must be an int, got {type(v).__name__}")
         kwargs[n] = v
     return cls(**kwargs)  # __post_init__ checks the bounds (ConfigError)
+
+
+def engine_layout_check(
+    mine: Mapping[str, str | int], theirs: Mapping[str, str | int]
+) -> str | None:
+    """The engine's layout check for KV layouts (the default ``EngineConfig.layout_check``).
+
+    The engine carries layouts as opaque wire dicts and asks this function, at each
+    HELLO, whether the connecting peer's layout (``theirs``: it sends, so it is the
+    producer) can land in this engine's (``mine``: the consumer). Returns None when it
+    can, else why not. ``theirs`` is untrusted: anything malformed is a reason, never
+    an exception. ``EngineConfig`` also calls it with its own layout twice to validate
+    that layout at construction.
+    """
+    try:
+        consumer = layout_from_wire(mine)
+        producer = layout_from_wire(theirs)
+        check_compatible(producer, consumer)
+    except (ConfigError, LayoutMismatchError) as exc:
+        return str(exc)[:500]
+    return None
 
 
 def check_compatible(producer: KVLayout, consumer: KVLayout) -> None:

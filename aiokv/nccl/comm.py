@@ -18,15 +18,16 @@ only after that (and post no other call on this communicator meanwhile;
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import contextlib
 import ctypes
-import threading
 import time
 from collections.abc import Iterator
 from typing import Any
 
 import torch
 
+from .._blocking import in_daemon, start_daemon
 from .._exceptions import AiokvTimeoutError, ConfigError, NcclError, TransferAbortedError
 from .library import IN_PROGRESS, SUCCESS, NcclLibrary, load_library, result_name
 
@@ -74,7 +75,7 @@ class Communicator:
         self._pending = False  # an enqueue returned ncclInProgress
         self._aborted = False
         self._dead_code = SUCCESS
-        self._abort_done: threading.Event | None = None
+        self._abort_done: concurrent.futures.Future[None] | None = None
         #: seconds ``ncclCommAbort`` took on the helper thread (None until one finished)
         self.last_abort_s: float | None = None
         #: seconds :meth:`abort` blocked its caller (None until called)
@@ -178,18 +179,19 @@ class Communicator:
                     )
                 )
 
-        fut = asyncio.get_running_loop().run_in_executor(None, init)
+        # init waits for the peer rank, forever if it never comes: a daemon thread
+        call = start_daemon(init, "aiokv-nccl-init")
         try:
-            rc = await asyncio.wait_for(asyncio.shield(fut), timeout)
+            rc = await asyncio.wait_for(asyncio.shield(asyncio.wrap_future(call)), timeout)
         except (asyncio.TimeoutError, asyncio.CancelledError) as exc:
             # The thread is inside NCCL's init and cannot be interrupted; when it
-            # returns, the communicator it made is aborted.
-            def cleanup(f: asyncio.Future[int]) -> None:
+            # returns, the communicator it made is aborted (on that thread, not the loop).
+            def cleanup(f: concurrent.futures.Future[int]) -> None:
                 if handle.value is not None:
                     with contextlib.suppress(Exception):
                         lib.ncclCommAbort(handle.value)
 
-            fut.add_done_callback(cleanup)
+            call.add_done_callback(cleanup)
             if isinstance(exc, asyncio.CancelledError):
                 raise
             raise AiokvTimeoutError(
@@ -231,7 +233,8 @@ class Communicator:
                 stream.synchronize()
 
         limit = self.timeout if timeout is None else timeout
-        fut = asyncio.get_running_loop().run_in_executor(None, run)
+        # waits for the peer rank: a daemon thread (the abort on timeout releases it)
+        fut = in_daemon(run, "aiokv-nccl-warmup")
         try:
             await asyncio.wait_for(asyncio.shield(fut), limit)
         except asyncio.TimeoutError:
@@ -417,14 +420,10 @@ class Communicator:
         self._handle = None
         self._aborted = True
         self._pending = False
-        done = threading.Event()
-        self._abort_done = done
-        threading.Thread(
-            target=self._abort_in_thread, args=(h, done), name="aiokv-nccl-abort", daemon=True
-        ).start()
+        self._abort_done = start_daemon(lambda: self._abort_in_thread(h), "aiokv-nccl-abort")
         self.abort_call_s = time.perf_counter() - t0
 
-    def _abort_in_thread(self, handle: int, done: threading.Event) -> None:
+    def _abort_in_thread(self, handle: int) -> None:
         t0 = time.perf_counter()
         try:
             self._lib.ncclCommAbort(handle)
@@ -432,7 +431,6 @@ class Communicator:
             pass
         finally:
             self.last_abort_s = time.perf_counter() - t0
-            done.set()
 
     async def wait_aborted(self, timeout: float = 10.0) -> bool:
         """Wait (polling, never blocking the loop) until ``ncclCommAbort`` returned.
@@ -444,7 +442,7 @@ class Communicator:
             return True
         deadline = time.monotonic() + timeout
         delay = _POLL_MIN_S
-        while not done.is_set():
+        while not done.done():
             if time.monotonic() >= deadline:
                 return False
             delay = await _backoff_sleep(delay)

@@ -200,6 +200,8 @@ class RouterState:
         #: the router's own listening address (host, port), when known (set by serve)
         self.own_address: tuple[str, int] | None = None
         self._client: httpx.AsyncClient | None = None
+        #: connections being opened to newly registered workers (see warm_connection)
+        self._warming: dict[str, asyncio.Task[None]] = {}
         for role, urls in (("prefill", config.prefill), ("decode", config.decode)):
             for url in urls:
                 self.registry.register(
@@ -215,6 +217,23 @@ class RouterState:
         if self._client is None:
             raise RuntimeError("router app is not running (lifespan not entered)")
         return self._client
+
+    def warm_connection(self, url: str) -> None:
+        """Open the HTTP connection to a newly registered worker now, in the background.
+
+        One ``GET /v1/models`` (its answer is not used): the connection then waits in
+        the client's keep-alive pool, so the first request routed to the worker does
+        not pay for connecting. Best effort, errors ignored; at most 64 at a time.
+        """
+        if self._client is None or url in self._warming or len(self._warming) >= 64:
+            return
+        task = asyncio.create_task(self._warm(url), name="aiokv-router-warm")
+        self._warming[url] = task
+        task.add_done_callback(lambda _t: self._warming.pop(url, None))
+
+    async def _warm(self, url: str) -> None:
+        with contextlib.suppress(httpx.HTTPError):
+            await self.client.get(url + "/v1/models", timeout=httpx.Timeout(2.0, connect=1.0))
 
     async def run_eviction(self) -> None:
         cfg = self.config
@@ -1029,6 +1048,7 @@ def create_app(config: RouterConfig | None = None) -> FastAPI:
             try:
                 yield
             finally:
+                tasks.extend(state._warming.values())
                 for t in tasks:
                     t.cancel()
                 for t in tasks:
@@ -1083,6 +1103,7 @@ def create_app(config: RouterConfig | None = None) -> FastAPI:
         except RegistryFullError as e:
             raise _HTTPError(503, str(e), "registry_full", "server_error") from None
         state.metrics.refresh_instances(state.registry)
+        state.warm_connection(url)
         log.info("registered %s instance %s (kv %s, model %s)", role, url, kv_address, model)
         return JSONResponse(
             {

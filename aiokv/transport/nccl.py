@@ -23,14 +23,14 @@ from __future__ import annotations
 
 import asyncio
 import itertools
-import os
 from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 
-from .._exceptions import ConfigError, TransferAbortedError
+from .._config import DEFAULT_NCCL_RECV_BATCH, DEFAULT_NCCL_RECV_BATCH_BYTES
+from .._exceptions import TransferAbortedError
 from ..cuda import ProgressPoller, record_event
 from ..nccl.comm import Communicator
 from ..protocol.messages import DataHeader, TensorSpec
@@ -49,27 +49,10 @@ _ids = itertools.count(1)
 # non-blocking enqueue settling), and one receive per group at 32 MiB left the
 # receiver posting slower than the link (posted->landed 2.1 ms with 16 in
 # flight, device run s9r3). A batch may carry about what the link moves in one
-# post: 128 MiB. ``AIOKV_NCCL_RECV_BATCH="count,MiB"`` overrides (benchmarks).
-_MAX_BATCH = 8
-_MAX_BATCH_BYTES = 128 << 20
-ENV_RECV_BATCH = "AIOKV_NCCL_RECV_BATCH"
-
-
-def recv_batch_caps() -> tuple[int, int]:
-    """(transfers, bytes) a receive batch may hold: the defaults or ``AIOKV_NCCL_RECV_BATCH``."""
-    raw = os.environ.get(ENV_RECV_BATCH, "").strip()
-    if not raw:
-        return _MAX_BATCH, _MAX_BATCH_BYTES
-    try:
-        count_s, mib_s = raw.split(",")
-        count, mib = int(count_s), float(mib_s)
-    except ValueError:
-        raise ConfigError(
-            f'{ENV_RECV_BATCH} must be "count,MiB" (e.g. "8,128"), got {raw!r}'
-        ) from None
-    if count < 1 or mib <= 0:
-        raise ConfigError(f"{ENV_RECV_BATCH}: count >= 1 and MiB > 0, got {raw!r}")
-    return count, int(mib * (1 << 20))
+# post: 128 MiB. ``EngineConfig.nccl_recv_batch`` / ``nccl_recv_batch_bytes`` override
+# (``AIOKV_NCCL_RECV_BATCH="count,MiB"`` for the command-line tools).
+_MAX_BATCH = DEFAULT_NCCL_RECV_BATCH
+_MAX_BATCH_BYTES = DEFAULT_NCCL_RECV_BATCH_BYTES
 
 
 def capture_ready(tensors: Sequence[torch.Tensor]) -> torch.cuda.Event:
@@ -146,12 +129,20 @@ class NcclSink:
 
     name = "nccl"
 
-    def __init__(self, comm: Communicator, poller: ProgressPoller, device: torch.device) -> None:
+    def __init__(
+        self,
+        comm: Communicator,
+        poller: ProgressPoller,
+        device: torch.device,
+        *,
+        max_batch: int = _MAX_BATCH,
+        max_batch_bytes: int = _MAX_BATCH_BYTES,
+    ) -> None:
         self.comm = comm
         self.poller = poller
         self.device = device
         self.stream = torch.cuda.Stream(device=device)  # type: ignore[no-untyped-call]
-        self._max_batch, self._max_bytes = recv_batch_caps()
+        self._max_batch, self._max_bytes = max_batch, max_batch_bytes
         self._queue: asyncio.Queue[_Expected] = asyncio.Queue()
         self._dead: BaseException | None = None
         self._task = asyncio.get_running_loop().create_task(

@@ -17,6 +17,7 @@ import types
 import torch
 
 import aiokv
+from aiokv.cli import engine_overrides
 
 DTYPES = [
     torch.bfloat16,
@@ -153,6 +154,7 @@ async def main() -> None:
             connect=60.0,
             nccl_watchdog=float(os.environ.get("AIOKV_TEST_WATCHDOG", "30")),
         ),
+        **engine_overrides(),  # AIOKV_NCCL_BLOCKING_OPS, as benchmarks/gpu_final.sh sets it
     )
     async with aiokv.Engine(cfg) as eng:
         loop = asyncio.get_running_loop()

@@ -47,7 +47,10 @@ class LoopSocket:
     when receiving or a deferred send fails; the owner decides whether to close.
     At most ``max_batch`` messages, and messages for at most ``max_busy_s``
     seconds, are handled per callback before yielding to the loop, so a flood
-    (or a run of expensive messages) cannot starve other tasks.
+    (or a run of expensive messages) cannot starve other tasks. ``on_drained()``
+    is called after each such run that handled a message: the owner can answer
+    everything that arrived together at once (one reply per run, not per message,
+    without waiting for the end of the loop pass).
     """
 
     __slots__ = (
@@ -58,6 +61,7 @@ class LoopSocket:
         "closed",
         "max_batch",
         "max_busy_s",
+        "on_drained",
         "on_error",
         "on_message",
         "sock",
@@ -71,10 +75,12 @@ class LoopSocket:
         *,
         max_batch: int = 128,
         max_busy_s: float = 0.005,
+        on_drained: Callable[[], None] | None = None,
     ) -> None:
         self.sock = sock
         self.on_message = on_message or _ignore
         self.on_error = on_error
+        self.on_drained = on_drained
         self.max_batch = max_batch
         self.max_busy_s = max_busy_s
         self.closed = False
@@ -160,6 +166,7 @@ class LoopSocket:
                     progressed = self._flush()
                 if ev & _POLLIN:
                     frames = sock.recv_multipart(_NOBLOCK, copy=False)
+                    n += 1
                     try:
                         self.on_message(frames)
                     except Exception:
@@ -168,7 +175,6 @@ class LoopSocket:
                         self._check_soon()
                         raise
                     progressed = True
-                    n += 1
                     if n >= self.max_batch or time.perf_counter() > until:
                         self._check_soon()
                         return
@@ -179,6 +185,9 @@ class LoopSocket:
         except zmq.ZMQError as exc:
             if not self.closed and self.on_error is not None:
                 self.on_error(exc)  # the owner decides: close, or keep serving
+        finally:
+            if n and self.on_drained is not None:
+                self.on_drained()
 
     # ------------------------------------------------------------------ closing
     def close(self, linger: int | None = None) -> None:

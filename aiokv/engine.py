@@ -1120,6 +1120,7 @@ class Engine:
         self._router_mon: zmq.asyncio.Socket = None  # type: ignore[assignment]
         # reservations waiting for room, every session's (see aiokv.protocol.admission)
         self._admission: AdmissionQueue[Reserve] = AdmissionQueue()
+        self._ack_now: list[_ServerSession] = []  # sessions whose data awaits an ACK
         self._published: dict[str, torch.Tensor] = {}
         self._stats = EngineStatistics()
         self._tasks: set[asyncio.Task[Any]] = set()
@@ -1224,7 +1225,9 @@ class Engine:
         self._router_mon = monitor_socket(r, self._ctx, events)
         self._data_mon = monitor_socket(d, self._ctx, events)
         self._router = LoopSocket(r, self._on_router_frames, self._on_router_error)
-        self._data_router = LoopSocket(d, self._on_data_frames, self._on_router_error)
+        self._data_router = LoopSocket(
+            d, self._on_data_frames, self._on_router_error, on_drained=self._acks_now
+        )
         self._main_tasks = [
             asyncio.create_task(self._housekeeping(), name="aiokv-housekeeping"),
             asyncio.create_task(self._router_watch(self._router_mon), name="aiokv-router-monitor"),
@@ -2357,10 +2360,11 @@ class Engine:
                     if i >= len(frames) or ss.dead:
                         break
                     header = self._codec.decode(frames[i].buffer)
-                # the ACK leaves now, before anything this message woke up (a waiting
-                # recv, the caller's next step) runs: it is the sender's critical path
+                # the ACK leaves as soon as the messages that arrived together are
+                # handled (_acks_now), before anything they woke up (a waiting recv)
+                # runs: it is the sender's critical path
                 if ss.ack_due and not ss.dead:
-                    self._send_credit(ss, now=True)
+                    self._ack_now.append(ss)
                 return
             if not isinstance(header, DataHeader):
                 raise RemoteProtocolError(f"{header.NAME} on the data connection")
@@ -2476,6 +2480,14 @@ class Engine:
                 ),
                 now,
             )
+
+    def _acks_now(self) -> None:
+        """The data port read everything that had arrived: one ACK per session that
+        landed something (messages read in one run share it)."""
+        due, self._ack_now = self._ack_now, []
+        for ss in due:
+            if ss.ack_due and not ss.dead:
+                self._send_credit(ss, now=True)
 
     def _ack_soon(self, ss: _ServerSession) -> None:
         """One ACK per loop pass: whatever landed, was refused or freed until then

@@ -187,3 +187,33 @@ async def test_outbox_failure_reports_once_and_closing_drops_what_is_queued() ->
     finally:
         tx.close(0)
         ctx.term()
+
+
+async def test_on_drained_follows_each_run_of_messages() -> None:
+    """The owner hears once per run of messages read together (to answer them with one
+    reply), after the last of them, and never for a wake-up that read nothing."""
+    ctx: zmq.Context[Any] = zmq.Context()
+    a, b = await _pair(ctx)
+    events: list[str] = []
+    rx = LoopSocket(
+        b,
+        lambda fr: events.append(fr[0].bytes.decode()),
+        on_drained=lambda: events.append("|"),
+        max_batch=4,
+    )
+    tx = LoopSocket(a)
+    try:
+        for i in range(10):
+            tx.send([b"%d" % i])
+        await _until(lambda: events.count("|") >= 3 and len(events) >= 13)
+        assert [e for e in events if e != "|"] == [str(i) for i in range(10)]
+        assert events[-1] == "|"  # the last message is followed by its run's end
+        runs = "".join("m" if e != "|" else "|" for e in events).split("|")[:-1]
+        assert all(0 < len(r) <= 4 for r in runs)  # runs respect max_batch, none empty
+        n = len(events)
+        rx._ready()  # a look that reads nothing: no call
+        assert len(events) == n
+    finally:
+        rx.close(0)
+        tx.close(0)
+        ctx.term()

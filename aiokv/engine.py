@@ -1014,6 +1014,60 @@ class _ServerSession:
 # --------------------------------------------------------------------------- handle
 
 
+class _XferWatch:
+    """What a PUT_ASYNC handle needs besides the transfer's ``done`` future, which the
+    handle hands out as its own: the deadline (one timer), the caller giving up, and
+    counting a failure once, whichever way the transfer ended."""
+
+    __slots__ = ("cs", "engine", "gave_up", "t_end", "timer", "to", "x")
+
+    def __init__(self, engine: Engine, cs: _ClientSession, x: _OutXfer, t: float, to: str) -> None:
+        loop = engine._loop
+        self.engine, self.cs, self.x, self.to = engine, cs, x, to
+        self.t_end = loop.time() + t
+        self.gave_up = False
+        self.timer = loop.call_later(min(t, engine.config.timeouts.negotiate), self.expire)
+        x.done.add_done_callback(self.settled)
+
+    def settled(self, f: asyncio.Future[None]) -> None:
+        self.timer.cancel()
+        if f.cancelled():  # TransferHandle.cancel(), or the awaiting task was cancelled
+            self.on_cancel()
+        elif f.exception() is not None:
+            self.engine._stats.transfers_failed += 1
+
+    def expire(self) -> None:
+        x, done = self.x, self.x.done
+        if done.done():
+            return
+        g = x.granted
+        if not (g.done() and not g.cancelled() and g.exception() is None):
+            exc: BaseException = NegotiateTimeoutError(
+                f"{self.to} granted no room within the deadline"
+            )
+        elif self.engine._loop.time() < self.t_end:  # granted in time: the rest of it
+            self.timer = self.engine._loop.call_at(self.t_end, self.expire)
+            return
+        else:
+            exc = TransferTimeoutError(
+                f"transfer to {self.to} did not complete within the deadline"
+            )
+        self.gave_up = True
+        done.set_exception(exc)  # first: withdrawing must not turn it into a cancel
+        self.cs.abandon(x)
+
+    def on_cancel(self) -> None:
+        """The caller gave up (at once: nothing waits a loop pass)."""
+        if self.gave_up:
+            return
+        self.gave_up = True
+        self.timer.cancel()
+        done = self.x.done
+        if not done.done() or done.cancelled():
+            self.engine._stats.transfers_failed += 1
+            self.cs.abandon(self.x)
+
+
 class TransferHandle:
     """An in-flight PUT_ASYNC: await it, or poll :meth:`done`; :meth:`cancel` gives up.
 
@@ -1471,66 +1525,11 @@ class Engine:
         return cs if cs is not None and cs.dead is None and not staged.cuda else None
 
     def _handle(self, cs: _ClientSession, x: _OutXfer, t: float, to: str) -> TransferHandle:
-        """A PUT_ASYNC handle on a started transfer: callbacks and one timer, no task."""
-        loop = self._loop
-        out: asyncio.Future[None] = loop.create_future()
-        neg = min(t, self.config.timeouts.negotiate)
-        t_end = loop.time() + t
-        stats = self._stats
-        timer: asyncio.TimerHandle
-
-        def finish(f: asyncio.Future[None]) -> None:
-            timer.cancel()
-            if out.done():
-                return
-            if f.cancelled():
-                out.cancel()
-            elif f.exception() is not None:
-                stats.transfers_failed += 1
-                out.set_exception(f.exception())  # type: ignore[arg-type]
-            else:
-                out.set_result(None)
-
-        def expire() -> None:
-            nonlocal timer
-            if out.done():
-                return
-            g = x.granted
-            if not (g.done() and not g.cancelled() and g.exception() is None):
-                exc: BaseException = NegotiateTimeoutError(
-                    f"{to} granted no room within the deadline"
-                )
-            elif loop.time() < t_end:  # granted in time: the rest of the deadline
-                timer = loop.call_at(t_end, expire)
-                return
-            else:
-                exc = TransferTimeoutError(f"transfer to {to} did not complete within the deadline")
-            stats.transfers_failed += 1
-            out.set_exception(exc)
-            cs.abandon(x)
-
-        gave_up = False
-
-        def on_cancel() -> None:  # the caller gave up (at once: nothing waits a loop pass)
-            nonlocal gave_up
-            if gave_up:
-                return
-            gave_up = True
-            timer.cancel()
-            if not x.done.done():
-                stats.transfers_failed += 1
-                cs.abandon(x)
-
-        def on_out(f: asyncio.Future[None]) -> None:
-            if f.cancelled():  # cancelled as the awaited future of a cancelled task
-                on_cancel()
-
-        timer = loop.call_later(neg, expire)
-        x.done.add_done_callback(finish)
-        out.add_done_callback(on_out)
-        out.add_done_callback(_retrieve)
+        """A PUT_ASYNC handle on a started transfer: its own ``done`` future, a watch
+        with one timer, no task."""
+        w = _XferWatch(self, cs, x, t, to)
         assert x.released is not None
-        return TransferHandle(out, x.released, on_cancel)
+        return TransferHandle(x.done, x.released, w.on_cancel)
 
     async def send_many(
         self, tensors: Mapping[str, torch.Tensor], *, to: str, timeout: float | None = None
@@ -1547,6 +1546,14 @@ class Engine:
 
     async def _recv(self, tensor_id: str, frm: str | None, t: float) -> torch.Tensor:
         self._check_open()
+        try:  # landed already (a collector behind its stream): no future, no timer
+            peer, value = self._store.take_nowait(tensor_id, frm)
+        except (KeyError, AiokvError):
+            pass
+        else:
+            self._collected(peer, tensor_id)
+            self._pump_queue()
+            return value  # type: ignore[no-any-return]
         fut = self._store.wait_future(tensor_id, frm)
         try:
             # Not ``wait_for(shield(fut))``: on Python <= 3.11 it returns the result

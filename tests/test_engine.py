@@ -288,6 +288,44 @@ async def test_send_deadline_on_the_hot_path() -> None:
 
 
 @pytest.mark.timeout(30)
+async def test_send_nowait_handle_deadline_and_cancel_count_once() -> None:
+    """A PUT_ASYNC handle hands out its transfer's own future: a deadline must still
+    surface as NegotiateTimeoutError (not as the cancel that withdrawing makes), and every
+    way of giving up counts one failure."""
+    async with engines(cfg(), cfg(store_bytes=1000)) as (a, b):
+        await a.send("fill", torch.zeros(250), to=b.address)  # the budget is held
+        h = a.send_nowait("late", torch.ones(10), to=b.address, timeout=0.3)
+        with pytest.raises(aiokv.NegotiateTimeoutError):
+            await h
+        st = a.statistics()
+        assert st.transfers_failed == 1 and st.withdrawn == 1 and st.waiting_for_credit == 0
+        await h.released()
+        h2 = a.send_nowait("late2", torch.ones(10), to=b.address, timeout=20)
+        assert h2.cancel() and not h2.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await h2
+        h3 = a.send_nowait("late3", torch.ones(10), to=b.address, timeout=20)
+        task = asyncio.ensure_future(_await(h3))
+        await asyncio.sleep(0.05)
+        task.cancel()  # the task awaiting the handle is cancelled: the transfer goes too
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        await asyncio.sleep(0.05)
+        st = a.statistics()
+        assert st.transfers_failed == 3 and st.withdrawn == 3 and st.waiting_for_credit == 0
+        await b.recv("fill", timeout=5)
+        for tid in ("late", "late2", "late3"):
+            with pytest.raises(aiokv.TransferTimeoutError):
+                await b.recv(tid, timeout=0.2)
+        await a.send("ok", torch.ones(2), to=b.address, timeout=5)  # the session is fine
+        assert a.statistics().transfers_failed == 3
+
+
+async def _await(h: Any) -> None:
+    await h
+
+
+@pytest.mark.timeout(30)
 async def test_cancel_send_nowait_handle() -> None:
     async with engines(cfg(), cfg(store_bytes=1000)) as (a, b):
         await a.send("fill", torch.zeros(250), to=b.address)

@@ -1546,15 +1546,12 @@ class Engine:
 
     async def _recv(self, tensor_id: str, frm: str | None, t: float) -> torch.Tensor:
         self._check_open()
-        try:  # landed already (a collector behind its stream): no future, no timer
-            peer, value = self._store.take_nowait(tensor_id, frm)
-        except (KeyError, AiokvError):
-            pass
-        else:
-            self._collected(peer, tensor_id)
+        got = self._store.take(tensor_id, frm)
+        if got is not None:  # landed already (a collector behind its stream): no future
+            self._collected(got[0], tensor_id)
             self._pump_queue()
-            return value  # type: ignore[no-any-return]
-        fut = self._store.wait_future(tensor_id, frm)
+            return got[1]  # type: ignore[no-any-return]
+        fut = self._store.wait_future(tensor_id, frm, looked=True)
         try:
             # Not ``wait_for(shield(fut))``: on Python <= 3.11 it returns the result
             # when the cancel and the landing meet in one loop pass, swallowing the

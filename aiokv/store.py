@@ -201,8 +201,8 @@ class ReceiveStore:
         self.peak = max(self.peak, self.used)
 
     # ---------------------------------------------------------------- collect
-    def take_nowait(self, tid: str, frm: str | None) -> tuple[PeerRef, Any]:
-        """Return ``(peer, tensor)`` and remove it, or raise KeyError / ExpiredError."""
+    def take(self, tid: str, frm: str | None) -> tuple[PeerRef, Any] | None:
+        """Return ``(peer, tensor)`` and remove it, or None if it has not landed."""
         per = self._entries.get(tid)
         if per:
             for eid, e in per.items():
@@ -214,18 +214,32 @@ class ReceiveStore:
                     self.held -= e.nbytes
                     self.collected_count += 1
                     return (e.peer, e.value)
-        self._raise_if_expired(tid, frm)
-        raise KeyError(tid)
+        return None
 
-    def wait_future(self, tid: str, frm: str | None) -> asyncio.Future[Any]:
-        """A future resolved with ``(peer, tensor)`` (already landed or arriving later)."""
+    def take_nowait(self, tid: str, frm: str | None) -> tuple[PeerRef, Any]:
+        """Return ``(peer, tensor)`` and remove it, or raise KeyError / ExpiredError."""
+        got = self.take(tid, frm)
+        if got is None:
+            self._raise_if_expired(tid, frm)
+            raise KeyError(tid)
+        return got
+
+    def wait_future(
+        self, tid: str, frm: str | None, *, looked: bool = False
+    ) -> asyncio.Future[Any]:
+        """A future resolved with ``(peer, tensor)`` (already landed or arriving later).
+        ``looked``: the caller's :meth:`take` just found nothing (no second look)."""
         fut: asyncio.Future[Any] = (self.loop or asyncio.get_running_loop()).create_future()
+        got = None if looked else self.take(tid, frm)
+        if got is not None:
+            fut.set_result(got)
+            return fut
         try:
-            fut.set_result(self.take_nowait(tid, frm))
-        except KeyError:
-            self._waiters.setdefault(tid, []).append(_Waiter(frm, fut))
+            self._raise_if_expired(tid, frm)
         except ExpiredError as exc:
             fut.set_exception(exc)
+            return fut
+        self._waiters.setdefault(tid, []).append(_Waiter(frm, fut))
         return fut
 
     def put_back(self, tid: str, peer: PeerRef, value: Any, nbytes: int) -> None:

@@ -2410,12 +2410,12 @@ class Engine:
         self._store.reserved -= n  # the session's credit becomes this transfer's room
         tensors = frames_to_tensors(msg.specs, frames)
         assert ss.peer is not None
-        pairs = [(sp.tensor_id, sp.nbytes) for sp in msg.specs]
+        items = [(sp.tensor_id, sp.nbytes, t) for sp, t in zip(msg.specs, tensors)]
         why = ""
         try:
-            if ss.queued.claims_any(t for t, _ in pairs):
+            if ss.queued.claims_any(t for t, _, _ in items):
                 raise DuplicateTensorError("duplicate")
-            if not self._store.try_reserve(ss.peer, pairs):
+            if not self._store.try_land(ss.peer, items):
                 why = "busy"  # the store's tensor count is full (bytes were credited)
         except DuplicateTensorError:
             why = "duplicate"
@@ -2424,9 +2424,9 @@ class Engine:
             ss.refused.append((msg.xfer, why))
         else:
             now = time.monotonic()
-            for sp, t in zip(msg.specs, tensors):
-                self._store.land(ss.peer, sp.tensor_id, t)
-                ss.credit_held[sp.tensor_id] = (sp.nbytes, now)
+            held = ss.credit_held
+            for tid, nb, _ in items:
+                held[tid] = (nb, now)
             ledger.hold(n, k)
             if _trace.enabled:
                 _trace.mark("landed", ss.trace_id, msg.xfer)

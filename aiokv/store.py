@@ -154,6 +154,35 @@ class ReceiveStore:
             self._entries.setdefault(tid, {})[peer.engine_id] = _Entry(peer, n)
         return True
 
+    def try_land(self, peer: PeerRef, items: list[tuple[str, int, Any]]) -> bool:
+        """``try_reserve`` and ``land`` of every ``(id, nbytes, tensor)`` in one step (a
+        transfer whose data came with its header): False if it does not fit now; raises
+        DuplicateTensorError like ``try_reserve``. A waiting collector gets its tensor at
+        once; the rest is held until collected or its TTL."""
+        self.check_free(peer, [tid for tid, _, _ in items])
+        total = sum(n for _, n, _ in items)
+        if not self.fits(total, len(items)):
+            return False
+        self.peak = max(self.peak, self.used + total)
+        expires = time.monotonic() + self.ttl
+        eid = peer.engine_id
+        for tid, n, value in items:
+            ws = self._waiters.get(tid)
+            if ws:
+                w = next((w for w in ws if not w.fut.done() and self._matches(w.frm, peer)), None)
+                if w is not None:
+                    ws.remove(w)
+                    if not ws:
+                        del self._waiters[tid]
+                    self.collected_count += 1
+                    w.fut.set_result((peer, value))
+                    continue
+            e = _Entry(peer, n, value, True, expires)
+            self._entries.setdefault(tid, {})[eid] = e
+            self._landed[(tid, eid)] = e
+            self.held += n
+        return True
+
     def cancel(self, peer: PeerRef, tensor_ids: list[str], exc: BaseException | None) -> None:
         """Drop pending (not landed) entries; fail their waiters with ``exc`` if given."""
         for tid in tensor_ids:

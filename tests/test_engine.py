@@ -383,7 +383,16 @@ async def test_cancelled_recv_does_not_lose_the_tensor(monkeypatch: pytest.Monke
             if self is b._store:
                 r2.cancel()
 
+        orig_try_land = ReceiveStore.try_land
+
+        def try_land_then_cancel(self: ReceiveStore, *args: Any) -> bool:  # PUT path
+            ok = orig_try_land(self, *args)
+            if self is b._store:
+                r2.cancel()
+            return ok
+
         monkeypatch.setattr(ReceiveStore, "land", land_then_cancel)
+        monkeypatch.setattr(ReceiveStore, "try_land", try_land_then_cancel)
         await a.send("c2", torch.arange(9), to=b.address)
         monkeypatch.undo()
         try:

@@ -147,11 +147,23 @@ async def test_cancel_as_a_chunk_lands_never_scatters_it_nor_later_chunks(
             if tid == "A#kv1":
                 recv_a.cancel()  # in the very loop pass in which the chunk landed
 
+        try_land = ReceiveStore.try_land
+
+        def try_land_then_cancel(
+            self: ReceiveStore, peer: Any, items: list[tuple[str, int, Any]]
+        ) -> bool:  # a chunk on standing credit lands through try_land
+            ok = try_land(self, peer, items)
+            if any(tid == "A#kv1" for tid, _, _ in items):
+                recv_a.cancel()
+            return ok
+
         monkeypatch.setattr(ReceiveStore, "land", land_then_cancel)
+        monkeypatch.setattr(ReceiveStore, "try_land", try_land_then_cancel)
         send_a = asyncio.ensure_future(prod.send_request("A", src_a, to=b.address))
         with pytest.raises(asyncio.CancelledError):
             await asyncio.wait_for(asyncio.shield(recv_a), 5)
         monkeypatch.setattr(ReceiveStore, "land", land)
+        monkeypatch.setattr(ReceiveStore, "try_land", try_land)
         # layer 0 may have been scattered (if its chunk was handled before the cancel came);
         # layers 1 and 2 of the blocks were never written
         assert torch.equal(blocks(c[0], lay, dst), blocks(p[0], lay, src_a)) or torch.equal(
@@ -206,9 +218,20 @@ async def test_timeout_expiring_as_a_chunk_lands_raises_timeout_error(
                 cms.append(cm)
                 await cons.recv_request("T", [5, 6])
 
+        try_land = ReceiveStore.try_land
+
+        def try_land_then_expire(
+            self: ReceiveStore, peer: Any, items: list[tuple[str, int, Any]]
+        ) -> bool:  # a chunk on standing credit lands through try_land
+            ok = try_land(self, peer, items)
+            if any(tid == "T#kv0" for tid, _, _ in items):
+                cms[0].reschedule(asyncio.get_running_loop().time() - 1)  # expire now
+            return ok
+
         task = asyncio.ensure_future(consumer())
         await asyncio.sleep(0.05)
         monkeypatch.setattr(ReceiveStore, "land", land_then_expire)
+        monkeypatch.setattr(ReceiveStore, "try_land", try_land_then_expire)
         await prod.send_request("T", [1, 2], to=b.address)
         await asyncio.wait([task], timeout=5)
         assert task.done()

@@ -69,8 +69,12 @@ async def test_cancelled_recv_raises_even_when_the_data_lands_in_the_same_pass(
             tid = f"t{i}"
             task = asyncio.create_task(eng.recv(tid, timeout=5))
             await asyncio.sleep(0)  # the waiter is registered
-            assert eng._store.try_reserve(peer, [(tid, 4)])
-            eng._store.land(peer, tid, torch.full((1,), float(i)))
+            value = torch.full((1,), float(i))
+            if i % 2:  # RESERVE path: reserved, then landed
+                assert eng._store.try_reserve(peer, [(tid, 4)])
+                eng._store.land(peer, tid, value)
+            else:  # PUT path: reserved and landed in one step
+                assert eng._store.try_land(peer, [(tid, 4, value)])
             task.cancel()  # same loop pass as the landing
             with pytest.raises(asyncio.CancelledError):
                 await task

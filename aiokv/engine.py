@@ -1494,10 +1494,14 @@ class Engine:
         try:
             await done
         except asyncio.CancelledError:
-            self._stats.transfers_failed += 1
             if err is not None:
+                self._stats.transfers_failed += 1
                 raise err from None
-            cs.abandon(x)  # this task was cancelled: withdraw what can be withdrawn
+            if not done.done() or done.cancelled():
+                # this task was cancelled before the transfer ended: withdraw what can be
+                # (a cancel that comes after the ACK leaves a completed transfer alone)
+                self._stats.transfers_failed += 1
+                cs.abandon(x)
             raise
         except BaseException:
             self._stats.transfers_failed += 1

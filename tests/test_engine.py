@@ -321,6 +321,35 @@ async def test_send_nowait_handle_deadline_and_cancel_count_once() -> None:
         assert a.statistics().transfers_failed == 3
 
 
+@pytest.mark.timeout(30)
+async def test_send_cancelled_after_its_ack_counts_no_failure(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A cancel that reaches ``send()`` after its transfer completed (same loop pass as the
+    ACK) propagates as asyncio does, but the transfer is not called failed or withdrawn."""
+    import aiokv.engine as engine_mod
+
+    async with engines(cfg(), cfg()) as (a, b):
+        await a.connect(b.address)
+        task: asyncio.Future[None] | None = None
+        orig_end = engine_mod._ClientSession._end
+
+        def end_then_cancel(self: Any, x: Any, exc: BaseException | None) -> None:
+            orig_end(self, x, exc)
+            assert task is not None
+            task.cancel()
+
+        monkeypatch.setattr(engine_mod._ClientSession, "_end", end_then_cancel)
+        task = asyncio.ensure_future(a.send("x", torch.arange(5), to=b.address, timeout=5))
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        monkeypatch.undo()
+        st = a.statistics()
+        assert st.transfers_sent == 1 and st.transfers_failed == 0 and st.withdrawn == 0
+        assert same_bytes(await b.recv("x", timeout=5), torch.arange(5))
+        await a.send("y", torch.ones(2), to=b.address, timeout=5)  # the session is fine
+
+
 async def _await(h: Any) -> None:
     await h
 

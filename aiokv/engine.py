@@ -493,10 +493,12 @@ class _ClientSession:
         transport: str = "tcp",
         ready: Any = None,
         lean: bool = False,
+        watched: bool = False,
     ) -> _OutXfer:
         """Start a transfer. ``lean``: the caller awaits ``done`` itself (no ``released``
         future, no retrieval callback) and wants an immediate PUT sent at once rather
-        than with the rest of this loop pass's."""
+        than with the rest of this loop pass's. ``watched``: an ``_XferWatch`` will
+        read ``done``'s outcome (no retrieval callback needed)."""
         if self.dead is not None:
             raise PeerLostError(f"session with {self.address} is gone: {self.dead}")
         loop = self.engine._loop
@@ -522,7 +524,8 @@ class _ClientSession:
                 self.last_used = time.monotonic()
                 if not lean:
                     x.released = loop.create_future()
-                    x.done.add_done_callback(_retrieve)
+                    if not watched:
+                        x.done.add_done_callback(_retrieve)
                 if _trace.enabled:
                     _trace.mark("start", self.engine.engine_id, x.xfer)
                 self.xfers[x.xfer] = x
@@ -1033,7 +1036,7 @@ class _XferWatch:
         self.timer.cancel()
         if f.cancelled():  # TransferHandle.cancel(), or the awaiting task was cancelled
             self.on_cancel()
-        elif f.exception() is not None:
+        elif f.exception() is not None:  # (reading it also marks it retrieved)
             self.engine._stats.transfers_failed += 1
 
     def expire(self) -> None:
@@ -1083,11 +1086,14 @@ class TransferHandle:
         task: asyncio.Future[None],
         released: asyncio.Future[None],
         on_cancel: Callable[[], None] | None = None,
+        *,
+        retrieve: bool = True,
     ) -> None:
         self._task = task
         self._released = released
         self._on_cancel = on_cancel
-        task.add_done_callback(_retrieve)
+        if retrieve:  # (False: the caller reads the outcome itself)
+            task.add_done_callback(_retrieve)
 
     async def released(self) -> None:
         """Wait until no part of aiokv reads the sent tensor any more (never raises)."""
@@ -1517,7 +1523,7 @@ class Engine:
         staged = self._stage([(tensor_id, tensor)])
         cs = self._hot_session(to, staged)
         if cs is not None:  # no task: a timer holds the deadline
-            return self._handle(cs, cs.start(staged.specs, staged.tensors), t, to)
+            return self._handle(cs, cs.start(staged.specs, staged.tensors, watched=True), t, to)
         released: asyncio.Future[None] = self._loop.create_future()
         task = asyncio.create_task(self._transfer(to, staged, timeout, released))
         return TransferHandle(task, released)
@@ -1533,7 +1539,7 @@ class Engine:
         with one timer, no task."""
         w = _XferWatch(self, cs, x, t, to)
         assert x.released is not None
-        return TransferHandle(x.done, x.released, w.on_cancel)
+        return TransferHandle(x.done, x.released, w.on_cancel, retrieve=False)
 
     async def send_many(
         self, tensors: Mapping[str, torch.Tensor], *, to: str, timeout: float | None = None

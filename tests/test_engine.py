@@ -350,6 +350,31 @@ async def test_send_cancelled_after_its_ack_counts_no_failure(
         await a.send("y", torch.ones(2), to=b.address, timeout=5)  # the session is fine
 
 
+@pytest.mark.timeout(30)
+async def test_an_unawaited_failed_handle_logs_nothing() -> None:
+    """A PUT_ASYNC whose outcome nobody reads (refused, then dropped) must not make asyncio
+    log "exception was never retrieved": its watch reads the outcome."""
+    import gc
+
+    loop = asyncio.get_running_loop()
+    logged: list[dict[str, Any]] = []
+    old = loop.get_exception_handler()
+    loop.set_exception_handler(lambda _l, ctx: logged.append(ctx))
+    try:
+        async with engines(cfg(), cfg(store_bytes=1000)) as (a, b):
+            await a.connect(b.address)
+            for i in range(20):
+                a.send_nowait(f"big{i}", torch.zeros(300), to=b.address)  # refused: too_large
+                a.send_nowait(f"ok{i}", torch.zeros(2), to=b.address)  # lands
+            await wait_until(lambda: a.statistics().transfers_failed == 20, 10, "refusals")
+            await wait_until(lambda: a.statistics().transfers_sent == 20, 10, "landings")
+            gc.collect()
+            await asyncio.sleep(0.05)
+    finally:
+        loop.set_exception_handler(old)
+    assert not [c for c in logged if "never retrieved" in str(c.get("message", ""))], logged
+
+
 async def _await(h: Any) -> None:
     await h
 

@@ -63,7 +63,7 @@ from ._exceptions import (
 from ._zmqerr import channel_error, listen_error
 from ._zsock import LoopSocket, Outbox, monitor_socket
 from .cuda import _resolve
-from .protocol.admission import AdmissionQueue, PeerQueue
+from .protocol.admission import AdmissionQueue, PeerBounds, PeerQueue
 from .protocol.codec import MAX_ACKS, TOKEN_BYTES, Codec, WireError, WireLimits
 from .protocol.credit import CreditAccount, CreditLedger
 from .protocol.messages import (
@@ -1181,6 +1181,14 @@ class Engine:
         # reservations waiting for room, every session's (see aiokv.protocol.admission)
         self._admission: AdmissionQueue[Reserve] = AdmissionQueue()
         self._ack_now: list[_ServerSession] = []  # sessions whose data awaits an ACK
+        lim = self.config.limits
+        self._bounds = PeerBounds(
+            budget_bytes=lim.store_bytes,
+            max_queued=lim.max_pending_reserves,
+            max_granted=_MAX_GRANTED_PER_SESSION,
+            # one session's share of the store's tensor count (empty tensors cost no bytes)
+            max_tensors_in_flight=max(lim.store_tensors // 4, lim.max_tensors_per_transfer),
+        )
         self._published: dict[str, torch.Tensor] = {}
         self._stats = EngineStatistics()
         self._tasks: set[asyncio.Task[Any]] = set()
@@ -2225,26 +2233,21 @@ class Engine:
         assert ss.peer is not None
         if _trace.enabled:
             _trace.mark("reserve", ss.trace_id, msg.xfer)
-        lim = self.config.limits
         code, detail = "", ""
         if self._closed:
             code, detail = "closing", "engine closing"
         elif msg.transport == "nccl" and ss.nccl is None:
             code, detail = "transport", "NCCL is not set up for this session"
-        elif msg.nbytes > lim.store_bytes:
-            code, detail = (
-                "too_large",
-                f"{msg.nbytes} bytes exceed the receive budget of {lim.store_bytes}",
+        elif (
+            why := self._bounds.refusal(
+                nbytes=msg.nbytes,
+                ntensors=len(msg.specs),
+                queued=len(ss.queued),
+                granted=len(ss.granted),
+                granted_tensors=ss.granted_tensors,
             )
-        elif len(ss.queued) >= lim.max_pending_reserves:
-            code, detail = "busy", "too many queued reservations"
-        elif len(ss.granted) >= _MAX_GRANTED_PER_SESSION:
-            code, detail = "busy", "too many granted transfers in flight"
-        elif ss.granted_tensors + len(msg.specs) > max(
-            lim.store_tensors // 4, lim.max_tensors_per_transfer
-        ):
-            # one session's share of the store's tensor count (empty tensors cost no bytes)
-            code, detail = "busy", "too many tensors in flight from this peer"
+        ) is not None:
+            code, detail = why
         else:
             ids = [s.tensor_id for s in msg.specs]
             try:

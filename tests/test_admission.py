@@ -9,7 +9,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from aiokv.protocol.admission import AdmissionQueue, PeerQueue
+from aiokv.protocol.admission import AdmissionQueue, PeerBounds, PeerQueue
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -170,3 +170,50 @@ def test_adding_twice_or_to_a_closed_queue_is_a_bug() -> None:
     aq.close(q)
     with pytest.raises(ValueError):
         aq.add(q, 2, Item(2, 1), ["b"])
+
+
+# --------------------------------------------------------------------------- per-peer bounds
+
+BOUNDS = PeerBounds(budget_bytes=1000, max_queued=4, max_granted=3, max_tensors_in_flight=10)
+
+
+@pytest.mark.parametrize(
+    ("ask", "code"),
+    [
+        ({"nbytes": 1001}, "too_large"),
+        ({"queued": 4}, "busy"),
+        ({"granted": 3}, "busy"),
+        ({"granted_tensors": 8, "ntensors": 3}, "busy"),
+        ({"nbytes": 1000, "queued": 3, "granted": 2, "granted_tensors": 7, "ntensors": 3}, None),
+        ({"nbytes": 5000, "queued": 9}, "too_large"),  # the first rule broken answers
+    ],
+)
+def test_peer_bounds_table(ask: dict[str, int], code: str | None) -> None:
+    args = {"nbytes": 1, "ntensors": 1, "queued": 0, "granted": 0, "granted_tensors": 0}
+    args.update(ask)
+    got = BOUNDS.refusal(**args)
+    assert (got[0] if got else None) == code
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    st.integers(0, 2000),
+    st.integers(1, 12),
+    st.integers(0, 6),
+    st.integers(0, 5),
+    st.integers(0, 12),
+)
+def test_peer_bounds_refuse_exactly_when_a_bound_is_broken(
+    nbytes: int, ntensors: int, queued: int, granted: int, granted_tensors: int
+) -> None:
+    ok = nbytes <= 1000 and queued < 4 and granted < 3 and granted_tensors + ntensors <= 10
+    got = BOUNDS.refusal(
+        nbytes=nbytes,
+        ntensors=ntensors,
+        queued=queued,
+        granted=granted,
+        granted_tensors=granted_tensors,
+    )
+    assert (got is None) == ok
+    if got is not None:
+        assert got[0] == ("too_large" if nbytes > 1000 else "busy") and got[1]

@@ -33,13 +33,53 @@ from __future__ import annotations
 import heapq
 import itertools
 from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass
 from typing import Any, Generic, TypeVar
 
-__all__ = ["AdmissionQueue", "PeerQueue"]
+__all__ = ["AdmissionQueue", "PeerBounds", "PeerQueue"]
 
 T = TypeVar("T")
 
 _tiebreak = itertools.count()
+
+
+@dataclass(frozen=True, slots=True)
+class PeerBounds:
+    """What one session may ask of the receiver at a time, checked at each RESERVE.
+
+    ================  ==========================  =====================================
+    rule              refusal                     why
+    ================  ==========================  =====================================
+    bytes             ``too_large``               larger than the whole budget: it can
+                                                  never fit, waiting would be forever
+    queued            ``busy``                    a session's waiting RESERVEs are
+                                                  bounded (the queue lives in memory)
+    granted           ``busy``                    as many granted-not-landed transfers
+    tensors           ``busy``                    its share of the store's tensor count:
+                                                  empty tensors cost no bytes
+    ================  ==========================  =====================================
+
+    Checked in that order; the first rule broken is the answer.
+    """
+
+    budget_bytes: int
+    max_queued: int
+    max_granted: int
+    max_tensors_in_flight: int
+
+    def refusal(
+        self, *, nbytes: int, ntensors: int, queued: int, granted: int, granted_tensors: int
+    ) -> tuple[str, str] | None:
+        """``(code, detail)`` if a RESERVE of this size may not be queued or granted now."""
+        if nbytes > self.budget_bytes:
+            return "too_large", f"{nbytes} bytes exceed the receive budget of {self.budget_bytes}"
+        if queued >= self.max_queued:
+            return "busy", "too many queued reservations"
+        if granted >= self.max_granted:
+            return "busy", "too many granted transfers in flight"
+        if granted_tensors + ntensors > self.max_tensors_in_flight:
+            return "busy", "too many tensors in flight from this peer"
+        return None
 
 
 class PeerQueue(Generic[T]):

@@ -276,6 +276,34 @@ async def test_failed_verification_falls_back() -> None:
         await cons.aclose()
 
 
+class _NoExport(FakeBackend):
+    def export(self, storage: torch.UntypedStorage) -> StorageExport:
+        raise RuntimeError("pidfd-backed expandable segment (faked)")
+
+
+@pytest.mark.anyio
+@pytest.mark.timeout(60)
+async def test_export_failure_counts_one_fallback_per_request(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A producer whose cache cannot be exported sends every request the ordinary way;
+    ``fallbacks`` counts requests (as for every other reason), the first one included
+    once, and says why in the log."""
+    pl = make_layout("mla", "float16", 30)
+    p, c = filled(pl, 1), filled(pl, 2)
+    async with pair(pl, pl) as (a, b):
+        prod, cons = connectors(a, b, pl, p, pl, c, pb=_NoExport())
+        with caplog.at_level("WARNING", logger="aiokv.kv.ipc"):
+            await move(prod, cons, a, b, "e0", [0, 7, 9], [1, 2, 3])
+            await move(prod, cons, a, b, "e1", [4, 5], [6, 8])
+        assert landed(pl, p, [0, 7, 9], c, [1, 2, 3])
+        assert landed(pl, p, [4, 5], c, [6, 8])
+        ps = prod.statistics()
+        assert ps.ipc is not None and ps.ipc.fallbacks == {"export_failed": 2}
+        assert ps.chunks_sent == 2 and ps.requests_sent == 2
+        assert any("export_failed" in r.getMessage() for r in caplog.records)
+
+
 @pytest.mark.anyio
 @pytest.mark.timeout(60)
 async def test_cpu_caches_fall_back_by_themselves() -> None:

@@ -913,12 +913,29 @@ class IpcPlane:
 
     def _count_fallback(self, reason: str, peer: str, detail: str = "") -> None:
         self._stats.fallbacks[reason] = self._stats.fallbacks.get(reason, 0) + 1
+        self._log_fallback(reason, peer, detail)
+
+    def _log_fallback(self, reason: str, peer: str, detail: str = "") -> None:
         log.warning(
             "aiokv IPC plane: falling back to the ordinary transport with %s: %s%s",
             peer,
             reason,
             f" ({detail})" if detail else "",
         )
+
+    def _send_plain(
+        self, request_id: str, n: int, to: str, deadline: float, reason: str | None
+    ) -> None:
+        """Tell the consumer (which waits for a descriptor either way) that this request's
+        blocks come the ordinary way; count it under ``reason`` if the plane is off."""
+        self._send_msg(
+            f"{request_id}#ipc",
+            Descriptor(request_id, "chunks", n).to_wire(),
+            to,
+            max(0.0, deadline - time.monotonic()),
+        )
+        if reason:
+            self._stats.fallbacks[reason] = self._stats.fallbacks.get(reason, 0) + 1
 
     def _track(self, coro: Any) -> None:
         task: asyncio.Task[None] = asyncio.ensure_future(coro)
@@ -1019,15 +1036,7 @@ class IpcPlane:
         _mark(request_id, "ids")
         reason = self.disabled or self._broken_to.get(to)
         if reason or n == 0:
-            # the consumer waits for a descriptor: tell it the blocks come the ordinary way
-            self._send_msg(
-                f"{request_id}#ipc",
-                Descriptor(request_id, "chunks", n).to_wire(),
-                to,
-                max(0.0, deadline - time.monotonic()),
-            )
-            if reason:
-                self._stats.fallbacks[reason] = self._stats.fallbacks.get(reason, 0) + 1
+            self._send_plain(request_id, n, to, deadline, reason)
             await con.send_request(
                 request_id, host, to=to, timeout=max(0.0, deadline - time.monotonic()), _plain=True
             )
@@ -1035,8 +1044,8 @@ class IpcPlane:
         try:
             export = self._make_export()
         except Exception as exc:  # an allocation torch cannot share (expandable segments ...)
-            self.disabled = "export_failed"
-            self._count_fallback("export_failed", to, f"{type(exc).__name__}: {exc}")
+            self.disabled = "export_failed"  # counted per request on the plain path
+            self._log_fallback("export_failed", to, f"{type(exc).__name__}: {exc}")
             return await self.send_request(request_id, host, to=to, timeout=timeout)
         slot, ev, ev_handle = self._take_event()
         # after everything queued so far on the current stream (the KV writes)
@@ -1168,17 +1177,10 @@ class IpcPlane:
                 try:
                     export = self._make_export()
                 except Exception as exc:  # see send_request
-                    reason = self.disabled = "export_failed"
-                    self._count_fallback("export_failed", to, f"{type(exc).__name__}: {exc}")
+                    reason = self.disabled = "export_failed"  # counted just below
+                    self._log_fallback("export_failed", to, f"{type(exc).__name__}: {exc}")
             if export is None:
-                self._send_msg(
-                    f"{request_id}#ipc",
-                    Descriptor(request_id, "chunks", n).to_wire(),
-                    to,
-                    max(0.0, deadline - time.monotonic()),
-                )
-                if reason:
-                    self._stats.fallbacks[reason] = self._stats.fallbacks.get(reason, 0) + 1
+                self._send_plain(request_id, n, to, deadline, reason)
                 self._plain_saves.add(request_id)
                 con.save_layer(request_id, layer, host, to=to, timeout=timeout, _plain=True)
                 return

@@ -1480,48 +1480,10 @@ class Engine:
         await self._transfer(to, staged, timeout)
 
     async def _await_xfer(self, cs: _ClientSession, x: _OutXfer, t: float, to: str) -> None:
-        """``send``'s wait on a started transfer: its own ``done`` future and one timer
-        (what ``_handle`` does for a handle, without a second future and a loop pass)."""
-        loop = self._loop
-        done = x.done
-        t_end = loop.time() + t
-        err: BaseException | None = None
-        timer: asyncio.TimerHandle
-
-        def expire() -> None:
-            nonlocal timer, err
-            if done.done():
-                return
-            g = x.granted
-            if not (g.done() and not g.cancelled() and g.exception() is None):
-                err = NegotiateTimeoutError(f"{to} granted no room within the deadline")
-            elif loop.time() < t_end:  # granted in time: the rest of the deadline
-                timer = loop.call_at(t_end, expire)
-                return
-            else:
-                err = TransferTimeoutError(f"transfer to {to} did not complete within the deadline")
-            cs.abandon(x)  # may cancel ``done`` (nothing left the process)
-            if not done.done():
-                done.set_exception(err)
-
-        timer = loop.call_later(min(t, self.config.timeouts.negotiate), expire)
-        try:
-            await done
-        except asyncio.CancelledError:
-            if err is not None:
-                self._stats.transfers_failed += 1
-                raise err from None
-            if not done.done() or done.cancelled():
-                # this task was cancelled before the transfer ended: withdraw what can be
-                # (a cancel that comes after the ACK leaves a completed transfer alone)
-                self._stats.transfers_failed += 1
-                cs.abandon(x)
-            raise
-        except BaseException:
-            self._stats.transfers_failed += 1
-            raise
-        finally:
-            timer.cancel()
+        """``send``'s wait on a started transfer: its own ``done`` future, watched as a
+        PUT_ASYNC handle's is (deadline, cancel, failure count), with no handle around it."""
+        _XferWatch(self, cs, x, t, to)  # registered before this task's wake-up: runs first
+        await x.done
 
     def send_nowait(
         self, tensor_id: str, tensor: torch.Tensor, *, to: str, timeout: float | None = None

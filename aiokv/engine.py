@@ -502,9 +502,9 @@ class _ClientSession:
         if self.dead is not None:
             raise PeerLostError(f"session with {self.address} is gone: {self.dead}")
         loop = self.engine._loop
+        nbytes = specs[0].nbytes if len(specs) == 1 else sum(s.nbytes for s in specs)
+        k = len(specs)
         if transport == "tcp" and not self.credit_wait:
-            nbytes = specs[0].nbytes if len(specs) == 1 else sum(s.nbytes for s in specs)
-            k = len(specs)
             if (
                 self.credit.fits_window(nbytes, k)
                 and fits_put(specs, nbytes)  # larger tensors: RESERVE (reassembled off-loop)
@@ -540,14 +540,14 @@ class _ClientSession:
         self.last_used = time.monotonic()
         x.granted.add_done_callback(_retrieve)
         x.done.add_done_callback(_retrieve)
-        x.nbytes = sum(s.nbytes for s in specs)
+        x.nbytes = nbytes
         if transport == "tcp":
             # protocol v2: a transfer within the window spends standing credit (one
             # message, no round trip); one larger asks with RESERVE. Both wait in one
             # queue per session, so a later transfer never takes room from an earlier.
             # A PUT lands synchronously on the receiver's loop, so it carries only
             # tensors of at most PUT_MAX_TENSOR_BYTES (a short copy there, if any).
-            x.put = self.credit.fits_window(x.nbytes, len(specs)) and fits_put(specs, x.nbytes)
+            x.put = self.credit.fits_window(nbytes, k) and fits_put(specs, nbytes)
             if x.put and _trace.enabled:
                 _trace.mark("start", self.engine.engine_id, x.xfer)
             if x.put or self.credit_wait:

@@ -167,16 +167,8 @@ class ReceiveStore:
         expires = time.monotonic() + self.ttl
         eid = peer.engine_id
         for tid, n, value in items:
-            ws = self._waiters.get(tid)
-            if ws:
-                w = next((w for w in ws if not w.fut.done() and self._matches(w.frm, peer)), None)
-                if w is not None:
-                    ws.remove(w)
-                    if not ws:
-                        del self._waiters[tid]
-                    self.collected_count += 1
-                    w.fut.set_result((peer, value))
-                    continue
+            if self._hand_over(tid, peer, value):
+                continue
             e = _Entry(peer, n, value, True, expires)
             self._entries.setdefault(tid, {})[eid] = e
             self._landed[(tid, eid)] = e
@@ -211,17 +203,11 @@ class ReceiveStore:
             if not per:
                 del self._entries[tid]
             return
-        for w in self._waiters.get(tid, ()):
-            if not w.fut.done() and self._matches(w.frm, peer):
-                self._waiters[tid].remove(w)
-                if not self._waiters[tid]:
-                    del self._waiters[tid]
-                del per[peer.engine_id]  # type: ignore[union-attr]
-                if not per:
-                    del self._entries[tid]
-                self.collected_count += 1
-                w.fut.set_result((peer, value))
-                return
+        if self._hand_over(tid, peer, value):
+            del per[peer.engine_id]  # type: ignore[union-attr]
+            if not per:
+                del self._entries[tid]
+            return
         e.landed = True
         e.value = value
         e.expires = time.monotonic() + self.ttl
@@ -278,17 +264,27 @@ class ReceiveStore:
         self._landed[(tid, peer.engine_id)] = e  # expires last: goes last
         self.held += nbytes
         self.collected_count -= 1
-        for w in list(self._waiters.get(tid, ())):
-            if not w.fut.done() and self._matches(w.frm, peer):
-                self._waiters[tid].remove(w)
-                del self._entries[tid][peer.engine_id]
-                if not self._entries[tid]:
-                    del self._entries[tid]
-                del self._landed[(tid, peer.engine_id)]
-                self.held -= nbytes
-                self.collected_count += 1
-                w.fut.set_result((peer, value))
-                return
+        if self._hand_over(tid, peer, value):
+            del self._entries[tid][peer.engine_id]
+            if not self._entries[tid]:
+                del self._entries[tid]
+            del self._landed[(tid, peer.engine_id)]
+            self.held -= nbytes
+
+    def _hand_over(self, tid: str, peer: PeerRef, value: Any) -> bool:
+        """Give ``value`` to the first live waiter for ``tid`` that takes ``peer``'s
+        tensors (counted as collected); False if none waits."""
+        ws = self._waiters.get(tid)
+        if ws:
+            for w in ws:
+                if not w.fut.done() and self._matches(w.frm, peer):
+                    ws.remove(w)
+                    if not ws:
+                        del self._waiters[tid]
+                    self.collected_count += 1
+                    w.fut.set_result((peer, value))
+                    return True
+        return False
 
     def forget_waiter(self, tid: str, fut: asyncio.Future[Any]) -> None:
         ws = self._waiters.get(tid)

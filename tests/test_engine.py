@@ -10,6 +10,7 @@ from typing import Any
 
 import pytest
 import torch
+from _hooks import after_landing
 from _procs import DTYPES, engines, free_port, random_tensor, same_bytes, wait_until
 
 import aiokv
@@ -416,7 +417,6 @@ async def test_cancel_right_after_refusal_crosses_cleanly() -> None:
 
 @pytest.mark.timeout(30)
 async def test_cancelled_recv_does_not_lose_the_tensor(monkeypatch: pytest.MonkeyPatch) -> None:
-    from aiokv.store import ReceiveStore
 
     async with engines(cfg(), cfg()) as (a, b):
         # cancelled before arrival
@@ -430,23 +430,7 @@ async def test_cancelled_recv_does_not_lose_the_tensor(monkeypatch: pytest.Monke
         # cancelled in the same step as the tensor is handed over (the put_back path)
         r2 = asyncio.ensure_future(b.recv("c2", timeout=10))
         await asyncio.sleep(0.05)
-        orig_land = ReceiveStore.land
-
-        def land_then_cancel(self: ReceiveStore, *args: Any) -> None:
-            orig_land(self, *args)
-            if self is b._store:
-                r2.cancel()
-
-        orig_try_land = ReceiveStore.try_land
-
-        def try_land_then_cancel(self: ReceiveStore, *args: Any) -> bool:  # PUT path
-            ok = orig_try_land(self, *args)
-            if self is b._store:
-                r2.cancel()
-            return ok
-
-        monkeypatch.setattr(ReceiveStore, "land", land_then_cancel)
-        monkeypatch.setattr(ReceiveStore, "try_land", try_land_then_cancel)
+        after_landing(monkeypatch, lambda store, _tid: r2.cancel() if store is b._store else None)
         await a.send("c2", torch.arange(9), to=b.address)
         monkeypatch.undo()
         try:

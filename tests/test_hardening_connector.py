@@ -25,6 +25,8 @@ with warnings.catch_warnings():
     warnings.simplefilter("ignore", UserWarning)
     import torch
 
+from _hooks import after_landing
+
 import aiokv
 from aiokv import ConfigError, Engine, EngineConfig, LayoutMismatchError, Timeouts
 from aiokv.kv import FlashAttentionLayout, KVConnector, KVLayout, MLALayout
@@ -140,30 +142,16 @@ async def test_cancel_as_a_chunk_lands_never_scatters_it_nor_later_chunks(
         before = snapshot(c)
 
         recv_a = asyncio.ensure_future(cons.recv_request("A", dst))
-        land = ReceiveStore.land
 
-        def land_then_cancel(self: ReceiveStore, peer: Any, tid: str, value: Any) -> None:
-            land(self, peer, tid, value)
+        def cancel_at_chunk_1(_store: ReceiveStore, tid: str) -> None:
             if tid == "A#kv1":
                 recv_a.cancel()  # in the very loop pass in which the chunk landed
 
-        try_land = ReceiveStore.try_land
-
-        def try_land_then_cancel(
-            self: ReceiveStore, peer: Any, items: list[tuple[str, int, Any]]
-        ) -> bool:  # a chunk on standing credit lands through try_land
-            ok = try_land(self, peer, items)
-            if any(tid == "A#kv1" for tid, _, _ in items):
-                recv_a.cancel()
-            return ok
-
-        monkeypatch.setattr(ReceiveStore, "land", land_then_cancel)
-        monkeypatch.setattr(ReceiveStore, "try_land", try_land_then_cancel)
+        unhook = after_landing(monkeypatch, cancel_at_chunk_1)
         send_a = asyncio.ensure_future(prod.send_request("A", src_a, to=b.address))
         with pytest.raises(asyncio.CancelledError):
             await asyncio.wait_for(asyncio.shield(recv_a), 5)
-        monkeypatch.setattr(ReceiveStore, "land", land)
-        monkeypatch.setattr(ReceiveStore, "try_land", try_land)
+        unhook()
         # layer 0 may have been scattered (if its chunk was handled before the cancel came);
         # layers 1 and 2 of the blocks were never written
         assert torch.equal(blocks(c[0], lay, dst), blocks(p[0], lay, src_a)) or torch.equal(
@@ -206,10 +194,8 @@ async def test_timeout_expiring_as_a_chunk_lands_raises_timeout_error(
         cons = KVConnector(b, lay, c, chunk_bytes=chunk)
         before = snapshot(c)
         cms: list[Any] = []
-        land = ReceiveStore.land
 
-        def land_then_expire(self: ReceiveStore, peer: Any, tid: str, value: Any) -> None:
-            land(self, peer, tid, value)
+        def expire_at_chunk_0(_store: ReceiveStore, tid: str) -> None:
             if tid == "T#kv0":
                 cms[0].reschedule(asyncio.get_running_loop().time() - 1)  # expire now
 
@@ -218,20 +204,9 @@ async def test_timeout_expiring_as_a_chunk_lands_raises_timeout_error(
                 cms.append(cm)
                 await cons.recv_request("T", [5, 6])
 
-        try_land = ReceiveStore.try_land
-
-        def try_land_then_expire(
-            self: ReceiveStore, peer: Any, items: list[tuple[str, int, Any]]
-        ) -> bool:  # a chunk on standing credit lands through try_land
-            ok = try_land(self, peer, items)
-            if any(tid == "T#kv0" for tid, _, _ in items):
-                cms[0].reschedule(asyncio.get_running_loop().time() - 1)  # expire now
-            return ok
-
         task = asyncio.ensure_future(consumer())
         await asyncio.sleep(0.05)
-        monkeypatch.setattr(ReceiveStore, "land", land_then_expire)
-        monkeypatch.setattr(ReceiveStore, "try_land", try_land_then_expire)
+        after_landing(monkeypatch, expire_at_chunk_0)
         await prod.send_request("T", [1, 2], to=b.address)
         await asyncio.wait([task], timeout=5)
         assert task.done()

@@ -28,7 +28,7 @@ import zmq.asyncio
 from _procs import same_bytes
 
 import aiokv
-import aiokv.engine as engine_mod
+import aiokv._client as client_mod
 from aiokv.protocol import messages as m
 from aiokv.protocol.codec import Codec
 from aiokv.transport import tcp
@@ -171,7 +171,7 @@ async def test_a_stranger_cannot_make_the_data_port_buffer_a_large_handshake_fra
 def paths(monkeypatch: pytest.MonkeyPatch) -> dict[str, int]:
     """Counts of transfers the sender put on credit (PUT) and reserved (RESERVE)."""
     seen = {"put": 0, "reserve": 0}
-    cs = engine_mod._ClientSession
+    cs = client_mod._ClientSession
     put, reserve = cs._post_put, cs._reserve
 
     def spy_put(self: Any, x: Any, *args: Any, **kwargs: Any) -> None:

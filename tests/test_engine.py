@@ -328,19 +328,19 @@ async def test_send_cancelled_after_its_ack_counts_no_failure(
 ) -> None:
     """A cancel that reaches ``send()`` after its transfer completed (same loop pass as the
     ACK) propagates as asyncio does, but the transfer is not called failed or withdrawn."""
-    import aiokv.engine as engine_mod
+    import aiokv._client as client_mod
 
     async with engines(cfg(), cfg()) as (a, b):
         await a.connect(b.address)
         task: asyncio.Future[None] | None = None
-        orig_end = engine_mod._ClientSession._end
+        orig_end = client_mod._ClientSession._end
 
         def end_then_cancel(self: Any, x: Any, exc: BaseException | None) -> None:
             orig_end(self, x, exc)
             assert task is not None
             task.cancel()
 
-        monkeypatch.setattr(engine_mod._ClientSession, "_end", end_then_cancel)
+        monkeypatch.setattr(client_mod._ClientSession, "_end", end_then_cancel)
         task = asyncio.ensure_future(a.send("x", torch.arange(5), to=b.address, timeout=5))
         with pytest.raises(asyncio.CancelledError):
             await task

@@ -246,7 +246,7 @@ GETATTR_ALLOWED: dict[tuple[str, str], str] = {
         "v = getattr(msg, name)",
     ): "encode: field names of our own message class (cached per class)",
     (
-        "engine.py",
+        "_client.py",
         'e._count_error(getattr(exc, "code", "protocol"))',
     ): "constant attribute name on our own exception",
     (

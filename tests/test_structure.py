@@ -35,8 +35,13 @@ def _imports(path: Path) -> set[str]:
     return out
 
 
-def test_engine_source_imports_nothing_from_the_kv_layer() -> None:
-    names = _imports(ROOT / "aiokv" / "engine.py")
+#: the engine core: the engine and its two peer sides
+_ENGINE_FILES = ("engine.py", "_client.py", "_common.py")
+
+
+@pytest.mark.parametrize("name", _ENGINE_FILES)
+def test_engine_source_imports_nothing_from_the_kv_layer(name: str) -> None:
+    names = _imports(ROOT / "aiokv" / name)
     assert not [n for n in names if n == "aiokv.kv" or n.startswith("aiokv.kv.")]
 
 
@@ -238,16 +243,20 @@ async def test_a_taken_port_is_a_config_error() -> None:
             await b.start()
 
 
-#: ZMQError handlers in engine.py that still build their aiokv error inline: in the
+#: ZMQError handlers in the engine core that still build their aiokv error inline: in the
 #: per-transfer hot path, rewritten in parallel (issue 11); it adopts channel_error when
 #: that work lands
 _INLINE_ZMQ_MAPPING = {"_dispatch"}
 
 
 def test_engine_maps_zmq_errors_through_one_function() -> None:
-    tree = ast.parse((ROOT / "aiokv" / "engine.py").read_text())
     inline = set()
-    for fn in ast.walk(tree):
+    fns = [
+        fn
+        for name in _ENGINE_FILES
+        for fn in ast.walk(ast.parse((ROOT / "aiokv" / name).read_text()))
+    ]
+    for fn in fns:
         if not isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef)):
             continue
         for h in ast.walk(fn):

@@ -1,0 +1,838 @@
+"""The client side of a session: this engine sends, the peer receives.
+
+A :class:`_ClientSession` is this engine's session to one peer (a control and a
+data DEALER); :class:`_OutXfer` is one transfer it sends; :class:`_XferWatch` and
+:class:`TransferHandle` are what ``send`` and ``send_nowait`` hand the caller.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import logging
+import time
+from collections import deque
+from collections.abc import Callable, Generator, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import torch
+import zmq
+import zmq.asyncio
+
+from . import _trace
+from ._common import (
+    _DATA_CAP,
+    _PLAIN_USER,
+    MAX_FRAMES_PER_MESSAGE,
+    _await_shielded,
+    _Deadline,
+    _retrieve,
+)
+from ._config import parse_address
+from ._exceptions import (
+    AiokvError,
+    ConnectError,
+    ConnectTimeoutError,
+    DuplicateTensorError,
+    EngineClosedError,
+    LayoutMismatchError,
+    NegotiateTimeoutError,
+    PeerLostError,
+    RefusedError,
+    RemoteProtocolError,
+    TransferAbortedError,
+    TransferError,
+    TransferTimeoutError,
+)
+from ._zmqerr import channel_error
+from ._zsock import LoopSocket, Outbox, monitor_socket
+from .cuda import _resolve
+from .protocol.credit import CreditAccount
+from .protocol.messages import (
+    DATA_FRAME_BYTES,
+    PROTOCOL_VERSION,
+    Ack,
+    Bye,
+    DataHeader,
+    DataHello,
+    Done,
+    ErrorMsg,
+    Failed,
+    GetReply,
+    Grant,
+    Hello,
+    Message,
+    NcclReady,
+    NcclSetup,
+    Ping,
+    Pong,
+    Put,
+    Refuse,
+    Reserve,
+    Return,
+    TensorSpec,
+    Welcome,
+    Withdraw,
+    Withdrawn,
+)
+from .protocol.session import Role, Session, SessionState, XferState
+from .transport.tcp import (
+    TcpSource,
+    fits_put,
+    tensor_buffer,
+    tensor_frames,
+)
+
+if TYPE_CHECKING:
+    from .engine import Engine
+    from .transport.nccl import NcclSource
+
+__all__ = ["TransferHandle"]
+
+log = logging.getLogger("aiokv")
+
+#: PUTs of one loop pass leave in zmq messages of about this many frames: large enough
+#: to share a message's cost, small enough that the receiver's ACK for the first ones
+#: is on its way while the sender still writes the rest (one message per pass would
+#: make a pipelined sender and its receiver take turns)
+_PUT_BATCH_FRAMES = 32
+_PUT_BATCH_BYTES = 256 * 1024
+
+_REFUSALS: dict[str, type[RefusedError]] = {
+    "duplicate": DuplicateTensorError,
+    "layout_mismatch": LayoutMismatchError,
+}
+
+
+def _data_port(caps: Sequence[str]) -> int | None:
+    """The data port a WELCOME announced, or None."""
+    for c in caps:
+        if c.startswith(_DATA_CAP):
+            digits = c[len(_DATA_CAP) :]
+            if digits.isascii() and digits.isdigit() and 0 < int(digits[:6]) < 65536:
+                return int(digits)
+    return None
+
+
+@dataclass(slots=True, eq=False)
+class _OutXfer:
+    xfer: int
+    specs: list[TensorSpec]
+    tensors: list[torch.Tensor]
+    granted: asyncio.Future[int]
+    done: asyncio.Future[None]
+    seq: int = -1
+    transport: str = "tcp"
+    ready: Any = None  # CUDA event: the producer's stream reached the send
+    sent: Any = None  # NCCL: future of the send's completion on this side
+    released: asyncio.Future[None] | None = None  # set once nothing reads the tensors any more
+    put: bool = False  # protocol v2: sent on standing credit (PUT), settled by an ACK
+    posted: bool = False
+    abandoned: bool = False
+    nbytes: int = 0
+
+    def release_when_idle(self) -> None:
+        """Resolve ``released`` once the data plane is done with the source buffers."""
+        rel = self.released
+        if rel is None or rel.done():
+            return
+        sent = self.sent
+        if sent is not None and not sent.done():
+            sent.add_done_callback(lambda _f: _resolve(rel))
+        else:
+            rel.set_result(None)
+
+
+class _ClientSession:
+    """This engine's session to one peer: it sends data, the peer receives."""
+
+    def __init__(self, engine: Engine, address: str) -> None:
+        self.engine = engine
+        self.address = address
+        self.sess = Session(Role.CLIENT, engine._codec)
+        ctx = engine._sctx
+        ctrl = ctx.socket(zmq.DEALER)
+        data = ctx.socket(zmq.DEALER)
+        linger = int(engine.config.timeouts.linger * 1000)
+        for s in (ctrl, data):
+            s.setsockopt(zmq.LINGER, linger)
+            s.setsockopt(zmq.IMMEDIATE, 1)
+            s.setsockopt(zmq.SNDHWM, 0)
+            s.setsockopt(zmq.RCVHWM, 0)
+            s.setsockopt(zmq.MAXMSGSIZE, engine.config.limits.max_frame_bytes)
+        engine._apply_curve_client(ctrl, address)
+        engine._apply_curve_client(data, address)
+        host, port = parse_address(address)
+        self.host = f"[{host}]" if ":" in host else host
+        # A zmq DEALER reconnects by itself; a peer that restarted on the same port
+        # must not see this session's messages. Watch for the connection dropping.
+        self.monitor = monitor_socket(ctrl, engine._ctx, zmq.EVENT_DISCONNECTED)
+        ctrl.connect(f"tcp://{self.host}:{port}")
+        # the data socket connects once WELCOME named the data port and the token (open)
+        self.ctrl = LoopSocket(ctrl, self._on_ctrl, self._on_socket_error)
+        self.data = LoopSocket(data, None, self._on_socket_error)
+        self.source = TcpSource(self.data)
+        self.nccl: NcclSource | None = None
+        self.nccl_setup: asyncio.Future[None] | None = None
+        self.nccl_ready: asyncio.Future[NcclReady] | None = None
+        self.welcome: asyncio.Future[Welcome] = engine._loop.create_future()
+        self.welcome.add_done_callback(_retrieve)
+        self.xfers: dict[int, _OutXfer] = {}
+        self.gets: dict[int, asyncio.Future[GetReply]] = {}
+        self.post_queue: asyncio.Queue[_OutXfer] = asyncio.Queue()
+        self.last_recv = time.monotonic()
+        self.last_ping = 0.0
+        self.last_used = time.monotonic()
+        self.outbox = Outbox(
+            self.ctrl,
+            lambda exc: self.fail(channel_error(exc, f"control channel to {address}")),
+            max_frames=MAX_FRAMES_PER_MESSAGE,
+        )
+        self.suspect = False  # missed its heartbeat once; judged on the next tick
+        self.nonce = itertools.count(1)
+        self.get_ids = itertools.count(1)
+        self.dead: BaseException | None = None
+        self.tasks: list[asyncio.Task[None]] = []
+        self.credit = CreditAccount()  # protocol v2, once the peer announced its window
+        self.credit_wait: deque[_OutXfer] = deque()  # PUTs waiting for credit, in order
+        self.gave_up: set[int] = set()  # posted PUTs whose caller timed out: a late ACK is fine
+        # PUT/RETURN frames of this loop pass: a PUT's frames stay in one message
+        self.data_out = Outbox(
+            self.data,
+            lambda exc: self.fail(channel_error(exc, f"data channel to {address}")),
+            copy=False,
+            batch_frames=_PUT_BATCH_FRAMES,
+            batch_bytes=_PUT_BATCH_BYTES,
+        )
+
+    @property
+    def peer_id(self) -> str | None:
+        """The peer's identity: its CURVE key when CURVE is on, else the id it announced."""
+        cc = self.engine.config.curve
+        if cc is not None:
+            key = cc.server_keys.get(self.address, cc.default_server_key)
+            return "curve:" + key.decode() if key else None
+        w = self.welcome.result() if self.welcome.done() and not self.welcome.exception() else None
+        return w.engine_id if w else None
+
+    async def open(self, timeout: float) -> None:
+        e = self.engine
+        self.tasks.append(
+            asyncio.create_task(self._poster(), name=f"aiokv-client-poster-{self.address}")
+        )
+        self.tasks.append(
+            asyncio.create_task(self._watch(), name=f"aiokv-client-monitor-{self.address}")
+        )
+        hello = Hello(PROTOCOL_VERSION, e.engine_id, e.address, e._capabilities(), e.config.layout)
+        dl = _Deadline(timeout)
+        try:
+            # With IMMEDIATE set, the HELLO send itself waits until a peer is connected:
+            # bound it by the connect deadline too (nothing listening must not hang).
+            await asyncio.wait_for(self.ctrl.send_wait([self.sess.send(hello)]), dl.left())
+            w = await _await_shielded(self.welcome, dl.left())
+            self._connect_data(w)
+            # the first message waits for the data port's handshake (and its ZAP check)
+            await asyncio.wait_for(
+                self.data.send_wait([e._codec.encode(DataHello(w.token))]), dl.left()
+            )
+        except (TimeoutError, asyncio.TimeoutError):  # the latter differs on Python 3.10
+            raise ConnectTimeoutError(
+                f"no answer from {self.address} within {timeout:.3g}s"
+            ) from None
+        except asyncio.CancelledError:
+            # Closing the sockets of a session that failed meanwhile cancels their
+            # pending sends: report why the session failed, not a cancellation.
+            if self.dead is not None:
+                raise (
+                    self.dead if isinstance(self.dead, AiokvError) else ConnectError(str(self.dead))
+                ) from None
+            raise
+        self.last_recv = time.monotonic()
+
+    def _connect_data(self, w: Welcome) -> None:
+        """Connect the data socket to the port WELCOME announced, proving the session's token.
+
+        The peer's data port reads frames up to a tensor's size, so it lets a connection
+        in only after zmq's handshake authenticated it: with CURVE by its key (as the
+        control connection), else by PLAIN with the session token as the password.
+        """
+        port = _data_port(w.capabilities)
+        if port is None:
+            raise ConnectError(f"{self.address} announced no data port")
+        sock = self.data.sock
+        if self.engine.config.curve is None:
+            sock.setsockopt(zmq.PLAIN_USERNAME, _PLAIN_USER)
+            sock.setsockopt(zmq.PLAIN_PASSWORD, w.token.hex().encode())
+        sock.connect(f"tcp://{self.host}:{port}")
+
+    # ---- transfers
+    def start(
+        self,
+        specs: list[TensorSpec],
+        tensors: list[torch.Tensor],
+        transport: str = "tcp",
+        ready: Any = None,
+        lean: bool = False,
+        watched: bool = False,
+    ) -> _OutXfer:
+        """Start a transfer. ``lean``: the caller awaits ``done`` itself (no ``released``
+        future, no retrieval callback) and wants an immediate PUT sent at once rather
+        than with the rest of this loop pass's. ``watched``: an ``_XferWatch`` will
+        read ``done``'s outcome (no retrieval callback needed)."""
+        if self.dead is not None:
+            raise PeerLostError(f"session with {self.address} is gone: {self.dead}")
+        loop = self.engine._loop
+        nbytes = specs[0].nbytes if len(specs) == 1 else sum(s.nbytes for s in specs)
+        k = len(specs)
+        if transport == "tcp" and not self.credit_wait:
+            if (
+                self.credit.fits_window(nbytes, k)
+                and fits_put(specs, nbytes)  # larger tensors: RESERVE (reassembled off-loop)
+                and self.credit.try_spend(nbytes, k)
+            ):
+                # the common case: credit in hand, nobody queued before it. Posted now;
+                # "granted" is the engine's resolved future (no room to wait for)
+                x = _OutXfer(
+                    self.sess.new_xfer_id(),
+                    specs,
+                    tensors,
+                    self.engine._granted_now,
+                    loop.create_future(),
+                    put=True,
+                    nbytes=nbytes,
+                )
+                self.last_used = time.monotonic()
+                if not lean:
+                    x.released = loop.create_future()
+                    if not watched:
+                        x.done.add_done_callback(_retrieve)
+                if _trace.enabled:
+                    _trace.mark("start", self.engine.engine_id, x.xfer)
+                self.xfers[x.xfer] = x
+                self._post_put(x, flush=lean)
+                return x
+        x = _OutXfer(
+            self.sess.new_xfer_id(), specs, tensors, loop.create_future(), loop.create_future()
+        )
+        x.transport = transport
+        x.ready = ready
+        x.released = loop.create_future()
+        self.last_used = time.monotonic()
+        x.granted.add_done_callback(_retrieve)
+        x.done.add_done_callback(_retrieve)
+        x.nbytes = nbytes
+        if transport == "tcp":
+            # protocol v2: a transfer within the window spends standing credit (one
+            # message, no round trip); one larger asks with RESERVE. Both wait in one
+            # queue per session, so a later transfer never takes room from an earlier.
+            # A PUT lands synchronously on the receiver's loop, so it carries only
+            # tensors of at most PUT_MAX_TENSOR_BYTES (a short copy there, if any).
+            x.put = self.credit.fits_window(nbytes, k) and fits_put(specs, nbytes)
+            if x.put and _trace.enabled:
+                _trace.mark("start", self.engine.engine_id, x.xfer)
+            if x.put or self.credit_wait:
+                self.xfers[x.xfer] = x
+                self.credit_wait.append(x)
+                self._drain_credit_wait()
+                return x
+        self.xfers[x.xfer] = x
+        self._reserve(x)
+        return x
+
+    @property
+    def peer_caps(self) -> tuple[str, ...]:
+        if self.welcome.done() and not self.welcome.exception():
+            return self.welcome.result().capabilities
+        return ()
+
+    async def ensure_nccl(self, timeout: float) -> None:
+        """Create this session's communicator (rank 0 here, rank 1 at the peer) once."""
+        if self.nccl is not None:
+            return
+        if self.nccl_setup is None:
+            self.nccl_setup = asyncio.get_running_loop().create_future()
+            self.nccl_setup.add_done_callback(_retrieve)
+            self.engine._spawn(self._setup_nccl(self.nccl_setup, timeout))
+        try:
+            await _await_shielded(self.nccl_setup, timeout)
+        except TimeoutError:
+            raise ConnectTimeoutError(f"NCCL set-up with {self.address} timed out") from None
+
+    async def _setup_nccl(self, fut: asyncio.Future[None], timeout: float) -> None:
+        from .nccl.comm import Communicator, get_unique_id
+        from .transport.nccl import NcclSource
+
+        e = self.engine
+        try:
+            uid = get_unique_id()
+            self.nccl_ready = asyncio.get_running_loop().create_future()
+            self.nccl_ready.add_done_callback(_retrieve)
+            self._send_ctrl(self.sess.send(NcclSetup(1, uid)))
+            device = torch.device(e.config.device)
+            blocking = e.config.nccl_blocking_ops
+            comm = await Communicator.create(
+                uid,
+                0,
+                2,
+                device,
+                timeout=timeout,
+                max_ctas=e.config.nccl_max_channels,
+                blocking_ops=blocking,
+            )
+            if blocking:
+                await comm.warmup(timeout)
+            try:
+                ready = await _await_shielded(self.nccl_ready, timeout)
+            except BaseException:
+                comm.abort()
+                raise
+            if not ready.ok:
+                comm.abort()
+                raise ConnectError(f"{self.address} could not set up NCCL: {ready.detail}")
+            if self.dead is not None:
+                comm.abort()
+                raise PeerLostError(f"session with {self.address} is gone")
+            self.nccl = NcclSource(comm, e._get_poller(), device)
+            fut.set_result(None)
+        except BaseException as exc:
+            self.nccl_setup = None
+            if not fut.done():
+                fut.set_exception(
+                    exc
+                    if isinstance(exc, AiokvError)
+                    else ConnectError(f"NCCL set-up failed: {exc}")
+                )
+            if isinstance(exc, asyncio.CancelledError):
+                raise
+
+    def _reserve(self, x: _OutXfer) -> None:
+        x.posted = True
+        if x.transport == "tcp" and self.credit.credit_bytes:
+            # give unspent credit back first (after our PUTs, on their connection), so
+            # that the whole budget can serve a transfer larger than the window
+            b, t = self.credit.take_all()
+            self.data_out.put([self.engine._codec.encode(Return(x.xfer, b, t))])
+        self._send_ctrl(self.sess.send(Reserve(x.xfer, x.transport, tuple(x.specs))))
+        if _trace.enabled:
+            _trace.mark("start", self.engine.engine_id, x.xfer)
+        if x.transport == "nccl":
+            self.engine._get_poller().touch()  # the GRANT is read on a spinning loop
+
+    def _post_put(self, x: _OutXfer, flush: bool = False) -> None:
+        header = self.engine._codec.encode(Put(x.xfer, tuple(x.specs)))
+        if x.nbytes <= DATA_FRAME_BYTES:
+            frames = [header, *(tensor_buffer(t) for t in x.tensors)]
+        else:
+            frames = [header]
+            for t in x.tensors:
+                frames.extend(tensor_frames(t))
+        self.data_out.put(frames, nbytes=x.nbytes, now=flush)
+        x.posted = True
+        if not x.granted.done():
+            x.granted.set_result(0)
+        if _trace.enabled:
+            _trace.mark("posted", self.engine.engine_id, x.xfer)
+
+    def _drain_credit_wait(self) -> None:
+        """Post waiting PUTs, in order, while the credit lasts."""
+        w = self.credit_wait
+        while w and self.dead is None:
+            x = w[0]
+            if x.abandoned:
+                w.popleft()
+                continue
+            if not x.put:
+                w.popleft()
+                self._reserve(x)
+                continue
+            if not self.credit.try_spend(x.nbytes, len(x.specs)):
+                return
+            w.popleft()
+            self._post_put(x)
+
+    def _settle_put(self, xfer: int, exc: BaseException | None) -> bool:
+        """An ACK settled a PUT; False if it names none of ours (a protocol error)."""
+        x = self.xfers.get(xfer)
+        if x is None and xfer in self.gave_up:
+            self.gave_up.discard(xfer)
+            return True
+        if x is None or not x.put or not x.posted:
+            return False
+        del self.xfers[xfer]
+        if exc is not None:
+            self.engine._stats.refused_received += 1
+        self._end(x, exc)
+        return True
+
+    def _end(self, x: _OutXfer, exc: BaseException | None) -> None:
+        """A transfer is over: landed (``exc`` None, counted as sent) or failed with ``exc``."""
+        e = self.engine
+        if exc is None:
+            if _trace.enabled:
+                _trace.mark("done", e.engine_id, x.xfer)
+            e._stats.transfers_sent += 1
+            e._stats.tensors_sent += len(x.specs)
+            e._stats.bytes_sent += x.nbytes
+            x.tensors = []
+        x.release_when_idle()
+        if exc is None:
+            if not x.done.done():
+                x.done.set_result(None)
+            return
+        for f in (x.granted, x.done):
+            if not f.done():
+                f.set_exception(exc)
+
+    def _on_ack(self, msg: Ack) -> None:
+        try:
+            self.credit.add(msg.window_bytes, msg.window_tensors, msg.add_bytes, msg.add_tensors)
+        except RemoteProtocolError as exc:
+            self.fail(exc)
+            return
+        for xfer in msg.done:
+            if not self._settle_put(xfer, None):
+                self.engine._count_error("bad_ack")
+                self.fail(RemoteProtocolError(f"ACK for transfer {xfer}, not a PUT in flight"))
+                return
+        for xfer, code in msg.refused:
+            cls = _REFUSALS.get(code, RefusedError)
+            why = cls(f"{self.address} refused the transfer: {code}", code=code)
+            if not self._settle_put(xfer, why):
+                self.engine._count_error("bad_ack")
+                self.fail(RemoteProtocolError(f"ACK refuses transfer {xfer}, not a PUT in flight"))
+                return
+        self._drain_credit_wait()
+
+    def abandon(self, x: _OutXfer) -> None:
+        """The caller gave up. Withdraw if not granted; a granted transfer still completes."""
+        if not x.posted:  # still waiting in this end's queue: nothing left the process
+            x.abandoned = True
+            self.xfers.pop(x.xfer, None)
+            x.release_when_idle()
+            self.engine._stats.withdrawn += 1
+            for f in (x.granted, x.done):
+                if not f.done():
+                    f.cancel()
+            self._drain_credit_wait()  # the next in line may go now
+            return
+        if x.put:  # posted: it lands or not, the caller is gone; a late ACK is expected
+            self.xfers.pop(x.xfer, None)
+            x.release_when_idle()
+            if len(self.gave_up) >= 4096:
+                self.gave_up.clear()
+            self.gave_up.add(x.xfer)
+            return
+        if self.dead is None and self.sess.xfer_state(x.xfer) is XferState.RESERVED:
+            self._send_ctrl(self.sess.send(Withdraw(x.xfer)))
+
+    def _send_ctrl(self, data: bytes) -> None:
+        """Queue a control message; everything queued in one loop pass leaves as one zmq message."""
+        if self.dead is None:
+            self.outbox.put([data])
+
+    def _on_socket_error(self, exc: zmq.ZMQError) -> None:
+        self.fail(channel_error(exc, f"connection to {self.address}"))
+
+    def _on_ctrl(self, frames: list[zmq.Frame]) -> None:
+        """Control messages from the peer (called by the socket's reader, in order)."""
+        if self.dead is not None:
+            return
+        e = self.engine
+        self.last_recv = time.monotonic()
+        for frame in frames:
+            try:
+                msg = self.sess.receive(frame.buffer)
+            except RemoteProtocolError as exc:
+                e._count_error(getattr(exc, "code", "protocol"))
+                with contextlib.suppress(Exception):
+                    self.ctrl.send([e._codec.encode(ErrorMsg("protocol", str(exc)[:200]))])
+                self.fail(exc)
+                return
+            self._dispatch(msg)
+            if self.dead is not None:
+                return
+
+    def _dispatch(self, msg: Message) -> None:
+        if type(msg) is Ack:  # the one message of the hot path: first
+            self._on_ack(msg)
+            return
+        e = self.engine
+        if isinstance(msg, Welcome):
+            if not self.welcome.done():
+                self.welcome.set_result(msg)
+        elif isinstance(msg, Grant):
+            x = self.xfers[msg.xfer]
+            x.seq = msg.seq
+            if _trace.enabled:
+                _trace.mark("grant", e.engine_id, x.xfer)
+            if not x.granted.done():
+                x.granted.set_result(msg.seq)
+            if x.transport == "tcp":
+                # zmq queues sends in call order: post at once, in grant order
+                header = DataHeader(x.xfer, x.seq, len(x.specs))
+                try:
+                    self.source.post_nowait(self.sess.send(header), x.tensors)
+                except (zmq.ZMQError, AiokvError) as perr:
+                    self.fail(PeerLostError(f"data channel to {self.address} failed: {perr}"))
+                    return
+                if _trace.enabled:
+                    _trace.mark("posted", e.engine_id, x.xfer)
+            else:
+                self.post_queue.put_nowait(x)
+        elif isinstance(msg, Refuse):
+            e._stats.refused_received += 1
+            cls = _REFUSALS.get(msg.code, RefusedError)
+            self._end(
+                self.xfers.pop(msg.xfer),
+                cls(
+                    f"{self.address} refused the transfer: {msg.code}: {msg.detail}", code=msg.code
+                ),
+            )
+        elif isinstance(msg, Withdrawn):
+            e._stats.withdrawn += 1
+            self._end(self.xfers.pop(msg.xfer), TransferError("withdrawn"))
+        elif isinstance(msg, Done):
+            self._end(self.xfers.pop(msg.xfer), None)
+        elif isinstance(msg, Failed):
+            self._end(
+                self.xfers.pop(msg.xfer),
+                TransferAbortedError(
+                    f"{self.address} failed the transfer: {msg.code}: {msg.detail}"
+                ),
+            )
+        elif isinstance(msg, GetReply):
+            g = self.gets.pop(msg.req, None)
+            if g is not None and not g.done():
+                g.set_result(msg)
+        elif isinstance(msg, Pong):
+            pass
+        elif isinstance(msg, ErrorMsg):
+            e._count_error("peer_error")
+            if msg.code == "layout_mismatch":
+                self.fail(
+                    LayoutMismatchError(
+                        f"{self.address} refused the session: {msg.detail}", code=msg.code
+                    )
+                )
+            else:
+                self.fail(
+                    RemoteProtocolError(f"{self.address} reported a protocol error: {msg.detail}")
+                )
+        elif isinstance(msg, Bye):
+            self.fail(PeerLostError(f"{self.address} closed the session"))
+        elif isinstance(msg, NcclReady):
+            if self.nccl_ready is not None and not self.nccl_ready.done():
+                self.nccl_ready.set_result(msg)
+
+    async def _poster(self) -> None:
+        """Posts granted NCCL transfers (TCP ones leave straight from the GRANT).
+
+        Everything granted meanwhile goes out as one NCCL group, in grant order.
+        """
+        try:
+            while True:
+                batch = [await self.post_queue.get()]
+                while not self.post_queue.empty() and len(batch) < 64:
+                    batch.append(self.post_queue.get_nowait())
+                for b in batch:
+                    self.sess.note_sent(DataHeader(b.xfer, b.seq, len(b.specs)))
+                assert self.nccl is not None
+                sent = await self.nccl.post_many([(b.tensors, b.ready) for b in batch])
+                sent.add_done_callback(_retrieve)
+                for b in batch:
+                    b.sent = sent
+                    if _trace.enabled:
+                        _trace.mark("posted", self.engine.engine_id, b.xfer)
+                batch = []  # while waiting for the next grant this frame holds no tensors
+        except asyncio.CancelledError:
+            raise
+        except (zmq.ZMQError, AiokvError) as exc:
+            self.fail(channel_error(exc, f"data channel to {self.address}"))
+
+    def ping(self, now: float) -> None:
+        self.last_ping = now
+        self._send_ctrl(self.sess.send(Ping(next(self.nonce))))
+
+    def fail(self, exc: BaseException) -> None:
+        """Tear the session down and fail everything waiting on it."""
+        if self.dead is not None:
+            return
+        self.dead = exc
+        self.outbox.close()  # what this session had queued dies with it
+        self.data_out.close()
+        e = self.engine
+        if not self.welcome.done():
+            self.welcome.set_exception(
+                exc if isinstance(exc, AiokvError) else ConnectError(str(exc))
+            )
+        for x in self.xfers.values():
+            for f in (x.granted, x.done):
+                if not f.done():
+                    f.set_exception(exc)
+            x.release_when_idle()  # after an abort the poller settles ``sent``
+        self.xfers.clear()
+        self.credit_wait.clear()
+        for g in self.gets.values():
+            if not g.done():
+                g.set_exception(exc)
+        self.gets.clear()
+        self.sess.close()
+        self.source.abort(exc)
+        if self.nccl is not None:
+            self.nccl.abort(exc)
+        if self.nccl_ready is not None and not self.nccl_ready.done():
+            self.nccl_ready.set_exception(exc)
+        for t in self.tasks:
+            if t is not asyncio.current_task():
+                t.cancel()
+        if e._clients.get(self.address) is self:
+            del e._clients[self.address]
+        if isinstance(exc, PeerLostError):
+            e._stats.peers_lost += 1
+        e._spawn(self._close_sockets())
+
+    async def _watch(self) -> None:
+        """Fail the session as soon as its control connection drops (peer died or restarted)."""
+        from zmq.utils.monitor import parse_monitor_message
+
+        try:
+            while True:
+                frames = await self.monitor.recv_multipart()
+                event = parse_monitor_message(frames)
+                if event["event"] == zmq.EVENT_DISCONNECTED:
+                    if self.welcome.done():
+                        self.fail(PeerLostError(f"connection to {self.address} closed"))
+                    else:
+                        self.fail(
+                            ConnectError(
+                                f"{self.address} closed the connection during the handshake "
+                                "(not an aiokv engine, or a CURVE key it does not accept)"
+                            )
+                        )
+                    return
+        except asyncio.CancelledError:
+            raise
+        except (zmq.ZMQError, ValueError):
+            return
+
+    async def _close_sockets(self) -> None:
+        for t in self.tasks:
+            t.cancel()
+        await asyncio.gather(*self.tasks, return_exceptions=True)
+        with contextlib.suppress(zmq.ZMQError):
+            self.ctrl.sock.disable_monitor()
+        self.monitor.close(linger=0)
+        self.ctrl.close()
+        self.data.close()
+
+    async def bye(self, exc: BaseException | None = None) -> None:
+        if self.dead is None and self.sess.state is SessionState.OPEN:
+            with contextlib.suppress(Exception):
+                self._send_ctrl(self.sess.send(Bye()))
+                self.outbox.flush()  # now: fail() below stops the session's queue
+        self.fail(exc or EngineClosedError("engine closed"))
+
+
+# --------------------------------------------------------------------------- handle
+
+
+class _XferWatch:
+    """What a PUT_ASYNC handle needs besides the transfer's ``done`` future, which the
+    handle hands out as its own: the deadline (one timer), the caller giving up, and
+    counting a failure once, whichever way the transfer ended."""
+
+    __slots__ = ("cs", "engine", "gave_up", "t_end", "timer", "to", "x")
+
+    def __init__(self, engine: Engine, cs: _ClientSession, x: _OutXfer, t: float, to: str) -> None:
+        loop = engine._loop
+        self.engine, self.cs, self.x, self.to = engine, cs, x, to
+        self.t_end = loop.time() + t
+        self.gave_up = False
+        self.timer = loop.call_later(min(t, engine.config.timeouts.negotiate), self.expire)
+        x.done.add_done_callback(self.settled)
+
+    def settled(self, f: asyncio.Future[None]) -> None:
+        self.timer.cancel()
+        if f.cancelled():  # TransferHandle.cancel(), or the awaiting task was cancelled
+            self.on_cancel()
+        elif f.exception() is not None:  # (reading it also marks it retrieved)
+            self.engine._stats.transfers_failed += 1
+
+    def expire(self) -> None:
+        x, done = self.x, self.x.done
+        if done.done():
+            return
+        g = x.granted
+        if not (g.done() and not g.cancelled() and g.exception() is None):
+            exc: BaseException = NegotiateTimeoutError(
+                f"{self.to} granted no room within the deadline"
+            )
+        elif self.engine._loop.time() < self.t_end:  # granted in time: the rest of it
+            self.timer = self.engine._loop.call_at(self.t_end, self.expire)
+            return
+        else:
+            exc = TransferTimeoutError(
+                f"transfer to {self.to} did not complete within the deadline"
+            )
+        self.gave_up = True
+        done.set_exception(exc)  # first: withdrawing must not turn it into a cancel
+        self.cs.abandon(x)
+
+    def on_cancel(self) -> None:
+        """The caller gave up (at once: nothing waits a loop pass)."""
+        if self.gave_up:
+            return
+        self.gave_up = True
+        self.timer.cancel()
+        done = self.x.done
+        if not done.done() or done.cancelled():
+            self.engine._stats.transfers_failed += 1
+            self.cs.abandon(self.x)
+
+
+class TransferHandle:
+    """An in-flight PUT_ASYNC: await it, or poll :meth:`done`; :meth:`cancel` gives up.
+
+    Awaiting the handle tells the outcome. A transfer the receiver had granted
+    cannot be recalled, so after a timeout or :meth:`cancel` the engine may still
+    be reading the tensor: await :meth:`released` before reusing its memory.
+    """
+
+    __slots__ = ("_on_cancel", "_released", "_task")
+
+    def __init__(
+        self,
+        task: asyncio.Future[None],
+        released: asyncio.Future[None],
+        on_cancel: Callable[[], None] | None = None,
+        *,
+        retrieve: bool = True,
+    ) -> None:
+        self._task = task
+        self._released = released
+        self._on_cancel = on_cancel
+        if retrieve:  # (False: the caller reads the outcome itself)
+            task.add_done_callback(_retrieve)
+
+    async def released(self) -> None:
+        """Wait until no part of aiokv reads the sent tensor any more (never raises)."""
+        with contextlib.suppress(asyncio.CancelledError, Exception):
+            await asyncio.wait({self._task})
+        await asyncio.shield(self._released)
+
+    def done(self) -> bool:
+        return self._task.done()
+
+    def cancel(self) -> bool:
+        ok = self._task.cancel()
+        if ok and self._on_cancel is not None:
+            self._on_cancel()
+        return ok
+
+    def exception(self) -> BaseException | None:
+        return self._task.exception()
+
+    def __await__(self) -> Generator[Any, None, None]:
+        return self._task.__await__()

@@ -18,6 +18,7 @@ import zmq.asyncio
 from _procs import same_bytes
 
 import aiokv
+import aiokv._server
 from aiokv.protocol import messages as m
 from aiokv.protocol.codec import Codec
 from aiokv.store import PeerRef
@@ -198,7 +199,7 @@ async def test_reservations_per_session_are_bounded_granted_included(
     anyio_backend: Any, zctx: zmq.asyncio.Context
 ) -> None:
     """Zero-byte tensors cost no budget: grants in flight are capped per session."""
-    cap = aiokv.engine._MAX_GRANTED_PER_SESSION
+    cap = aiokv._server._MAX_GRANTED_PER_SESSION
     async with aiokv.Engine() as eng:
         s, _ = await _hello(zctx, eng.address, "hoarder", "127.0.0.1:9")
         n = cap + 500
@@ -226,7 +227,7 @@ async def test_stranger_claiming_a_peers_engine_id_cannot_cancel_its_transfers(
     async with aiokv.Engine() as victim, aiokv.Engine() as legit:
         await legit.send("warm", torch.ones(1), to=victim.address, timeout=5)
         await victim.recv("warm", timeout=5)
-        (ss,) = victim._servers.values()
+        (ss,) = victim._server._servers.values()
         assert ss.peer is not None
         waiter = asyncio.create_task(victim.recv("x", frm=legit.address, timeout=10))
         await asyncio.sleep(0.01)
@@ -447,7 +448,7 @@ async def test_a_delayed_hang_up_never_shuts_a_reused_descriptor() -> None:
         fd = gone.fileno()
         gone.close()  # the hostile connection is gone when its hang-up is scheduled
         gone_peer.close()
-        eng._hang_up(fd, after=0.05)
+        eng._server._hang_up(fd, after=0.05)
         fresh = _socket.create_connection(lsn.getsockname())  # reuses the number
         peer, _ = lsn.accept()
         try:

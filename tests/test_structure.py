@@ -36,7 +36,7 @@ def _imports(path: Path) -> set[str]:
 
 
 #: the engine core: the engine and its two peer sides
-_ENGINE_FILES = ("engine.py", "_client.py", "_common.py")
+_ENGINE_FILES = ("engine.py", "_client.py", "_server.py", "_common.py")
 
 
 @pytest.mark.parametrize("name", _ENGINE_FILES)

@@ -198,6 +198,22 @@ class _ClientSession:
         self.credit = CreditAccount()  # protocol v2, once the peer announced its window
         self.credit_wait: deque[_OutXfer] = deque()  # PUTs waiting for credit, in order
         self.gave_up: set[int] = set()  # posted PUTs whose caller timed out: a late ACK is fine
+        # what each message the session lets through does: one look-up per message
+        # (Session.receive has checked that a client may receive it in this state)
+        self.handlers: dict[type[Message], Callable[[Any], None]] = {
+            Ack: self._on_ack,  # the hot path's one message
+            Welcome: self._on_welcome,
+            Grant: self._on_grant,
+            Refuse: self._on_refuse,
+            Withdrawn: self._on_withdrawn,
+            Done: self._on_done,
+            Failed: self._on_failed,
+            GetReply: self._on_get_reply,
+            Pong: self._on_pong,
+            ErrorMsg: self._on_error,
+            Bye: self._on_bye,
+            NcclReady: self._on_nccl_ready,
+        }
         # PUT/RETURN frames of this loop pass: a PUT's frames stay in one message
         self.data_out = Outbox(
             self.data,
@@ -541,6 +557,7 @@ class _ClientSession:
             return
         e = self.engine
         self.last_recv = time.monotonic()
+        handlers = self.handlers
         for frame in frames:
             try:
                 msg = self.sess.receive(frame.buffer)
@@ -550,81 +567,82 @@ class _ClientSession:
                     self.ctrl.send([e._codec.encode(ErrorMsg("protocol", str(exc)[:200]))])
                 self.fail(exc)
                 return
-            self._dispatch(msg)
+            handlers[type(msg)](msg)
             if self.dead is not None:
                 return
 
-    def _dispatch(self, msg: Message) -> None:
-        if type(msg) is Ack:  # the one message of the hot path: first
-            self._on_ack(msg)
-            return
-        e = self.engine
-        if isinstance(msg, Welcome):
-            if not self.welcome.done():
-                self.welcome.set_result(msg)
-        elif isinstance(msg, Grant):
-            x = self.xfers[msg.xfer]
-            x.seq = msg.seq
+    def _on_welcome(self, msg: Welcome) -> None:
+        if not self.welcome.done():
+            self.welcome.set_result(msg)
+
+    def _on_grant(self, msg: Grant) -> None:
+        x = self.xfers[msg.xfer]
+        x.seq = msg.seq
+        if _trace.enabled:
+            _trace.mark("grant", self.engine.engine_id, x.xfer)
+        if not x.granted.done():
+            x.granted.set_result(msg.seq)
+        if x.transport == "tcp":
+            # zmq queues sends in call order: post at once, in grant order
+            header = DataHeader(x.xfer, x.seq, len(x.specs))
+            try:
+                self.source.post_nowait(self.sess.send(header), x.tensors)
+            except (zmq.ZMQError, AiokvError) as perr:
+                self.fail(PeerLostError(f"data channel to {self.address} failed: {perr}"))
+                return
             if _trace.enabled:
-                _trace.mark("grant", e.engine_id, x.xfer)
-            if not x.granted.done():
-                x.granted.set_result(msg.seq)
-            if x.transport == "tcp":
-                # zmq queues sends in call order: post at once, in grant order
-                header = DataHeader(x.xfer, x.seq, len(x.specs))
-                try:
-                    self.source.post_nowait(self.sess.send(header), x.tensors)
-                except (zmq.ZMQError, AiokvError) as perr:
-                    self.fail(PeerLostError(f"data channel to {self.address} failed: {perr}"))
-                    return
-                if _trace.enabled:
-                    _trace.mark("posted", e.engine_id, x.xfer)
-            else:
-                self.post_queue.put_nowait(x)
-        elif isinstance(msg, Refuse):
-            e._stats.refused_received += 1
-            cls = _REFUSALS.get(msg.code, RefusedError)
-            self._end(
-                self.xfers.pop(msg.xfer),
-                cls(
-                    f"{self.address} refused the transfer: {msg.code}: {msg.detail}", code=msg.code
-                ),
-            )
-        elif isinstance(msg, Withdrawn):
-            e._stats.withdrawn += 1
-            self._end(self.xfers.pop(msg.xfer), TransferError("withdrawn"))
-        elif isinstance(msg, Done):
-            self._end(self.xfers.pop(msg.xfer), None)
-        elif isinstance(msg, Failed):
-            self._end(
-                self.xfers.pop(msg.xfer),
-                TransferAbortedError(
-                    f"{self.address} failed the transfer: {msg.code}: {msg.detail}"
-                ),
-            )
-        elif isinstance(msg, GetReply):
-            g = self.gets.pop(msg.req, None)
-            if g is not None and not g.done():
-                g.set_result(msg)
-        elif isinstance(msg, Pong):
-            pass
-        elif isinstance(msg, ErrorMsg):
-            e._count_error("peer_error")
-            if msg.code == "layout_mismatch":
-                self.fail(
-                    LayoutMismatchError(
-                        f"{self.address} refused the session: {msg.detail}", code=msg.code
-                    )
+                _trace.mark("posted", self.engine.engine_id, x.xfer)
+        else:
+            self.post_queue.put_nowait(x)
+
+    def _on_refuse(self, msg: Refuse) -> None:
+        self.engine._stats.refused_received += 1
+        cls = _REFUSALS.get(msg.code, RefusedError)
+        self._end(
+            self.xfers.pop(msg.xfer),
+            cls(f"{self.address} refused the transfer: {msg.code}: {msg.detail}", code=msg.code),
+        )
+
+    def _on_withdrawn(self, msg: Withdrawn) -> None:
+        self.engine._stats.withdrawn += 1
+        self._end(self.xfers.pop(msg.xfer), TransferError("withdrawn"))
+
+    def _on_done(self, msg: Done) -> None:
+        self._end(self.xfers.pop(msg.xfer), None)
+
+    def _on_failed(self, msg: Failed) -> None:
+        self._end(
+            self.xfers.pop(msg.xfer),
+            TransferAbortedError(f"{self.address} failed the transfer: {msg.code}: {msg.detail}"),
+        )
+
+    def _on_get_reply(self, msg: GetReply) -> None:
+        g = self.gets.pop(msg.req, None)
+        if g is not None and not g.done():
+            g.set_result(msg)
+
+    def _on_pong(self, msg: Pong) -> None:
+        pass  # its arrival (last_recv) is what counts
+
+    def _on_error(self, msg: ErrorMsg) -> None:
+        self.engine._count_error("peer_error")
+        if msg.code == "layout_mismatch":
+            self.fail(
+                LayoutMismatchError(
+                    f"{self.address} refused the session: {msg.detail}", code=msg.code
                 )
-            else:
-                self.fail(
-                    RemoteProtocolError(f"{self.address} reported a protocol error: {msg.detail}")
-                )
-        elif isinstance(msg, Bye):
-            self.fail(PeerLostError(f"{self.address} closed the session"))
-        elif isinstance(msg, NcclReady):
-            if self.nccl_ready is not None and not self.nccl_ready.done():
-                self.nccl_ready.set_result(msg)
+            )
+        else:
+            self.fail(
+                RemoteProtocolError(f"{self.address} reported a protocol error: {msg.detail}")
+            )
+
+    def _on_bye(self, msg: Bye) -> None:
+        self.fail(PeerLostError(f"{self.address} closed the session"))
+
+    def _on_nccl_ready(self, msg: NcclReady) -> None:
+        if self.nccl_ready is not None and not self.nccl_ready.done():
+            self.nccl_ready.set_result(msg)
 
     async def _poster(self) -> None:
         """Posts granted NCCL transfers (TCP ones leave straight from the GRANT).

@@ -19,6 +19,7 @@ import secrets
 import socket
 import time
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -259,6 +260,19 @@ class _Server:
             # one session's share of the store's tensor count (empty tensors cost no bytes)
             max_tensors_in_flight=max(lim.store_tensors // 4, lim.max_tensors_per_transfer),
         )
+        # what each control message a session lets through does: one look-up per message.
+        # (HELLO opens a session in _on_new_connection; a DATA header that came on the
+        # control connection has no data with it and is ignored, as it always was.)
+        self._handlers: dict[type[Message], Callable[[_ServerSession, Any], None]] = {
+            Reserve: self._on_reserve,
+            Withdraw: self._on_withdraw,
+            Ping: self._on_ping,
+            Get: self._on_get,
+            Failed: self._on_failed,
+            Bye: self._on_bye,
+            ErrorMsg: self._on_bye,
+            NcclSetup: self._on_nccl_setup,
+        }
 
     # ------------------------------------------------------------------ lifecycle
     def bind(
@@ -440,6 +454,7 @@ class _Server:
             self._drop_server(ss, RemoteProtocolError("too many frames"), lost=True)
             return
         ss.last_recv = time.monotonic()
+        handlers = self._handlers
         for frame in frames:  # a client sends several control messages as one zmq message
             try:
                 msg = ss.sess.receive(frame.buffer)
@@ -448,7 +463,9 @@ class _Server:
                 self._reply_raw(rid, ErrorMsg("protocol", str(exc)[:200]))
                 self._drop_server(ss, exc, lost=True)
                 return
-            self._on_server_message(ss, msg)
+            handler = handlers.get(type(msg))
+            if handler is not None:
+                handler(ss, msg)
             if ss.dead:
                 return
 
@@ -704,41 +721,40 @@ class _Server:
             return f"layout check failed: {type(exc).__name__}: {exc}"[:500]
         return None if err is None else str(err)[:500]
 
-    def _on_server_message(self, ss: _ServerSession, msg: Message) -> None:
-        if isinstance(msg, Reserve):
-            self._on_reserve(ss, msg)
-        elif isinstance(msg, Withdraw):
-            if self._admission.withdraw(ss.queued, msg.xfer) is not None:
-                self._reply(ss, ss.sess.send(Withdrawn(msg.xfer)))
-                self._unpause_credit(ss, msg.xfer)
-                self._stats.withdrawn += 1
-            elif msg.xfer in ss.granted:
-                ss.granted[msg.xfer].discard = True
-        elif isinstance(msg, Ping):
-            self._reply(ss, ss.sess.send(Pong(msg.nonce)))
-        elif isinstance(msg, Get):
-            self._on_get(ss, msg)
-        elif isinstance(msg, Failed):
-            inx = ss.granted.pop(msg.xfer, None)
-            if inx is not None:
-                ss.granted_tensors -= len(inx.specs)
-            if inx is not None and ss.peer is not None:
-                self._store.cancel(
-                    ss.peer, [s.tensor_id for s in inx.specs], TransferAbortedError(msg.detail)
-                )
-                self._pump_queue()
-        elif isinstance(msg, (Bye, ErrorMsg)):
-            self._drop_server(ss, PeerLostError(f"peer {ss.name} closed the session"), lost=False)
-        elif isinstance(msg, NcclSetup):
-            if not self.engine._nccl_ok or ss.nccl is not None:
-                why = (
-                    self.engine._nccl_why
-                    if not self.engine._nccl_ok
-                    else "this session already has a communicator"
-                )
-                self._reply(ss, ss.sess.send(NcclReady(msg.comm, False, why[:300])))
-            else:
-                self._spawn(self._setup_server_nccl(ss, msg))
+    def _on_withdraw(self, ss: _ServerSession, msg: Withdraw) -> None:
+        if self._admission.withdraw(ss.queued, msg.xfer) is not None:
+            self._reply(ss, ss.sess.send(Withdrawn(msg.xfer)))
+            self._unpause_credit(ss, msg.xfer)
+            self._stats.withdrawn += 1
+        elif msg.xfer in ss.granted:
+            ss.granted[msg.xfer].discard = True
+
+    def _on_ping(self, ss: _ServerSession, msg: Ping) -> None:
+        self._reply(ss, ss.sess.send(Pong(msg.nonce)))
+
+    def _on_failed(self, ss: _ServerSession, msg: Failed) -> None:
+        inx = ss.granted.pop(msg.xfer, None)
+        if inx is not None:
+            ss.granted_tensors -= len(inx.specs)
+        if inx is not None and ss.peer is not None:
+            self._store.cancel(
+                ss.peer, [s.tensor_id for s in inx.specs], TransferAbortedError(msg.detail)
+            )
+            self._pump_queue()
+
+    def _on_bye(self, ss: _ServerSession, msg: Bye | ErrorMsg) -> None:
+        self._drop_server(ss, PeerLostError(f"peer {ss.name} closed the session"), lost=False)
+
+    def _on_nccl_setup(self, ss: _ServerSession, msg: NcclSetup) -> None:
+        if not self.engine._nccl_ok or ss.nccl is not None:
+            why = (
+                self.engine._nccl_why
+                if not self.engine._nccl_ok
+                else "this session already has a communicator"
+            )
+            self._reply(ss, ss.sess.send(NcclReady(msg.comm, False, why[:300])))
+        else:
+            self._spawn(self._setup_server_nccl(ss, msg))
 
     async def _setup_server_nccl(self, ss: _ServerSession, msg: NcclSetup) -> None:
         from .nccl.comm import Communicator

@@ -12,6 +12,7 @@ import subprocess
 import sys
 from collections.abc import Mapping
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -246,7 +247,7 @@ async def test_a_taken_port_is_a_config_error() -> None:
 #: ZMQError handlers in the engine core that still build their aiokv error inline: in the
 #: per-transfer hot path, rewritten in parallel (issue 11); it adopts channel_error when
 #: that work lands
-_INLINE_ZMQ_MAPPING = {"_dispatch"}
+_INLINE_ZMQ_MAPPING = {"_on_grant"}
 
 
 def test_engine_maps_zmq_errors_through_one_function() -> None:
@@ -269,3 +270,31 @@ def test_engine_maps_zmq_errors_through_one_function() -> None:
             if built and "channel_error(" not in body and "listen_error(" not in body:
                 inline.add(fn.name)
     assert inline == _INLINE_ZMQ_MAPPING
+
+
+def _sent_by(role: Any) -> set[type]:
+    """Every message type the session state machine lets ``role`` send."""
+    from aiokv.protocol.session import CONN_TRANSITIONS, OPEN_MESSAGES, XFER_TRANSITIONS
+
+    return {
+        *(t for r, t in CONN_TRANSITIONS if r is role),
+        *(t for r, t in XFER_TRANSITIONS if r is role),
+        *OPEN_MESSAGES[role],
+    }
+
+
+@pytest.mark.anyio
+@pytest.mark.timeout(30)
+async def test_each_side_dispatches_every_control_message_through_its_table() -> None:
+    """Both peer sides dispatch control messages through one table keyed by message type:
+    the client's covers every message a server may send; the server's every message a
+    client may send on the control connection (HELLO opens the session instead, DATA
+    belongs to the data connection)."""
+    from aiokv.protocol.messages import DataHeader, Hello
+    from aiokv.protocol.session import Role
+
+    async with aiokv.Engine() as a, aiokv.Engine() as b:
+        await a.connect(b.address, timeout=5)
+        cs = a._clients[b.address]
+        assert set(cs.handlers) == _sent_by(Role.SERVER)
+        assert set(b._server._handlers) == _sent_by(Role.CLIENT) - {Hello, DataHeader}

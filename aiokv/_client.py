@@ -149,8 +149,15 @@ class _ClientSession:
     """This engine's session to one peer: it sends data, the peer receives."""
 
     def __init__(self, engine: Engine, address: str) -> None:
-        self.engine = engine
+        self.engine = engine  # its client table, statistics, poller, tasks
         self.address = address
+        # what the per-transfer path uses, bound once (no engine._x chains per transfer)
+        self.loop = engine._loop
+        self.codec = engine._codec
+        self.stats = engine._stats
+        self.count_error = engine._count_error
+        self.granted_now = engine._granted_now  # a resolved future: "no room to wait for"
+        self.trace_id = engine.engine_id  # this (sending) engine's id, for aiokv._trace
         self.sess = Session(Role.CLIENT, engine._codec)
         ctx = engine._sctx
         ctrl = ctx.socket(zmq.DEALER)
@@ -299,7 +306,7 @@ class _ClientSession:
         read ``done``'s outcome (no retrieval callback needed)."""
         if self.dead is not None:
             raise PeerLostError(f"session with {self.address} is gone: {self.dead}")
-        loop = self.engine._loop
+        loop = self.loop
         nbytes = specs[0].nbytes if len(specs) == 1 else sum(s.nbytes for s in specs)
         k = len(specs)
         if transport == "tcp" and not self.credit_wait:
@@ -314,7 +321,7 @@ class _ClientSession:
                     self.sess.new_xfer_id(),
                     specs,
                     tensors,
-                    self.engine._granted_now,
+                    self.granted_now,
                     loop.create_future(),
                     put=True,
                     nbytes=nbytes,
@@ -325,7 +332,7 @@ class _ClientSession:
                     if not watched:
                         x.done.add_done_callback(_retrieve)
                 if _trace.enabled:
-                    _trace.mark("start", self.engine.engine_id, x.xfer)
+                    _trace.mark("start", self.trace_id, x.xfer)
                 self.xfers[x.xfer] = x
                 self._post_put(x, flush=lean)
                 return x
@@ -347,7 +354,7 @@ class _ClientSession:
             # tensors of at most PUT_MAX_TENSOR_BYTES (a short copy there, if any).
             x.put = self.credit.fits_window(nbytes, k) and fits_put(specs, nbytes)
             if x.put and _trace.enabled:
-                _trace.mark("start", self.engine.engine_id, x.xfer)
+                _trace.mark("start", self.trace_id, x.xfer)
             if x.put or self.credit_wait:
                 self.xfers[x.xfer] = x
                 self.credit_wait.append(x)
@@ -429,15 +436,15 @@ class _ClientSession:
             # give unspent credit back first (after our PUTs, on their connection), so
             # that the whole budget can serve a transfer larger than the window
             b, t = self.credit.take_all()
-            self.data_out.put([self.engine._codec.encode(Return(x.xfer, b, t))])
+            self.data_out.put([self.codec.encode(Return(x.xfer, b, t))])
         self._send_ctrl(self.sess.send(Reserve(x.xfer, x.transport, tuple(x.specs))))
         if _trace.enabled:
-            _trace.mark("start", self.engine.engine_id, x.xfer)
+            _trace.mark("start", self.trace_id, x.xfer)
         if x.transport == "nccl":
             self.engine._get_poller().touch()  # the GRANT is read on a spinning loop
 
     def _post_put(self, x: _OutXfer, flush: bool = False) -> None:
-        header = self.engine._codec.encode(Put(x.xfer, tuple(x.specs)))
+        header = self.codec.encode(Put(x.xfer, tuple(x.specs)))
         if x.nbytes <= DATA_FRAME_BYTES:
             frames = [header, *(tensor_buffer(t) for t in x.tensors)]
         else:
@@ -449,7 +456,7 @@ class _ClientSession:
         if not x.granted.done():
             x.granted.set_result(0)
         if _trace.enabled:
-            _trace.mark("posted", self.engine.engine_id, x.xfer)
+            _trace.mark("posted", self.trace_id, x.xfer)
 
     def _drain_credit_wait(self) -> None:
         """Post waiting PUTs, in order, while the credit lasts."""
@@ -478,19 +485,19 @@ class _ClientSession:
             return False
         del self.xfers[xfer]
         if exc is not None:
-            self.engine._stats.refused_received += 1
+            self.stats.refused_received += 1
         self._end(x, exc)
         return True
 
     def _end(self, x: _OutXfer, exc: BaseException | None) -> None:
         """A transfer is over: landed (``exc`` None, counted as sent) or failed with ``exc``."""
-        e = self.engine
         if exc is None:
             if _trace.enabled:
-                _trace.mark("done", e.engine_id, x.xfer)
-            e._stats.transfers_sent += 1
-            e._stats.tensors_sent += len(x.specs)
-            e._stats.bytes_sent += x.nbytes
+                _trace.mark("done", self.trace_id, x.xfer)
+            st = self.stats
+            st.transfers_sent += 1
+            st.tensors_sent += len(x.specs)
+            st.bytes_sent += x.nbytes
             x.tensors = []
         x.release_when_idle()
         if exc is None:
@@ -509,14 +516,14 @@ class _ClientSession:
             return
         for xfer in msg.done:
             if not self._settle_put(xfer, None):
-                self.engine._count_error("bad_ack")
+                self.count_error("bad_ack")
                 self.fail(RemoteProtocolError(f"ACK for transfer {xfer}, not a PUT in flight"))
                 return
         for xfer, code in msg.refused:
             cls = _REFUSALS.get(code, RefusedError)
             why = cls(f"{self.address} refused the transfer: {code}", code=code)
             if not self._settle_put(xfer, why):
-                self.engine._count_error("bad_ack")
+                self.count_error("bad_ack")
                 self.fail(RemoteProtocolError(f"ACK refuses transfer {xfer}, not a PUT in flight"))
                 return
         self._drain_credit_wait()
@@ -527,7 +534,7 @@ class _ClientSession:
             x.abandoned = True
             self.xfers.pop(x.xfer, None)
             x.release_when_idle()
-            self.engine._stats.withdrawn += 1
+            self.stats.withdrawn += 1
             for f in (x.granted, x.done):
                 if not f.done():
                     f.cancel()
@@ -555,16 +562,15 @@ class _ClientSession:
         """Control messages from the peer (called by the socket's reader, in order)."""
         if self.dead is not None:
             return
-        e = self.engine
         self.last_recv = time.monotonic()
         handlers = self.handlers
         for frame in frames:
             try:
                 msg = self.sess.receive(frame.buffer)
             except RemoteProtocolError as exc:
-                e._count_error(getattr(exc, "code", "protocol"))
+                self.count_error(getattr(exc, "code", "protocol"))
                 with contextlib.suppress(Exception):
-                    self.ctrl.send([e._codec.encode(ErrorMsg("protocol", str(exc)[:200]))])
+                    self.ctrl.send([self.codec.encode(ErrorMsg("protocol", str(exc)[:200]))])
                 self.fail(exc)
                 return
             handlers[type(msg)](msg)
@@ -579,7 +585,7 @@ class _ClientSession:
         x = self.xfers[msg.xfer]
         x.seq = msg.seq
         if _trace.enabled:
-            _trace.mark("grant", self.engine.engine_id, x.xfer)
+            _trace.mark("grant", self.trace_id, x.xfer)
         if not x.granted.done():
             x.granted.set_result(msg.seq)
         if x.transport == "tcp":
@@ -591,12 +597,12 @@ class _ClientSession:
                 self.fail(PeerLostError(f"data channel to {self.address} failed: {perr}"))
                 return
             if _trace.enabled:
-                _trace.mark("posted", self.engine.engine_id, x.xfer)
+                _trace.mark("posted", self.trace_id, x.xfer)
         else:
             self.post_queue.put_nowait(x)
 
     def _on_refuse(self, msg: Refuse) -> None:
-        self.engine._stats.refused_received += 1
+        self.stats.refused_received += 1
         cls = _REFUSALS.get(msg.code, RefusedError)
         self._end(
             self.xfers.pop(msg.xfer),
@@ -604,7 +610,7 @@ class _ClientSession:
         )
 
     def _on_withdrawn(self, msg: Withdrawn) -> None:
-        self.engine._stats.withdrawn += 1
+        self.stats.withdrawn += 1
         self._end(self.xfers.pop(msg.xfer), TransferError("withdrawn"))
 
     def _on_done(self, msg: Done) -> None:
@@ -625,7 +631,7 @@ class _ClientSession:
         pass  # its arrival (last_recv) is what counts
 
     def _on_error(self, msg: ErrorMsg) -> None:
-        self.engine._count_error("peer_error")
+        self.count_error("peer_error")
         if msg.code == "layout_mismatch":
             self.fail(
                 LayoutMismatchError(
@@ -662,7 +668,7 @@ class _ClientSession:
                 for b in batch:
                     b.sent = sent
                     if _trace.enabled:
-                        _trace.mark("posted", self.engine.engine_id, b.xfer)
+                        _trace.mark("posted", self.trace_id, b.xfer)
                 batch = []  # while waiting for the next grant this frame holds no tensors
         except asyncio.CancelledError:
             raise

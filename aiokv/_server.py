@@ -155,12 +155,11 @@ class _InXfer:
 class _ServerSession:
     """The listening end of a peer's client session: this engine receives."""
 
-    def __init__(self, engine: _Server, rid: bytes, user: str | None) -> None:
-        self.engine = engine
+    def __init__(self, server: _Server, rid: bytes, user: str | None) -> None:
         self.rid = rid
         self.user = user  # CURVE public key of the peer, when CURVE is on
         self.trace_id = ""  # the engine id the peer announced (aiokv._trace joins on it)
-        self.sess = Session(Role.SERVER, engine._codec)
+        self.sess = Session(Role.SERVER, server._codec)
         self.peer: PeerRef | None = None
         self.token = secrets.token_bytes(16)
         self.data_rid: bytes | None = None
@@ -175,8 +174,8 @@ class _ServerSession:
         self.last_recv = time.monotonic()
         self.dead = False
         self.outbox = Outbox(
-            engine._router,
-            lambda exc: engine._drop_server(
+            server._router,
+            lambda exc: server._drop_server(
                 self, channel_error(exc, f"reply channel to {self.name}"), lost=True
             ),
             prefix=rid,
@@ -356,6 +355,26 @@ class _Server:
         if self._auth is not None:
             self._auth.stop()
 
+    def statistics(self, s: EngineStatistics) -> list[Any]:
+        """Fill the server side's figures into ``s``; the sessions' NCCL communicators."""
+        servers = self._servers.values()
+        ledgers = [ss.ledger for ss in servers if ss.ledger is not None]
+        s.credit_bytes = sum(g.credit_bytes for g in ledgers)
+        s.credit_tensors = sum(g.credit_tensors for g in ledgers)
+        if s.store is not None:
+            s.store.reserved_bytes -= s.credit_bytes
+        s.credit_starved = len(self._starved)
+        s.server_sessions = len(self._servers)
+        s.queued_reservations = sum(len(ss.queued) for ss in servers)
+        return [ss.nccl.comm for ss in servers if ss.nccl is not None]
+
+    def resolve_peer(self, addr: str) -> str | None:
+        """The store identity of the live session that holds listen address ``addr``."""
+        for ss in self._servers.values():
+            if ss.peer is not None and ss.peer.address == addr:
+                return ss.peer.engine_id
+        return None
+
     def housekeep(self, now: float) -> None:
         """The server half of the engine's housekeeping tick."""
         T = self.config.timeouts
@@ -371,7 +390,7 @@ class _Server:
             else:
                 ss.suspect = True
         if self._store.expire(now):
-            self._pump_queue()
+            self.pump_queue()
         self._reclaim_unbound(now)
 
     # ------------------------------------------------------------------ sockets
@@ -740,7 +759,7 @@ class _Server:
             self._store.cancel(
                 ss.peer, [s.tensor_id for s in inx.specs], TransferAbortedError(msg.detail)
             )
-            self._pump_queue()
+            self.pump_queue()
 
     def _on_bye(self, ss: _ServerSession, msg: Bye | ErrorMsg) -> None:
         self._drop_server(ss, PeerLostError(f"peer {ss.name} closed the session"), lost=False)
@@ -863,9 +882,9 @@ class _Server:
         if rest:
             asyncio.get_running_loop().call_soon(self._cancel_in_slices, peer, rest, err)
         else:
-            self._pump_queue()
+            self.pump_queue()
 
-    def _pump_queue(self) -> None:
+    def pump_queue(self) -> None:
         """Grant queued reservations that fit now, oldest first across sessions.
 
         A session's oldest reservation that does not fit holds up that session's
@@ -971,7 +990,7 @@ class _Server:
         if msg.xfer in ss.queued or msg.xfer > ss.sess.max_xfer_seen:
             ss.ledger.paused_for = msg.xfer
         self._starved.add(ss)
-        self._pump_queue()
+        self.pump_queue()
 
     def _on_put(self, ss: _ServerSession, msg: Put, frames: list[zmq.Frame]) -> None:
         """Protocol v2: a transfer on standing credit lands now (raises RemoteProtocolError)."""
@@ -1021,7 +1040,7 @@ class _Server:
         # this session's own RESERVE that its credit was returned for comes first; other
         # sessions' waiting reservations do not stop its credit (one peer's large
         # reservation must not starve every other peer: windows are bounded instead).
-        # When room is short, sessions holding less go first (see _pump_queue).
+        # When room is short, sessions holding less go first (see pump_queue).
         room = 0 if ledger.paused_for else max(0, store.capacity - store.used)
         if (
             room
@@ -1083,7 +1102,7 @@ class _Server:
             ss.ledger.paused_for = 0
             self._ack_soon(ss)
 
-    def _collected(self, peer: PeerRef, tensor_id: str) -> None:
+    def collected(self, peer: PeerRef, tensor_id: str) -> None:
         """A tensor left the store through ``recv``: its session's credit may refill."""
         ss = self._by_peer.get(peer.engine_id)
         if ss is None or ss.ledger is None:
@@ -1114,11 +1133,11 @@ class _Server:
         if exc is not None:
             self._store.cancel(ss.peer, ids, exc)
             self._reply(ss, ss.sess.send(Failed(inx.xfer, "aborted", str(exc)[:200])))
-            self._pump_queue()
+            self.pump_queue()
             return
         if inx.discard:
             self._store.cancel(ss.peer, ids, None)
-            self._pump_queue()
+            self.pump_queue()
         else:
             for spec, t in zip(inx.specs, fut.result()):
                 self._store.land(ss.peer, spec.tensor_id, t)
@@ -1212,7 +1231,7 @@ class _Server:
             self._cancel_in_slices(ss.peer, ids, err)
         ss.granted.clear()
         ss.sess.close()
-        self._pump_queue()
+        self.pump_queue()
 
     def _reclaim_unbound(self, now: float) -> None:
         """Hang up connections that have not opened a session within the connect deadline."""

@@ -1,12 +1,14 @@
-"""The engine: sessions with peers, the receive store, and the public API.
+"""The engine: lifecycle, the public API, its client sessions and the receive store.
 
-An :class:`Engine` listens on one zmq ROUTER socket (``config.listen``) and
-opens, lazily, one *client session* per peer it sends to: a DEALER socket for
-control messages and a second DEALER for data, both connected to the peer's
-ROUTER. Data flows client -> server inside a session; a peer that sends back
-uses its own client session. Every wait is an awaited future resolved by one
-of three tasks per engine (the ROUTER reader, the housekeeping loop, and a
-reader + poster per client session); no thread waits on anything.
+An :class:`Engine` has two peer sides. Its server side (:mod:`aiokv._server`)
+listens on a control ROUTER (``config.listen``) and a data ROUTER of its own port,
+and receives: one server session per peer that sends to it. Its client side
+(:mod:`aiokv._client`) opens, lazily, one *client session* per peer it sends to:
+a DEALER for control messages and a second DEALER for data, connected to the
+peer's two ports. Data flows client -> server inside a session; a peer that
+sends back uses its own client session. Every wait is an awaited future resolved
+by the engine's tasks (the socket readers, the housekeeping loop, the connection
+monitors, a poster per client session); no thread waits on anything.
 
 The rules the design keeps (see docs/design.md):
 
@@ -208,8 +210,8 @@ class Engine:
         # the receiving half: sockets, peers' sessions, admission, credit, landing
         self._server = _Server(self, config, self._codec, self._store, self._stats)
         # the two the public API calls on every collected tensor: bound once
-        self._collected = self._server._collected
-        self._pump_queue = self._server._pump_queue
+        self._collected = self._server.collected
+        self._pump_queue = self._server.pump_queue
         self._tasks: set[asyncio.Task[Any]] = set()
         self._main_tasks: list[asyncio.Task[None]] = []
         self._started = False
@@ -551,19 +553,13 @@ class Engine:
     def statistics(self) -> EngineStatistics:
         s = dataclasses.replace(self._stats, protocol_errors=dict(self._stats.protocol_errors))
         s.store = self._store.statistics()
-        ledgers = [ss.ledger for ss in self._server._servers.values() if ss.ledger is not None]
-        s.credit_bytes = sum(g.credit_bytes for g in ledgers)
-        s.credit_tensors = sum(g.credit_tensors for g in ledgers)
-        s.store.reserved_bytes -= s.credit_bytes
-        s.credit_starved = len(self._server._starved)
+        server_comms = self._server.statistics(s)
         s.waiting_for_credit = sum(
             1 for cs in self._clients.values() for x in cs.credit_wait if not x.abandoned
         )
         s.client_sessions = len(self._clients)
-        s.server_sessions = len(self._server._servers)
-        s.queued_reservations = sum(len(ss.queued) for ss in self._server._servers.values())
         comms = [cs.nccl.comm for cs in self._clients.values() if cs.nccl is not None]
-        comms += [ss.nccl.comm for ss in self._server._servers.values() if ss.nccl is not None]
+        comms += server_comms
         if comms or self._poller is not None:
             n: dict[str, float] = {
                 "communicators": len(comms),
@@ -736,10 +732,7 @@ class Engine:
         cs = self._clients.get(addr)
         if cs is not None and cs.peer_id:
             return cs.peer_id
-        for ss in self._server._servers.values():
-            if ss.peer is not None and ss.peer.address == addr:
-                return ss.peer.engine_id
-        return None
+        return self._server.resolve_peer(addr)
 
     def _count_error(self, code: str) -> None:
         pe = self._stats.protocol_errors

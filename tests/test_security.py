@@ -247,7 +247,7 @@ GETATTR_ALLOWED: dict[tuple[str, str], str] = {
     ): "encode: field names of our own message class (cached per class)",
     (
         "_client.py",
-        'e._count_error(getattr(exc, "code", "protocol"))',
+        'self.count_error(getattr(exc, "code", "protocol"))',
     ): "constant attribute name on our own exception",
     (
         "_server.py",

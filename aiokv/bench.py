@@ -219,10 +219,12 @@ class _Control:
 
 
 class _Ticker:
-    """Measures how late ``asyncio.sleep(0.001)`` wakes up: the loop's worst stall."""
+    """Measures how late ``asyncio.sleep(0.001)`` wakes up: the loop's worst stall; and
+    the process's CPU time (every thread: zmq's I/O thread too) since :meth:`reset`."""
 
     def __init__(self) -> None:
         self.max_late = 0.0
+        self._cpu0 = time.process_time()
         self._task: asyncio.Task[None] | None = None
 
     def start(self) -> None:
@@ -230,6 +232,12 @@ class _Ticker:
 
     def reset(self) -> None:
         self.max_late = 0.0
+        self._cpu0 = time.process_time()
+
+    @property
+    def cpu_s(self) -> float:
+        """CPU seconds of this process since the last :meth:`reset`."""
+        return time.process_time() - self._cpu0
 
     async def _run(self) -> None:
         while True:
@@ -510,7 +518,13 @@ class _TcpChild:
 
     async def reply(self, **fields: Any) -> None:
         """Acknowledge a command with the stall and gc time seen since :meth:`reset`."""
-        out = {"ok": True, "stall": self.ticker.max_late, "gc_s": self.gc.seconds, **fields}
+        out = {
+            "ok": True,
+            "stall": self.ticker.max_late,
+            "gc_s": self.gc.seconds,
+            "cpu_s": self.ticker.cpu_s,
+            **fields,
+        }
         await self.ack.send(json.dumps(out).encode())
 
 
@@ -595,7 +609,7 @@ async def _collect(
         x = await eng.recv(f"{msg['tag']}#{i}", timeout=120.0)
         n += x.numel()
         del x
-    out = {"ok": True, "bytes": n, "stall": ticker.max_late}
+    out = {"ok": True, "bytes": n, "stall": ticker.max_late, "cpu_s": ticker.cpu_s}
     if meter is not None:
         out["gc_s"] = meter.seconds
     await ack.send(json.dumps(out).encode())

@@ -227,6 +227,8 @@ class _Block:
     stall: float  # sender's largest loop stall (s)
     rx_stall: float  # receiver's largest loop stall (s)
     rx_gc_s: float  # receiver's time in gc
+    cpu_s: float  # sender's CPU time (all its threads) during the block
+    rx_cpu_s: float  # receiver's CPU time during the block
 
 
 def _pct(xs: Sequence[float], q: float) -> float:
@@ -305,6 +307,7 @@ class _Sender:
         p99 = math.nan
         prof = _prof_start(spath)
         t0 = time.perf_counter()
+        cpu = math.nan
         try:
             if workload == "send4k":
                 if side == "raw":
@@ -312,17 +315,20 @@ class _Sender:
                 else:
                     lats = await self.engine_lat(t, tag, n, rx)
                 secs = time.perf_counter() - t0
+                cpu = self.ticker.cpu_s
                 value, p99 = _pct(lats, 0.5), _pct(lats, 0.99)
                 ack = await self.ctl.recv(args.timeout)
             else:
                 if side == "raw":
                     await self.raw_win(buf, n, args.window)
                     secs = time.perf_counter() - t0
+                    cpu = self.ticker.cpu_s
                     ack = await self.ctl.recv(args.timeout)
                 else:
                     secs, ack = await _aiokv_stream(
                         self.eng, self.peer, self.ctl, t, tag, n, args.window, args.timeout, rx
                     )
+                    cpu = self.ticker.cpu_s  # (after the receiver's ack: a few µs over)
                 value = n / secs * (1 if workload == "rate4k" else len(buf))
         finally:
             if prof is not None:
@@ -339,6 +345,8 @@ class _Sender:
             stall=self.ticker.max_late,
             rx_stall=float(ack.get("stall", 0.0)),
             rx_gc_s=float(ack.get("gc_s", 0.0)),
+            cpu_s=cpu,
+            rx_cpu_s=float(ack.get("cpu_s", math.nan)),
         )
 
 
@@ -402,6 +410,12 @@ def _summary(
         "sender_gc_longest_ms": _r(max(b.gc_longest for b in eng) * 1e3),
         "raw_sender_gc_us_per_transfer": _r(sum(b.gc_s for b in raw) / n_raw * 1e6),
         "receiver_gc_us_per_transfer": _r(sum(b.rx_gc_s for b in eng) / n_eng * 1e6),
+        # CPU time per transfer of each process (every thread), engine and raw: what the
+        # work costs, independent of how busy the machine was
+        "sender_cpu_us_per_transfer": _r(sum(b.cpu_s for b in eng) / n_eng * 1e6, 2),
+        "receiver_cpu_us_per_transfer": _r(sum(b.rx_cpu_s for b in eng) / n_eng * 1e6, 2),
+        "raw_sender_cpu_us_per_transfer": _r(sum(b.cpu_s for b in raw) / n_raw * 1e6, 2),
+        "raw_receiver_cpu_us_per_transfer": _r(sum(b.rx_cpu_s for b in raw) / n_raw * 1e6, 2),
         # the largest event-loop stall seen in each process during the engine / raw blocks
         "sender_max_stall_ms": _r(max(b.stall for b in eng) * 1e3),
         "receiver_max_stall_ms": _r(max(b.rx_stall for b in eng) * 1e3),
@@ -492,6 +506,7 @@ def _print_table(results: Sequence[dict[str, Any]]) -> None:
     print(
         f"{'workload':9} {'metric':18} {'raw':>14} {'engine':>14} {'ratio':>6} {'target':>7}"
         f" {'pass':>5} {'gc us/xfer':>10} {'stall ms snd/rcv':>16}"
+        f" {'cpu us/xfer snd/rcv: raw':>25} {'engine':>11}"
     )
     for r in results:
         w = r["workload"]
@@ -499,10 +514,14 @@ def _print_table(results: Sequence[dict[str, Any]]) -> None:
         if w == "stream1m":
             r = r | {"raw": r["raw"] / 1e6, "engine": r["engine"] / 1e6}
         stall = f"{r['sender_max_stall_ms']:.1f}/{r['receiver_max_stall_ms']:.1f}"
+        rcpu = (
+            f"{f(r['raw_sender_cpu_us_per_transfer'])}/{f(r['raw_receiver_cpu_us_per_transfer'])}"
+        )
+        ecpu = f"{f(r['sender_cpu_us_per_transfer'])}/{f(r['receiver_cpu_us_per_transfer'])}"
         print(
             f"{w:9} {metric:18} {f(r['raw']):>14} {f(r['engine']):>14} {r['ratio']:6.2f}"
             f" {r['target']:>7} {'yes' if r['pass'] else 'NO':>5}"
-            f" {r['sender_gc_us_per_transfer']:10.1f} {stall:>16}"
+            f" {r['sender_gc_us_per_transfer']:10.1f} {stall:>16} {rcpu:>25} {ecpu:>11}"
         )
         if w == "send4k":
             print(

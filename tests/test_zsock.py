@@ -217,3 +217,29 @@ async def test_on_drained_follows_each_run_of_messages() -> None:
         rx.close(0)
         tx.close(0)
         ctx.term()
+
+
+async def test_direct_multipart_send_and_receive_match_pyzmq() -> None:
+    """send_parts/recv_parts (the backend called directly) keep multipart framing: a
+    part that is not a buffer fails before anything was sent, so the next message
+    is not glued to half of the bad one."""
+    from aiokv._zsock import recv_parts, send_parts
+
+    ctx: zmq.Context[Any] = zmq.Context()
+    a, b = await _pair(ctx)
+    try:
+        with pytest.raises(TypeError):
+            send_parts(a, [b"head", object(), b"tail"], 0, True)
+        payload = bytearray(b"x" * 70000)  # over pyzmq's copy threshold: zero-copy path
+        send_parts(a, [b"one", memoryview(payload), zmq.Frame(b"three")], 0, False)
+        send_parts(a, [b"solo"], 0, True)
+        b.setsockopt(zmq.RCVTIMEO, 5000)
+        first = recv_parts(b, 0)
+        assert [f.bytes for f in first] == [b"one", bytes(payload), b"three"]
+        assert [f.bytes for f in recv_parts(b, 0)] == [b"solo"]
+        with pytest.raises(zmq.Again):
+            recv_parts(b, zmq.NOBLOCK)
+    finally:
+        a.close(0)
+        b.close(0)
+        ctx.term()

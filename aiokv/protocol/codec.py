@@ -90,6 +90,7 @@ FAST_DECODE_MAX_BYTES = 1024
 # First bytes of msgpack containers: fixmap 0x80-0x8f, fixarray 0x90-0x9f,
 # array16/32 0xdc/0xdd, map16/32 0xde/0xdf.
 _PUT_KIND = Put.KIND
+_ACK_KIND = Ack.KIND
 
 _CONTAINER = bytes(1 if (0x80 <= b <= 0x9F or 0xDC <= b <= 0xDF) else 0 for b in range(256))
 _IS_MAP = bytes(1 if (0x80 <= b <= 0x8F or b in (0xDE, 0xDF)) else 0 for b in range(256))
@@ -242,7 +243,10 @@ def _specs(v: Any, lim: WireLimits) -> tuple[TensorSpec, ...]:
 def _xfer_list(v: Any, lim: WireLimits) -> tuple[int, ...]:
     if type(v) is not list or len(v) > MAX_ACKS:
         raise _fail("bad_field", f"a list of at most {MAX_ACKS} transfer numbers expected")
-    return tuple(_u63(x, lim) for x in v)
+    for x in v:
+        if type(x) is not int or not (0 <= x <= MAX_U63):
+            raise _fail("bad_field", f"expected an unsigned integer, got {type(x).__name__}")
+    return tuple(v)
 
 
 def _refusals(v: Any, lim: WireLimits) -> tuple[tuple[int, str], ...]:
@@ -599,9 +603,20 @@ class Codec:
         if type(obj) is not list or not obj:
             raise _fail("malformed", "a message is a non-empty array")
         kind = obj[0]
-        if kind == _PUT_KIND and type(kind) is int and len(obj) == 3:  # the hot path's header
+        # the hot path's two messages, checked as SCHEMA says without its generic loop
+        if kind == _PUT_KIND and type(kind) is int and len(obj) == 3:
             lim = self.limits
             return Put(_u63(obj[1], lim), _specs(obj[2], lim))
+        if kind == _ACK_KIND and type(kind) is int and len(obj) == 7:
+            lim = self.limits
+            return Ack(
+                _u63(obj[1], lim),
+                _u63(obj[2], lim),
+                _u63(obj[3], lim),
+                _u63(obj[4], lim),
+                _xfer_list(obj[5], lim),
+                _refusals(obj[6], lim),
+            )
         cls = BY_KIND.get(kind) if type(kind) is int else None
         if cls is None:
             raise _fail("unknown_kind", f"unknown message kind {kind!r:.40}")

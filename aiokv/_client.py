@@ -68,7 +68,6 @@ from .protocol.messages import (
     NcclSetup,
     Ping,
     Pong,
-    Put,
     Refuse,
     Reserve,
     Return,
@@ -444,8 +443,10 @@ class _ClientSession:
             self.engine._get_poller().touch()  # the GRANT is read on a spinning loop
 
     def _post_put(self, x: _OutXfer, flush: bool = False) -> None:
-        header = self.codec.encode(Put(x.xfer, tuple(x.specs)))
-        if x.nbytes <= DATA_FRAME_BYTES:
+        header = self.codec.encode_put(x.xfer, x.specs)
+        if len(x.tensors) == 1 and x.nbytes <= DATA_FRAME_BYTES:
+            frames = [header, tensor_buffer(x.tensors[0])]
+        elif x.nbytes <= DATA_FRAME_BYTES:
             frames = [header, *(tensor_buffer(t) for t in x.tensors)]
         else:
             frames = [header]

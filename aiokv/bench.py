@@ -39,7 +39,7 @@ import subprocess
 import sys
 import time
 from collections import deque
-from collections.abc import Awaitable, Callable, Mapping, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -328,6 +328,23 @@ def _stop_child(proc: subprocess.Popen[bytes]) -> None:
             proc.wait(timeout=10)
 
 
+@contextlib.asynccontextmanager
+async def raw_sockets(eng: Any, *kinds: int) -> AsyncIterator[list[Any]]:
+    """The raw baseline's sockets, made on the engine's own zmq context: the raw path
+    and the engine's then share one zmq I/O thread. With a context each, the two paths
+    had I/O threads of their own, which the scheduler may place differently on a small
+    machine: a send that wakes an I/O thread on its own core costs ~4 us, one that is
+    preempted by it ~22 us (docs/benchmarks.md, session 12) -- a difference between the
+    paths that was the scheduler's, not the code's. Closed (linger 0) on exit, before
+    the engine terminates its context."""
+    socks = [eng._ctx.socket(k) for k in kinds]
+    try:
+        yield socks
+    finally:
+        for s in socks:
+            s.close(0)
+
+
 async def _with_receiver(
     args: argparse.Namespace, body: Callable[[_Control, dict[str, Any]], Any]
 ) -> Any:
@@ -450,40 +467,35 @@ async def _tcp_parent(
 
     async def body(ctl: _Control, hello: dict[str, Any]) -> None:
         peer = hello["engine"]
-        zctx = ctl.cmd.context
-        push = zctx.socket(zmq.PUSH)
-        push.setsockopt(zmq.LINGER, 1000)
-        push.connect(f"tcp://127.0.0.1:{hello['raw_port']}")
-        try:
-            async with aiokv.Engine(
-                aiokv.EngineConfig(listen="127.0.0.1:0", **engine_overrides())
-            ) as eng:
-                await eng.connect(peer)
-                for size, iters in zip(sizes, iters_l):
-                    t = torch.empty(size, dtype=torch.uint8)
-                    t.fill_(0xA5)
-                    buf = tensor_buffer(t)
-                    # warm-up: session, first touch of pages, socket buffers
-                    await _aiokv_phase(eng, peer, ctl, t, f"warm-{size}", 1, 1, args.timeout)
-                    await _raw_tcp_phase(push, ctl, buf, 1, args.timeout)
-                    ours: list[float] = []
-                    raw: list[float] = []
-                    stall = raw_stall = 0.0
-                    for rep in range(args.reps):
-                        secs, st = await _aiokv_phase(
-                            eng, peer, ctl, t, f"s{size}-r{rep}", iters, args.window, args.timeout
-                        )
-                        ours.append(size * iters / secs / 1e9)
-                        stall = max(stall, st)
-                        rsecs, rst = await _raw_tcp_phase(push, ctl, buf, iters, args.timeout)
-                        raw.append(size * iters / rsecs / 1e9)
-                        raw_stall = max(raw_stall, rst)
-                    res = _summarise("tcp", size, iters, args, ours, raw, stall)
-                    res.raw_max_loop_stall_ms = raw_stall * 1e3
-                    results.append(res)
-                    emit(res)
-        finally:
-            push.close(0)
+        async with (
+            aiokv.Engine(aiokv.EngineConfig(listen="127.0.0.1:0", **engine_overrides())) as eng,
+            raw_sockets(eng, zmq.PUSH) as (push,),
+        ):
+            push.connect(f"tcp://127.0.0.1:{hello['raw_port']}")
+            await eng.connect(peer)
+            for size, iters in zip(sizes, iters_l):
+                t = torch.empty(size, dtype=torch.uint8)
+                t.fill_(0xA5)
+                buf = tensor_buffer(t)
+                # warm-up: session, first touch of pages, socket buffers
+                await _aiokv_phase(eng, peer, ctl, t, f"warm-{size}", 1, 1, args.timeout)
+                await _raw_tcp_phase(push, ctl, buf, 1, args.timeout)
+                ours: list[float] = []
+                raw: list[float] = []
+                stall = raw_stall = 0.0
+                for rep in range(args.reps):
+                    secs, st = await _aiokv_phase(
+                        eng, peer, ctl, t, f"s{size}-r{rep}", iters, args.window, args.timeout
+                    )
+                    ours.append(size * iters / secs / 1e9)
+                    stall = max(stall, st)
+                    rsecs, rst = await _raw_tcp_phase(push, ctl, buf, iters, args.timeout)
+                    raw.append(size * iters / rsecs / 1e9)
+                    raw_stall = max(raw_stall, rst)
+                res = _summarise("tcp", size, iters, args, ours, raw, stall)
+                res.raw_max_loop_stall_ms = raw_stall * 1e3
+                results.append(res)
+                emit(res)
 
     await _with_receiver(args, body)
     return results
@@ -560,23 +572,22 @@ async def _tcp_child(ns: argparse.Namespace, extra: Mapping[str, _ChildOp] | Non
     ctx = zmq.asyncio.Context()
     cmd = ctx.socket(zmq.PULL)
     ack = ctx.socket(zmq.PUSH)
-    pull = ctx.socket(zmq.PULL)
-    back = ctx.socket(zmq.PUSH)
-    for s in (cmd, ack, pull, back):
+    for s in (cmd, ack):
         s.setsockopt(zmq.LINGER, 1000)
     cmd.connect(f"tcp://127.0.0.1:{ns.cmd_port}")
     ack.connect(f"tcp://127.0.0.1:{ns.ack_port}")
-    pull.setsockopt(zmq.RCVHWM, 0)
-    raw_port = pull.bind_to_random_port("tcp://127.0.0.1")
-    back_port = back.bind_to_random_port("tcp://127.0.0.1")
     ticker = _Ticker()
     ticker.start()
     meter = _GcMeter()
     meter.install()
     try:
-        async with aiokv.Engine(
-            aiokv.EngineConfig(listen="127.0.0.1:0", **engine_overrides())
-        ) as eng:
+        async with (
+            aiokv.Engine(aiokv.EngineConfig(listen="127.0.0.1:0", **engine_overrides())) as eng,
+            raw_sockets(eng, zmq.PULL, zmq.PUSH) as (pull, back),
+        ):
+            pull.setsockopt(zmq.RCVHWM, 0)
+            raw_port = pull.bind_to_random_port("tcp://127.0.0.1")
+            back_port = back.bind_to_random_port("tcp://127.0.0.1")
             st = _TcpChild(eng, pull, back, ack, ticker, meter)
             hello = {"engine": eng.address, "raw_port": raw_port, "back_port": back_port}
             await ack.send(json.dumps(hello).encode())
@@ -592,7 +603,7 @@ async def _tcp_child(ns: argparse.Namespace, extra: Mapping[str, _ChildOp] | Non
     finally:
         meter.remove()
         await ticker.stop()
-        for s in (cmd, ack, pull, back):
+        for s in (cmd, ack):
             s.close(linger=1000)
         ctx.term()
 

@@ -55,6 +55,7 @@ from .bench import (
     _TcpChild,
     _Ticker,
     _with_receiver,
+    raw_sockets,
 )
 from .cli import engine_overrides
 
@@ -459,21 +460,17 @@ async def _parent(
     results: list[dict[str, Any]] = []
 
     async def body(ctl: _Control, hello: dict[str, Any]) -> None:
-        zctx = ctl.cmd.context
-        push = zctx.socket(zmq.PUSH)
-        back = zctx.socket(zmq.PULL)
-        for sock in (push, back):
-            sock.setsockopt(zmq.LINGER, 1000)
-        push.connect(f"tcp://127.0.0.1:{hello['raw_port']}")
-        back.connect(f"tcp://127.0.0.1:{hello['back_port']}")
         ticker = _Ticker()
         meter = _GcMeter()
         ticker.start()
         meter.install()
         try:
-            async with aiokv.Engine(
-                aiokv.EngineConfig(listen="127.0.0.1:0", **engine_overrides())
-            ) as eng:
+            async with (
+                aiokv.Engine(aiokv.EngineConfig(listen="127.0.0.1:0", **engine_overrides())) as eng,
+                raw_sockets(eng, zmq.PUSH, zmq.PULL) as (push, back),
+            ):
+                push.connect(f"tcp://127.0.0.1:{hello['raw_port']}")
+                back.connect(f"tcp://127.0.0.1:{hello['back_port']}")
                 await eng.connect(hello["engine"])
                 s = _Sender(eng, hello["engine"], ctl, push, back, ticker, meter, args)
                 if args.profile:  # import the profilers now, not inside the first profiled block
@@ -487,8 +484,6 @@ async def _parent(
         finally:
             meter.remove()
             await ticker.stop()
-            push.close(0)
-            back.close(0)
 
     await _with_receiver(args, body)
     return results

@@ -120,6 +120,9 @@ class EngineStatistics:
 # --------------------------------------------------------------------------- helpers
 
 
+_STRIDED = torch.strided
+
+
 def _prepare(
     items: Iterable[tuple[str, torch.Tensor]], max_id: int, max_tensors: int = 1 << 30
 ) -> tuple[list[TensorSpec], list[torch.Tensor]]:
@@ -185,6 +188,7 @@ class Engine:
         self.config = config
         self.engine_id = secrets.token_hex(12)
         lim = config.limits
+        self._max_id = lim.max_id_length  # (the hot path's check, one attribute away)
         self._codec = Codec(
             WireLimits(
                 max_frame_bytes=lim.max_frame_bytes,
@@ -408,7 +412,7 @@ class Engine:
     ) -> None:
         """PUT: return once the peer's engine holds ``tensor`` under ``tensor_id``."""
         t = self._timeout(timeout)
-        staged = self._stage([(tensor_id, tensor)])
+        staged = self._stage_one(tensor_id, tensor)
         cs = self._hot_session(to, staged)
         if cs is not None:
             await self._await_xfer(cs, cs.start(staged.specs, staged.tensors, lean=True), t, to)
@@ -426,7 +430,7 @@ class Engine:
     ) -> TransferHandle:
         """PUT_ASYNC: start the transfer, return a handle to await (or cancel) later."""
         t = self._timeout(timeout)
-        staged = self._stage([(tensor_id, tensor)])
+        staged = self._stage_one(tensor_id, tensor)
         cs = self._hot_session(to, staged)
         if cs is not None:  # no task: a timer holds the deadline
             return self._handle(cs, cs.start(staged.specs, staged.tensors, watched=True), t, to)
@@ -630,6 +634,27 @@ class Engine:
         finally:
             if self._connecting.get(address) is fut:
                 del self._connecting[address]
+
+    def _stage_one(self, tensor_id: str, tensor: torch.Tensor) -> _Staged:
+        """:meth:`_stage` of one tensor; the common case (a plain, dense, contiguous CPU
+        tensor of a wire dtype) without the general path's list, set and checks."""
+        if (
+            type(tensor) is torch.Tensor
+            and type(tensor_id) is str
+            and 0 < len(tensor_id) <= self._max_id
+            and tensor.is_cpu
+            and not tensor.requires_grad
+            and tensor.layout is _STRIDED
+            and tensor.is_contiguous()
+            and self._started
+            and not self._closed
+        ):
+            name = dtype_name(tensor.dtype)
+            if name is not None:
+                return _Staged(
+                    [TensorSpec(tensor_id, name, tuple(tensor.shape))], [tensor], None, False
+                )
+        return self._stage([(tensor_id, tensor)])
 
     def _stage(self, items: list[tuple[str, torch.Tensor]]) -> _Staged:
         """Check and prepare tensors at call time (captures the caller's CUDA stream)."""

@@ -365,3 +365,51 @@ def test_small_hostile_frame_is_cheap() -> None:
         for _ in range(100):
             assert _reason(raw) in ("malformed", "unknown_kind", "bad_arity")
         assert (time.thread_time() - t0) / 100 < 0.002  # well under 2 ms each
+
+
+# --------------------------------------------------------------------------- one-spec PUT
+
+_dims = st.one_of(
+    st.integers(-2, 70), st.just(m.MAX_DIM), st.just(m.MAX_DIM + 1), st.floats(0, 4), st.none()
+)
+
+
+@settings(max_examples=800, deadline=None)
+@given(
+    xfer=st.one_of(
+        st.integers(-1, 5), st.just((1 << 63) - 1), st.just(1 << 63), st.text(max_size=2)
+    ),
+    tid=st.one_of(st.text(max_size=6), st.integers(-3, 3), st.binary(max_size=3)),
+    dtype=st.sampled_from([*m.ALLOWED_DTYPES, "complex64", "", 3]),
+    shape=st.one_of(st.lists(_dims, max_size=6), st.integers(-3, 3)),
+    max_bytes=st.one_of(st.integers(1, 16), st.integers(1, 4096)),
+    max_ndim=st.integers(0, 5),
+    max_id=st.integers(1, 5),
+)
+def test_one_spec_put_decodes_as_the_general_checks_do(
+    xfer: object,
+    tid: object,
+    dtype: object,
+    shape: object,
+    max_bytes: int,
+    max_ndim: int,
+    max_id: int,
+) -> None:
+    """The receiver's PUT fast path accepts exactly what SCHEMA[Put] accepts, as the same
+    message, under any limits (a 0-d tensor larger than the byte limit included)."""
+    from aiokv.protocol import codec as c
+
+    lim = WireLimits(max_tensor_bytes=max_bytes, max_ndim=max_ndim, max_id_length=max_id)
+    obj = [m.Put.KIND, xfer, [[tid, dtype, shape]]]
+    try:
+        general: object = m.Put(c._u63(xfer, lim), c._specs(obj[2], lim))
+    except WireError:
+        general = "error"
+    fast = c._one_spec_put(obj, lim)
+    assert (fast if fast is not None else "error") == general
+    # and through the decoder itself
+    try:
+        got: object = Codec(lim).decode(msgpack.packb(obj))
+    except WireError:
+        got = "error"
+    assert got == general

@@ -36,7 +36,9 @@ def _consistent(s: ReceiveStore) -> None:
 
 ops = st.lists(
     st.tuples(
-        st.sampled_from(["reserve", "land", "take", "cancel", "expire", "lost", "discard"]),
+        st.sampled_from(
+            ["reserve", "land", "take", "cancel", "expire", "lost", "discard", "put1", "put2"]
+        ),
         st.sampled_from([P, Q]),
         st.integers(0, 5),  # tensor id
         st.integers(0, 400),  # size
@@ -59,6 +61,20 @@ def test_budget_never_exceeded(seq: list[tuple[str, PeerRef, int, int]]) -> None
                 fitted = None
             if fitted is False:
                 assert s.used + n + n // 2 > s.capacity or s.count + 2 > s.max_tensors
+        elif op in ("put1", "put2"):  # a PUT: reserved and landed in one step
+            items = [(tid, n, n)] if op == "put1" else [(tid, n, n), (tid + "b", n // 2, n)]
+            before = (s.used, s.count, s.held)
+            try:
+                fitted = s.try_land(peer, items)
+            except aiokv.DuplicateTensorError:
+                assert (s.used, s.count, s.held) == before  # a refused PUT claims nothing
+                fitted = None
+            if fitted is False:
+                total = sum(x[1] for x in items)
+                assert s.used + total > s.capacity or s.count + len(items) > s.max_tensors
+                assert (s.used, s.count, s.held) == before
+            elif fitted:
+                assert s.held == before[2] + sum(x[1] for x in items)
         elif op == "land":
             try:
                 s.land(peer, tid, n)

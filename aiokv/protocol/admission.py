@@ -109,7 +109,7 @@ class PeerQueue(Generic[T]):
 
     def claims_any(self, ids: Iterable[str]) -> bool:
         """Does a queued reservation of this session claim any of ``ids``?"""
-        return not self.ids.isdisjoint(ids)
+        return bool(self.ids) and not self.ids.isdisjoint(ids)
 
     def head(self) -> tuple[int, T, int] | None:
         """``(xfer, item, arrival)`` of the oldest queued reservation, or None."""

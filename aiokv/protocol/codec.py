@@ -24,7 +24,7 @@ dtype names are checked against :data:`~.messages.ALLOWED_DTYPES`.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, fields
 from typing import Any, cast
 
@@ -34,6 +34,7 @@ from .._exceptions import RemoteProtocolError
 from .messages import (
     ALLOWED_DTYPES,
     BY_KIND,
+    MAX_DIM,
     REFUSE_CODES,
     TRANSPORTS,
     Ack,
@@ -89,6 +90,9 @@ FAST_DECODE_MAX_BYTES = 1024
 
 # First bytes of msgpack containers: fixmap 0x80-0x8f, fixarray 0x90-0x9f,
 # array16/32 0xdc/0xdd, map16/32 0xde/0xdf.
+_PUT_KIND = Put.KIND
+_ACK_KIND = Ack.KIND
+
 _CONTAINER = bytes(1 if (0x80 <= b <= 0x9F or 0xDC <= b <= 0xDF) else 0 for b in range(256))
 _IS_MAP = bytes(1 if (0x80 <= b <= 0x8F or b in (0xDE, 0xDF)) else 0 for b in range(256))
 
@@ -201,38 +205,83 @@ def _layout(v: Any, lim: WireLimits) -> dict[str, str | int] | None:
     return out
 
 
+def _spec(item: Any, lim: WireLimits) -> TensorSpec:
+    """One ``[id, dtype, shape]`` (the checks of :func:`_specs`, but for repeats)."""
+    if type(item) is not list or len(item) != 3:
+        raise _fail("bad_spec", "a tensor spec is [id, dtype, shape]")
+    tid = _ident(item[0], lim)
+    dtype, shape = item[1], item[2]
+    if type(dtype) is not str or dtype not in ALLOWED_DTYPES:
+        raise _fail("bad_spec", f"dtype {dtype!r:.40} is not allowed")
+    if type(shape) is not list:
+        raise _fail("bad_spec", "shape must be a list")
+    why = shape_problem(
+        ALLOWED_DTYPES[dtype], shape, max_ndim=lim.max_ndim, max_bytes=lim.max_tensor_bytes
+    )
+    if why is not None:
+        raise _fail("bad_spec", why)
+    return TensorSpec(tid, dtype, tuple(shape))
+
+
 def _specs(v: Any, lim: WireLimits) -> tuple[TensorSpec, ...]:
     if type(v) is not list:
         raise _fail("bad_spec", "specs must be a list")
     if not (0 < len(v) <= lim.max_tensors):
         raise _fail("bad_spec", f"a transfer holds 1..{lim.max_tensors} tensors, got {len(v)}")
+    if len(v) == 1:  # the common case: no repeats to look for
+        return (_spec(v[0], lim),)
     out = []
     seen: set[str] = set()
     for item in v:
-        if type(item) is not list or len(item) != 3:
-            raise _fail("bad_spec", "a tensor spec is [id, dtype, shape]")
-        tid = _ident(item[0], lim)
-        if tid in seen:
-            raise _fail("bad_spec", f"tensor id {tid!r:.80} repeated in one transfer")
-        seen.add(tid)
-        dtype, shape = item[1], item[2]
-        if type(dtype) is not str or dtype not in ALLOWED_DTYPES:
-            raise _fail("bad_spec", f"dtype {dtype!r:.40} is not allowed")
-        if type(shape) is not list:
-            raise _fail("bad_spec", "shape must be a list")
-        why = shape_problem(
-            ALLOWED_DTYPES[dtype], shape, max_ndim=lim.max_ndim, max_bytes=lim.max_tensor_bytes
-        )
-        if why is not None:
-            raise _fail("bad_spec", why)
-        out.append(TensorSpec(tid, dtype, tuple(shape)))
+        spec = _spec(item, lim)
+        if spec.tensor_id in seen:
+            raise _fail("bad_spec", f"tensor id {spec.tensor_id!r:.80} repeated in one transfer")
+        seen.add(spec.tensor_id)
+        out.append(spec)
     return tuple(out)
+
+
+def _one_spec_put(obj: list[Any], lim: WireLimits) -> Put | None:
+    """``[PUT, xfer, [[id, dtype, shape]]]`` that passes every check of ``SCHEMA[Put]``
+    as a Put, in one function (the receiver's hot path runs cold after an idle wait:
+    each call costs); None for anything else, which the general checks then judge
+    (and name the fault of)."""
+    xfer, specs = obj[1], obj[2]
+    if type(xfer) is not int or not (0 <= xfer <= MAX_U63):
+        return None
+    if type(specs) is not list or len(specs) != 1:
+        return None
+    item = specs[0]
+    if type(item) is not list or len(item) != 3:
+        return None
+    tid, dtype, shape = item
+    if type(tid) is not str or not tid or len(tid) > lim.max_id_length:
+        return None
+    if type(dtype) is not str or type(shape) is not list or len(shape) > lim.max_ndim:
+        return None
+    extent = ALLOWED_DTYPES.get(dtype)
+    if extent is None:
+        return None
+    limit = lim.max_tensor_bytes
+    for d in shape:
+        if type(d) is not int or not (0 <= d <= MAX_DIM):
+            return None
+        if d:
+            extent *= d
+            if extent > limit:
+                return None
+    if extent > limit:  # a 0-d tensor's extent is its item size
+        return None
+    return Put(xfer, (TensorSpec(tid, dtype, tuple(shape)),))
 
 
 def _xfer_list(v: Any, lim: WireLimits) -> tuple[int, ...]:
     if type(v) is not list or len(v) > MAX_ACKS:
         raise _fail("bad_field", f"a list of at most {MAX_ACKS} transfer numbers expected")
-    return tuple(_u63(x, lim) for x in v)
+    for x in v:
+        if type(x) is not int or not (0 <= x <= MAX_U63):
+            raise _fail("bad_field", f"expected an unsigned integer, got {type(x).__name__}")
+    return tuple(v)
 
 
 def _refusals(v: Any, lim: WireLimits) -> tuple[tuple[int, str], ...]:
@@ -495,18 +544,24 @@ class Codec:
     def __deepcopy__(self, memo: dict[int, Any]) -> Codec:
         return Codec(self.limits)  # stateless but for its packer, which cannot be copied
 
-    def encode(self, msg: Message) -> bytes:
-        if type(msg) is Put:  # the hot path's header: the same bytes, built directly
+    def encode_put(self, xfer: int, specs: Sequence[TensorSpec]) -> bytes:
+        """``encode(Put(xfer, tuple(specs)))`` without building the message: the hot
+        path's header, the same bytes."""
+        if len(specs) == 1:
+            sp = specs[0]
             return cast(
-                bytes,
-                self._pack(
-                    [
-                        Put.KIND,
-                        msg.xfer,
-                        [[sp.tensor_id, sp.dtype, list(sp.shape)] for sp in msg.specs],
-                    ]
-                ),
+                bytes, self._pack([_PUT_KIND, xfer, [[sp.tensor_id, sp.dtype, list(sp.shape)]]])
             )
+        return cast(
+            bytes,
+            self._pack(
+                [_PUT_KIND, xfer, [[sp.tensor_id, sp.dtype, list(sp.shape)] for sp in specs]]
+            ),
+        )
+
+    def encode(self, msg: Message) -> bytes:
+        if type(msg) is Put:
+            return self.encode_put(msg.xfer, msg.specs)
         if type(msg) is Ack:
             return cast(
                 bytes,
@@ -583,6 +638,20 @@ class Codec:
         if type(obj) is not list or not obj:
             raise _fail("malformed", "a message is a non-empty array")
         kind = obj[0]
+        # the hot path's two messages, checked as SCHEMA says without its generic loop
+        if kind == _PUT_KIND and type(kind) is int and len(obj) == 3:
+            lim = self.limits
+            return _one_spec_put(obj, lim) or Put(_u63(obj[1], lim), _specs(obj[2], lim))
+        if kind == _ACK_KIND and type(kind) is int and len(obj) == 7:
+            lim = self.limits
+            return Ack(
+                _u63(obj[1], lim),
+                _u63(obj[2], lim),
+                _u63(obj[3], lim),
+                _u63(obj[4], lim),
+                _xfer_list(obj[5], lim),
+                _refusals(obj[6], lim),
+            )
         cls = BY_KIND.get(kind) if type(kind) is int else None
         if cls is None:
             raise _fail("unknown_kind", f"unknown message kind {kind!r:.40}")

@@ -335,7 +335,8 @@ class Put(Message):
 
     @property
     def nbytes(self) -> int:
-        return sum(s.nbytes for s in self.specs)
+        specs = self.specs
+        return specs[0].nbytes if len(specs) == 1 else sum(s.nbytes for s in specs)
 
 
 @dataclass(frozen=True, slots=True)

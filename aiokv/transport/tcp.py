@@ -253,6 +253,15 @@ def frames_to_tensors(
     The PUT path. Sizes are checked first; raises RemoteProtocolError when the frames
     do not match the specs or a tensor is too large for a PUT.
     """
+    if len(specs) == 1 and len(frames) == 1:  # the common case, without the loops
+        spec, fr = specs[0], frames[0]
+        n = spec.nbytes
+        if len(fr) != n or n > _F:
+            raise RemoteProtocolError(f"tensor {spec.tensor_id!r}: {len(fr)} bytes, expected {n}")
+        if n == 0:
+            return [torch.empty(spec.shape, dtype=_DTYPES[spec.dtype])]
+        t = torch.frombuffer(fr.buffer, dtype=_DTYPES[spec.dtype])
+        return [t if len(spec.shape) == 1 else t.view(spec.shape)]
     if len(frames) != len(specs):
         for spec in specs:
             if spec.nbytes > PUT_MAX_TENSOR_BYTES:

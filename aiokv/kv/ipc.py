@@ -106,6 +106,7 @@ _MAX_EVENT_SLOT = 1 << 20
 #: how long the consumer polls a producer's event without sleeping (a forward pass
 #: that ends within it is noticed within microseconds)
 _READY_SPIN_S = 0.002
+_EXP_SPIN = float(os.environ.get("AIOKV_IPC_EXP_SPIN_MS", "0")) / 1000
 #: the descriptor's plane for layer-wise streaming (save_layer / recv_request(layerwise=True))
 LAYERS = "ipc-layers"
 
@@ -773,7 +774,10 @@ class EngineChannel:
         self.engine = engine
 
     def send(self, tensor_id: str, msg: Mapping[str, Any], *, to: str, timeout: float) -> Any:
-        return self.engine.send_nowait(tensor_id, encode_message(msg), to=to, timeout=timeout)
+        t = encode_message(msg)
+        rid, _, what = tensor_id.partition("#")
+        _mark(rid, "encoded:" + what)
+        return self.engine.send_nowait(tensor_id, t, to=to, timeout=timeout)
 
     async def recv(self, tensor_id: str, *, frm: str | None, timeout: float) -> Any:
         return await self.engine.recv(tensor_id, frm=frm, timeout=timeout)
@@ -1065,7 +1069,9 @@ class IpcPlane:
             offer=None if to in self._acked else export.offer,
         )
         t0 = time.perf_counter()
-        self._send_msg(f"{request_id}#ipc", desc.to_wire(), to, max(0.0, lease - self._clock()))
+        wire = desc.to_wire()
+        _mark(request_id, "built")
+        self._send_msg(f"{request_id}#ipc", wire, to, max(0.0, lease - self._clock()))
         _mark(request_id, "sent")
         rel_task = asyncio.ensure_future(self._await_release(request_id, to, lease))
         try:
@@ -1303,6 +1309,8 @@ class IpcPlane:
         deadline = con._deadline(timeout)
         host = self._ids(block_ids, unique=True, what="recv_request")
         n = len(host)
+        if _EXP_SPIN and self.device.type == "cuda":
+            self._poll().touch(_EXP_SPIN)
         raw = await self.channel.recv(
             f"{request_id}#ipc", frm=frm, timeout=max(0.0, deadline - time.monotonic())
         )

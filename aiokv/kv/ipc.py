@@ -1074,15 +1074,55 @@ class IpcPlane:
         self._send_msg(f"{request_id}#ipc", wire, to, max(0.0, lease - self._clock()))
         _mark(request_id, "sent")
         rel_task = asyncio.ensure_future(self._await_release(request_id, to, lease))
+        ok = await self._settle_release(
+            request_id,
+            to,
+            rel_task,
+            [(slot, ev, ev_handle)],
+            nbytes=self.layout.request_nbytes(n),
+            started=t0,
+            count_errors=False,
+        )
+        if not ok:  # nothing was read: the ordinary way (from now on, for this consumer)
+            await con.send_request(
+                request_id, host, to=to, timeout=max(0.0, deadline - time.monotonic()), _plain=True
+            )
+
+    async def _settle_release(
+        self,
+        request_id: str,
+        to: str,
+        rel_task: asyncio.Task[Release | None],
+        events: list[tuple[int, Any, bytes]],
+        *,
+        nbytes: int,
+        started: float,
+        count_errors: bool,
+    ) -> bool:
+        """Wait for the consumer's release of a request it reads over the plane and settle
+        it (``send_request`` and ``wait_saved`` alike): True when the blocks landed (the
+        request joins ``finished_sending()``), False when the consumer asked for the
+        ordinary path (nothing was read; the caller sends it that way). Raises
+        :class:`~aiokv.TransferTimeoutError` when no release came before lease + grace
+        and :class:`~aiokv.TransferAbortedError` when the consumer failed the request.
+
+        Cancelled, the request joins ``finished_sending()`` (and its ``events`` go back to
+        the pool) only at the release or once lease + grace are over: the consumer may
+        still be reading. ``count_errors``: whether another error while waiting (a bad
+        release) counts as a send failure -- ``wait_saved`` counts it, ``send_request``
+        never did (tests/test_ipc_settle.py pins both)."""
+        con = self.con
         try:
             rel = await asyncio.shield(rel_task)
-            _mark(request_id, "released")
         except asyncio.CancelledError:
-            # the consumer may still be reading: the event slot comes back (and the
-            # request counts as sent) only when its release arrives or the lease is over
-            self._track(self._settle_cancelled(rel_task, [(slot, ev, ev_handle)], request_id))
+            self._track(self._settle_cancelled(rel_task, events, request_id))
             con._stats.send_failures += 1
             raise
+        except BaseException:
+            if count_errors:
+                con._stats.send_failures += 1
+            raise
+        _mark(request_id, "released")
         if rel is None:
             con._stats.send_failures += 1
             self._stats.lease_expired += 1
@@ -1090,14 +1130,12 @@ class IpcPlane:
                 f"IPC: no release of {request_id!r} from {to} before its lease ran out "
                 "(the consumer no longer reads the blocks)"
             )
-        self._free_events.append((slot, ev, ev_handle))
+        self._free_events.extend(events)
         if rel.fallback:
-            self._broken_to[to] = rel.reason or "consumer_refused"
-            self._count_fallback(rel.reason or "consumer_refused", to)
-            await con.send_request(
-                request_id, host, to=to, timeout=max(0.0, deadline - time.monotonic()), _plain=True
-            )
-            return
+            reason = rel.reason or "consumer_refused"
+            self._broken_to[to] = reason
+            self._count_fallback(reason, to)
+            return False
         if not rel.ok:
             con._stats.send_failures += 1
             raise TransferAbortedError(
@@ -1107,9 +1145,10 @@ class IpcPlane:
         self._stats.requests_sent += 1
         st = con._stats
         st.requests_sent += 1
-        st.bytes_sent += self.layout.request_nbytes(n)
-        st.send_seconds += time.perf_counter() - t0
+        st.bytes_sent += nbytes
+        st.send_seconds += time.perf_counter() - started
         con._finished_sending.add(request_id)
+        return True
 
     async def _await_release(self, rid: str, frm: str, lease: float) -> Release | None:
         """The consumer's release, or None once the lease plus the grace period is over."""
@@ -1253,44 +1292,20 @@ class IpcPlane:
                 f"request {request_id!r}: layers {missing[:8]}{'...' if len(missing) > 8 else ''} "
                 "were never saved"
             )
-        try:
-            rel = await asyncio.shield(sv.rel_task)
-        except asyncio.CancelledError:
-            self._track(self._settle_cancelled(sv.rel_task, sv.events, request_id))
-            con._stats.send_failures += 1
-            raise
-        except BaseException:
-            con._stats.send_failures += 1
-            raise
-        if rel is None:
-            con._stats.send_failures += 1
-            self._stats.lease_expired += 1
-            raise TransferTimeoutError(
-                f"IPC: no release of {request_id!r} from {sv.to} before its lease ran out "
-                "(the consumer no longer reads the blocks)"
-            )
-        self._free_events.extend(sv.events)
-        if rel.fallback:
-            self._broken_to[sv.to] = rel.reason or "consumer_refused"
-            self._count_fallback(rel.reason or "consumer_refused", sv.to)
-            # nothing was read: every layer the ordinary way (all are written by now)
+        ok = await self._settle_release(
+            request_id,
+            sv.to,
+            sv.rel_task,
+            sv.events,
+            nbytes=self.layout.request_nbytes(len(sv.host)),
+            started=sv.started,
+            count_errors=True,
+        )
+        if not ok:  # nothing was read: every layer the ordinary way (all are written now)
             left = max(0.0, sv.deadline - time.monotonic())
             for i in range(L):
                 con.save_layer(request_id, i, sv.host, to=sv.to, timeout=left, _plain=True)
             await con.wait_saved(request_id)
-            return
-        if not rel.ok:
-            con._stats.send_failures += 1
-            raise TransferAbortedError(
-                f"IPC: the consumer {sv.to} failed request {request_id!r}: {rel.reason}"
-            )
-        self._acked.add(sv.to)
-        self._stats.requests_sent += 1
-        st = con._stats
-        st.requests_sent += 1
-        st.bytes_sent += self.layout.request_nbytes(len(sv.host))
-        st.send_seconds += time.perf_counter() - sv.started
-        con._finished_sending.add(request_id)
 
     # ------------------------------------------------------------------ consumer
 

@@ -112,7 +112,14 @@ TABLE: dict[str, tuple[type[BaseException] | None, dict[str, int], int, bool, bo
     "failed": (TransferAbortedError, {"send_request": 1, "wait_saved": 1}, 0, False, True, False),
     "lease": (TransferTimeoutError, {"send_request": 1, "wait_saved": 1}, 1, False, False, False),
     # the one edge that differs: wait_saved counts this error as a send failure
-    "other_rid": (RemoteProtocolError, {"send_request": 0, "wait_saved": 1}, 0, False, False, False),
+    "other_rid": (
+        RemoteProtocolError,
+        {"send_request": 0, "wait_saved": 1},
+        0,
+        False,
+        False,
+        False,
+    ),
 }
 
 

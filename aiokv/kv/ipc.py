@@ -106,7 +106,6 @@ _MAX_EVENT_SLOT = 1 << 20
 #: how long the consumer polls a producer's event without sleeping (a forward pass
 #: that ends within it is noticed within microseconds)
 _READY_SPIN_S = 0.002
-_EXP_SPIN = float(os.environ.get("AIOKV_IPC_EXP_SPIN_MS", "0")) / 1000
 #: the descriptor's plane for layer-wise streaming (save_layer / recv_request(layerwise=True))
 LAYERS = "ipc-layers"
 
@@ -1324,8 +1323,6 @@ class IpcPlane:
         deadline = con._deadline(timeout)
         host = self._ids(block_ids, unique=True, what="recv_request")
         n = len(host)
-        if _EXP_SPIN and self.device.type == "cuda":
-            self._poll().touch(_EXP_SPIN)
         raw = await self.channel.recv(
             f"{request_id}#ipc", frm=frm, timeout=max(0.0, deadline - time.monotonic())
         )
@@ -1664,12 +1661,14 @@ class IpcPlane:
         L = lay.num_layers
         nxt = 0  # layers [0, nxt) are launched
         launched = False
+        awaited = False  # since `stream` was taken (other code may switch streams meanwhile)
         m.inflight += 1
         try:
             ids = self._stage_ids(stream, own, sb, desc.src, host)
             _mark(desc.rid, "staged")
             while nxt < L:
                 if layerwise:
+                    awaited = True
                     lr = await self._next_layers(m, desc, nxt, frm, until)
                     hi, ready = lr.hi, self._layer_event(m, lr)
                 else:
@@ -1683,11 +1682,23 @@ class IpcPlane:
                         # Not launched before the producer's event fired: a launch queued
                         # behind the event of a producer that then dies would keep its
                         # stream (and any device-wide synchronize) waiting forever.
+                        awaited = True
                         await self._wait_ready(ready, until)
                 _mark(desc.rid, f"ready{nxt}")
                 launched = True  # (from here on a launch may be queued: abort rules apply)
                 self._launch(
-                    m, stream, ready if gpu_wait else None, ids, ab, slot, triton, nxt, hi, sb, n
+                    m,
+                    stream,
+                    ready if gpu_wait else None,
+                    ids,
+                    ab,
+                    slot,
+                    triton,
+                    nxt,
+                    hi,
+                    sb,
+                    n,
+                    current=not own and not awaited,
                 )
                 _mark(desc.rid, f"launched{nxt}")
                 nxt = hi
@@ -1801,8 +1812,10 @@ class IpcPlane:
             assert sb.order is not None
             sb.order.record(torch.cuda.current_stream(self.device))
             stream.wait_event(sb.order)
-        with _on(stream, self.device):
-            sb.dev[: 2 * n].copy_(sb.pin[: 2 * n], non_blocking=True)
+        # the whole buffer (at most twice the ids): no slices, two torch calls fewer; when
+        # the copy runs on the caller's stream it is the current one (no check, no switch)
+        with _on(stream, self.device) if own else contextlib.nullcontext():
+            sb.dev.copy_(sb.pin, non_blocking=True)
         if stream not in sb.streams:
             sb.dev.record_stream(stream)  # freed (retired) only after this stream's work
             sb.streams.append(stream)
@@ -1835,10 +1848,12 @@ class IpcPlane:
         hi: int,
         sb: _SlotBufs,
         n: int,
+        current: bool = False,
     ) -> None:
         """Enqueue the copy of layers ``[lo, hi)`` on ``stream`` (after the producer's
         event ``ready`` on the GPU, if given) and re-record the slot's completion event
-        after it."""
+        after it. ``current``: ``stream`` is known to be the current stream (taken with
+        no await since), so no check (a CUDA call) is needed."""
         dev = self.device
         lay = self.layout
         whole = lo == 0 and hi == lay.num_layers
@@ -1849,7 +1864,7 @@ class IpcPlane:
                 src, dst if whole else dst[lo:hi], lay.block_dim, ids[0], ids[1]
             )
             return
-        with _on(stream, dev):
+        with contextlib.nullcontext() if current else _on(stream, dev):
             if ready is not None:
                 stream.wait_event(ready)  # the producer's KV is written (GPU-side wait)
             if triton:

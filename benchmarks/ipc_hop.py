@@ -48,6 +48,7 @@ def _opts(variant: str) -> dict[str, Any]:
         "gap": gap,
         "uvloop": "uvloop" in parts,
         "touch": "touch" in parts,
+        "shm": "shm" in parts,
     }
 
 
@@ -76,6 +77,11 @@ async def _role(role: str, o: dict[str, Any], conn: Any, n: int) -> dict[str, An
         t = time.perf_counter()
         torch.frombuffer(bytearray(200), dtype=torch.uint8)
         tt.append(time.perf_counter() - t)
+    if o["shm"]:
+        out_shm = await _shm_role(role, o, conn, n)
+        if spin is not None:
+            spin.cancel()
+        return out_shm
     cfg = aiokv.EngineConfig(listen="127.0.0.1:0", transport="tcp")
     out: dict[str, Any] = {"frombuffer_us": statistics.median(tt) * 1e6}
     async with aiokv.Engine(cfg) as eng:
@@ -113,6 +119,59 @@ async def _role(role: str, o: dict[str, Any], conn: Any, n: int) -> dict[str, An
                 await h
         if spin is not None:
             spin.cancel()
+    return out
+
+
+async def _shm_role(role: str, o: dict[str, Any], conn: Any, n: int) -> dict[str, Any]:
+    """The floor of a same-host doorbell: the same ping-pong through a shared-memory
+    mailbox (a stamp, then a sequence number) that the waiting loop polls each pass."""
+    from multiprocessing import shared_memory
+
+    if role == "A":
+        shm = shared_memory.SharedMemory(create=True, size=64)
+        conn.send(shm.name)
+    else:
+        shm = shared_memory.SharedMemory(name=await asyncio.to_thread(conn.recv))
+    buf = shm.buf
+    assert buf is not None
+    mine, theirs = (0, 32) if role == "A" else (32, 0)
+
+    async def wait_seq(seq: int) -> int:
+        while int.from_bytes(buf[theirs + 8 : theirs + 16], "little") != seq:
+            await asyncio.sleep(0)
+        return int.from_bytes(buf[theirs : theirs + 8], "little")
+
+    def post(seq: int, val: int) -> None:
+        buf[mine : mine + 8] = val.to_bytes(8, "little")
+        buf[mine + 8 : mine + 16] = seq.to_bytes(8, "little")
+
+    out: dict[str, Any] = {"frombuffer_us": 0.0}
+    send_us, oneway, rtt = [], [], []
+    try:
+        for i in range(1, n + 51):
+            if role == "A":
+                if o["gap"]:
+                    await asyncio.sleep(o["gap"])
+                t0 = time.perf_counter()
+                post(i, int(t0 * 1e9))
+                t1 = time.perf_counter()
+                ow = await wait_seq(i)
+                t2 = time.perf_counter()
+                if i > 50:
+                    send_us.append((t1 - t0) * 1e6)
+                    rtt.append((t2 - t0) * 1e6)
+                    oneway.append(ow / 1e3)
+            else:
+                t0n = await wait_seq(i)
+                t = time.perf_counter()
+                post(i, int((t - t0n / 1e9) * 1e9))
+        out.update(send_us=send_us, rtt_us=rtt, oneway_us=oneway)
+        await asyncio.sleep(0.05)
+    finally:
+        buf.release()
+        shm.close()
+        if role == "A":
+            shm.unlink()
     return out
 
 
@@ -164,11 +223,62 @@ def run_variant(variant: str, n: int) -> dict[str, Any]:
     }
 
 
-def micro() -> dict[str, float]:
+def _triton_launch(dev: Any) -> dict[str, Any]:
+    """The IPC kernel's launch (16 pairs, 32 layers, FlashAttention geometry of the
+    bench) through Triton's JIT vs the cached launcher, and whether both copy alike."""
+    import torch
+
+    from aiokv.kv import _ipc_kernel as k
+
+    if not k.available():
+        return {}
+    L, nb, seg = 32, 400, 16 * 8 * 128 * 2  # bytes per K or V segment of a block
+    word = 8
+    src = torch.randint(0, 1 << 30, (L, 2, nb, seg // word), dtype=torch.int64, device=dev)
+    res: dict[str, Any] = {}
+    dst = {}
+    for fast in (False, True):
+        k.set_fast_launch(fast)
+        d = torch.zeros_like(src)
+        st = torch.tensor([src[i].data_ptr() for i in range(L)], dtype=torch.int64, device=dev)
+        dt = torch.tensor([d[i].data_ptr() for i in range(L)], dtype=torch.int64, device=dev)
+        ids = torch.tensor(list(range(0, 32, 2)) + list(range(100, 116)), device=dev)
+        ab = torch.zeros(16, dtype=torch.int32, device=dev)
+        s = torch.cuda.current_stream(dev)
+
+        def go(st: Any = st, dt: Any = dt, ids: Any = ids, ab: Any = ab, s: Any = s) -> None:
+            k.launch_pair_copy(
+                st, dt, ids, ab, 3, n_pairs=16, word=word, n_layers=L, parts=2,
+                seg_words=seg // word, src_part_stride=nb * seg // word,
+                dst_part_stride=nb * seg // word, block_stride=seg // word, base_align=16,
+                stream=s,
+            )  # fmt: skip
+
+        go()
+        go()
+        torch.cuda.synchronize()
+        xs = []
+        for _ in range(300):
+            a = time.perf_counter()
+            go()
+            xs.append(time.perf_counter() - a)
+            if len(xs) % 50 == 0:
+                torch.cuda.synchronize()
+        torch.cuda.synchronize()
+        res["triton_launch_" + ("fast" if fast else "jit")] = round(statistics.median(xs) * 1e6, 2)
+        dst[fast] = d
+    res["triton_fast_same_bytes"] = bool(torch.equal(dst[False], dst[True])) and bool(
+        torch.equal(dst[True][:, :, 100:116], src[:, :, 0:32:2])
+    )
+    k.set_fast_launch(True)
+    return res
+
+
+def micro() -> dict[str, Any]:
     """Median µs of the per-message calls the plane makes, in one CUDA process."""
     import torch
 
-    out: dict[str, float] = {}
+    out: dict[str, Any] = {}
 
     def t(name: str, fn: Any, n: int = 2000) -> None:
         fn()
@@ -201,6 +311,7 @@ def micro() -> dict[str, float]:
         t("cuda_empty", lambda: torch.empty(8, device=dev))
         t("fill_", lambda: d.fill_(1))
         torch.cuda.synchronize()
+        out.update(_triton_launch(dev))
 
     async def passes() -> float:
         n = 5000

@@ -11,11 +11,11 @@ if [ "${SKIP_TESTS:-0}" != 1 ]; then
   timeout "${TEST_TIMEOUT:-240}" python3 -m pytest $P -rfE --durations=5 -m "gpu and not multi_gpu" tests/gpu > "$OUT/$TAG-gpu-tests.txt" 2>&1
   tail -6 "$OUT/$TAG-gpu-tests.txt"
 fi
-python3 benchmarks/ipc_hop.py --micro | tee "$OUT/$TAG-hop.jsonl"
-timeout 120 python3 benchmarks/ipc_hop.py --json --n 300 --reps 1 --variants "${HOP_VARIANTS:-cpu,cuda,cuda+gap1,shm,shm+gap1}" 2>>"$OUT/$TAG-err.txt" | tee -a "$OUT/$TAG-hop.jsonl"
+[ "${SKIP_HOP:-0}" = 1 ] || python3 benchmarks/ipc_hop.py --micro | tee "$OUT/$TAG-hop.jsonl"
+[ "${SKIP_HOP:-0}" = 1 ] || timeout 120 python3 benchmarks/ipc_hop.py --json --n 300 --reps 1 --variants "${HOP_VARIANTS:-cpu,cuda,cuda+gap1,shm,shm+gap1}" 2>>"$OUT/$TAG-err.txt" | tee -a "$OUT/$TAG-hop.jsonl"
 BENCH="-m aiokv.kv.bench --transport ipc --json --iters 3 --latency-n 150 --trace"
-for i in 1 2; do
-  for w in short long; do
+for i in $(seq "${ROUNDS:-2}"); do
+  for w in ${WLS:-short long}; do
     ( cd ../main && PYTHONPATH=/tmp/site:$PWD timeout 100 python3 $BENCH --workload $w 2>>"$OUT/$TAG-err.txt" | tail -1 | sed 's/^{/{"tree": "main", /' )
     timeout 100 python3 $BENCH --workload $w 2>>"$OUT/$TAG-err.txt" | tail -1 | sed 's/^{/{"tree": "now", /'
   done

@@ -42,7 +42,6 @@ __all__ = [
     "available",
     "base_alignment",
     "launch_pair_copy",
-    "set_fast_launch",
     "torch_pair_copy",
     "word_size",
 ]
@@ -180,7 +179,6 @@ def launch_pair_copy(
     block_stride: int,
     base_align: int,
     program_bytes: int = _PROGRAM_BYTES,
-    stream: Any = None,
 ) -> bool:
     """Launch the fused copy on the CURRENT stream. False when the grid would be too big.
 
@@ -192,8 +190,7 @@ def launch_pair_copy(
     the launch copy nothing. Strides and sizes are in words. ``base_align``: a power of
     two (bytes) dividing every base address in both tables; with the strides it decides
     the vector width (up to 16 bytes). ``program_bytes``: bytes per program (CTA), a
-    power of two (the default, 32 KiB, is what the plane uses). ``stream``: the current
-    stream when the caller has it at hand (saves a look-up on the fast path).
+    power of two (the default, 32 KiB, is what the plane uses).
     """
     if n_pairs is None:
         n_pairs = ids.shape[1]
@@ -206,7 +203,7 @@ def launch_pair_copy(
     if programs > _MAX_PROGRAMS:
         return False
     word_ref = _word_ref(ids.device, word)
-    args = (
+    _kernel()[(programs,)](
         src_table,
         dst_table,
         ids,
@@ -220,88 +217,12 @@ def launch_pair_copy(
         dst_part_stride,
         block_stride,
         chunks,
+        BLOCK=block,
+        VEC=vec,
+        WORD=word,
+        num_warps=num_warps,
     )
-    key = _spec_key(args, block, vec, word, num_warps) if _fast["on"] else None
-    k = _launchers.get(key) if key is not None else None
-    if k is not None:
-        # the compiled specialisation's own launcher: what JITFunction.run ends with,
-        # minus binding the arguments and hashing their specialisation (~half of a
-        # launch's Python on the device host). Hooks are off (checked at capture).
-        s = stream if stream is not None else torch.cuda.current_stream(ids.device)
-        k.run(
-            programs, 1, 1, s.cuda_stream, k.function, k.packed_metadata, None, None, None,
-            *args, block, vec, word,
-        )  # fmt: skip
-        return True
-    compiled = _kernel()[(programs,)](*args, BLOCK=block, VEC=vec, WORD=word, num_warps=num_warps)
-    if key is not None and _capturable(compiled):
-        if len(_launchers) >= 256:  # a few per cache geometry in practice
-            _launchers.clear()
-        _launchers[key] = compiled
     return True
-
-
-#: the fast launch path's switch (``set_fast_launch``) and its compiled launchers, keyed
-#: by everything Triton specialises the kernel on (see :func:`_spec_key`)
-_fast: dict[str, bool] = {"on": True}
-_launchers: dict[tuple[Any, ...], Any] = {}
-
-
-def set_fast_launch(on: bool) -> None:
-    """Use (default) or not the cached launcher of a compiled specialisation; off, every
-    launch goes through ``JITFunction.run``. The IPC plane's probe copy checks the
-    fast path bit-exactly before any request uses it (``aiokv.kv.ipc``)."""
-    _fast["on"] = bool(on)
-    _launchers.clear()
-
-
-def _fast_ok() -> bool:
-    """Triton >= 3.3 passes every argument, constexprs included, to the launcher (what
-    the fast path does); older ones only the others."""
-    import triton
-
-    try:
-        major, minor = (int(x) for x in triton.__version__.split(".")[:2])
-    except ValueError:
-        return False
-    return (major, minor) >= (3, 3)
-
-
-def _capturable(compiled: Any) -> bool:
-    """Whether ``compiled`` (what a JIT launch returned) can be launched directly: a
-    Triton whose launcher takes all arguments, and no launch hooks (a profiler's hook
-    wants the metadata the fast path does not build)."""
-    if not _fast_ok():
-        _fast["on"] = False
-        return False
-    try:
-        from triton import knobs
-
-        hooks = (knobs.runtime.launch_enter_hook, knobs.runtime.launch_exit_hook)
-    except Exception:
-        return False
-    return all(h is None for h in hooks) and all(
-        hasattr(compiled, a) for a in ("run", "function", "packed_metadata")
-    )
-
-
-def _spec_key(args: Sequence[Any], block: int, vec: int, word: int, warps: int) -> Any:
-    """What Triton specialises a launch on: each pointer's dtype, device and 16-byte
-    alignment; each specialised int's ``== 1`` and ``% 16``; every int's width (32 or 64
-    bits); the constexprs and the warps. Equal keys launch the same compiled kernel."""
-    key: list[Any] = [block, vec, word, warps]
-    for i, a in enumerate(args):
-        if isinstance(a, torch.Tensor):
-            key.append((a.dtype, a.device, a.data_ptr() % 16 == 0))
-        elif i in _UNSPECIALISED:
-            key.append(-(2**31) <= a < 2**31)
-        else:
-            key.append((a == 1, a % 16 == 0, -(2**31) <= a < 2**31))
-    return tuple(key)
-
-
-#: positions of ``slot``, ``n_pairs``, ``parts`` (``do_not_specialize``) in the arguments
-_UNSPECIALISED = frozenset({5, 6, 7})
 
 
 def torch_pair_copy(

@@ -63,7 +63,7 @@ from .._exceptions import (
     TransferAbortedError,
     TransferTimeoutError,
 )
-from . import _ipc_kernel
+from . import _doorbell, _ipc_kernel
 from .layouts import KVLayout, check_compatible, layout_from_wire
 
 if TYPE_CHECKING:
@@ -166,6 +166,12 @@ class IpcOptions:
     finishes within it). ``force_torch``: use the torch-ops copy instead of the
     Triton kernel (see :mod:`aiokv.kv._ipc_kernel`).
 
+    ``doorbell``: the producer also writes each descriptor into a shared-memory ring
+    (:mod:`aiokv.kv._doorbell`) that the consumer polls while a ``recv_request``
+    waits -- spinning its loop (``sleep(0)``) for ``doorbell_spin_s`` after the call
+    began, then every millisecond. The engine message still goes and stays the
+    authority; the ring only makes it arrive sooner (docs/ipc.md, "Doorbell").
+
     ``gpu_wait``: when the producer's ready event has not fired yet as the request
     arrives, let the consumer's copy stream wait for it on the GPU (the launch is
     queued at once) instead of polling it from the host first. Faster by one poll,
@@ -181,10 +187,15 @@ class IpcOptions:
     grace_s: float = 1.0
     force_torch: bool = False
     gpu_wait: bool = False
+    doorbell: bool = True
+    doorbell_spin_s: float = 0.02
 
     def __post_init__(self) -> None:
         if not (isinstance(self.grace_s, (int, float)) and 0 < self.grace_s <= 600):
             raise ConfigError(f"grace_s must be in (0, 600], got {self.grace_s!r}")
+        s = self.doorbell_spin_s
+        if not (isinstance(s, (int, float)) and 0 <= s <= 1):
+            raise ConfigError(f"doorbell_spin_s must be in [0, 1], got {s!r}")
 
 
 @dataclass(slots=True)
@@ -200,6 +211,8 @@ class IpcStatistics:
     aborted: int = 0
     lease_expired: int = 0
     stuck_streams: int = 0
+    doorbell_hits: int = 0  # descriptors taken from the doorbell before the engine's
+    doorbell_rejected: int = 0  # ring slots whose MAC failed (or that made no sense)
     fallbacks: dict[str, int] = field(default_factory=dict)
 
 
@@ -360,9 +373,13 @@ class Offer:
     word: int
     probe: StorageExport
     nonce: int
+    bell: str = ""  # the doorbell ring's name (one per consumer), or none
+    bell_key: bytes = b""
 
     def to_wire(self) -> dict[str, Any]:
+        bell = {"bell": self.bell, "bell_key": self.bell_key} if self.bell else {}
         return {
+            **bell,
             "token": self.token,
             "boot_id": self.boot_id,
             "pid": self.pid,
@@ -394,8 +411,16 @@ class Offer:
                 "word",
                 "probe",
                 "nonce",
+                "bell",
+                "bell_key",
             ),
         )
+        bell, bell_key = "", b""
+        if "bell" in d or "bell_key" in d:
+            bell = _str(d, "bell", 64)
+            bell_key = _bytes(d, "bell_key", _doorbell.KEY_BYTES, _doorbell.KEY_BYTES)
+            if not _doorbell.valid_name(bell):
+                raise RemoteProtocolError("IPC offer: not a doorbell name")
         try:
             layout = layout_from_wire(d.get("layout"))
         except ConfigError as exc:
@@ -446,6 +471,8 @@ class Offer:
             word=word,
             probe=probe,
             nonce=_int(d, "nonce", 0, (1 << 63) - 1),
+            bell=bell,
+            bell_key=bell_key,
         )
         return offer, layout
 
@@ -805,6 +832,8 @@ class _Mapping:
     # layer would be only 8-byte aligned, and Triton would compile (and load) another
     # variant of the kernel in the middle of a request
     tables: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
+    bell: _doorbell.BellReader | None = None  # the producer's doorbell ring, if any
+    reply_to: str = ""  # the producer's engine (a ring message counts as from it)
 
 
 @dataclass(slots=True, eq=False)
@@ -895,6 +924,7 @@ class IpcPlane:
         self._n_events = 0
         self._background: set[asyncio.Task[None]] = set()
         self._saves: dict[str, _IpcSave] = {}  # layer-wise requests being saved over IPC
+        self._bells: dict[str, _doorbell.BellWriter | None] = {}  # consumer -> its ring
         self._plain_saves: set[str] = set()  # ... and those that take the ordinary path
         # consumer side
         self._maps: dict[int, _Mapping] = {}
@@ -907,6 +937,10 @@ class IpcPlane:
         self._deferred: list[tuple[Descriptor, Release]] = []  # ok releases, sent soon
         self._ctl_stream: Any = None
         self._poller: Any = None
+        # doorbell (consumer): request id -> (its waiter, the producer it must come from)
+        self._bell_wait: dict[str, tuple[asyncio.Future[dict[str, Any]], str | None]] = {}
+        self._bell_task: asyncio.Task[None] | None = None
+        self._bell_spin_until = 0.0
         self._closed = False
 
     # ------------------------------------------------------------------ helpers
@@ -1055,6 +1089,12 @@ class IpcPlane:
         ev.record()  # on the current stream: after the KV writes queued so far
         _mark(request_id, "recorded")
         lease = self._clock() + max(0.0, deadline - time.monotonic())
+        offer = None
+        if to not in self._acked:
+            offer = export.offer
+            bell = self._bell_for(to)
+            if bell is not None:  # named only over the engine (authenticated)
+                offer = dataclasses.replace(offer, bell=bell.name, bell_key=bell.key)
         desc = Descriptor(
             rid=request_id,
             plane="ipc",
@@ -1065,11 +1105,13 @@ class IpcPlane:
             event=ev_handle,
             event_slot=slot,
             lease=lease,
-            offer=None if to in self._acked else export.offer,
+            offer=offer,
         )
         t0 = time.perf_counter()
         wire = desc.to_wire()
         _mark(request_id, "built")
+        if offer is None:
+            self._ring(request_id, to, wire)
         self._send_msg(f"{request_id}#ipc", wire, to, max(0.0, lease - self._clock()))
         _mark(request_id, "sent")
         rel_task = asyncio.ensure_future(self._await_release(request_id, to, lease))
@@ -1086,6 +1128,28 @@ class IpcPlane:
             await con.send_request(
                 request_id, host, to=to, timeout=max(0.0, deadline - time.monotonic()), _plain=True
             )
+
+    def _bell_for(self, to: str) -> _doorbell.BellWriter | None:
+        """The doorbell ring for consumer ``to`` (made once; None where the option is off
+        or no ring can be made here, e.g. no ``/dev/shm``)."""
+        if not self.options.doorbell:
+            return None
+        if to in self._bells:
+            return self._bells[to]
+        try:
+            bell: _doorbell.BellWriter | None = _doorbell.BellWriter()
+        except OSError as exc:
+            log.info("aiokv IPC plane: no doorbell for %s: %s", to, exc)
+            bell = None
+        self._bells[to] = bell
+        return bell
+
+    def _ring(self, request_id: str, to: str, wire: Mapping[str, Any]) -> None:
+        """Post the descriptor in ``to``'s doorbell ring, if it has one (the engine
+        message follows regardless)."""
+        bell = self._bells.get(to)
+        if bell is not None and bell.post(msgpack.packb(wire, use_bin_type=True)):
+            _mark(request_id, "rung")
 
     async def _settle_release(
         self,
@@ -1133,6 +1197,9 @@ class IpcPlane:
         if rel.fallback:
             reason = rel.reason or "consumer_refused"
             self._broken_to[to] = reason
+            bell = self._bells.pop(to, None)
+            if bell is not None:
+                bell.close()
             self._count_fallback(reason, to)
             return False
         if not rel.ok:
@@ -1140,7 +1207,11 @@ class IpcPlane:
             raise TransferAbortedError(
                 f"IPC: the consumer {to} failed request {request_id!r}: {rel.reason}"
             )
-        self._acked.add(to)
+        if to not in self._acked:
+            self._acked.add(to)
+            bell = self._bells.get(to)
+            if bell is not None:  # the consumer mapped it with the offer: the name can go
+                bell.unlink()
         self._stats.requests_sent += 1
         st = con._stats
         st.requests_sent += 1
@@ -1323,11 +1394,14 @@ class IpcPlane:
         deadline = con._deadline(timeout)
         host = self._ids(block_ids, unique=True, what="recv_request")
         n = len(host)
-        raw = await self.channel.recv(
-            f"{request_id}#ipc", frm=frm, timeout=max(0.0, deadline - time.monotonic())
-        )
-        _mark(request_id, "desc")
-        d = decode_message(raw)
+        if not layerwise and any(m.bell is not None for m in self._maps.values()):
+            d = await self._recv_desc(request_id, frm, deadline)
+        else:
+            raw = await self.channel.recv(
+                f"{request_id}#ipc", frm=frm, timeout=max(0.0, deadline - time.monotonic())
+            )
+            _mark(request_id, "desc")
+            d = decode_message(raw)
         desc, plout = Descriptor.from_wire(d)
         if desc.rid != request_id:
             raise RemoteProtocolError(f"IPC descriptor for {desc.rid!r:.64} under {request_id!r}")
@@ -1386,6 +1460,99 @@ class IpcPlane:
         _mark(request_id, "mapped")
         await self._pull(m, desc, host, deadline, frm)
 
+    async def _recv_desc(self, rid: str, frm: str | None, deadline: float) -> dict[str, Any]:
+        """The request's descriptor (decoded, not yet validated) from whichever comes
+        first: a producer's doorbell ring or the engine. When the ring wins, the engine's
+        copy is dropped as it lands."""
+        bell: asyncio.Future[dict[str, Any]] = asyncio.get_running_loop().create_future()
+        self._bell_wait[rid] = (bell, frm)
+        self._bell_kick()
+        eng = asyncio.ensure_future(
+            self.channel.recv(f"{rid}#ipc", frm=frm, timeout=max(0.0, deadline - time.monotonic()))
+        )
+        try:
+            await asyncio.wait((bell, eng), return_when=asyncio.FIRST_COMPLETED)
+        except BaseException:
+            eng.cancel()  # (a descriptor already handed over goes back to the store)
+            raise
+        finally:
+            w = self._bell_wait.get(rid)
+            if w is not None and w[0] is bell:
+                del self._bell_wait[rid]
+        if bell.done() and not bell.cancelled():
+            _mark(rid, "desc")
+            self._stats.doorbell_hits += 1
+            if eng.done():
+                if not eng.cancelled():
+                    eng.exception()  # retrieved; a descriptor it took is dropped with it
+            else:
+                eng.cancel()
+                self.con._drop(rid, [f"{rid}#ipc"], frm, deadline)
+            return bell.result()
+        bell.cancel()
+        raw = eng.result()
+        _mark(rid, "desc")
+        return decode_message(raw)
+
+    def _bell_kick(self) -> None:
+        """Spin the doorbell poll for ``doorbell_spin_s`` from now (start it if needed)."""
+        self._bell_spin_until = time.monotonic() + self.options.doorbell_spin_s
+        if self._bell_task is None or self._bell_task.done():
+            self._bell_task = asyncio.ensure_future(self._bell_loop())
+
+    async def _bell_loop(self) -> None:
+        """Poll every mapped producer's ring while a request waits: each loop pass while
+        spinning (``sleep(0)``: other tasks run between), then every millisecond."""
+        while self._bell_wait and not self._closed:
+            for m in list(self._maps.values()):
+                if m.bell is not None:
+                    self._bell_poll(m)
+            if not self._bell_wait:
+                break
+            if time.monotonic() < self._bell_spin_until:
+                await asyncio.sleep(0)
+            else:
+                await asyncio.sleep(0.001)
+
+    def _bell_poll(self, m: _Mapping) -> None:
+        """Hand the descriptors in ``m``'s ring to their waiting requests. A message is
+        only taken for a request waiting for it, from this producer (the caller's
+        ``frm``), for this export, plane ``"ipc"``; anything else is left to the
+        engine's copy. Validation proper follows in ``recv_request``, as for the
+        engine's."""
+        b = m.bell
+        assert b is not None
+        before = b.rejected
+        try:
+            msgs = b.poll()
+        except Exception as exc:  # (defensive: a ring that cannot be read is dropped)
+            log.warning("aiokv IPC plane: doorbell of export %x dropped: %s", m.token, exc)
+            b.close()
+            m.bell = None
+            return
+        for payload in msgs:
+            try:
+                d = decode_message(payload)
+            except RemoteProtocolError:
+                b.rejected += 1
+                continue
+            rid = d.get("rid")
+            w = self._bell_wait.get(rid) if isinstance(rid, str) else None
+            if w is None:
+                continue  # nobody waits (yet, or any more): the engine's copy serves
+            fut, frm = w
+            if (frm is not None and frm != m.reply_to) or d.get("token") != m.token:
+                continue
+            if d.get("plane") == "ipc" and not fut.done():
+                fut.set_result(d)
+        if b.rejected != before:
+            self._stats.doorbell_rejected += b.rejected - before
+            log.warning(
+                "aiokv IPC plane: %d doorbell slot(s) of export %x rejected (MAC or format)",
+                b.rejected - before,
+                m.token,
+            )
+
     def _release(self, desc: Descriptor, rel: Release) -> None:
         try:
             self._send_msg(
@@ -1419,6 +1586,12 @@ class IpcPlane:
             self._stats.mapping_failures += 1
             self._failed_tokens[desc.token] = "map_failed"
             raise IpcUnavailableError("map_failed", f"{type(exc).__name__}: {exc}") from None
+        m.reply_to = desc.reply_to
+        if desc.offer.bell and self.options.doorbell:
+            try:
+                m.bell = _doorbell.BellReader(desc.offer.bell, desc.offer.bell_key)
+            except (OSError, ValueError) as exc:  # the engine path serves alone
+                log.info("aiokv IPC plane: doorbell %s not used: %s", desc.offer.bell, exc)
         self._maps[desc.token] = m
         self._stats.mappings_verified += 1
         return m
@@ -1958,6 +2131,16 @@ class IpcPlane:
         # behind a dead producer's event holds its mapping in self._keep instead)
         while any(m.inflight for m in self._maps.values()) and time.monotonic() < end:
             await asyncio.sleep(0.01)
+        if self._bell_task is not None:
+            self._bell_task.cancel()
+            self._bell_task = None
+        for m in self._maps.values():
+            if m.bell is not None:
+                m.bell.close()
+        for bell in self._bells.values():
+            if bell is not None:
+                bell.close()
+        self._bells.clear()
         self._maps.clear()
         if self._poller is not None:
             await self._poller.stop()

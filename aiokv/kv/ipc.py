@@ -28,7 +28,10 @@ See ``docs/ipc.md`` for the design, the wire messages and the safety rules; in s
 Control messages travel as small uint8 CPU tensors carrying msgpack through the
 engine's public ``send_nowait``/``recv`` (tensor ids ``"{rid}#ipc"``,
 ``"{rid}#ipcL{layer}"`` and ``"{rid}#ipcrel"``); every received field is checked
-before use. The per-request path avoids allocations and most torch calls (each
+before use. A request's descriptor also goes through a shared-memory *doorbell*
+ring (:mod:`aiokv.kv._doorbell`, named with its MAC key in the offer) that a waiting
+consumer polls: it arrives ~0.35 ms sooner on the device host; the engine's copy
+stays the authority. The per-request path avoids allocations and most torch calls (each
 costs tens of µs on a GPU host); ``AIOKV_IPC_TRACE=1`` stamps its stages
 (:func:`take_trace`, ``aiokv bench kv --transport ipc --trace``).
 """

@@ -28,7 +28,10 @@ See ``docs/ipc.md`` for the design, the wire messages and the safety rules; in s
 Control messages travel as small uint8 CPU tensors carrying msgpack through the
 engine's public ``send_nowait``/``recv`` (tensor ids ``"{rid}#ipc"``,
 ``"{rid}#ipcL{layer}"`` and ``"{rid}#ipcrel"``); every received field is checked
-before use. The per-request path avoids allocations and most torch calls (each
+before use. A request's descriptor also goes through a shared-memory *doorbell*
+ring (:mod:`aiokv.kv._doorbell`, named with its MAC key in the offer) that a waiting
+consumer polls: it arrives ~0.35 ms sooner on the device host; the engine's copy
+stays the authority. The per-request path avoids allocations and most torch calls (each
 costs tens of µs on a GPU host); ``AIOKV_IPC_TRACE=1`` stamps its stages
 (:func:`take_trace`, ``aiokv bench kv --transport ipc --trace``).
 """
@@ -63,7 +66,7 @@ from .._exceptions import (
     TransferAbortedError,
     TransferTimeoutError,
 )
-from . import _ipc_kernel
+from . import _doorbell, _ipc_kernel
 from .layouts import KVLayout, check_compatible, layout_from_wire
 
 if TYPE_CHECKING:
@@ -166,6 +169,12 @@ class IpcOptions:
     finishes within it). ``force_torch``: use the torch-ops copy instead of the
     Triton kernel (see :mod:`aiokv.kv._ipc_kernel`).
 
+    ``doorbell``: the producer also writes each descriptor into a shared-memory ring
+    (:mod:`aiokv.kv._doorbell`) that the consumer polls while a ``recv_request``
+    waits -- spinning its loop (``sleep(0)``) for ``doorbell_spin_s`` after the call
+    began, then every millisecond. The engine message still goes and stays the
+    authority; the ring only makes it arrive sooner (docs/ipc.md, "Doorbell").
+
     ``gpu_wait``: when the producer's ready event has not fired yet as the request
     arrives, let the consumer's copy stream wait for it on the GPU (the launch is
     queued at once) instead of polling it from the host first. Faster by one poll,
@@ -181,10 +190,15 @@ class IpcOptions:
     grace_s: float = 1.0
     force_torch: bool = False
     gpu_wait: bool = False
+    doorbell: bool = True
+    doorbell_spin_s: float = 0.02
 
     def __post_init__(self) -> None:
         if not (isinstance(self.grace_s, (int, float)) and 0 < self.grace_s <= 600):
             raise ConfigError(f"grace_s must be in (0, 600], got {self.grace_s!r}")
+        s = self.doorbell_spin_s
+        if not (isinstance(s, (int, float)) and 0 <= s <= 1):
+            raise ConfigError(f"doorbell_spin_s must be in [0, 1], got {s!r}")
 
 
 @dataclass(slots=True)
@@ -200,6 +214,8 @@ class IpcStatistics:
     aborted: int = 0
     lease_expired: int = 0
     stuck_streams: int = 0
+    doorbell_hits: int = 0  # descriptors taken from the doorbell before the engine's
+    doorbell_rejected: int = 0  # ring slots whose MAC failed (or that made no sense)
     fallbacks: dict[str, int] = field(default_factory=dict)
 
 
@@ -360,9 +376,13 @@ class Offer:
     word: int
     probe: StorageExport
     nonce: int
+    bell: str = ""  # the doorbell ring's name (one per consumer), or none
+    bell_key: bytes = b""
 
     def to_wire(self) -> dict[str, Any]:
+        bell = {"bell": self.bell, "bell_key": self.bell_key} if self.bell else {}
         return {
+            **bell,
             "token": self.token,
             "boot_id": self.boot_id,
             "pid": self.pid,
@@ -394,8 +414,16 @@ class Offer:
                 "word",
                 "probe",
                 "nonce",
+                "bell",
+                "bell_key",
             ),
         )
+        bell, bell_key = "", b""
+        if "bell" in d or "bell_key" in d:
+            bell = _str(d, "bell", 64)
+            bell_key = _bytes(d, "bell_key", _doorbell.KEY_BYTES, _doorbell.KEY_BYTES)
+            if not _doorbell.valid_name(bell):
+                raise RemoteProtocolError("IPC offer: not a doorbell name")
         try:
             layout = layout_from_wire(d.get("layout"))
         except ConfigError as exc:
@@ -446,6 +474,8 @@ class Offer:
             word=word,
             probe=probe,
             nonce=_int(d, "nonce", 0, (1 << 63) - 1),
+            bell=bell,
+            bell_key=bell_key,
         )
         return offer, layout
 
@@ -773,7 +803,10 @@ class EngineChannel:
         self.engine = engine
 
     def send(self, tensor_id: str, msg: Mapping[str, Any], *, to: str, timeout: float) -> Any:
-        return self.engine.send_nowait(tensor_id, encode_message(msg), to=to, timeout=timeout)
+        t = encode_message(msg)
+        rid, _, what = tensor_id.partition("#")
+        _mark(rid, "encoded:" + what)
+        return self.engine.send_nowait(tensor_id, t, to=to, timeout=timeout)
 
     async def recv(self, tensor_id: str, *, frm: str | None, timeout: float) -> Any:
         return await self.engine.recv(tensor_id, frm=frm, timeout=timeout)
@@ -802,6 +835,8 @@ class _Mapping:
     # layer would be only 8-byte aligned, and Triton would compile (and load) another
     # variant of the kernel in the middle of a request
     tables: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
+    bell: _doorbell.BellReader | None = None  # the producer's doorbell ring, if any
+    reply_to: str = ""  # the producer's engine (a ring message counts as from it)
 
 
 @dataclass(slots=True, eq=False)
@@ -892,6 +927,7 @@ class IpcPlane:
         self._n_events = 0
         self._background: set[asyncio.Task[None]] = set()
         self._saves: dict[str, _IpcSave] = {}  # layer-wise requests being saved over IPC
+        self._bells: dict[str, _doorbell.BellWriter | None] = {}  # consumer -> its ring
         self._plain_saves: set[str] = set()  # ... and those that take the ordinary path
         # consumer side
         self._maps: dict[int, _Mapping] = {}
@@ -904,6 +940,10 @@ class IpcPlane:
         self._deferred: list[tuple[Descriptor, Release]] = []  # ok releases, sent soon
         self._ctl_stream: Any = None
         self._poller: Any = None
+        # doorbell (consumer): request id -> (its waiter, the producer it must come from)
+        self._bell_wait: dict[str, tuple[asyncio.Future[dict[str, Any]], str | None]] = {}
+        self._bell_task: asyncio.Task[None] | None = None
+        self._bell_spin_until = 0.0
         self._closed = False
 
     # ------------------------------------------------------------------ helpers
@@ -1052,6 +1092,12 @@ class IpcPlane:
         ev.record()  # on the current stream: after the KV writes queued so far
         _mark(request_id, "recorded")
         lease = self._clock() + max(0.0, deadline - time.monotonic())
+        offer = None
+        if to not in self._acked:
+            offer = export.offer
+            bell = self._bell_for(to)
+            if bell is not None:  # named only over the engine (authenticated)
+                offer = dataclasses.replace(offer, bell=bell.name, bell_key=bell.key)
         desc = Descriptor(
             rid=request_id,
             plane="ipc",
@@ -1062,21 +1108,87 @@ class IpcPlane:
             event=ev_handle,
             event_slot=slot,
             lease=lease,
-            offer=None if to in self._acked else export.offer,
+            offer=offer,
         )
         t0 = time.perf_counter()
-        self._send_msg(f"{request_id}#ipc", desc.to_wire(), to, max(0.0, lease - self._clock()))
+        wire = desc.to_wire()
+        _mark(request_id, "built")
+        if offer is None:
+            self._ring(request_id, to, wire)
+        self._send_msg(f"{request_id}#ipc", wire, to, max(0.0, lease - self._clock()))
         _mark(request_id, "sent")
         rel_task = asyncio.ensure_future(self._await_release(request_id, to, lease))
+        ok = await self._settle_release(
+            request_id,
+            to,
+            rel_task,
+            [(slot, ev, ev_handle)],
+            nbytes=self.layout.request_nbytes(n),
+            started=t0,
+            count_errors=False,
+        )
+        if not ok:  # nothing was read: the ordinary way (from now on, for this consumer)
+            await con.send_request(
+                request_id, host, to=to, timeout=max(0.0, deadline - time.monotonic()), _plain=True
+            )
+
+    def _bell_for(self, to: str) -> _doorbell.BellWriter | None:
+        """The doorbell ring for consumer ``to`` (made once; None where the option is off
+        or no ring can be made here, e.g. no ``/dev/shm``)."""
+        if not self.options.doorbell:
+            return None
+        if to in self._bells:
+            return self._bells[to]
+        try:
+            bell: _doorbell.BellWriter | None = _doorbell.BellWriter()
+        except OSError as exc:
+            log.info("aiokv IPC plane: no doorbell for %s: %s", to, exc)
+            bell = None
+        self._bells[to] = bell
+        return bell
+
+    def _ring(self, request_id: str, to: str, wire: Mapping[str, Any]) -> None:
+        """Post the descriptor in ``to``'s doorbell ring, if it has one (the engine
+        message follows regardless)."""
+        bell = self._bells.get(to)
+        if bell is not None and bell.post(msgpack.packb(wire, use_bin_type=True)):
+            _mark(request_id, "rung")
+
+    async def _settle_release(
+        self,
+        request_id: str,
+        to: str,
+        rel_task: asyncio.Task[Release | None],
+        events: list[tuple[int, Any, bytes]],
+        *,
+        nbytes: int,
+        started: float,
+        count_errors: bool,
+    ) -> bool:
+        """Wait for the consumer's release of a request it reads over the plane and settle
+        it (``send_request`` and ``wait_saved`` alike): True when the blocks landed (the
+        request joins ``finished_sending()``), False when the consumer asked for the
+        ordinary path (nothing was read; the caller sends it that way). Raises
+        :class:`~aiokv.TransferTimeoutError` when no release came before lease + grace
+        and :class:`~aiokv.TransferAbortedError` when the consumer failed the request.
+
+        Cancelled, the request joins ``finished_sending()`` (and its ``events`` go back to
+        the pool) only at the release or once lease + grace are over: the consumer may
+        still be reading. ``count_errors``: whether another error while waiting (a bad
+        release) counts as a send failure -- ``wait_saved`` counts it, ``send_request``
+        never did (tests/test_ipc_settle.py pins both)."""
+        con = self.con
         try:
             rel = await asyncio.shield(rel_task)
-            _mark(request_id, "released")
         except asyncio.CancelledError:
-            # the consumer may still be reading: the event slot comes back (and the
-            # request counts as sent) only when its release arrives or the lease is over
-            self._track(self._settle_cancelled(rel_task, [(slot, ev, ev_handle)], request_id))
+            self._track(self._settle_cancelled(rel_task, events, request_id))
             con._stats.send_failures += 1
             raise
+        except BaseException:
+            if count_errors:
+                con._stats.send_failures += 1
+            raise
+        _mark(request_id, "released")
         if rel is None:
             con._stats.send_failures += 1
             self._stats.lease_expired += 1
@@ -1084,26 +1196,32 @@ class IpcPlane:
                 f"IPC: no release of {request_id!r} from {to} before its lease ran out "
                 "(the consumer no longer reads the blocks)"
             )
-        self._free_events.append((slot, ev, ev_handle))
+        self._free_events.extend(events)
         if rel.fallback:
-            self._broken_to[to] = rel.reason or "consumer_refused"
-            self._count_fallback(rel.reason or "consumer_refused", to)
-            await con.send_request(
-                request_id, host, to=to, timeout=max(0.0, deadline - time.monotonic()), _plain=True
-            )
-            return
+            reason = rel.reason or "consumer_refused"
+            self._broken_to[to] = reason
+            bell = self._bells.pop(to, None)
+            if bell is not None:
+                bell.close()
+            self._count_fallback(reason, to)
+            return False
         if not rel.ok:
             con._stats.send_failures += 1
             raise TransferAbortedError(
                 f"IPC: the consumer {to} failed request {request_id!r}: {rel.reason}"
             )
-        self._acked.add(to)
+        if to not in self._acked:
+            self._acked.add(to)
+            bell = self._bells.get(to)
+            if bell is not None:  # the consumer mapped it with the offer: the name can go
+                bell.unlink()
         self._stats.requests_sent += 1
         st = con._stats
         st.requests_sent += 1
-        st.bytes_sent += self.layout.request_nbytes(n)
-        st.send_seconds += time.perf_counter() - t0
+        st.bytes_sent += nbytes
+        st.send_seconds += time.perf_counter() - started
         con._finished_sending.add(request_id)
+        return True
 
     async def _await_release(self, rid: str, frm: str, lease: float) -> Release | None:
         """The consumer's release, or None once the lease plus the grace period is over."""
@@ -1247,44 +1365,20 @@ class IpcPlane:
                 f"request {request_id!r}: layers {missing[:8]}{'...' if len(missing) > 8 else ''} "
                 "were never saved"
             )
-        try:
-            rel = await asyncio.shield(sv.rel_task)
-        except asyncio.CancelledError:
-            self._track(self._settle_cancelled(sv.rel_task, sv.events, request_id))
-            con._stats.send_failures += 1
-            raise
-        except BaseException:
-            con._stats.send_failures += 1
-            raise
-        if rel is None:
-            con._stats.send_failures += 1
-            self._stats.lease_expired += 1
-            raise TransferTimeoutError(
-                f"IPC: no release of {request_id!r} from {sv.to} before its lease ran out "
-                "(the consumer no longer reads the blocks)"
-            )
-        self._free_events.extend(sv.events)
-        if rel.fallback:
-            self._broken_to[sv.to] = rel.reason or "consumer_refused"
-            self._count_fallback(rel.reason or "consumer_refused", sv.to)
-            # nothing was read: every layer the ordinary way (all are written by now)
+        ok = await self._settle_release(
+            request_id,
+            sv.to,
+            sv.rel_task,
+            sv.events,
+            nbytes=self.layout.request_nbytes(len(sv.host)),
+            started=sv.started,
+            count_errors=True,
+        )
+        if not ok:  # nothing was read: every layer the ordinary way (all are written now)
             left = max(0.0, sv.deadline - time.monotonic())
             for i in range(L):
                 con.save_layer(request_id, i, sv.host, to=sv.to, timeout=left, _plain=True)
             await con.wait_saved(request_id)
-            return
-        if not rel.ok:
-            con._stats.send_failures += 1
-            raise TransferAbortedError(
-                f"IPC: the consumer {sv.to} failed request {request_id!r}: {rel.reason}"
-            )
-        self._acked.add(sv.to)
-        self._stats.requests_sent += 1
-        st = con._stats
-        st.requests_sent += 1
-        st.bytes_sent += self.layout.request_nbytes(len(sv.host))
-        st.send_seconds += time.perf_counter() - sv.started
-        con._finished_sending.add(request_id)
 
     # ------------------------------------------------------------------ consumer
 
@@ -1303,11 +1397,14 @@ class IpcPlane:
         deadline = con._deadline(timeout)
         host = self._ids(block_ids, unique=True, what="recv_request")
         n = len(host)
-        raw = await self.channel.recv(
-            f"{request_id}#ipc", frm=frm, timeout=max(0.0, deadline - time.monotonic())
-        )
-        _mark(request_id, "desc")
-        d = decode_message(raw)
+        if not layerwise and any(m.bell is not None for m in self._maps.values()):
+            d = await self._recv_desc(request_id, frm, deadline)
+        else:
+            raw = await self.channel.recv(
+                f"{request_id}#ipc", frm=frm, timeout=max(0.0, deadline - time.monotonic())
+            )
+            _mark(request_id, "desc")
+            d = decode_message(raw)
         desc, plout = Descriptor.from_wire(d)
         if desc.rid != request_id:
             raise RemoteProtocolError(f"IPC descriptor for {desc.rid!r:.64} under {request_id!r}")
@@ -1366,6 +1463,99 @@ class IpcPlane:
         _mark(request_id, "mapped")
         await self._pull(m, desc, host, deadline, frm)
 
+    async def _recv_desc(self, rid: str, frm: str | None, deadline: float) -> dict[str, Any]:
+        """The request's descriptor (decoded, not yet validated) from whichever comes
+        first: a producer's doorbell ring or the engine. When the ring wins, the engine's
+        copy is dropped as it lands."""
+        bell: asyncio.Future[dict[str, Any]] = asyncio.get_running_loop().create_future()
+        self._bell_wait[rid] = (bell, frm)
+        self._bell_kick()
+        eng = asyncio.ensure_future(
+            self.channel.recv(f"{rid}#ipc", frm=frm, timeout=max(0.0, deadline - time.monotonic()))
+        )
+        try:
+            await asyncio.wait((bell, eng), return_when=asyncio.FIRST_COMPLETED)
+        except BaseException:
+            eng.cancel()  # (a descriptor already handed over goes back to the store)
+            raise
+        finally:
+            w = self._bell_wait.get(rid)
+            if w is not None and w[0] is bell:
+                del self._bell_wait[rid]
+        if bell.done() and not bell.cancelled():
+            _mark(rid, "desc")
+            self._stats.doorbell_hits += 1
+            if eng.done():
+                if not eng.cancelled():
+                    eng.exception()  # retrieved; a descriptor it took is dropped with it
+            else:
+                eng.cancel()
+                self.con._drop(rid, [f"{rid}#ipc"], frm, deadline)
+            return bell.result()
+        bell.cancel()
+        raw = eng.result()
+        _mark(rid, "desc")
+        return decode_message(raw)
+
+    def _bell_kick(self) -> None:
+        """Spin the doorbell poll for ``doorbell_spin_s`` from now (start it if needed)."""
+        self._bell_spin_until = time.monotonic() + self.options.doorbell_spin_s
+        if self._bell_task is None or self._bell_task.done():
+            self._bell_task = asyncio.ensure_future(self._bell_loop())
+
+    async def _bell_loop(self) -> None:
+        """Poll every mapped producer's ring while a request waits: each loop pass while
+        spinning (``sleep(0)``: other tasks run between), then every millisecond."""
+        while self._bell_wait and not self._closed:
+            for m in list(self._maps.values()):
+                if m.bell is not None:
+                    self._bell_poll(m)
+            if not self._bell_wait:
+                break
+            if time.monotonic() < self._bell_spin_until:
+                await asyncio.sleep(0)
+            else:
+                await asyncio.sleep(0.001)
+
+    def _bell_poll(self, m: _Mapping) -> None:
+        """Hand the descriptors in ``m``'s ring to their waiting requests. A message is
+        only taken for a request waiting for it, from this producer (the caller's
+        ``frm``), for this export, plane ``"ipc"``; anything else is left to the
+        engine's copy. Validation proper follows in ``recv_request``, as for the
+        engine's."""
+        b = m.bell
+        assert b is not None
+        before = b.rejected
+        try:
+            msgs = b.poll()
+        except Exception as exc:  # (defensive: a ring that cannot be read is dropped)
+            log.warning("aiokv IPC plane: doorbell of export %x dropped: %s", m.token, exc)
+            b.close()
+            m.bell = None
+            return
+        for payload in msgs:
+            try:
+                d = decode_message(payload)
+            except RemoteProtocolError:
+                b.rejected += 1
+                continue
+            rid = d.get("rid")
+            w = self._bell_wait.get(rid) if isinstance(rid, str) else None
+            if w is None:
+                continue  # nobody waits (yet, or any more): the engine's copy serves
+            fut, frm = w
+            if (frm is not None and frm != m.reply_to) or d.get("token") != m.token:
+                continue
+            if d.get("plane") == "ipc" and not fut.done():
+                fut.set_result(d)
+        if b.rejected != before:
+            self._stats.doorbell_rejected += b.rejected - before
+            log.warning(
+                "aiokv IPC plane: %d doorbell slot(s) of export %x rejected (MAC or format)",
+                b.rejected - before,
+                m.token,
+            )
+
     def _release(self, desc: Descriptor, rel: Release) -> None:
         try:
             self._send_msg(
@@ -1399,6 +1589,12 @@ class IpcPlane:
             self._stats.mapping_failures += 1
             self._failed_tokens[desc.token] = "map_failed"
             raise IpcUnavailableError("map_failed", f"{type(exc).__name__}: {exc}") from None
+        m.reply_to = desc.reply_to
+        if desc.offer.bell and self.options.doorbell:
+            try:
+                m.bell = _doorbell.BellReader(desc.offer.bell, desc.offer.bell_key)
+            except (OSError, ValueError) as exc:  # the engine path serves alone
+                log.info("aiokv IPC plane: doorbell %s not used: %s", desc.offer.bell, exc)
         self._maps[desc.token] = m
         self._stats.mappings_verified += 1
         return m
@@ -1641,12 +1837,14 @@ class IpcPlane:
         L = lay.num_layers
         nxt = 0  # layers [0, nxt) are launched
         launched = False
+        awaited = False  # since `stream` was taken (other code may switch streams meanwhile)
         m.inflight += 1
         try:
             ids = self._stage_ids(stream, own, sb, desc.src, host)
             _mark(desc.rid, "staged")
             while nxt < L:
                 if layerwise:
+                    awaited = True
                     lr = await self._next_layers(m, desc, nxt, frm, until)
                     hi, ready = lr.hi, self._layer_event(m, lr)
                 else:
@@ -1660,11 +1858,23 @@ class IpcPlane:
                         # Not launched before the producer's event fired: a launch queued
                         # behind the event of a producer that then dies would keep its
                         # stream (and any device-wide synchronize) waiting forever.
+                        awaited = True
                         await self._wait_ready(ready, until)
                 _mark(desc.rid, f"ready{nxt}")
                 launched = True  # (from here on a launch may be queued: abort rules apply)
                 self._launch(
-                    m, stream, ready if gpu_wait else None, ids, ab, slot, triton, nxt, hi, sb, n
+                    m,
+                    stream,
+                    ready if gpu_wait else None,
+                    ids,
+                    ab,
+                    slot,
+                    triton,
+                    nxt,
+                    hi,
+                    sb,
+                    n,
+                    current=not own and not awaited,
                 )
                 _mark(desc.rid, f"launched{nxt}")
                 nxt = hi
@@ -1778,8 +1988,10 @@ class IpcPlane:
             assert sb.order is not None
             sb.order.record(torch.cuda.current_stream(self.device))
             stream.wait_event(sb.order)
-        with _on(stream, self.device):
-            sb.dev[: 2 * n].copy_(sb.pin[: 2 * n], non_blocking=True)
+        # the whole buffer (at most twice the ids): no slices, two torch calls fewer; when
+        # the copy runs on the caller's stream it is the current one (no check, no switch)
+        with _on(stream, self.device) if own else contextlib.nullcontext():
+            sb.dev.copy_(sb.pin, non_blocking=True)
         if stream not in sb.streams:
             sb.dev.record_stream(stream)  # freed (retired) only after this stream's work
             sb.streams.append(stream)
@@ -1812,10 +2024,12 @@ class IpcPlane:
         hi: int,
         sb: _SlotBufs,
         n: int,
+        current: bool = False,
     ) -> None:
         """Enqueue the copy of layers ``[lo, hi)`` on ``stream`` (after the producer's
         event ``ready`` on the GPU, if given) and re-record the slot's completion event
-        after it."""
+        after it. ``current``: ``stream`` is known to be the current stream (taken with
+        no await since), so no check (a CUDA call) is needed."""
         dev = self.device
         lay = self.layout
         whole = lo == 0 and hi == lay.num_layers
@@ -1826,7 +2040,7 @@ class IpcPlane:
                 src, dst if whole else dst[lo:hi], lay.block_dim, ids[0], ids[1]
             )
             return
-        with _on(stream, dev):
+        with contextlib.nullcontext() if current else _on(stream, dev):
             if ready is not None:
                 stream.wait_event(ready)  # the producer's KV is written (GPU-side wait)
             if triton:
@@ -1920,6 +2134,16 @@ class IpcPlane:
         # behind a dead producer's event holds its mapping in self._keep instead)
         while any(m.inflight for m in self._maps.values()) and time.monotonic() < end:
             await asyncio.sleep(0.01)
+        if self._bell_task is not None:
+            self._bell_task.cancel()
+            self._bell_task = None
+        for m in self._maps.values():
+            if m.bell is not None:
+                m.bell.close()
+        for bell in self._bells.values():
+            if bell is not None:
+                bell.close()
+        self._bells.clear()
         self._maps.clear()
         if self._poller is not None:
             await self._poller.stop()

@@ -1,0 +1,260 @@
+"""The IPC plane's doorbell: descriptors through a shared-memory ring, on CPU.
+
+The ring (``aiokv.kv._doorbell``) on its own -- order, laps, MACs, torn slots, names
+and files it refuses -- and the plane with it: the consumer takes a descriptor from
+the ring when it waits for it, the engine's copy is dropped, a ring with forged
+slots only costs the engine's latency, the ring's name is gone once the consumer
+acknowledged, and the option turns it off. CUDA is faked as in test_ipc_plane.py.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import secrets
+import sys
+from typing import Any
+
+import pytest
+from _kvutil import filled, make_layout
+from test_ipc_plane import OPTS, connectors, landed, pair
+
+from aiokv import RemoteProtocolError, TransferTimeoutError
+from aiokv.kv import IpcOptions
+from aiokv.kv import _doorbell as db
+from aiokv.kv.ipc import Offer
+
+pytestmark = pytest.mark.skipif(
+    not os.path.isdir("/dev/shm") or sys.platform != "linux", reason="needs /dev/shm"
+)
+
+
+# --------------------------------------------------------------------------- the ring
+
+
+def test_ring_in_order_and_once() -> None:
+    w = db.BellWriter()
+    try:
+        r = db.BellReader(w.name, w.key)
+        assert r.poll() == []
+        for i in range(5):
+            assert w.post(b"m%d" % i)
+        assert r.poll() == [b"m0", b"m1", b"m2", b"m3", b"m4"]
+        assert r.poll() == []
+        assert w.post(b"x" * db.MAX_PAYLOAD)
+        assert not w.post(b"x" * (db.MAX_PAYLOAD + 1))  # too large: the engine alone
+        assert r.poll() == [b"x" * db.MAX_PAYLOAD]
+        r.close()
+    finally:
+        w.close()
+    assert not os.path.exists(os.path.join("/dev/shm", w.name))
+
+
+def test_ring_lapped_reader_gets_the_newest() -> None:
+    w = db.BellWriter()
+    try:
+        r = db.BellReader(w.name, w.key)
+        for i in range(db.SLOTS + 3):
+            w.post(b"%d" % i)
+        got = r.poll() + r.poll()
+        # messages 0..2 were overwritten by 64..66: lost here (the engine has them); the
+        # reader resumes at the oldest still in the ring and keeps the order
+        assert got == [b"%d" % i for i in range(3, db.SLOTS + 3)]
+        assert r.rejected == 0
+        w.post(b"next")
+        assert r.poll() == [b"next"]
+        r.close()
+    finally:
+        w.close()
+
+
+def test_ring_rejects_a_wrong_key_and_garbage() -> None:
+    w = db.BellWriter()
+    try:
+        forged = db.BellReader(w.name, secrets.token_bytes(db.KEY_BYTES))
+        w.post(b"hello")
+        assert forged.poll() == [] and forged.rejected == 1
+        # a slot whose sequence number is not one the writer makes
+        r = db.BellReader(w.name, w.key)
+        w._mm[0:8] = (7).to_bytes(8, "little")  # slot 0 says 7: neither 1 nor 1 + k*SLOTS
+        assert r.poll() == [] and r.rejected == 1
+        w.post(b"again")  # seq 2, slot 1
+        assert r.poll() == [b"again"]
+        r.close()
+        forged.close()
+    finally:
+        w.close()
+
+
+def test_ring_slot_being_rewritten_is_left_for_later() -> None:
+    w = db.BellWriter()
+    try:
+        r = db.BellReader(w.name, w.key)
+        w.post(b"one")
+        w._mm[0:8] = bytes(8)  # the writer's "invalid while rewritten"
+        assert r.poll() == [] and r.rejected == 0
+        w._mm[0:8] = (1).to_bytes(8, "little")
+        assert r.poll() == [b"one"]
+        r.close()
+    finally:
+        w.close()
+
+
+def test_reader_refuses_other_names_and_files() -> None:
+    key = secrets.token_bytes(db.KEY_BYTES)
+    for bad in ("../etc/passwd", "aiokv-bell-xyz", "psm_123", ""):
+        with pytest.raises(ValueError):
+            db.BellReader(bad, key)
+    with pytest.raises(ValueError):
+        db.BellReader("aiokv-bell-" + "0" * 32, b"short")
+    name = "aiokv-bell-" + secrets.token_hex(16)
+    path = os.path.join("/dev/shm", name)
+    with open(path, "wb") as f:
+        f.write(b"x" * 100)  # not a ring's size
+    try:
+        with pytest.raises(OSError):
+            db.BellReader(name, key)
+    finally:
+        os.unlink(path)
+    with pytest.raises(OSError):
+        db.BellReader("aiokv-bell-" + secrets.token_hex(16), key)  # no such file
+
+
+# --------------------------------------------------------------------------- the offer
+
+
+def _offer_wire(**over: Any) -> dict[str, Any]:
+    from test_ipc_plane import _offer_wire as base
+
+    return base(**over)
+
+
+def test_offer_doorbell_fields() -> None:
+    w = _offer_wire(bell="aiokv-bell-" + "ab" * 16, bell_key=bytes(32))
+    off, _ = Offer.from_wire(w)
+    assert off.bell == "aiokv-bell-" + "ab" * 16 and off.bell_key == bytes(32)
+    assert off.to_wire()["bell"] == off.bell
+    plain, _ = Offer.from_wire(_offer_wire())
+    assert plain.bell == "" and "bell" not in plain.to_wire()  # older consumers' wire
+    for over in (
+        {"bell": "../x", "bell_key": bytes(32)},
+        {"bell": "aiokv-bell-" + "ab" * 16, "bell_key": bytes(31)},
+        {"bell": "aiokv-bell-" + "ab" * 16},
+        {"bell_key": bytes(32)},
+        {"bell": 5, "bell_key": bytes(32)},
+    ):
+        with pytest.raises(RemoteProtocolError):
+            Offer.from_wire(_offer_wire(**over))
+
+
+# --------------------------------------------------------------------------- the plane
+
+
+def _shm_names() -> list[str]:
+    return os.listdir("/dev/shm")
+
+
+async def _move_waiting(prod: Any, cons: Any, a: Any, b: Any, rid: str, src: Any, dst: Any) -> None:
+    """The consumer waits before the producer sends (as the doorbell expects)."""
+    recv = asyncio.create_task(cons.recv_request(rid, dst, frm=a.address, timeout=10))
+    await asyncio.sleep(0.02)
+    await prod.send_request(rid, src, to=b.address, timeout=10)
+    await recv
+
+
+@pytest.mark.anyio
+@pytest.mark.timeout(60)
+async def test_descriptors_come_by_the_doorbell() -> None:
+    pl = make_layout("fa", "bfloat16", 20)
+    p, c = filled(pl, 1), filled(pl, 2)
+    async with pair(pl, pl) as (a, b):
+        prod, cons = connectors(a, b, pl, p, pl, c)
+        await _move_waiting(prod, cons, a, b, "d0", [1, 2], [3, 4])  # the offer: engine
+        bell = prod._ipc._bells[b.address]
+        assert bell is not None
+        assert bell.name not in _shm_names()  # gone after the ack
+        for i in range(1, 4):
+            await _move_waiting(prod, cons, a, b, f"d{i}", [5 + i, 9 + i], [10 + i, 14 + i])
+            assert landed(pl, p, [5 + i, 9 + i], c, [10 + i, 14 + i])
+        st = cons.statistics().ipc
+        assert st is not None and st.doorbell_hits == 3 and st.doorbell_rejected == 0
+        assert prod.finished_sending() == {"d0", "d1", "d2", "d3"}
+        # the engine's copies of the rung descriptors were dropped, not left in the store
+        await asyncio.sleep(0.2)
+        for i in range(1, 4):
+            with pytest.raises(TransferTimeoutError):
+                await b.recv(f"d{i}#ipc", timeout=0.1)
+        await prod.aclose()
+        await cons.aclose()
+    assert not any(n.startswith("aiokv-bell-") for n in _shm_names())
+
+
+@pytest.mark.anyio
+@pytest.mark.timeout(60)
+async def test_forged_ring_slots_cost_only_latency() -> None:
+    """Slots whose MAC fails (here: the consumer holds another key, as a process that
+    guessed the file would) are rejected and counted; the engine delivers."""
+    pl = make_layout("mla", "float16", 20)
+    p, c = filled(pl, 1), filled(pl, 2)
+    async with pair(pl, pl) as (a, b):
+        prod, cons = connectors(a, b, pl, p, pl, c)
+        await _move_waiting(prod, cons, a, b, "f0", [1], [2])
+        (m,) = cons._ipc._maps.values()
+        assert m.bell is not None
+        m.bell.key = secrets.token_bytes(db.KEY_BYTES)
+        await _move_waiting(prod, cons, a, b, "f1", [3, 4], [5, 6])
+        assert landed(pl, p, [3, 4], c, [5, 6])
+        st = cons.statistics().ipc
+        assert st is not None and st.doorbell_hits == 0 and st.doorbell_rejected == 1
+        await prod.aclose()
+        await cons.aclose()
+
+
+@pytest.mark.anyio
+@pytest.mark.timeout(60)
+async def test_doorbell_off() -> None:
+    pl = make_layout("fa", "float32", 20)
+    p, c = filled(pl, 1), filled(pl, 2)
+    opts = IpcOptions(trust_unauthenticated=True, grace_s=0.3, doorbell=False)
+    async with pair(pl, pl) as (a, b):
+        prod, cons = connectors(a, b, pl, p, pl, c, opts=opts)
+        for i in range(3):
+            await _move_waiting(prod, cons, a, b, f"o{i}", [i + 1], [i + 5])
+        st = cons.statistics().ipc
+        assert st is not None and st.doorbell_hits == 0
+        assert prod._ipc._bells == {} and all(m.bell is None for m in cons._ipc._maps.values())
+        await prod.aclose()
+        await cons.aclose()
+
+
+@pytest.mark.anyio
+@pytest.mark.timeout(60)
+async def test_ring_message_for_another_producer_is_ignored() -> None:
+    """A waiter that names its producer (``frm``) takes ring messages of that producer's
+    export only; here it names another address, so the ring is ignored and the call
+    runs into its deadline (the engine, asked for ``frm``, has nothing either)."""
+    pl = make_layout("fa", "bfloat16", 20)
+    p, c = filled(pl, 1), filled(pl, 2)
+    async with pair(pl, pl) as (a, b):
+        prod, cons = connectors(a, b, pl, p, pl, c)
+        await _move_waiting(prod, cons, a, b, "g0", [1], [2])
+        recv = asyncio.create_task(cons.recv_request("g1", [3], frm="127.0.0.1:9", timeout=0.5))
+        await asyncio.sleep(0.02)
+        send = asyncio.create_task(prod.send_request("g1", [4], to=b.address, timeout=0.4))
+        with pytest.raises(TransferTimeoutError):
+            await recv
+        st = cons.statistics().ipc
+        assert st is not None and st.doorbell_hits == 0
+        with pytest.raises(TransferTimeoutError):
+            await send
+        await prod.aclose()
+        await cons.aclose()
+
+
+def test_doorbell_spin_option_checked() -> None:
+    from aiokv import ConfigError
+
+    for bad in (-1, 2, "x"):
+        with pytest.raises(ConfigError):
+            IpcOptions(doorbell_spin_s=bad)  # type: ignore[arg-type]
+    assert OPTS.doorbell and IpcOptions(doorbell_spin_s=0).doorbell_spin_s == 0

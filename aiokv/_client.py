@@ -54,6 +54,7 @@ from .protocol.messages import (
     DATA_FRAME_BYTES,
     PROTOCOL_VERSION,
     Ack,
+    AckReq,
     Bye,
     DataHeader,
     DataHello,
@@ -128,6 +129,8 @@ class _OutXfer:
     sent: Any = None  # NCCL: future of the send's completion on this side
     released: asyncio.Future[None] | None = None  # set once nothing reads the tensors any more
     put: bool = False  # protocol v2: sent on standing credit (PUT), settled by an ACK
+    waited: bool = True  # its caller awaits it now (send, send_many): ACK at once
+    ack_now: bool = True  # the PUT asked for its ACK at once (else ACK_REQ may follow)
     posted: bool = False
     abandoned: bool = False
     nbytes: int = 0
@@ -204,6 +207,9 @@ class _ClientSession:
         self.credit = CreditAccount()  # protocol v2, once the peer announced its window
         self.credit_wait: deque[_OutXfer] = deque()  # PUTs waiting for credit, in order
         self.gave_up: set[int] = set()  # posted PUTs whose caller timed out: a late ACK is fine
+        self.puts_unacked = 0  # posted PUTs not settled yet
+        self.last_put = 0  # the newest PUT posted
+        self.ack_asked = 0  # the newest PUT an ACK_REQ covers
         # what each message the session lets through does: one look-up per message
         # (Session.receive has checked that a client may receive it in this state)
         self.handlers: dict[type[Message], Callable[[Any], None]] = {
@@ -323,6 +329,7 @@ class _ClientSession:
                     self.granted_now,
                     loop.create_future(),
                     put=True,
+                    waited=lean or not watched,
                     nbytes=nbytes,
                 )
                 self.last_used = time.monotonic()
@@ -340,6 +347,7 @@ class _ClientSession:
         )
         x.transport = transport
         x.ready = ready
+        x.waited = not watched
         x.released = loop.create_future()
         self.last_used = time.monotonic()
         x.granted.add_done_callback(_retrieve)
@@ -443,7 +451,12 @@ class _ClientSession:
             self.engine._get_poller().touch()  # the GRANT is read on a spinning loop
 
     def _post_put(self, x: _OutXfer, flush: bool = False) -> None:
-        header = self.codec.encode_put(x.xfer, x.specs)
+        # the receiver answers at once if the caller waits, or if nothing else is in
+        # flight (a lone PUT_ASYNC is likely awaited next); else it may gather ACKs
+        x.ack_now = x.waited or not self.puts_unacked
+        self.puts_unacked += 1
+        self.last_put = x.xfer
+        header = self.codec.encode_put(x.xfer, x.specs, x.ack_now)
         if len(x.tensors) == 1 and x.nbytes <= DATA_FRAME_BYTES:
             frames = [header, tensor_buffer(x.tensors[0])]
         elif x.nbytes <= DATA_FRAME_BYTES:
@@ -472,19 +485,34 @@ class _ClientSession:
                 self._reserve(x)
                 continue
             if not self.credit.try_spend(x.nbytes, len(x.specs)):
+                self.ask_ack()  # a top-up may be riding on a deferred ACK
                 return
             w.popleft()
             self._post_put(x)
+
+    def want_ack(self, x: _OutXfer) -> None:
+        """Somebody started waiting for ``x``: if its PUT let the receiver gather ACKs
+        and none came yet, ask for them (ACK_REQ, after the PUTs on their connection)."""
+        if x.put and x.posted and not x.ack_now and not x.done.done() and x.xfer > self.ack_asked:
+            self.ask_ack()
+
+    def ask_ack(self) -> None:
+        """ACK_REQ for every PUT posted so far (once), unless all asked for theirs."""
+        if self.last_put > self.ack_asked and self.puts_unacked and self.dead is None:
+            self.ack_asked = self.last_put
+            self.data_out.put([self.codec.encode(AckReq(self.last_put))])
 
     def _settle_put(self, xfer: int, exc: BaseException | None) -> bool:
         """An ACK settled a PUT; False if it names none of ours (a protocol error)."""
         x = self.xfers.get(xfer)
         if x is None and xfer in self.gave_up:
             self.gave_up.discard(xfer)
+            self.puts_unacked -= 1
             return True
         if x is None or not x.put or not x.posted:
             return False
         del self.xfers[xfer]
+        self.puts_unacked -= 1
         if exc is not None:
             self.stats.refused_received += 1
         self._end(x, exc)
@@ -805,6 +833,10 @@ class _XferWatch:
         done.set_exception(exc)  # first: withdrawing must not turn it into a cancel
         self.cs.abandon(x)
 
+    def wanted(self) -> None:
+        """The caller started waiting (awaits the handle, its release, or polls it)."""
+        self.cs.want_ack(self.x)
+
     def on_cancel(self) -> None:
         """The caller gave up (at once: nothing waits a loop pass)."""
         if self.gave_up:
@@ -825,7 +857,7 @@ class TransferHandle:
     be reading the tensor: await :meth:`released` before reusing its memory.
     """
 
-    __slots__ = ("_on_cancel", "_released", "_task")
+    __slots__ = ("_on_cancel", "_on_wait", "_released", "_task")
 
     def __init__(
         self,
@@ -834,21 +866,31 @@ class TransferHandle:
         on_cancel: Callable[[], None] | None = None,
         *,
         retrieve: bool = True,
+        on_wait: Callable[[], None] | None = None,
     ) -> None:
         self._task = task
         self._released = released
         self._on_cancel = on_cancel
+        self._on_wait = on_wait  # somebody waits for the outcome (see want_ack)
         if retrieve:  # (False: the caller reads the outcome itself)
             task.add_done_callback(_retrieve)
 
+    def _waiting(self) -> None:
+        if self._on_wait is not None and not self._task.done():
+            self._on_wait()
+
     async def released(self) -> None:
         """Wait until no part of aiokv reads the sent tensor any more (never raises)."""
+        self._waiting()
         with contextlib.suppress(asyncio.CancelledError, Exception):
             await asyncio.wait({self._task})
         await asyncio.shield(self._released)
 
     def done(self) -> bool:
-        return self._task.done()
+        if self._task.done():
+            return True
+        self._waiting()  # (a caller polling it waits for it too)
+        return False
 
     def cancel(self) -> bool:
         ok = self._task.cancel()
@@ -860,4 +902,5 @@ class TransferHandle:
         return self._task.exception()
 
     def __await__(self) -> Generator[Any, None, None]:
+        self._waiting()
         return self._task.__await__()

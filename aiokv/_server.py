@@ -52,6 +52,7 @@ from .protocol.messages import (
     DATA_FRAME_BYTES,
     PROTOCOL_VERSION,
     Ack,
+    AckReq,
     Bye,
     DataHeader,
     DataHello,
@@ -100,6 +101,10 @@ _CANCEL_SLICE = 4096  # pending tensors of a lost session released per loop pass
 #: granted, not yet landed transfers of one session (zero-byte ones cost no budget)
 _MAX_GRANTED_PER_SESSION = 16384
 _MAX_GETS_SERVING = 64
+# ACK timing (docs/design.md, "ACK timing"): PUTs nobody waits for yet are acknowledged
+# in groups of this many, or when credit runs low, or after _ACK_DELAY_S at the latest
+_ACK_EVERY = 8
+_ACK_DELAY_S = 0.001
 
 
 def _share(ss: _ServerSession) -> int:
@@ -191,7 +196,9 @@ class _ServerSession:
         self.credit_held: OrderedDict[str, tuple[int, float]] = OrderedDict()  # tid -> (n, at)
         self.acks: list[int] = []
         self.refused: list[tuple[int, str]] = []
-        self.ack_due = False
+        self.ack_due = False  # an ACK is owed (landed, refused, or credit to give)
+        self.ack_force = False  # ... and the peer waits for it (ack_now PUT, ACK_REQ)
+        self.ack_timer: asyncio.TimerHandle | None = None  # a deferred ACK's deadline
 
     @property
     def name(self) -> str:
@@ -940,7 +947,7 @@ class _Server:
     def _on_data(self, ss: _ServerSession, frames: list[zmq.Frame]) -> None:
         try:
             header = self._codec.decode(frames[0].buffer)
-            if isinstance(header, (Put, Return)):
+            if isinstance(header, (Put, Return, AckReq)):
                 # protocol v2: one zmq message carries the PUTs (each header + its tensor
                 # frames) and RETURNs of one loop pass of the sender, in its order
                 i = 0
@@ -952,16 +959,25 @@ class _Server:
                     elif isinstance(header, Return):
                         self._on_return(ss, header)
                         i += 1
+                    elif isinstance(header, AckReq):
+                        if ss.ledger is None:
+                            raise RemoteProtocolError("ACK_REQ without credit")
+                        ss.ack_due = ss.ack_force = True  # after the PUTs it follows
+                        i += 1
                     else:
                         raise RemoteProtocolError(f"{header.NAME} among PUTs")
                     if i >= len(frames) or ss.dead:
                         break
                     header = self._codec.decode(frames[i].buffer)
-                # the ACK leaves as soon as the messages that arrived together are
-                # handled (_acks_now), before anything they woke up (a waiting recv)
-                # runs: it is the sender's critical path
+                # an ACK the sender waits for leaves as soon as the messages that
+                # arrived together are handled (_acks_now), before anything they woke
+                # up (a waiting recv) runs: it is the sender's critical path. Others
+                # are gathered (see _ack_deferrable)
                 if ss.ack_due and not ss.dead:
-                    self._ack_now.append(ss)
+                    if self._ack_deferrable(ss):
+                        self._defer_ack(ss)
+                    else:
+                        self._ack_now.append(ss)
                 return
             if not isinstance(header, DataHeader):
                 raise RemoteProtocolError(f"{header.NAME} on the data connection")
@@ -1028,11 +1044,16 @@ class _Server:
             self._stats.bytes_received += n
             ss.acks.append(msg.xfer)
         ss.ack_due = True  # sent by _on_data once the whole message is handled
+        if msg.ack_now:
+            ss.ack_force = True
 
     def _send_credit(self, ss: _ServerSession, now: bool = False) -> None:
         """One ACK for everything landed or refused this loop pass, with any new credit
         (``now``: the caller flushes the session's replies itself, at once)."""
-        ss.ack_due = False
+        ss.ack_due = ss.ack_force = False
+        if ss.ack_timer is not None:
+            ss.ack_timer.cancel()
+            ss.ack_timer = None
         ledger = ss.ledger
         if ledger is None or ss.dead:
             return
@@ -1087,13 +1108,49 @@ class _Server:
                 self._send_credit(ss, now=True)
 
     def _ack_soon(self, ss: _ServerSession) -> None:
-        """One ACK per loop pass: whatever landed, was refused or freed until then
-        (a data message sends its ACK itself as soon as it is handled)."""
+        """Credit freed (a tensor collected, a RESERVE ended): one ACK at the end of this
+        loop pass with whatever landed, was refused or freed until then -- or, while
+        the sender still holds half its window and waits for nothing, a deferred one."""
+        if ss.ack_timer is not None:  # already deferred: the top-up rides on that ACK
+            if self._ack_deferrable(ss):
+                return
+            ss.ack_timer.cancel()
+            ss.ack_timer = None
+            ss.ack_due = False
         if not ss.ack_due:
             ss.ack_due = True
-            self._loop.call_soon(self._ack_if_due, ss)
+            if self._ack_deferrable(ss):
+                self._defer_ack(ss)
+            else:
+                self._loop.call_soon(self._ack_if_due, ss)
+
+    @staticmethod
+    def _ack_deferrable(ss: _ServerSession) -> bool:
+        """May this session's owed ACK wait a little (to be sent with later ones)?
+
+        Not if the sender waits for one of the PUTs (``ack_now``, ACK_REQ), a PUT was
+        refused, ``_ACK_EVERY`` landed since the last ACK, or the sender's credit fell
+        to half its window (it must never run dry for want of a top-up). A sender
+        that starts waiting for a deferred PUT asks with ACK_REQ; one that waits for
+        nothing gets the ACK after ``_ACK_DELAY_S``.
+        """
+        led = ss.ledger
+        return not (
+            ss.ack_force
+            or ss.refused
+            or len(ss.acks) >= _ACK_EVERY
+            or led is None
+            or not led.announced
+            or 2 * led.credit_bytes < led.window_bytes
+            or 2 * led.credit_tensors < led.window_tensors
+        )
+
+    def _defer_ack(self, ss: _ServerSession) -> None:
+        if ss.ack_timer is None:
+            ss.ack_timer = self._loop.call_later(_ACK_DELAY_S, self._ack_if_due, ss)
 
     def _ack_if_due(self, ss: _ServerSession) -> None:
+        ss.ack_timer = None
         if ss.ack_due:
             self._send_credit(ss)
 
@@ -1198,6 +1255,9 @@ class _Server:
         if ss.dead:
             return
         ss.dead = True
+        if ss.ack_timer is not None:
+            ss.ack_timer.cancel()
+            ss.ack_timer = None
         self._admission.close(ss.queued)  # before anything below may pump the queue
         if lost:
             self._stats.peers_lost += 1

@@ -449,7 +449,7 @@ class Engine:
         with one timer, no task."""
         w = _XferWatch(self, cs, x, t, to)
         assert x.released is not None
-        return TransferHandle(x.done, x.released, w.on_cancel, retrieve=False)
+        return TransferHandle(x.done, x.released, w.on_cancel, retrieve=False, on_wait=w.wanted)
 
     async def send_many(
         self, tensors: Mapping[str, torch.Tensor], *, to: str, timeout: float | None = None

@@ -64,7 +64,7 @@ MESSAGES = {
     m.Pong: st.builds(m.Pong, u63),
     m.ErrorMsg: st.builds(m.ErrorMsg, code, detail),
     m.Bye: st.just(m.Bye()),
-    m.Put: st.builds(m.Put, u63, specs),
+    m.Put: st.builds(m.Put, u63, specs, st.booleans()),
     m.Ack: st.builds(
         m.Ack,
         u63,
@@ -75,6 +75,7 @@ MESSAGES = {
         st.lists(st.tuples(u63, code), max_size=5).map(tuple),
     ),
     m.Return: st.builds(m.Return, u63, u63, u63),
+    m.AckReq: st.builds(m.AckReq, u63),
 }
 any_message = st.one_of(*MESSAGES.values())
 
@@ -385,6 +386,7 @@ _dims = st.one_of(
     max_bytes=st.one_of(st.integers(1, 16), st.integers(1, 4096)),
     max_ndim=st.integers(0, 5),
     max_id=st.integers(1, 5),
+    ack_now=st.sampled_from([True, False, 0, 1, None]),
 )
 def test_one_spec_put_decodes_as_the_general_checks_do(
     xfer: object,
@@ -394,15 +396,16 @@ def test_one_spec_put_decodes_as_the_general_checks_do(
     max_bytes: int,
     max_ndim: int,
     max_id: int,
+    ack_now: object,
 ) -> None:
     """The receiver's PUT fast path accepts exactly what SCHEMA[Put] accepts, as the same
     message, under any limits (a 0-d tensor larger than the byte limit included)."""
     from aiokv.protocol import codec as c
 
     lim = WireLimits(max_tensor_bytes=max_bytes, max_ndim=max_ndim, max_id_length=max_id)
-    obj = [m.Put.KIND, xfer, [[tid, dtype, shape]]]
+    obj = [m.Put.KIND, xfer, [[tid, dtype, shape]], ack_now]
     try:
-        general: object = m.Put(c._u63(xfer, lim), c._specs(obj[2], lim))
+        general: object = m.Put(c._u63(xfer, lim), c._specs(obj[2], lim), c._bool(ack_now, lim))
     except WireError:
         general = "error"
     fast = c._one_spec_put(obj, lim)

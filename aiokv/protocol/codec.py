@@ -38,6 +38,7 @@ from .messages import (
     REFUSE_CODES,
     TRANSPORTS,
     Ack,
+    AckReq,
     Bye,
     DataHeader,
     DataHello,
@@ -242,12 +243,12 @@ def _specs(v: Any, lim: WireLimits) -> tuple[TensorSpec, ...]:
 
 
 def _one_spec_put(obj: list[Any], lim: WireLimits) -> Put | None:
-    """``[PUT, xfer, [[id, dtype, shape]]]`` that passes every check of ``SCHEMA[Put]``
+    """``[PUT, xfer, [[id, dtype, shape]], ack_now]`` that passes every check of ``SCHEMA[Put]``
     as a Put, in one function (the receiver's hot path runs cold after an idle wait:
     each call costs); None for anything else, which the general checks then judge
     (and name the fault of)."""
-    xfer, specs = obj[1], obj[2]
-    if type(xfer) is not int or not (0 <= xfer <= MAX_U63):
+    xfer, specs, ack_now = obj[1], obj[2], obj[3]
+    if type(xfer) is not int or not (0 <= xfer <= MAX_U63) or type(ack_now) is not bool:
         return None
     if type(specs) is not list or len(specs) != 1:
         return None
@@ -272,7 +273,7 @@ def _one_spec_put(obj: list[Any], lim: WireLimits) -> Put | None:
                 return None
     if extent > limit:  # a 0-d tensor's extent is its item size
         return None
-    return Put(xfer, (TensorSpec(tid, dtype, tuple(shape)),))
+    return Put(xfer, (TensorSpec(tid, dtype, tuple(shape)),), ack_now)
 
 
 def _xfer_list(v: Any, lim: WireLimits) -> tuple[int, ...]:
@@ -321,9 +322,10 @@ SCHEMA: dict[type[Message], tuple[Check, ...]] = {
     Pong: (_u63,),
     ErrorMsg: (_code, _detail),
     Bye: (),
-    Put: (_u63, _specs),
+    Put: (_u63, _specs, _bool),
     Ack: (_u63, _u63, _u63, _u63, _xfer_list, _refusals),
     Return: (_u63, _u63, _u63),
+    AckReq: (_u63,),
 }
 
 
@@ -389,7 +391,7 @@ def _shapes(lim: WireLimits) -> dict[type[Message], tuple[Shape, ...]]:
     out[Welcome] = ("bad_field", "bad_field", "bad_field", caps, layout, "bad_field")
     out[Reserve] = ("bad_field", "bad_field", _SpecList(lim.max_tensors, spec, "bad_spec"))
     out[Get] = ("bad_field", _Arr(lim.max_tensors, ("bad_field",), "bad_field"), "bad_field")
-    out[Put] = ("bad_field", _SpecList(lim.max_tensors, spec, "bad_spec"))
+    out[Put] = ("bad_field", _SpecList(lim.max_tensors, spec, "bad_spec"), "bad_field")
     refusal = _Arr(2, ("bad_field", "bad_field"), "bad_field")
     out[Ack] = (
         *("bad_field",) * 4,
@@ -544,24 +546,19 @@ class Codec:
     def __deepcopy__(self, memo: dict[int, Any]) -> Codec:
         return Codec(self.limits)  # stateless but for its packer, which cannot be copied
 
-    def encode_put(self, xfer: int, specs: Sequence[TensorSpec]) -> bytes:
-        """``encode(Put(xfer, tuple(specs)))`` without building the message: the hot
-        path's header, the same bytes."""
+    def encode_put(self, xfer: int, specs: Sequence[TensorSpec], ack_now: bool = True) -> bytes:
+        """``encode(Put(xfer, tuple(specs), ack_now))`` without building the message: the
+        hot path's header, the same bytes."""
         if len(specs) == 1:
             sp = specs[0]
-            return cast(
-                bytes, self._pack([_PUT_KIND, xfer, [[sp.tensor_id, sp.dtype, list(sp.shape)]]])
-            )
-        return cast(
-            bytes,
-            self._pack(
-                [_PUT_KIND, xfer, [[sp.tensor_id, sp.dtype, list(sp.shape)] for sp in specs]]
-            ),
-        )
+            body = [[sp.tensor_id, sp.dtype, list(sp.shape)]]
+        else:
+            body = [[sp.tensor_id, sp.dtype, list(sp.shape)] for sp in specs]
+        return cast(bytes, self._pack([_PUT_KIND, xfer, body, ack_now]))
 
     def encode(self, msg: Message) -> bytes:
         if type(msg) is Put:
-            return self.encode_put(msg.xfer, msg.specs)
+            return self.encode_put(msg.xfer, msg.specs, msg.ack_now)
         if type(msg) is Ack:
             return cast(
                 bytes,
@@ -639,9 +636,11 @@ class Codec:
             raise _fail("malformed", "a message is a non-empty array")
         kind = obj[0]
         # the hot path's two messages, checked as SCHEMA says without its generic loop
-        if kind == _PUT_KIND and type(kind) is int and len(obj) == 3:
+        if kind == _PUT_KIND and type(kind) is int and len(obj) == 4:
             lim = self.limits
-            return _one_spec_put(obj, lim) or Put(_u63(obj[1], lim), _specs(obj[2], lim))
+            return _one_spec_put(obj, lim) or Put(
+                _u63(obj[1], lim), _specs(obj[2], lim), _bool(obj[3], lim)
+            )
         if kind == _ACK_KIND and type(kind) is int and len(obj) == 7:
             lim = self.limits
             return Ack(

@@ -46,8 +46,10 @@ from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
 #: 2: tensors travel in frames of at most :data:`DATA_FRAME_BYTES` (1 was one frame per
-#: tensor); a peer of the other version is refused at HELLO/WELCOME ("version").
-PROTOCOL_VERSION = 2
+#: tensor). 3: a PUT says whether its sender waits for it (``ack_now``), and ACK_REQ asks
+#: for the ACK of what arrived (coalesced ACKs while streaming). A peer of another
+#: version is refused at HELLO/WELCOME ("version").
+PROTOCOL_VERSION = 3
 
 #: The largest data frame on the wire. A tensor of ``n`` bytes travels as
 #: ``max(1, ceil(n / DATA_FRAME_BYTES))`` frames, every one ``DATA_FRAME_BYTES`` long but
@@ -332,6 +334,10 @@ class Put(Message):
     NAME: ClassVar[str] = "PUT"
     xfer: int
     specs: tuple[TensorSpec, ...]
+    #: the sender waits for this PUT's ACK (a ``send``, or nothing else in flight):
+    #: the receiver acknowledges at once. Otherwise it may gather ACKs (see
+    #: docs/design.md, "ACK timing") until ACK_REQ, a count, or a short timer.
+    ack_now: bool = True
 
     @property
     def nbytes(self) -> int:
@@ -371,6 +377,17 @@ class Return(Message):
     credit_tensors: int
 
 
+@dataclass(frozen=True, slots=True)
+class AckReq(Message):
+    """Protocol v3: "acknowledge what you have of mine now" -- sent on the data
+    connection (so after the PUTs it concerns) when the sender starts waiting for a
+    PUT it had sent without ``ack_now``, or runs out of credit."""
+
+    KIND: ClassVar[int] = 23
+    NAME: ClassVar[str] = "ACK_REQ"
+    xfer: int  # the newest PUT the sender waits for
+
+
 ALL_MESSAGES: tuple[type[Message], ...] = (
     Hello,
     Welcome,
@@ -394,5 +411,6 @@ ALL_MESSAGES: tuple[type[Message], ...] = (
     Put,
     Ack,
     Return,
+    AckReq,
 )
 BY_KIND: dict[int, type[Message]] = {m.KIND: m for m in ALL_MESSAGES}

@@ -101,6 +101,7 @@ _CANCEL_SLICE = 4096  # pending tensors of a lost session released per loop pass
 #: granted, not yet landed transfers of one session (zero-byte ones cost no budget)
 _MAX_GRANTED_PER_SESSION = 16384
 _MAX_GETS_SERVING = 64
+_OPEN = SessionState.OPEN
 # ACK timing (docs/design.md, "ACK timing"): PUTs nobody waits for yet are acknowledged
 # in groups of this many, or when credit runs low, or after _ACK_DELAY_S at the latest
 _ACK_EVERY = 8
@@ -974,7 +975,9 @@ class _Server:
                 # up (a waiting recv) runs: it is the sender's critical path. Others
                 # are gathered (see _ack_deferrable)
                 if ss.ack_due and not ss.dead:
-                    if self._ack_deferrable(ss):
+                    if ss.ack_force:  # the sender waits: now, not after the read run
+                        self._send_credit(ss, now=True)
+                    elif self._ack_deferrable(ss):
                         self._defer_ack(ss)
                     else:
                         self._ack_now.append(ss)
@@ -1083,6 +1086,13 @@ class _Server:
         ledger.announced = True
         acks, ss.acks = ss.acks, []
         refused, ss.refused = ss.refused, []
+        if len(acks) <= MAX_ACKS and len(refused) <= MAX_ACKS and ss.sess.state is _OPEN:
+            # the common case: one ACK, encoded directly (an ACK changes no session state)
+            data = self._codec.encode_ack(
+                ledger.window_bytes, ledger.window_tensors, add_b, add_t, acks, refused
+            )
+            ss.outbox.put([data], now=now)
+            return
         for i in range(0, max(len(acks), len(refused), 1), MAX_ACKS):
             self._reply(
                 ss,

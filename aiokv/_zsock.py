@@ -308,6 +308,18 @@ class Outbox:
         if self.closed:
             return
         out = self._frames
+        if now and not out and (self.max_frames is None or len(frames) <= self.max_frames):
+            # nothing queued before it: one message at once, without the queue
+            if self.sock.closed:
+                return
+            try:
+                self.sock.send(
+                    frames if self.prefix is None else [self.prefix, *frames], copy=self.copy
+                )
+            except zmq.ZMQError as exc:
+                self.close()
+                self.on_error(exc)
+            return
         was_empty = not out
         out.extend(frames)
         self._bytes += nbytes

@@ -556,23 +556,34 @@ class Codec:
             body = [[sp.tensor_id, sp.dtype, list(sp.shape)] for sp in specs]
         return cast(bytes, self._pack([_PUT_KIND, xfer, body, ack_now]))
 
+    def encode_ack(
+        self,
+        window_bytes: int,
+        window_tensors: int,
+        add_bytes: int,
+        add_tensors: int,
+        done: Sequence[int],
+        refused: Sequence[tuple[int, str]],
+    ) -> bytes:
+        """``encode(Ack(...))`` without building the message (the same bytes)."""
+        return cast(
+            bytes,
+            self._pack(
+                [_ACK_KIND, window_bytes, window_tensors, add_bytes, add_tensors, done, refused]
+            ),
+        )
+
     def encode(self, msg: Message) -> bytes:
         if type(msg) is Put:
             return self.encode_put(msg.xfer, msg.specs, msg.ack_now)
         if type(msg) is Ack:
-            return cast(
-                bytes,
-                self._pack(
-                    [
-                        Ack.KIND,
-                        msg.window_bytes,
-                        msg.window_tensors,
-                        msg.add_bytes,
-                        msg.add_tensors,
-                        list(msg.done),
-                        [list(r) for r in msg.refused],
-                    ]
-                ),
+            return self.encode_ack(
+                msg.window_bytes,
+                msg.window_tensors,
+                msg.add_bytes,
+                msg.add_tensors,
+                msg.done,
+                msg.refused,
             )
         names = _FIELD_NAMES.get(type(msg))
         if names is None:

@@ -798,18 +798,27 @@ class _XferWatch:
 
     __slots__ = ("cs", "engine", "gave_up", "t_end", "timer", "to", "x")
 
-    def __init__(self, engine: Engine, cs: _ClientSession, x: _OutXfer, t: float, to: str) -> None:
+    def __init__(
+        self,
+        engine: Engine,
+        cs: _ClientSession,
+        x: _OutXfer,
+        t: float,
+        to: str,
+        callback: bool = True,
+    ) -> None:
         loop = engine._loop
         self.engine, self.cs, self.x, self.to = engine, cs, x, to
         self.t_end = loop.time() + t
         self.gave_up = False
         self.timer = loop.call_later(min(t, engine.config.timeouts.negotiate), self.expire)
-        x.done.add_done_callback(self.settled)
+        if callback:  # (False: the one awaiting ``done`` calls settled() itself)
+            x.done.add_done_callback(self.settled)
 
     def settled(self, f: asyncio.Future[None]) -> None:
         self.timer.cancel()
-        if f.cancelled():  # TransferHandle.cancel(), or the awaiting task was cancelled
-            self.on_cancel()
+        if not f.done() or f.cancelled():  # TransferHandle.cancel(), the awaiting task
+            self.on_cancel()  # was cancelled (or its coroutine closed while it waited)
         elif f.exception() is not None:  # (reading it also marks it retrieved)
             self.engine._stats.transfers_failed += 1
 

@@ -1017,12 +1017,17 @@ class _Server:
         if ledger is None or msg.xfer <= ss.last_put:
             raise RemoteProtocolError(f"PUT {msg.xfer} out of order or without credit")
         ss.last_put = msg.xfer
-        n, k = msg.nbytes, len(msg.specs)
+        specs = msg.specs
+        k = len(specs)
+        n = specs[0].nbytes if k == 1 else msg.nbytes
         ledger.spend(n, k)
         self._store.reserved -= n  # the session's credit becomes this transfer's room
-        tensors = frames_to_tensors(msg.specs, frames)
+        tensors = frames_to_tensors(specs, frames)
         assert ss.peer is not None
-        items = [(sp.tensor_id, sp.nbytes, t) for sp, t in zip(msg.specs, tensors)]
+        if k == 1:
+            items = [(specs[0].tensor_id, n, tensors[0])]
+        else:
+            items = [(sp.tensor_id, sp.nbytes, t) for sp, t in zip(specs, tensors)]
         why = ""
         try:
             if ss.queued.claims_any(t for t, _, _ in items):

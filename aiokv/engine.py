@@ -421,9 +421,13 @@ class Engine:
 
     async def _await_xfer(self, cs: _ClientSession, x: _OutXfer, t: float, to: str) -> None:
         """``send``'s wait on a started transfer: its own ``done`` future, watched as a
-        PUT_ASYNC handle's is (deadline, cancel, failure count), with no handle around it."""
-        _XferWatch(self, cs, x, t, to)  # registered before this task's wake-up: runs first
-        await x.done
+        PUT_ASYNC handle's is (deadline, cancel, failure count), with no handle around it.
+        The watch settles here, when this task resumes (no callback a loop pass ahead)."""
+        w = _XferWatch(self, cs, x, t, to, callback=False)
+        try:
+            await x.done
+        finally:
+            w.settled(x.done)
 
     def send_nowait(
         self, tensor_id: str, tensor: torch.Tensor, *, to: str, timeout: float | None = None

@@ -80,6 +80,7 @@ from .protocol.messages import (
 from .protocol.session import Role, Session, SessionState
 from .store import PeerRef, ReceiveStore
 from .transport.tcp import (
+    FrameTensor,
     TcpSink,
     frames_to_tensors,
     put_frame_count,
@@ -1022,11 +1023,16 @@ class _Server:
         n = specs[0].nbytes if k == 1 else msg.nbytes
         ledger.spend(n, k)
         self._store.reserved -= n  # the session's credit becomes this transfer's room
-        tensors = frames_to_tensors(specs, frames)
         assert ss.peer is not None
-        if k == 1:
-            items = [(specs[0].tensor_id, n, tensors[0])]
+        if k == 1 and len(frames) == 1 and 0 < n <= DATA_FRAME_BYTES and len(frames[0]) == n:
+            # one frame, length checked: the collector makes it a tensor (FrameTensor)
+            items: list[tuple[str, int, Any]] = [
+                (specs[0].tensor_id, n, FrameTensor(frames[0], specs[0]))
+            ]
+        elif k == 1:
+            items = [(specs[0].tensor_id, n, frames_to_tensors(specs, frames)[0])]
         else:
+            tensors = frames_to_tensors(specs, frames)
             items = [(sp.tensor_id, sp.nbytes, t) for sp, t in zip(specs, tensors)]
         why = ""
         try:

@@ -68,9 +68,7 @@ from .protocol.messages import (
     TensorSpec,
 )
 from .store import ReceiveStore, StoreStatistics
-from .transport.tcp import (
-    dtype_name,
-)
+from .transport.tcp import as_tensor, dtype_name
 
 if TYPE_CHECKING:
     from ._watchdog import LoopWatchdog
@@ -474,7 +472,7 @@ class Engine:
         if got is not None:  # landed already (a collector behind its stream): no future
             self._collected(got[0], tensor_id)
             self._pump_queue()
-            return got[1]  # type: ignore[no-any-return]
+            return as_tensor(got[1])  # type: ignore[no-any-return]
         fut = self._store.wait_future(tensor_id, frm, looked=True)
         try:
             # Not ``wait_for(shield(fut))``: on Python <= 3.11 it returns the result
@@ -489,6 +487,7 @@ class Engine:
             # Never lose a tensor to a cancelled collector: if it was handed over, put it back.
             if fut.done() and not fut.cancelled() and fut.exception() is None:
                 peer, value = fut.result()
+                value = as_tensor(value)
                 self._store.put_back(tensor_id, peer, value, value.numel() * value.element_size())
             raise
         finally:
@@ -498,7 +497,7 @@ class Engine:
         peer, result = fut.result()
         self._collected(peer, tensor_id)
         self._pump_queue()
-        return result  # type: ignore[no-any-return]
+        return as_tensor(result)  # type: ignore[no-any-return]
 
     async def recv_many(
         self, tensor_ids: Sequence[str], *, frm: str | None = None, timeout: float | None = None

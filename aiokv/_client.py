@@ -796,7 +796,7 @@ class _XferWatch:
     handle hands out as its own: the deadline (one timer), the caller giving up, and
     counting a failure once, whichever way the transfer ended."""
 
-    __slots__ = ("cs", "engine", "gave_up", "t_end", "timer", "to", "x")
+    __slots__ = ("cs", "engine", "gave_up", "t_end", "t_neg", "timer", "to", "x")
 
     def __init__(
         self,
@@ -809,9 +809,14 @@ class _XferWatch:
     ) -> None:
         loop = engine._loop
         self.engine, self.cs, self.x, self.to = engine, cs, x, to
-        self.t_end = loop.time() + t
+        # deadlines on the precise clock: uvloop's loop.time() and timers have millisecond
+        # granularity, and a timer may fire up to a millisecond before its deadline
+        now = time.monotonic()
+        neg = min(t, engine.config.timeouts.negotiate)
+        self.t_end = now + t
+        self.t_neg = now + neg
         self.gave_up = False
-        self.timer = loop.call_later(min(t, engine.config.timeouts.negotiate), self.expire)
+        self.timer = loop.call_later(neg, self.expire)
         if callback:  # (False: the one awaiting ``done`` calls settled() itself)
             x.done.add_done_callback(self.settled)
 
@@ -827,12 +832,16 @@ class _XferWatch:
         if done.done():
             return
         g = x.granted
+        now = time.monotonic()
         if not (g.done() and not g.cancelled() and g.exception() is None):
+            if now < self.t_neg:  # (the timer fired early)
+                self.timer = self.engine._loop.call_later(self.t_neg - now, self.expire)
+                return
             exc: BaseException = NegotiateTimeoutError(
                 f"{self.to} granted no room within the deadline"
             )
-        elif self.engine._loop.time() < self.t_end:  # granted in time: the rest of it
-            self.timer = self.engine._loop.call_at(self.t_end, self.expire)
+        elif now < self.t_end:  # granted in time: the rest of it
+            self.timer = self.engine._loop.call_later(self.t_end - now, self.expire)
             return
         else:
             exc = TransferTimeoutError(

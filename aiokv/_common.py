@@ -50,9 +50,18 @@ async def _await_shielded(fut: asyncio.Future[Any], timeout: float) -> Any:
             waiter.set_result(None)
 
     fut.add_done_callback(wake)
+    # the deadline on the precise clock: uvloop's timers have millisecond granularity
+    # and may fire up to a millisecond early; such a wake-up waits out the rest
+    at = time.monotonic() + timeout
     timer = loop.call_later(timeout, wake)
     try:
-        await waiter
+        while True:
+            await waiter
+            left = at - time.monotonic()
+            if fut.done() or left <= 0:
+                break
+            waiter = loop.create_future()
+            timer = loop.call_later(left, wake)
     finally:
         timer.cancel()
         fut.remove_done_callback(wake)

@@ -113,10 +113,13 @@ async def warm_up() -> dict[str, int]:
     """One engine life cycle first, so lazily created, process-wide things exist before the baseline
     (asyncio's default executor thread used by Context.term; pyzmq's process-wide zero-copy
     garbage collector: one thread + its own context with 2 inproc sockets, started by the first
-    ``copy=False`` send above zmq.COPY_THRESHOLD; imports)."""
+    ``copy=False`` send above zmq.COPY_THRESHOLD; the TCP receiver's reassembly worker
+    thread, started by the first tensor reassembled off the loop (over 2 MiB); imports)."""
     async with engines(cfg(), cfg()) as (a, b):
         await a.send("warm", torch.ones(MiB, dtype=torch.uint8), to=b.address)
         await b.recv("warm", timeout=5)
+        await a.send("warm8", torch.ones(8 * MiB, dtype=torch.uint8), to=b.address)
+        await b.recv("warm8", timeout=5)
     return snapshot()
 
 

@@ -492,8 +492,13 @@ class _ClientSession:
 
     def want_ack(self, x: _OutXfer) -> None:
         """Somebody started waiting for ``x``: if its PUT let the receiver gather ACKs
-        and none came yet, ask for them (ACK_REQ, after the PUTs on their connection)."""
-        if x.put and x.posted and not x.ack_now and not x.done.done() and x.xfer > self.ack_asked:
+        and none came yet, ask for them (ACK_REQ, after the PUTs on their connection);
+        if it still waits for credit, its PUT will ask for its ACK itself."""
+        if not x.put or x.done.done():
+            return
+        if not x.posted:
+            x.waited = True
+        elif not x.ack_now and x.xfer > self.ack_asked:
             self.ask_ack()
 
     def ask_ack(self) -> None:

@@ -1131,7 +1131,7 @@ class _Server:
     def _ack_soon(self, ss: _ServerSession) -> None:
         """Credit freed (a tensor collected, a RESERVE ended): one ACK at the end of this
         loop pass with whatever landed, was refused or freed until then -- or, while
-        the sender still holds half its window and waits for nothing, a deferred one."""
+        the sender still holds a quarter of its window and waits for nothing, a deferred one."""
         if ss.ack_timer is not None:  # already deferred: the top-up rides on that ACK
             if self._ack_deferrable(ss):
                 return
@@ -1151,7 +1151,7 @@ class _Server:
 
         Not if the sender waits for one of the PUTs (``ack_now``, ACK_REQ), a PUT was
         refused, ``_ACK_EVERY`` landed since the last ACK, or the sender's credit fell
-        to half its window (it must never run dry for want of a top-up). A sender
+        to a quarter of its window (it must never run dry for want of a top-up). A sender
         that starts waiting for a deferred PUT asks with ACK_REQ; one that waits for
         nothing gets the ACK after ``_ACK_DELAY_S``.
         """
@@ -1162,8 +1162,8 @@ class _Server:
             or len(ss.acks) >= _ACK_EVERY
             or led is None
             or not led.announced
-            or 2 * led.credit_bytes < led.window_bytes
-            or 2 * led.credit_tensors < led.window_tensors
+            or 4 * led.credit_bytes < led.window_bytes
+            or 4 * led.credit_tensors < led.window_tensors
         )
 
     def _defer_ack(self, ss: _ServerSession) -> None:

@@ -465,7 +465,9 @@ class _ClientSession:
             frames = [header]
             for t in x.tensors:
                 frames.extend(tensor_frames(t))
-        self.data_out.put(frames, nbytes=x.nbytes, now=flush)
+        # a PUT somebody waits for (or a lone PUT_ASYNC, likely awaited next) leaves now;
+        # the others of a burst or a stream leave together at the end of the loop pass
+        self.data_out.put(frames, nbytes=x.nbytes, now=flush or x.ack_now)
         x.posted = True
         if not x.granted.done():
             x.granted.set_result(0)

@@ -177,3 +177,22 @@ async def test_a_sender_short_of_credit_asks_for_the_gathered_acks(
             await second
         assert first._task.done()
         assert (await b.recv("second", timeout=5)).sum().item() == 48 * 1024
+
+
+async def test_a_lone_put_async_leaves_at_once_a_burst_at_the_end_of_the_pass(
+    anyio_backend: Any,
+) -> None:
+    """A PUT_ASYNC with nothing else in flight is likely awaited next: it is handed to zmq
+    within the call (the IPC plane's descriptor); the rest of a burst waits for the end of
+    the loop pass and leaves in few messages."""
+    async with engines(aiokv.EngineConfig(), aiokv.EngineConfig()) as (a, b):
+        await a.connect(b.address)
+        cs = a._clients[b.address]
+        h = a.send_nowait("lone", torch.ones(8), to=b.address)
+        assert len(cs.data_out) == 0  # sent within the call
+        hs = [a.send_nowait(f"burst{i}", torch.ones(8), to=b.address) for i in range(4)]
+        assert len(cs.data_out) == 2 * 4  # header + tensor each, queued for the pass's end
+        await h
+        for x in hs:
+            await x
+        assert a.statistics().transfers_sent == 5

@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import os
 import secrets
+import subprocess
 import sys
 from typing import Any
 
@@ -258,3 +259,63 @@ def test_doorbell_spin_option_checked() -> None:
         with pytest.raises(ConfigError):
             IpcOptions(doorbell_spin_s=bad)  # type: ignore[arg-type]
     assert OPTS.doorbell and IpcOptions(doorbell_spin_s=0).doorbell_spin_s == 0
+
+
+# ---------------------------------------------------------------- a hostile producer's file
+
+
+@pytest.mark.timeout(20)
+def test_a_fifo_named_as_the_ring_is_refused_without_blocking() -> None:
+    """The producer names the file: a FIFO of a valid name must not block the consumer's
+    loop in open() (waiting for a writer that never comes)."""
+    name = "aiokv-bell-" + secrets.token_hex(16)
+    path = os.path.join(db._DIR, name)
+    os.mkfifo(path, 0o600)
+    try:
+        code = subprocess.run(
+            [sys.executable, "-c", _READ.format(name=name, key=secrets.token_hex(db.KEY_BYTES))],
+            timeout=10,
+            capture_output=True,
+            text=True,
+        )
+        assert code.returncode == 0, code.stderr
+        assert "refused" in code.stdout, code.stdout
+    finally:
+        os.unlink(path)
+
+
+@pytest.mark.timeout(20)
+def test_a_ring_truncated_under_the_reader_does_not_kill_it() -> None:
+    """A producer can shrink its file after the consumer opened it: reading a mapping past
+    the file's end is SIGBUS, which kills the process. The reader must see no messages
+    (and the engine copy still comes) instead."""
+    w = db.BellWriter()
+    try:
+        w.post(b"before")
+        script = _TRUNCATE.format(name=w.name, key=w.key.hex(), path=w._path)
+        code = subprocess.run(
+            [sys.executable, "-c", script], timeout=10, capture_output=True, text=True
+        )
+        assert code.returncode == 0, (code.returncode, code.stderr)
+        assert code.stdout.split() == ["1", "0"], code.stdout
+    finally:
+        w.close()
+
+
+_READ = """
+import aiokv.kv._doorbell as db
+try:
+    db.BellReader({name!r}, bytes.fromhex({key!r}))
+except (OSError, ValueError) as exc:
+    print("refused", type(exc).__name__)
+"""
+
+_TRUNCATE = """
+import os
+import aiokv.kv._doorbell as db
+r = db.BellReader({name!r}, bytes.fromhex({key!r}))
+print(len(r.poll()))
+os.truncate({path!r}, 0)
+print(len(r.poll()))
+r.close()
+"""

@@ -11,8 +11,8 @@ correctness (docs/ipc.md, "Doorbell").
 
 Safety: the producer creates the file (``O_EXCL``, mode 0600, a random name under
 ``/dev/shm``) and names it, with a random 32-byte key, in the offer -- which
-travels only over the authenticated engine session. The consumer maps it read-only
-and accepts a slot only when its BLAKE2b MAC (keyed, over the sequence number and
+travels only over the authenticated engine session. The consumer reads it (``pread``, read-only,
+never mapped: see :class:`BellReader`) and accepts a slot only when its BLAKE2b MAC (keyed, over the sequence number and
 the payload) verifies, then decodes and validates the payload exactly like an
 engine message. The producer unlinks the file once the consumer acknowledged the
 offer (it mapped the ring before), so the name exists during one request. A slot
@@ -110,19 +110,27 @@ class BellWriter:
 class BellReader:
     """The consumer's read-only view of a producer's ring. Raises ``ValueError`` for a
     name or key this module would not make, ``OSError`` when the file cannot be
-    opened or is not a ring (wrong type or size)."""
+    opened or is not a ring (wrong type or size).
+
+    The file is the producer's, so the reader trusts nothing about it: it opens it
+    non-blocking (a FIFO of a valid name would otherwise block the loop in ``open``
+    until a writer came) and reads it with ``pread``, not through a mapping (the
+    producer may shrink the file at any time, and touching a mapping past the end of
+    its file is SIGBUS: the consumer process would die). A short read is a slot not
+    written yet."""
 
     def __init__(self, name: str, key: bytes) -> None:
         if not valid_name(name) or len(key) != KEY_BYTES:
             raise ValueError("not a doorbell name and key")
-        fd = os.open(os.path.join(_DIR, name), os.O_RDONLY | os.O_NOFOLLOW)
+        fd = os.open(os.path.join(_DIR, name), os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
         try:
             st = os.fstat(fd)
             if not stat.S_ISREG(st.st_mode) or st.st_size != SIZE:
                 raise OSError(f"doorbell {name}: not a ring of {SIZE} bytes")
-            self._mm = mmap.mmap(fd, SIZE, mmap.MAP_SHARED, mmap.PROT_READ)
-        finally:
+        except BaseException:
             os.close(fd)
+            raise
+        self._fd = fd
         self.key = key
         self.next = 1
         self.rejected = 0
@@ -136,19 +144,23 @@ class BellReader:
         out: list[bytes] = []
         if self.closed:
             return out
-        mm = self._mm
+        fd = self._fd
         for _ in range(2 * SLOTS):
             off = ((self.next - 1) % SLOTS) * SLOT_BYTES
-            seq, n, mac = _HDR.unpack_from(mm, off)
+            head = os.pread(fd, _HDR.size, off)
+            if len(head) < _HDR.size:  # the file shrank: nothing there
+                break
+            seq, n, mac = _HDR.unpack(head)
             if seq < self.next:  # not written yet (or being rewritten: 0)
                 break
             if n > MAX_PAYLOAD or (seq - self.next) % SLOTS:
                 self.rejected += 1  # not a slot the writer makes
                 self.next += 1
                 continue
-            payload = mm[off + _HDR.size : off + _HDR.size + n]
-            if _SEQ.unpack_from(mm, off)[0] != seq:
-                break  # rewritten while read: next poll
+            payload = os.pread(fd, n, off + _HDR.size)
+            again = os.pread(fd, _SEQ.size, off)
+            if len(payload) < n or len(again) < _SEQ.size or _SEQ.unpack(again)[0] != seq:
+                break  # rewritten (or cut) while read: next poll
             if not hmac.compare_digest(mac, _mac(self.key, seq, payload)):
                 self.rejected += 1
                 self.next += 1
@@ -166,4 +178,4 @@ class BellReader:
     def close(self) -> None:
         if not self.closed:
             self.closed = True
-            self._mm.close()
+            os.close(self._fd)

@@ -34,7 +34,6 @@ from .._exceptions import RemoteProtocolError
 from .messages import (
     ALLOWED_DTYPES,
     BY_KIND,
-    MAX_DIM,
     REFUSE_CODES,
     TRANSPORTS,
     Ack,
@@ -240,40 +239,6 @@ def _specs(v: Any, lim: WireLimits) -> tuple[TensorSpec, ...]:
         seen.add(spec.tensor_id)
         out.append(spec)
     return tuple(out)
-
-
-def _one_spec_put(obj: list[Any], lim: WireLimits) -> Put | None:
-    """``[PUT, xfer, [[id, dtype, shape]], ack_now]`` that passes every check of ``SCHEMA[Put]``
-    as a Put, in one function (the receiver's hot path runs cold after an idle wait:
-    each call costs); None for anything else, which the general checks then judge
-    (and name the fault of)."""
-    xfer, specs, ack_now = obj[1], obj[2], obj[3]
-    if type(xfer) is not int or not (0 <= xfer <= MAX_U63) or type(ack_now) is not bool:
-        return None
-    if type(specs) is not list or len(specs) != 1:
-        return None
-    item = specs[0]
-    if type(item) is not list or len(item) != 3:
-        return None
-    tid, dtype, shape = item
-    if type(tid) is not str or not tid or len(tid) > lim.max_id_length:
-        return None
-    if type(dtype) is not str or type(shape) is not list or len(shape) > lim.max_ndim:
-        return None
-    extent = ALLOWED_DTYPES.get(dtype)
-    if extent is None:
-        return None
-    limit = lim.max_tensor_bytes
-    for d in shape:
-        if type(d) is not int or not (0 <= d <= MAX_DIM):
-            return None
-        if d:
-            extent *= d
-            if extent > limit:
-                return None
-    if extent > limit:  # a 0-d tensor's extent is its item size
-        return None
-    return Put(xfer, (TensorSpec(tid, dtype, tuple(shape)),), ack_now)
 
 
 def _xfer_list(v: Any, lim: WireLimits) -> tuple[int, ...]:
@@ -649,9 +614,7 @@ class Codec:
         # the hot path's two messages, checked as SCHEMA says without its generic loop
         if kind == _PUT_KIND and type(kind) is int and len(obj) == 4:
             lim = self.limits
-            return _one_spec_put(obj, lim) or Put(
-                _u63(obj[1], lim), _specs(obj[2], lim), _bool(obj[3], lim)
-            )
+            return Put(_u63(obj[1], lim), _specs(obj[2], lim), _bool(obj[3], lim))
         if kind == _ACK_KIND and type(kind) is int and len(obj) == 7:
             lim = self.limits
             return Ack(

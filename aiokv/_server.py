@@ -1020,7 +1020,7 @@ class _Server:
         ss.last_put = msg.xfer
         specs = msg.specs
         k = len(specs)
-        n = specs[0].nbytes if k == 1 else msg.nbytes
+        n = msg.nbytes
         ledger.spend(n, k)
         self._store.reserved -= n  # the session's credit becomes this transfer's room
         assert ss.peer is not None
@@ -1029,8 +1029,6 @@ class _Server:
             items: list[tuple[str, int, Any]] = [
                 (specs[0].tensor_id, n, FrameTensor(frames[0], specs[0]))
             ]
-        elif k == 1:
-            items = [(specs[0].tensor_id, n, frames_to_tensors(specs, frames)[0])]
         else:
             tensors = frames_to_tensors(specs, frames)
             items = [(sp.tensor_id, sp.nbytes, t) for sp, t in zip(specs, tensors)]

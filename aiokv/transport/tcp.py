@@ -163,6 +163,16 @@ def check_frames(specs: Sequence[TensorSpec], frames: Sequence[zmq.Frame]) -> No
                 break
 
 
+def wrap_frame(spec: TensorSpec, frame: zmq.Frame) -> torch.Tensor:
+    """The tensor of ``spec`` over one frame whose length was checked (no copy; an empty
+    tensor for an empty one)."""
+    dt = _DTYPES[spec.dtype]
+    if spec.nbytes == 0:
+        return torch.empty(spec.shape, dtype=dt)
+    t = torch.frombuffer(frame.buffer, dtype=dt)
+    return t if len(spec.shape) == 1 else t.view(spec.shape)
+
+
 def assemble(specs: Sequence[TensorSpec], frames: list[Any]) -> list[torch.Tensor]:
     """Tensors of ``specs`` from frames that :func:`check_frames` accepted.
 
@@ -174,16 +184,12 @@ def assemble(specs: Sequence[TensorSpec], frames: list[Any]) -> list[torch.Tenso
     out = []
     i = 0
     for spec in specs:
-        dt = _DTYPES[spec.dtype]
         n = spec.nbytes
-        if n == 0:
-            out.append(torch.empty(spec.shape, dtype=dt))
-            i += 1
-        elif n <= _F:
-            out.append(torch.frombuffer(frames[i].buffer, dtype=dt).view(spec.shape))
+        if n <= _F:
+            out.append(wrap_frame(spec, frames[i]))
             i += 1
         else:
-            t = torch.empty(spec.shape, dtype=dt)
+            t = torch.empty(spec.shape, dtype=_DTYPES[spec.dtype])
             dst = t.data_ptr()
             for off in range(0, n, _F):
                 fr = frames[i]
@@ -257,9 +263,7 @@ class FrameTensor:
         self.spec = spec
 
     def tensor(self) -> torch.Tensor:
-        spec = self.spec
-        t = torch.frombuffer(self.frame.buffer, dtype=_DTYPES[spec.dtype])
-        return t if len(spec.shape) == 1 else t.view(spec.shape)
+        return wrap_frame(self.spec, self.frame)
 
 
 def as_tensor(value: Any) -> Any:
@@ -276,15 +280,6 @@ def frames_to_tensors(
     The PUT path. Sizes are checked first; raises RemoteProtocolError when the frames
     do not match the specs or a tensor is too large for a PUT.
     """
-    if len(specs) == 1 and len(frames) == 1:  # the common case, without the loops
-        spec, fr = specs[0], frames[0]
-        n = spec.nbytes
-        if len(fr) != n or n > _F:
-            raise RemoteProtocolError(f"tensor {spec.tensor_id!r}: {len(fr)} bytes, expected {n}")
-        if n == 0:
-            return [torch.empty(spec.shape, dtype=_DTYPES[spec.dtype])]
-        t = torch.frombuffer(fr.buffer, dtype=_DTYPES[spec.dtype])
-        return [t if len(spec.shape) == 1 else t.view(spec.shape)]
     if len(frames) != len(specs):
         for spec in specs:
             if spec.nbytes > PUT_MAX_TENSOR_BYTES:
@@ -294,21 +289,12 @@ def frames_to_tensors(
                 )
         check_frames(specs, frames)
         return assemble(specs, list(frames))
-        raise RemoteProtocolError(f"{len(frames)} frames for {len(specs)} tensors")
     for spec, fr in zip(specs, frames):
         if len(fr) != spec.nbytes or spec.nbytes > _F:
             raise RemoteProtocolError(
                 f"tensor {spec.tensor_id!r}: {len(fr)} bytes, expected {spec.nbytes}"
             )
-    out = []
-    for spec, fr in zip(specs, frames):
-        dt = _DTYPES[spec.dtype]
-        if spec.nbytes == 0:
-            out.append(torch.empty(spec.shape, dtype=dt))
-        else:
-            t = torch.frombuffer(fr.buffer, dtype=dt)
-            out.append(t if len(spec.shape) == 1 else t.view(spec.shape))
-    return out
+    return [wrap_frame(spec, fr) for spec, fr in zip(specs, frames)]
 
 
 class TcpSink:

@@ -160,27 +160,12 @@ class ReceiveStore:
         DuplicateTensorError like ``try_reserve``. A waiting collector gets its tensor at
         once; the rest is held until collected or its TTL."""
         eid = peer.engine_id
-        if len(items) == 1:  # the common case, without the lists
-            tid, n, value = items[0]
-            per = self._entries.get(tid)
+        entries = self._entries
+        for tid, _, _ in items:
+            per = entries.get(tid)
             if per is not None and eid in per:
-                self.check_free(peer, [tid])  # raises
-            if not self.fits(n, 1):
-                return False
-            used = self.reserved + self.held + n
-            if used > self.peak:
-                self.peak = used
-            if not self._hand_over(tid, peer, value):
-                e = _Entry(peer, n, value, True, time.monotonic() + self.ttl)
-                if per is None:
-                    self._entries[tid] = {eid: e}
-                else:
-                    per[eid] = e
-                self._landed[(tid, eid)] = e
-                self.held += n
-            return True
-        self.check_free(peer, [tid for tid, _, _ in items])
-        total = sum(n for _, n, _ in items)
+                self.check_free(peer, [tid])  # raises, naming it
+        total = items[0][1] if len(items) == 1 else sum(n for _, n, _ in items)
         if not self.fits(total, len(items)):
             return False
         self.peak = max(self.peak, self.used + total)
@@ -189,7 +174,7 @@ class ReceiveStore:
             if self._hand_over(tid, peer, value):
                 continue
             e = _Entry(peer, n, value, True, expires)
-            self._entries.setdefault(tid, {})[eid] = e
+            entries.setdefault(tid, {})[eid] = e
             self._landed[(tid, eid)] = e
             self.held += n
         return True

@@ -308,17 +308,8 @@ class Outbox:
         if self.closed:
             return
         out = self._frames
-        if now and not out and (self.max_frames is None or len(frames) <= self.max_frames):
-            # nothing queued before it: one message at once, without the queue
-            if self.sock.closed:
-                return
-            try:
-                self.sock.send(
-                    frames if self.prefix is None else [self.prefix, *frames], copy=self.copy
-                )
-            except zmq.ZMQError as exc:
-                self.close()
-                self.on_error(exc)
+        if now and not out:  # nothing queued before it: at once, without the queue
+            self._send(frames)
             return
         was_empty = not out
         out.extend(frames)
@@ -336,6 +327,10 @@ class Outbox:
         """Send everything queued now (a no-op when empty)."""
         frames, self._frames = self._frames, []
         self._bytes = 0
+        self._send(frames)
+
+    def _send(self, frames: Sequence[Any]) -> None:
+        """``frames`` as messages of at most ``max_frames`` frames, after ``prefix``."""
         if not frames or self.closed or self.sock.closed:
             return
         step = self.max_frames or len(frames)

@@ -340,7 +340,7 @@ class _ClientSession:
                 if _trace.enabled:
                     _trace.mark("start", self.trace_id, x.xfer)
                 self.xfers[x.xfer] = x
-                self._post_put(x, flush=lean)
+                self._post_put(x)  # (lean: waited, so ack_now and at once)
                 return x
         x = _OutXfer(
             self.sess.new_xfer_id(), specs, tensors, loop.create_future(), loop.create_future()
@@ -450,7 +450,7 @@ class _ClientSession:
         if x.transport == "nccl":
             self.engine._get_poller().touch()  # the GRANT is read on a spinning loop
 
-    def _post_put(self, x: _OutXfer, flush: bool = False) -> None:
+    def _post_put(self, x: _OutXfer) -> None:
         # the receiver answers at once if the caller waits, or if nothing else is in
         # flight (a lone PUT_ASYNC is likely awaited next); else it may gather ACKs
         x.ack_now = x.waited or not self.puts_unacked
@@ -467,7 +467,7 @@ class _ClientSession:
                 frames.extend(tensor_frames(t))
         # a PUT somebody waits for (or a lone PUT_ASYNC, likely awaited next) leaves now;
         # the others of a burst or a stream leave together at the end of the loop pass
-        self.data_out.put(frames, nbytes=x.nbytes, now=flush or x.ack_now)
+        self.data_out.put(frames, nbytes=x.nbytes, now=x.ack_now)
         x.posted = True
         if not x.granted.done():
             x.granted.set_result(0)

@@ -1095,28 +1095,20 @@ class _Server:
         ledger.announced = True
         acks, ss.acks = ss.acks, []
         refused, ss.refused = ss.refused, []
-        if len(acks) <= MAX_ACKS and len(refused) <= MAX_ACKS and ss.sess.state is _OPEN:
-            # the common case: one ACK, encoded directly (an ACK changes no session state)
-            data = self._codec.encode_ack(
-                ledger.window_bytes, ledger.window_tensors, add_b, add_t, acks, refused
-            )
-            ss.outbox.put([data], now=now)
-            return
+        wb, wt = ledger.window_bytes, ledger.window_tensors
+        if ss.sess.state is not _OPEN:  # the session's rule: no ACK outside an open session
+            ss.sess.send(Ack(wb, wt, add_b, add_t, (), ()))  # (raises LocalProtocolError)
+        # an ACK changes no session state: encoded directly, at most MAX_ACKS of each list
         for i in range(0, max(len(acks), len(refused), 1), MAX_ACKS):
-            self._reply(
-                ss,
-                ss.sess.send(
-                    Ack(
-                        ledger.window_bytes,
-                        ledger.window_tensors,
-                        add_b if i == 0 else 0,
-                        add_t if i == 0 else 0,
-                        tuple(acks[i : i + MAX_ACKS]),
-                        tuple(refused[i : i + MAX_ACKS]),
-                    )
-                ),
-                now,
+            data = self._codec.encode_ack(
+                wb,
+                wt,
+                add_b if i == 0 else 0,
+                add_t if i == 0 else 0,
+                acks[i : i + MAX_ACKS],
+                refused[i : i + MAX_ACKS],
             )
+            self._reply(ss, data, now)
 
     def _acks_now(self) -> None:
         """The data port read everything that had arrived: one ACK per session that

@@ -18,7 +18,7 @@ from typing import Any
 
 import pytest
 from _kvutil import filled, make_layout
-from test_ipc_plane import OPTS, connectors, landed, pair
+from test_ipc_plane import OPTS, FakeEvent, connectors, landed, pair
 
 from aiokv import RemoteProtocolError, TransferTimeoutError
 from aiokv.kv import IpcOptions
@@ -250,6 +250,226 @@ async def test_ring_message_for_another_producer_is_ignored() -> None:
             await send
         await prod.aclose()
         await cons.aclose()
+
+
+def _engine_sends(prod: Any) -> list[str]:
+    """Record the ids of the control messages the producer's plane sends by the engine."""
+    sent: list[str] = []
+    plane = prod._ipc
+    orig = plane._send_msg
+
+    def spy(tid: str, msg: Any, to: str, timeout: float) -> None:
+        sent.append(tid)
+        orig(tid, msg, to, timeout)
+
+    plane._send_msg = spy
+    return sent
+
+
+@pytest.mark.anyio
+@pytest.mark.timeout(60)
+async def test_ring_alone_once_the_consumer_reads_it() -> None:
+    """The engine carries a descriptor too until the consumer's release says it took one
+    from the ring; from then on the ring alone does (no engine copy, no backup)."""
+    pl = make_layout("fa", "bfloat16", 24)
+    p, c = filled(pl, 1), filled(pl, 2)
+    async with pair(pl, pl) as (a, b):
+        prod, cons = connectors(a, b, pl, p, pl, c)
+        sent = _engine_sends(prod)
+        await _move_waiting(prod, cons, a, b, "s0", [1], [2])  # the offer: engine
+        await _move_waiting(prod, cons, a, b, "s1", [3], [4])  # engine and ring
+        await asyncio.sleep(0.05)  # (s1's release, which says "ring", is sent soon after)
+        assert "s1#ipc" in sent and b.address in prod._ipc._ring_ok
+        for i in range(2, 6):
+            await _move_waiting(prod, cons, a, b, f"s{i}", [4 + i], [10 + i])
+            assert landed(pl, p, [4 + i], c, [10 + i])
+        assert not any(
+            t.startswith(("s2#", "s3#", "s4#", "s5#")) and t.endswith("#ipc") for t in sent
+        )
+        await asyncio.sleep(0.1)  # past doorbell_backup_s: still no backup was needed
+        pst, cst = prod.statistics().ipc, cons.statistics().ipc
+        assert pst is not None and cst is not None
+        assert pst.doorbell_backups == 0 and cst.doorbell_hits == 5
+        assert prod._ipc._ring_only == {b.address: 0}
+        assert prod.finished_sending() >= {f"s{i}" for i in range(6)}
+        await prod.aclose()
+        await cons.aclose()
+
+
+async def _ring_ok(prod: Any, cons: Any, a: Any, b: Any) -> None:
+    await _move_waiting(prod, cons, a, b, "w0", [1], [2])
+    await _move_waiting(prod, cons, a, b, "w1", [3], [4])
+    for _ in range(100):
+        if b.address in prod._ipc._ring_ok:
+            return
+        await asyncio.sleep(0.01)
+    raise AssertionError("the consumer's release never said 'ring'")
+
+
+@pytest.mark.anyio
+@pytest.mark.timeout(60)
+async def test_ring_messages_read_early_wait_for_their_request() -> None:
+    """A ring message read while another request waited is kept for its own request,
+    which takes it when it comes (with a long backup delay, a message dropped on
+    reading would leave that request to run into its deadline)."""
+    pl = make_layout("mla", "float16", 24)
+    p, c = filled(pl, 1), filled(pl, 2)
+    opts = IpcOptions(trust_unauthenticated=True, grace_s=0.3, doorbell_backup_s=30)
+    async with pair(pl, pl) as (a, b):
+        prod, cons = connectors(a, b, pl, p, pl, c, opts=opts)
+        await _ring_ok(prod, cons, a, b)
+        first = asyncio.create_task(cons.recv_request("e1", [10], frm=a.address, timeout=5))
+        await asyncio.sleep(0.02)
+        s2 = asyncio.create_task(prod.send_request("e2", [6], to=b.address, timeout=5))
+        await asyncio.sleep(0.05)  # e2's message is read (first is waiting), not taken
+        s1 = asyncio.create_task(prod.send_request("e1", [5], to=b.address, timeout=5))
+        await first
+        await cons.recv_request("e2", [11], frm=a.address, timeout=2)
+        await asyncio.gather(s1, s2)
+        assert landed(pl, p, [5, 6], c, [10, 11])
+        pst, cst = prod.statistics().ipc, cons.statistics().ipc
+        assert pst is not None and cst is not None
+        assert pst.doorbell_backups == 0 and cst.doorbell_hits == 3
+        await prod.aclose()
+        await cons.aclose()
+
+
+@pytest.mark.anyio
+@pytest.mark.timeout(60)
+async def test_a_lost_ring_message_comes_by_the_engine_backup() -> None:
+    """A ring-only descriptor the consumer cannot take (here its MAC fails, as for a
+    tampered slot) arrives by the engine after doorbell_backup_s; the consumer's
+    release then says "not by the ring" and the producer sends by both again."""
+    pl = make_layout("fi", "bfloat16", 24)
+    p, c = filled(pl, 1), filled(pl, 2)
+    opts = IpcOptions(trust_unauthenticated=True, grace_s=0.3, doorbell_backup_s=0.1)
+    async with pair(pl, pl) as (a, b):
+        prod, cons = connectors(a, b, pl, p, pl, c, opts=opts)
+        await _ring_ok(prod, cons, a, b)
+        (m,) = cons._ipc._maps.values()
+        assert m.bell is not None
+        m.bell.key = secrets.token_bytes(db.KEY_BYTES)
+        sent = _engine_sends(prod)
+        await _move_waiting(prod, cons, a, b, "l1", [7, 8], [12, 13])
+        assert landed(pl, p, [7, 8], c, [12, 13])
+        pst, cst = prod.statistics().ipc, cons.statistics().ipc
+        assert pst is not None and cst is not None
+        assert pst.doorbell_backups == 1 and sent.count("l1#ipc") == 1
+        assert cst.doorbell_rejected == 1
+        await asyncio.sleep(0.05)
+        assert b.address not in prod._ipc._ring_ok
+        await _move_waiting(prod, cons, a, b, "l2", [9], [14])
+        assert "l2#ipc" in sent  # at once, beside the ring
+        await prod.aclose()
+        await cons.aclose()
+
+
+@pytest.mark.anyio
+@pytest.mark.timeout(60)
+async def test_a_late_backup_is_not_taken_for_a_new_request(monkeypatch: Any) -> None:
+    """The consumer takes a ring-only descriptor at once, but the producer's event fires
+    only later, so no release comes before doorbell_backup_s and the engine's backup
+    copy lands after the consumer dropped what was there. A new request of the same id
+    must not take that stale copy (it would read the old request's blocks)."""
+    pl = make_layout("fa", "float32", 24)
+    p, c = filled(pl, 1), filled(pl, 2)
+    opts = IpcOptions(trust_unauthenticated=True, grace_s=0.3, doorbell_backup_s=0.05)
+    async with pair(pl, pl) as (a, b):
+        prod, cons = connectors(a, b, pl, p, pl, c, opts=opts)
+        await _ring_ok(prod, cons, a, b)
+        monkeypatch.setattr(FakeEvent, "fire_after", 0.3)
+        await _move_waiting(prod, cons, a, b, "r", [5], [15])  # by the ring; backup late
+        monkeypatch.setattr(FakeEvent, "fire_after", 0.0)
+        pst = prod.statistics().ipc
+        assert pst is not None and pst.doorbell_backups == 1
+        assert landed(pl, p, [5], c, [15])
+        await asyncio.sleep(0.1)  # the backup has landed by now
+        # the same id again: this must be the new send's descriptor, not the stale one
+        await _move_waiting(prod, cons, a, b, "r", [6], [16])
+        assert landed(pl, p, [6], c, [16])
+        await prod.aclose()
+        await cons.aclose()
+
+
+@pytest.mark.anyio
+@pytest.mark.timeout(60)
+async def test_the_wake_fifo_brings_a_waiting_consumer_at_once(monkeypatch: Any) -> None:
+    """With no spinning and the timed poll pushed out to 5 s, only the wake FIFO can
+    bring the ring's descriptor to the consumer before its 2 s deadline."""
+    from aiokv.kv import ipc as ipcmod
+
+    pl = make_layout("fa", "bfloat16", 24)
+    p, c = filled(pl, 1), filled(pl, 2)
+    opts = IpcOptions(
+        trust_unauthenticated=True, grace_s=0.3, doorbell_spin_s=0, doorbell_backup_s=30
+    )
+    async with pair(pl, pl) as (a, b):
+        prod, cons = connectors(a, b, pl, p, pl, c, opts=opts)
+        await _ring_ok(prod, cons, a, b)
+        monkeypatch.setattr(ipcmod, "_BELL_POLL_WAKE_S", 5.0)
+        monkeypatch.setattr(ipcmod, "_BELL_POLL_S", 5.0)
+        (m,) = cons._ipc._maps.values()
+        assert m.bell is not None and m.bell.wake_fd >= 0
+        for i in range(3):
+            recv = asyncio.create_task(
+                cons.recv_request(f"k{i}", [10 + i], frm=a.address, timeout=2)
+            )
+            await asyncio.sleep(0.05)  # the consumer's loop sleeps in its timed poll
+            await prod.send_request(f"k{i}", [5 + i], to=b.address, timeout=2)
+            await recv
+        assert landed(pl, p, [5, 6, 7], c, [10, 11, 12])
+        pst = prod.statistics().ipc
+        assert pst is not None and pst.doorbell_backups == 0
+        await prod.aclose()
+        await cons.aclose()
+
+
+def test_wake_fifo() -> None:
+    w = db.BellWriter()
+    try:
+        assert not w.open_wake()  # no reader has it open
+        r = db.BellReader(w.name, w.key)
+        assert r.wake_fd >= 0 and w.open_wake()
+        w.unlink()
+        assert not any(n.startswith(w.name) for n in os.listdir(db._DIR))
+        import select
+
+        assert select.select([r.wake_fd], [], [], 0)[0] == []
+        for i in range(3):
+            w.post(b"%d" % i)
+        assert select.select([r.wake_fd], [], [], 1)[0] == [r.wake_fd]
+        assert r.drain_wake() and select.select([r.wake_fd], [], [], 0)[0] == []
+        assert r.poll() == [b"0", b"1", b"2"]
+        w.close()  # the writer is gone: end of file
+        assert select.select([r.wake_fd], [], [], 1)[0] == [r.wake_fd]
+        assert not r.drain_wake()
+        r.close()
+        assert r.wake_fd == -1
+    finally:
+        w.close()
+
+
+def test_a_wake_path_that_is_no_fifo_is_not_watched() -> None:
+    w = db.BellWriter()
+    try:
+        os.unlink(w._path + ".wake")
+        with open(w._path + ".wake", "wb") as f:  # a regular file (always "readable")
+            f.write(b"x")
+        r = db.BellReader(w.name, w.key)
+        assert r.wake_fd == -1  # the ring is still read, on the timer
+        w.post(b"m")
+        assert r.poll() == [b"m"]
+        r.close()
+    finally:
+        w.close()
+
+
+def test_doorbell_backup_option_checked() -> None:
+    from aiokv import ConfigError
+
+    for bad in (0, -1, 61, "x"):
+        with pytest.raises(ConfigError):
+            IpcOptions(doorbell_backup_s=bad)  # type: ignore[arg-type]
 
 
 def test_doorbell_spin_option_checked() -> None:

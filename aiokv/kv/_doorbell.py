@@ -5,9 +5,12 @@ processes and ~0.4 ms after 1 ms idle (run s12-ipc-r1; zmq's I/O threads on both
 sides and the receiving loop are woken in turn), while a sequence number written
 into shared memory and polled by the waiting loop arrived in 3-6 µs (s12-ipc-r2).
 So the producer also *rings*: it writes each descriptor into a ring the consumer
-polls while a ``recv_request`` waits. The engine message is still sent and stays
-the authority: a lost, late, lapped or rejected ring message costs latency, never
-correctness (docs/ipc.md, "Doorbell").
+polls while a ``recv_request`` waits, and writes one byte into a FIFO beside it
+(``<ring>.wake``) that the consumer's event loop watches, so a consumer that stopped
+spinning wakes at once instead of at its next timed poll. A lost, lapped or rejected
+ring message costs latency, never correctness: the producer sends the descriptor
+through the engine as well unless the consumer is known to read the ring, and then
+still sends it if no release came in time (docs/ipc.md, "Doorbell").
 
 Safety: the producer creates the file (``O_EXCL``, mode 0600, a random name under
 ``/dev/shm``) and names it, with a random 32-byte key, in the offer -- which
@@ -15,7 +18,9 @@ travels only over the authenticated engine session. The consumer reads it (``pre
 never mapped: see :class:`BellReader`) and accepts a slot only when its BLAKE2b MAC (keyed, over the sequence number and
 the payload) verifies, then decodes and validates the payload exactly like an
 engine message. The producer unlinks the file once the consumer acknowledged the
-offer (it mapped the ring before), so the name exists during one request. A slot
+offer (it mapped the ring before), so the name exists during one request. The wake
+FIFO carries no data (a byte per message; one the consumer did not drain is only a
+spurious wake-up), is made 0600 beside the ring and is unlinked with it. A slot
 is ``seq u64 | length u32 | pad | mac 16 bytes | payload``; the writer zeroes
 ``seq``, writes the rest, then ``seq`` (a seqlock: the reader re-reads ``seq``
 after copying and the MAC catches anything torn).
@@ -33,7 +38,7 @@ import secrets
 import stat
 import struct
 
-__all__ = ["KEY_BYTES", "MAX_PAYLOAD", "BellReader", "BellWriter", "valid_name"]
+__all__ = ["KEY_BYTES", "MAX_PAYLOAD", "SLOTS", "BellReader", "BellWriter", "valid_name"]
 
 SLOTS = 64
 SLOT_BYTES = 4096
@@ -46,6 +51,7 @@ _SEQ = struct.Struct("<Q")
 MAX_PAYLOAD = SLOT_BYTES - _HDR.size
 _DIR = "/dev/shm"
 _NAME_RE = re.compile(r"^aiokv-bell-[0-9a-f]{32}$")
+_WAKE = ".wake"  # the wake FIFO's name: the ring's, plus this
 
 
 def valid_name(name: str) -> bool:
@@ -79,6 +85,27 @@ class BellWriter:
         os.close(fd)
         self._seq = 0
         self.closed = False
+        self._wake = -1  # write end of the wake FIFO, once the consumer opened it
+        try:
+            os.mkfifo(self._path + _WAKE, 0o600)  # EEXIST for anything already there
+        except OSError:
+            self._mm.close()
+            self.unlink()
+            raise
+
+    def open_wake(self) -> bool:
+        """Open the wake FIFO's write end (non-blocking); False when no reader has it
+        open (``ENXIO``: the consumer did not open it, e.g. an older one): the ring
+        then works without wake-ups."""
+        if self.closed or self._wake >= 0:
+            return self._wake >= 0
+        try:
+            self._wake = os.open(
+                self._path + _WAKE, os.O_WRONLY | os.O_NONBLOCK | os.O_NOFOLLOW | os.O_CLOEXEC
+            )
+        except OSError:
+            return False
+        return True
 
     def post(self, payload: bytes) -> bool:
         """Write ``payload`` into the next slot; False (nothing written) if it is too
@@ -93,18 +120,30 @@ class BellWriter:
         mm[off + _HDR.size : off + _HDR.size + len(payload)] = payload
         _HDR.pack_into(mm, off, 0, len(payload), _mac(self.key, seq, payload))
         _SEQ.pack_into(mm, off, seq)
+        if self._wake >= 0:
+            try:
+                os.write(self._wake, b"\x01")
+            except BlockingIOError:
+                pass  # the FIFO is full: the reader has a wake-up pending anyway
+            except OSError:  # the reader closed it (EPIPE): no more wake-ups
+                os.close(self._wake)
+                self._wake = -1
         return True
 
     def unlink(self) -> None:
-        """Remove the name (the consumer's mapping stays valid)."""
-        with contextlib.suppress(OSError):
-            os.unlink(self._path)
+        """Remove the names (the consumer's open files stay valid)."""
+        for path in (self._path, self._path + _WAKE):
+            with contextlib.suppress(OSError):
+                os.unlink(path)
 
     def close(self) -> None:
         if not self.closed:
             self.closed = True
             self.unlink()
             self._mm.close()
+            if self._wake >= 0:
+                os.close(self._wake)
+                self._wake = -1
 
 
 class BellReader:
@@ -135,6 +174,43 @@ class BellReader:
         self.next = 1
         self.rejected = 0
         self.closed = False
+        self.wake_fd = -1
+        try:  # the wake FIFO, if the producer made one (non-blocking: never waits)
+            w = os.open(
+                os.path.join(_DIR, name + _WAKE),
+                os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW | os.O_CLOEXEC,
+            )
+        except OSError:
+            return
+        if stat.S_ISFIFO(os.fstat(w).st_mode):
+            self.wake_fd = w
+        else:
+            os.close(w)
+
+    def drain_wake(self) -> bool:
+        """Empty the wake FIFO (at most 64 KiB per call, so a flood cannot hold the
+        loop); False when its writer is gone for good (end of file: the caller stops
+        watching it and calls :meth:`close_wake`; the ring is then polled on the timer
+        alone)."""
+        if self.wake_fd < 0:
+            return False
+        for _ in range(16):
+            try:
+                got = os.read(self.wake_fd, 4096)
+            except BlockingIOError:
+                return True
+            except OSError:
+                got = b""
+            if not got:  # every writer closed: end of file, readable for ever
+                return False
+            if len(got) < 4096:
+                return True
+        return True
+
+    def close_wake(self) -> None:
+        if self.wake_fd >= 0:
+            os.close(self.wake_fd)
+            self.wake_fd = -1
 
     def poll(self) -> list[bytes]:
         """The payloads posted since the last poll whose MAC verifies, in order. Slots
@@ -179,3 +255,4 @@ class BellReader:
         if not self.closed:
             self.closed = True
             os.close(self._fd)
+            self.close_wake()

@@ -837,29 +837,37 @@ class KVConnector:
         if task is not None and _cancelling(task) > base:
             raise asyncio.CancelledError()
 
-    def _drop(self, request_id: str, names: list[str], frm: str | None, deadline: float) -> None:
+    def _drop(
+        self,
+        request_id: str,
+        names: list[str],
+        frm: str | None,
+        deadline: float,
+        *,
+        late: bool = True,
+    ) -> None:
         """Free the receive store of a failed or cancelled request's chunks.
 
         What the store holds goes now and what is in flight when it lands
         (``engine.discard``); chunks the producer has not announced yet are collected
         and dropped by a background task until the request's deadline, and at least the
-        engine's transfer timeout.
+        engine's transfer timeout -- unless ``late`` is False (they may never come).
         """
         if not names:
             return
         eng = self.engine if isinstance(self.engine, _Discards) else None
-        late: list[str] = []
+        rest: list[str] = []
         for name in names:
             try:
                 if eng is not None and eng.discard(name):
                     continue
             except AiokvError:  # the engine is closed: nothing is left to drop
                 return
-            late.append(name)
-        if not late or self._closed:
+            rest.append(name)
+        if not rest or not late or self._closed:
             return
         window = max(deadline - time.monotonic(), self._deadline(None) - time.monotonic())
-        d = asyncio.ensure_future(self._drain(late, frm, window))
+        d = asyncio.ensure_future(self._drain(rest, frm, window))
         self._drains[request_id] = d
 
         def forget(t: asyncio.Task[None]) -> None:

@@ -41,6 +41,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import functools
 import logging
 import math
 import os
@@ -109,8 +110,24 @@ _MAX_EVENT_SLOT = 1 << 20
 #: how long the consumer polls a producer's event without sleeping (a forward pass
 #: that ends within it is noticed within microseconds)
 _READY_SPIN_S = 0.002
+#: ring messages a consumer keeps per producer for requests that do not wait yet (the
+#: producer has at most SLOTS - 1 ring-only descriptors unreleased, so this is slack)
+_MAX_PENDING = 2 * _doorbell.SLOTS
+#: request ids whose descriptor came by the ring, remembered (with the lease that tells
+#: one send from another) so that a late engine copy of it is not taken for a new one
+_MAX_TAKEN = 4096
+#: the timed doorbell poll after the spin: every millisecond without a wake FIFO, a
+#: safety net with one
+_BELL_POLL_S = 0.001
+_BELL_POLL_WAKE_S = 0.01
 #: the descriptor's plane for layer-wise streaming (save_layer / recv_request(layerwise=True))
 LAYERS = "ipc-layers"
+#: an ok release's ``reason`` when the consumer took the descriptor from the doorbell
+RING = "ring"
+#: a ring message's extra key (removed before the descriptor is validated): the producer
+#: posted it by the ring alone, so no engine copy follows unless as a late backup. Only
+#: sent to consumers whose release said RING (they know the key).
+SOLO = "solo"
 
 
 #: per-request timestamps, ``(request id, stage, time.perf_counter())``, kept only when
@@ -172,8 +189,11 @@ class IpcOptions:
     ``doorbell``: the producer also writes each descriptor into a shared-memory ring
     (:mod:`aiokv.kv._doorbell`) that the consumer polls while a ``recv_request``
     waits -- spinning its loop (``sleep(0)``) for ``doorbell_spin_s`` after the call
-    began, then every millisecond. The engine message still goes and stays the
-    authority; the ring only makes it arrive sooner (docs/ipc.md, "Doorbell").
+    began; after that a wake-up through a FIFO beside the ring brings the loop to it
+    (and a timed poll, should that fail). Until a consumer's release says it took a
+    descriptor from the ring, the engine carries every descriptor too; from then on
+    the ring alone does, and the engine's copy follows only if no release came
+    within ``doorbell_backup_s`` (docs/ipc.md, "Doorbell").
 
     ``gpu_wait``: when the producer's ready event has not fired yet as the request
     arrives, let the consumer's copy stream wait for it on the GPU (the launch is
@@ -192,6 +212,7 @@ class IpcOptions:
     gpu_wait: bool = False
     doorbell: bool = True
     doorbell_spin_s: float = 0.02
+    doorbell_backup_s: float = 0.05
 
     def __post_init__(self) -> None:
         if not (isinstance(self.grace_s, (int, float)) and 0 < self.grace_s <= 600):
@@ -199,6 +220,9 @@ class IpcOptions:
         s = self.doorbell_spin_s
         if not (isinstance(s, (int, float)) and 0 <= s <= 1):
             raise ConfigError(f"doorbell_spin_s must be in [0, 1], got {s!r}")
+        b = self.doorbell_backup_s
+        if not (isinstance(b, (int, float)) and 0 < b <= 60):
+            raise ConfigError(f"doorbell_backup_s must be in (0, 60], got {b!r}")
 
 
 @dataclass(slots=True)
@@ -216,6 +240,7 @@ class IpcStatistics:
     stuck_streams: int = 0
     doorbell_hits: int = 0  # descriptors taken from the doorbell before the engine's
     doorbell_rejected: int = 0  # ring slots whose MAC failed (or that made no sense)
+    doorbell_backups: int = 0  # producer: ring-only descriptors also sent by the engine late
     fallbacks: dict[str, int] = field(default_factory=dict)
 
 
@@ -837,6 +862,10 @@ class _Mapping:
     tables: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
     bell: _doorbell.BellReader | None = None  # the producer's doorbell ring, if any
     reply_to: str = ""  # the producer's engine (a ring message counts as from it)
+    # ring messages read before their request waited (request id -> decoded message),
+    # oldest first, at most _MAX_PENDING: a late recv_request takes its own from here
+    # (and whether the producer sent it by the ring alone: SOLO)
+    pending: dict[str, tuple[dict[str, Any], bool]] = field(default_factory=dict)
 
 
 @dataclass(slots=True, eq=False)
@@ -928,6 +957,8 @@ class IpcPlane:
         self._background: set[asyncio.Task[None]] = set()
         self._saves: dict[str, _IpcSave] = {}  # layer-wise requests being saved over IPC
         self._bells: dict[str, _doorbell.BellWriter | None] = {}  # consumer -> its ring
+        self._ring_ok: set[str] = set()  # consumers whose last release said "by the ring"
+        self._ring_only: dict[str, int] = {}  # consumer -> ring-only descriptors unreleased
         self._plain_saves: set[str] = set()  # ... and those that take the ordinary path
         # consumer side
         self._maps: dict[int, _Mapping] = {}
@@ -941,9 +972,12 @@ class IpcPlane:
         self._ctl_stream: Any = None
         self._poller: Any = None
         # doorbell (consumer): request id -> (its waiter, the producer it must come from)
-        self._bell_wait: dict[str, tuple[asyncio.Future[dict[str, Any]], str | None]] = {}
+        self._bell_wait: dict[
+            str, tuple[asyncio.Future[tuple[dict[str, Any], bool]], str | None]
+        ] = {}
         self._bell_task: asyncio.Task[None] | None = None
         self._bell_spin_until = 0.0
+        self._taken: dict[str, Any] = {}  # request id -> lease of a descriptor the ring gave
         self._closed = False
 
     # ------------------------------------------------------------------ helpers
@@ -1113,11 +1147,30 @@ class IpcPlane:
         t0 = time.perf_counter()
         wire = desc.to_wire()
         _mark(request_id, "built")
-        if offer is None:
-            self._ring(request_id, to, wire)
-        self._send_msg(f"{request_id}#ipc", wire, to, max(0.0, lease - self._clock()))
+        tid = f"{request_id}#ipc"
+        # The ring alone carries the descriptor to a consumer whose last release said it
+        # took one from the ring, while fewer than SLOTS - 1 of them are unreleased (so
+        # none is overwritten unread); the engine's copy follows only if no release came
+        # within doorbell_backup_s. Otherwise the engine carries it too, at once.
+        ring_only = (
+            offer is None
+            and to in self._ring_ok
+            and self._ring_only.get(to, 0) < _doorbell.SLOTS - 1
+            and self._ring(request_id, to, {SOLO: True, **wire})
+        )
+        backup: asyncio.TimerHandle | None = None
+        if ring_only:
+            self._ring_only[to] = self._ring_only.get(to, 0) + 1
+            backup = asyncio.get_running_loop().call_later(
+                self.options.doorbell_backup_s, self._send_backup, tid, wire, to, lease
+            )
+        else:
+            if offer is None:
+                self._ring(request_id, to, wire)
+            self._send_msg(tid, wire, to, max(0.0, lease - self._clock()))
         _mark(request_id, "sent")
         rel_task = asyncio.ensure_future(self._await_release(request_id, to, lease))
+        rel_task.add_done_callback(functools.partial(self._released, to, backup))
         ok = await self._settle_release(
             request_id,
             to,
@@ -1147,12 +1200,38 @@ class IpcPlane:
         self._bells[to] = bell
         return bell
 
-    def _ring(self, request_id: str, to: str, wire: Mapping[str, Any]) -> None:
-        """Post the descriptor in ``to``'s doorbell ring, if it has one (the engine
-        message follows regardless)."""
+    def _ring(self, request_id: str, to: str, wire: Mapping[str, Any]) -> bool:
+        """Post the descriptor in ``to``'s doorbell ring, if it has one; whether it was."""
         bell = self._bells.get(to)
         if bell is not None and bell.post(msgpack.packb(wire, use_bin_type=True)):
             _mark(request_id, "rung")
+            return True
+        return False
+
+    def _send_backup(self, tid: str, wire: Mapping[str, Any], to: str, lease: float) -> None:
+        """No release came soon after a ring-only descriptor: send it by the engine too
+        (the ring message was lost, or the consumer does not wait yet; a consumer that
+        took the ring's copy drops this one)."""
+        left = lease - self._clock()
+        if left > 0 and not self._closed:
+            self._stats.doorbell_backups += 1
+            self._send_msg(tid, wire, to, left)
+
+    def _released(
+        self, to: str, backup: asyncio.TimerHandle | None, t: asyncio.Task[Release | None]
+    ) -> None:
+        """The release of a request sent over the plane came (or never will): a pending
+        engine copy is not needed; the consumer's release says whether it reads the
+        ring (``reason == "ring"`` on an ok release)."""
+        if backup is not None:
+            backup.cancel()
+            self._ring_only[to] -= 1
+        rel = None if t.cancelled() or t.exception() is not None else t.result()
+        if rel is not None and rel.ok:
+            if rel.reason == RING:
+                self._ring_ok.add(to)
+            else:
+                self._ring_ok.discard(to)
 
     async def _settle_release(
         self,
@@ -1200,6 +1279,7 @@ class IpcPlane:
         if rel.fallback:
             reason = rel.reason or "consumer_refused"
             self._broken_to[to] = reason
+            self._ring_ok.discard(to)
             bell = self._bells.pop(to, None)
             if bell is not None:
                 bell.close()
@@ -1213,7 +1293,8 @@ class IpcPlane:
         if to not in self._acked:
             self._acked.add(to)
             bell = self._bells.get(to)
-            if bell is not None:  # the consumer mapped it with the offer: the name can go
+            if bell is not None:  # the consumer opened both with the offer: names can go
+                bell.open_wake()
                 bell.unlink()
         self._stats.requests_sent += 1
         st = con._stats
@@ -1397,8 +1478,9 @@ class IpcPlane:
         deadline = con._deadline(timeout)
         host = self._ids(block_ids, unique=True, what="recv_request")
         n = len(host)
+        rung = False
         if not layerwise and any(m.bell is not None for m in self._maps.values()):
-            d = await self._recv_desc(request_id, frm, deadline)
+            d, rung = await self._recv_desc(request_id, frm, deadline)
         else:
             raw = await self.channel.recv(
                 f"{request_id}#ipc", frm=frm, timeout=max(0.0, deadline - time.monotonic())
@@ -1406,6 +1488,7 @@ class IpcPlane:
             _mark(request_id, "desc")
             d = decode_message(raw)
         desc, plout = Descriptor.from_wire(d)
+        _mark(request_id, "decoded")
         if desc.rid != request_id:
             raise RemoteProtocolError(f"IPC descriptor for {desc.rid!r:.64} under {request_id!r}")
         L = self.layout.num_layers
@@ -1461,41 +1544,82 @@ class IpcPlane:
             drop_layers()
             raise
         _mark(request_id, "mapped")
-        await self._pull(m, desc, host, deadline, frm)
+        await self._pull(m, desc, host, deadline, frm, rung=rung)
 
-    async def _recv_desc(self, rid: str, frm: str | None, deadline: float) -> dict[str, Any]:
+    async def _recv_desc(
+        self, rid: str, frm: str | None, deadline: float
+    ) -> tuple[dict[str, Any], bool]:
         """The request's descriptor (decoded, not yet validated) from whichever comes
-        first: a producer's doorbell ring or the engine. When the ring wins, the engine's
-        copy is dropped as it lands."""
-        bell: asyncio.Future[dict[str, Any]] = asyncio.get_running_loop().create_future()
-        self._bell_wait[rid] = (bell, frm)
-        self._bell_kick()
-        eng = asyncio.ensure_future(
-            self.channel.recv(f"{rid}#ipc", frm=frm, timeout=max(0.0, deadline - time.monotonic()))
-        )
-        try:
-            await asyncio.wait((bell, eng), return_when=asyncio.FIRST_COMPLETED)
-        except BaseException:
-            eng.cancel()  # (a descriptor already handed over goes back to the store)
-            raise
-        finally:
-            w = self._bell_wait.get(rid)
-            if w is not None and w[0] is bell:
-                del self._bell_wait[rid]
-        if bell.done() and not bell.cancelled():
+        first: a producer's doorbell ring or the engine; and whether the ring gave it.
+        When the ring wins, an engine copy (sent too, or late as a backup) is discarded
+        as far as it is here or on its way, and one landing later is never taken for a
+        new request of the same id (``_taken``)."""
+        got = self._bell_take(rid, frm)  # read before this call (or right now)
+        if got is not None:
+            return self._rung(rid, *got, frm, deadline), True
+        while True:
+            bell: asyncio.Future[tuple[dict[str, Any], bool]] = (
+                asyncio.get_running_loop().create_future()
+            )
+            self._bell_wait[rid] = (bell, frm)
+            self._bell_kick()
+            eng = asyncio.ensure_future(
+                self.channel.recv(
+                    f"{rid}#ipc", frm=frm, timeout=max(0.0, deadline - time.monotonic())
+                )
+            )
+            try:
+                await asyncio.wait((bell, eng), return_when=asyncio.FIRST_COMPLETED)
+            except BaseException:
+                eng.cancel()  # (a descriptor already handed over goes back to the store)
+                raise
+            finally:
+                w = self._bell_wait.get(rid)
+                if w is not None and w[0] is bell:
+                    del self._bell_wait[rid]
+            if bell.done() and not bell.cancelled():
+                if eng.done():
+                    if not eng.cancelled():
+                        eng.exception()  # retrieved; a descriptor it took goes with it
+                else:
+                    eng.cancel()
+                return self._rung(rid, *bell.result(), frm, deadline), True
+            bell.cancel()
+            d = decode_message(eng.result())
+            if rid in self._taken and self._taken[rid] == d.get("lease"):
+                continue  # a late engine copy of a descriptor the ring gave: not this one
             _mark(rid, "desc")
-            self._stats.doorbell_hits += 1
-            if eng.done():
-                if not eng.cancelled():
-                    eng.exception()  # retrieved; a descriptor it took is dropped with it
-            else:
-                eng.cancel()
-                self.con._drop(rid, [f"{rid}#ipc"], frm, deadline)
-            return bell.result()
-        bell.cancel()
-        raw = eng.result()
+            return d, False
+
+    def _rung(
+        self, rid: str, d: dict[str, Any], solo: bool, frm: str | None, deadline: float
+    ) -> dict[str, Any]:
+        """A descriptor taken from the ring: count it, drop the engine's copy, remember
+        its lease. The copy of a descriptor the engine carried too is collected and
+        dropped as it lands (it surely comes); one sent by the ring alone (``solo``) has
+        an engine copy only as a late backup: dropped where it is (landed or in flight),
+        else left to land and expire -- and never taken for a new request of the same id
+        (``_taken``)."""
         _mark(rid, "desc")
-        return decode_message(raw)
+        self._stats.doorbell_hits += 1
+        self.con._drop(rid, [f"{rid}#ipc"], frm, deadline, late=not solo)
+        self._taken.pop(rid, None)
+        self._taken[rid] = d.get("lease")
+        if len(self._taken) > _MAX_TAKEN:
+            del self._taken[next(iter(self._taken))]
+        return d
+
+    def _bell_take(self, rid: str, frm: str | None) -> tuple[dict[str, Any], bool] | None:
+        """Read the rings of the mappings from ``frm`` (every one when None) and take
+        ``rid``'s descriptor if one of them had it."""
+        for m in list(self._maps.values()):
+            if m.bell is None or (frm is not None and frm != m.reply_to):
+                continue
+            self._bell_poll(m)
+            got = m.pending.pop(rid, None)
+            if got is not None:
+                return got
+        return None
 
     def _bell_kick(self) -> None:
         """Spin the doorbell poll for ``doorbell_spin_s`` from now (start it if needed)."""
@@ -1505,24 +1629,47 @@ class IpcPlane:
 
     async def _bell_loop(self) -> None:
         """Poll every mapped producer's ring while a request waits: each loop pass while
-        spinning (``sleep(0)``: other tasks run between), then every millisecond."""
+        spinning (``sleep(0)``: other tasks run between), then on a timer -- every
+        millisecond, or every 10 ms where each ring's wake FIFO wakes the loop anyway."""
         while self._bell_wait and not self._closed:
+            woken = True
             for m in list(self._maps.values()):
                 if m.bell is not None:
                     self._bell_poll(m)
+                    woken = woken and m.bell is not None and m.bell.wake_fd >= 0
             if not self._bell_wait:
                 break
             if time.monotonic() < self._bell_spin_until:
                 await asyncio.sleep(0)
             else:
-                await asyncio.sleep(0.001)
+                await asyncio.sleep(_BELL_POLL_WAKE_S if woken else _BELL_POLL_S)
+
+    def _bell_woken(self, m: _Mapping) -> None:
+        """The producer wrote into ``m``'s wake FIFO: read its ring now."""
+        b = m.bell
+        if b is None:
+            return
+        if not b.drain_wake():  # the producer closed it: the timed poll serves alone
+            asyncio.get_running_loop().remove_reader(b.wake_fd)
+            b.close_wake()
+        self._bell_poll(m)
+
+    def _bell_drop(self, m: _Mapping) -> None:
+        """Stop reading ``m``'s ring (and watching its wake FIFO)."""
+        b, m.bell = m.bell, None
+        if b is None:
+            return
+        if b.wake_fd >= 0:
+            with contextlib.suppress(Exception):  # (no loop any more at interpreter exit)
+                asyncio.get_running_loop().remove_reader(b.wake_fd)
+        b.close()
 
     def _bell_poll(self, m: _Mapping) -> None:
-        """Hand the descriptors in ``m``'s ring to their waiting requests. A message is
-        only taken for a request waiting for it, from this producer (the caller's
-        ``frm``), for this export, plane ``"ipc"``; anything else is left to the
-        engine's copy. Validation proper follows in ``recv_request``, as for the
-        engine's."""
+        """Hand the descriptors in ``m``'s ring to their waiting requests, and keep those
+        of requests that do not wait yet in ``m.pending``. A message is only taken for a
+        request from this producer (the caller's ``frm``), for this export, plane
+        ``"ipc"``; anything else is left to the engine's copy. Validation proper follows
+        in ``recv_request``, as for the engine's."""
         b = m.bell
         assert b is not None
         before = b.rejected
@@ -1530,8 +1677,7 @@ class IpcPlane:
             msgs = b.poll()
         except Exception as exc:  # (defensive: a ring that cannot be read is dropped)
             log.warning("aiokv IPC plane: doorbell of export %x dropped: %s", m.token, exc)
-            b.close()
-            m.bell = None
+            self._bell_drop(m)
             return
         for payload in msgs:
             try:
@@ -1539,15 +1685,18 @@ class IpcPlane:
             except RemoteProtocolError:
                 b.rejected += 1
                 continue
+            solo = d.pop(SOLO, False) is True
             rid = d.get("rid")
-            w = self._bell_wait.get(rid) if isinstance(rid, str) else None
-            if w is None:
-                continue  # nobody waits (yet, or any more): the engine's copy serves
-            fut, frm = w
-            if (frm is not None and frm != m.reply_to) or d.get("token") != m.token:
+            if not isinstance(rid, str) or d.get("token") != m.token or d.get("plane") != "ipc":
                 continue
-            if d.get("plane") == "ipc" and not fut.done():
-                fut.set_result(d)
+            w = self._bell_wait.get(rid)
+            if w is not None and (w[1] is None or w[1] == m.reply_to) and not w[0].done():
+                w[0].set_result((d, solo))
+                continue
+            m.pending.pop(rid, None)
+            m.pending[rid] = (d, solo)  # nobody waits yet: a later recv_request takes it
+            if len(m.pending) > _MAX_PENDING:
+                del m.pending[next(iter(m.pending))]
         if b.rejected != before:
             self._stats.doorbell_rejected += b.rejected - before
             log.warning(
@@ -1595,6 +1744,9 @@ class IpcPlane:
                 m.bell = _doorbell.BellReader(desc.offer.bell, desc.offer.bell_key)
             except (OSError, ValueError) as exc:  # the engine path serves alone
                 log.info("aiokv IPC plane: doorbell %s not used: %s", desc.offer.bell, exc)
+            else:
+                if m.bell.wake_fd >= 0:
+                    asyncio.get_running_loop().add_reader(m.bell.wake_fd, self._bell_woken, m)
         self._maps[desc.token] = m
         self._stats.mappings_verified += 1
         return m
@@ -1795,9 +1947,12 @@ class IpcPlane:
         host: tuple[int, ...],
         deadline: float,
         frm: str | None = None,
+        *,
+        rung: bool = False,
     ) -> None:
         """Copy the request: one launch (``plane == "ipc"``), or one per chunk of layers
-        as the producer's :class:`LayerReady` messages arrive (``LAYERS``)."""
+        as the producer's :class:`LayerReady` messages arrive (``LAYERS``). ``rung``:
+        the descriptor came by the doorbell (the ok release says so)."""
         con = self.con
         n = len(host)
         lay = self.layout
@@ -1827,6 +1982,7 @@ class IpcPlane:
         triton = self._use_triton()
         ab, slot = self._slot()
         sb = self._slot_bufs(slot, n)
+        _mark(desc.rid, "slot")
         dev = self.device
         # The copy runs on the caller's current stream: ordered after its work so far and
         # before its next, with no extra stream, event or switch per request. Only a
@@ -1925,7 +2081,7 @@ class IpcPlane:
             # a stream switched by other code during our awaits): order the caller after it
             torch.cuda.current_stream(dev).wait_event(sb.done)
         # off the critical path: sent after the caller (woken by our return) ran
-        self._release_soon(desc, Release(desc.rid, True))
+        self._release_soon(desc, Release(desc.rid, True, reason=RING if rung else ""))
         self._stats.requests_received += 1
         self._stats.bytes_received += lay.request_nbytes(n)
         st = con._stats
@@ -2138,8 +2294,7 @@ class IpcPlane:
             self._bell_task.cancel()
             self._bell_task = None
         for m in self._maps.values():
-            if m.bell is not None:
-                m.bell.close()
+            self._bell_drop(m)
         for bell in self._bells.values():
             if bell is not None:
                 bell.close()

@@ -452,6 +452,8 @@ def test_bench_tiny_tcp_json() -> None:
             "--workload",
             "tiny",
             "--json",
+            "--latency-gap-ms",
+            "2",
         ],
         capture_output=True,
         text=True,

@@ -32,6 +32,9 @@ the consumer.
 Latency: ``--latency-n`` one-at-a-time requests of 256 tokens (fewer for
 ``tiny``), from the producer's call to the last block in place on the consumer
 (``time.perf_counter`` is CLOCK_MONOTONIC, shared by processes of one host).
+``--latency-gap-ms``: the producer waits that long after the consumer posted its
+``recv_request`` before it sends (a decode server waiting for a prefill; on IPC the
+consumer is then past its doorbell spin).
 
 Output (``--json``): one JSON line with ``workload, transport, aiokv_gbps,
 raw_gbps, ratio, ok, p50_ms, p99_ms`` and details. GB/s are 1e9 bytes/s;
@@ -233,6 +236,8 @@ async def _producer(a: dict[str, Any], chan: _Chan) -> dict[str, Any]:
                         await asyncio.to_thread(_zmq_raw_push, push, raw_src, w.requests)
                 elif cmd == "lat":
                     n_blocks = msg[3]
+                    if a["latency_gap_s"]:
+                        await asyncio.sleep(a["latency_gap_s"])
                     t = time.perf_counter()
                     await con.send_request(f"lat{msg[2]}", tables[0][:n_blocks], to=to)
                     chan.send("t", t)
@@ -542,6 +547,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--staging-mib", type=float, default=None)
     ap.add_argument("--latency-n", type=int, default=50)
     ap.add_argument("--latency-warmup", type=int, default=5)
+    ap.add_argument(
+        "--latency-gap-ms",
+        type=float,
+        default=0.0,
+        help="latency requests: the producer sends this long after the consumer waits",
+    )
     ap.add_argument("--seed", type=int, default=1234)
     ap.add_argument("--timeout", type=float, default=120.0)
     ap.add_argument("--loop", choices=["uvloop", "asyncio"], default=None)
@@ -553,6 +564,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = ap.parse_args(argv)
     if args.iters < 1 or args.latency_n < 1 or args.concurrency < 1:
         ap.error("--iters, --latency-n and --concurrency must be >= 1")
+    if not 0 <= args.latency_gap_ms <= 10_000:
+        ap.error("--latency-gap-ms must be in [0, 10000]")
     loop = args.loop
     if loop is None:
         try:
@@ -596,6 +609,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "staging_bytes": staging,
         "latency_n": args.latency_n,
         "latency_warmup": args.latency_warmup,
+        "latency_gap_s": args.latency_gap_ms / 1e3,
         "seed": args.seed,
         "timeout": args.timeout,
         "loop": loop,

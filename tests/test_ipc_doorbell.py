@@ -10,6 +10,7 @@ acknowledged, and the option turns it off. CUDA is faked as in test_ipc_plane.py
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import secrets
 import subprocess
@@ -296,14 +297,27 @@ async def test_ring_alone_once_the_consumer_reads_it() -> None:
         await cons.aclose()
 
 
-async def _ring_ok(prod: Any, cons: Any, a: Any, b: Any) -> None:
-    await _move_waiting(prod, cons, a, b, "w0", [1], [2])
-    await _move_waiting(prod, cons, a, b, "w1", [3], [4])
-    for _ in range(100):
-        if b.address in prod._ipc._ring_ok:
-            return
-        await asyncio.sleep(0.01)
-    raise AssertionError("the consumer's release never said 'ring'")
+@contextlib.asynccontextmanager
+async def _ringing(kind: str, dtype: str, **opts: Any) -> Any:
+    """Two engines and connectors whose consumer has taken one descriptor from the
+    ring (so the producer sends by the ring alone from then on); yields
+    ``(layout, producer caches, consumer caches, a, b, prod, cons)``."""
+    pl = make_layout(kind, dtype, 24)
+    p, c = filled(pl, 1), filled(pl, 2)
+    o = IpcOptions(trust_unauthenticated=True, grace_s=0.3, **opts)
+    async with pair(pl, pl) as (a, b):
+        prod, cons = connectors(a, b, pl, p, pl, c, opts=o)
+        await _move_waiting(prod, cons, a, b, "w0", [1], [2])
+        await _move_waiting(prod, cons, a, b, "w1", [3], [4])
+        for _ in range(100):
+            if b.address in prod._ipc._ring_ok:
+                break
+            await asyncio.sleep(0.01)
+        else:
+            raise AssertionError("the consumer's release never said 'ring'")
+        yield pl, p, c, a, b, prod, cons
+        await prod.aclose()
+        await cons.aclose()
 
 
 @pytest.mark.anyio
@@ -312,12 +326,7 @@ async def test_ring_messages_read_early_wait_for_their_request() -> None:
     """A ring message read while another request waited is kept for its own request,
     which takes it when it comes (with a long backup delay, a message dropped on
     reading would leave that request to run into its deadline)."""
-    pl = make_layout("mla", "float16", 24)
-    p, c = filled(pl, 1), filled(pl, 2)
-    opts = IpcOptions(trust_unauthenticated=True, grace_s=0.3, doorbell_backup_s=30)
-    async with pair(pl, pl) as (a, b):
-        prod, cons = connectors(a, b, pl, p, pl, c, opts=opts)
-        await _ring_ok(prod, cons, a, b)
+    async with _ringing("mla", "float16", doorbell_backup_s=30) as (pl, p, c, a, b, prod, cons):
         first = asyncio.create_task(cons.recv_request("e1", [10], frm=a.address, timeout=5))
         await asyncio.sleep(0.02)
         s2 = asyncio.create_task(prod.send_request("e2", [6], to=b.address, timeout=5))
@@ -330,8 +339,6 @@ async def test_ring_messages_read_early_wait_for_their_request() -> None:
         pst, cst = prod.statistics().ipc, cons.statistics().ipc
         assert pst is not None and cst is not None
         assert pst.doorbell_backups == 0 and cst.doorbell_hits == 3
-        await prod.aclose()
-        await cons.aclose()
 
 
 @pytest.mark.anyio
@@ -340,12 +347,7 @@ async def test_a_lost_ring_message_comes_by_the_engine_backup() -> None:
     """A ring-only descriptor the consumer cannot take (here its MAC fails, as for a
     tampered slot) arrives by the engine after doorbell_backup_s; the consumer's
     release then says "not by the ring" and the producer sends by both again."""
-    pl = make_layout("fi", "bfloat16", 24)
-    p, c = filled(pl, 1), filled(pl, 2)
-    opts = IpcOptions(trust_unauthenticated=True, grace_s=0.3, doorbell_backup_s=0.1)
-    async with pair(pl, pl) as (a, b):
-        prod, cons = connectors(a, b, pl, p, pl, c, opts=opts)
-        await _ring_ok(prod, cons, a, b)
+    async with _ringing("fi", "bfloat16", doorbell_backup_s=0.1) as (pl, p, c, a, b, prod, cons):
         (m,) = cons._ipc._maps.values()
         assert m.bell is not None
         m.bell.key = secrets.token_bytes(db.KEY_BYTES)
@@ -360,8 +362,6 @@ async def test_a_lost_ring_message_comes_by_the_engine_backup() -> None:
         assert b.address not in prod._ipc._ring_ok
         await _move_waiting(prod, cons, a, b, "l2", [9], [14])
         assert "l2#ipc" in sent  # at once, beside the ring
-        await prod.aclose()
-        await cons.aclose()
 
 
 @pytest.mark.anyio
@@ -371,12 +371,7 @@ async def test_a_late_backup_is_not_taken_for_a_new_request(monkeypatch: Any) ->
     only later, so no release comes before doorbell_backup_s and the engine's backup
     copy lands after the consumer dropped what was there. A new request of the same id
     must not take that stale copy (it would read the old request's blocks)."""
-    pl = make_layout("fa", "float32", 24)
-    p, c = filled(pl, 1), filled(pl, 2)
-    opts = IpcOptions(trust_unauthenticated=True, grace_s=0.3, doorbell_backup_s=0.05)
-    async with pair(pl, pl) as (a, b):
-        prod, cons = connectors(a, b, pl, p, pl, c, opts=opts)
-        await _ring_ok(prod, cons, a, b)
+    async with _ringing("fa", "float32", doorbell_backup_s=0.05) as (pl, p, c, a, b, prod, cons):
         monkeypatch.setattr(FakeEvent, "fire_after", 0.3)
         await _move_waiting(prod, cons, a, b, "r", [5], [15])  # by the ring; backup late
         monkeypatch.setattr(FakeEvent, "fire_after", 0.0)
@@ -387,8 +382,6 @@ async def test_a_late_backup_is_not_taken_for_a_new_request(monkeypatch: Any) ->
         # the same id again: this must be the new send's descriptor, not the stale one
         await _move_waiting(prod, cons, a, b, "r", [6], [16])
         assert landed(pl, p, [6], c, [16])
-        await prod.aclose()
-        await cons.aclose()
 
 
 @pytest.mark.anyio
@@ -398,14 +391,8 @@ async def test_the_wake_fifo_brings_a_waiting_consumer_at_once(monkeypatch: Any)
     bring the ring's descriptor to the consumer before its 2 s deadline."""
     from aiokv.kv import ipc as ipcmod
 
-    pl = make_layout("fa", "bfloat16", 24)
-    p, c = filled(pl, 1), filled(pl, 2)
-    opts = IpcOptions(
-        trust_unauthenticated=True, grace_s=0.3, doorbell_spin_s=0, doorbell_backup_s=30
-    )
-    async with pair(pl, pl) as (a, b):
-        prod, cons = connectors(a, b, pl, p, pl, c, opts=opts)
-        await _ring_ok(prod, cons, a, b)
+    ring = _ringing("fa", "bfloat16", doorbell_spin_s=0, doorbell_backup_s=30)
+    async with ring as (pl, p, c, a, b, prod, cons):
         monkeypatch.setattr(ipcmod, "_BELL_POLL_WAKE_S", 5.0)
         monkeypatch.setattr(ipcmod, "_BELL_POLL_S", 5.0)
         (m,) = cons._ipc._maps.values()
@@ -420,48 +407,46 @@ async def test_the_wake_fifo_brings_a_waiting_consumer_at_once(monkeypatch: Any)
         assert landed(pl, p, [5, 6, 7], c, [10, 11, 12])
         pst = prod.statistics().ipc
         assert pst is not None and pst.doorbell_backups == 0
-        await prod.aclose()
-        await cons.aclose()
 
 
-def test_wake_fifo() -> None:
+@pytest.fixture
+def writer() -> Any:
     w = db.BellWriter()
-    try:
-        assert not w.open_wake()  # no reader has it open
-        r = db.BellReader(w.name, w.key)
-        assert r.wake_fd >= 0 and w.open_wake()
-        w.unlink()
-        assert not any(n.startswith(w.name) for n in os.listdir(db._DIR))
-        import select
-
-        assert select.select([r.wake_fd], [], [], 0)[0] == []
-        for i in range(3):
-            w.post(b"%d" % i)
-        assert select.select([r.wake_fd], [], [], 1)[0] == [r.wake_fd]
-        assert r.drain_wake() and select.select([r.wake_fd], [], [], 0)[0] == []
-        assert r.poll() == [b"0", b"1", b"2"]
-        w.close()  # the writer is gone: end of file
-        assert select.select([r.wake_fd], [], [], 1)[0] == [r.wake_fd]
-        assert not r.drain_wake()
-        r.close()
-        assert r.wake_fd == -1
-    finally:
-        w.close()
+    yield w
+    w.close()
 
 
-def test_a_wake_path_that_is_no_fifo_is_not_watched() -> None:
-    w = db.BellWriter()
-    try:
-        os.unlink(w._path + ".wake")
-        with open(w._path + ".wake", "wb") as f:  # a regular file (always "readable")
-            f.write(b"x")
-        r = db.BellReader(w.name, w.key)
-        assert r.wake_fd == -1  # the ring is still read, on the timer
-        w.post(b"m")
-        assert r.poll() == [b"m"]
-        r.close()
-    finally:
-        w.close()
+def test_wake_fifo(writer: db.BellWriter) -> None:
+    import select
+
+    w = writer
+    assert not w.open_wake()  # no reader has it open
+    r = db.BellReader(w.name, w.key)
+    assert r.wake_fd >= 0 and w.open_wake()
+    w.unlink()
+    assert not any(n.startswith(w.name) for n in os.listdir(db._DIR))
+    assert select.select([r.wake_fd], [], [], 0)[0] == []
+    for i in range(3):
+        w.post(b"%d" % i)
+    assert select.select([r.wake_fd], [], [], 1)[0] == [r.wake_fd]
+    assert r.drain_wake() and select.select([r.wake_fd], [], [], 0)[0] == []
+    assert r.poll() == [b"0", b"1", b"2"]
+    w.close()  # the writer is gone: end of file
+    assert select.select([r.wake_fd], [], [], 1)[0] == [r.wake_fd]
+    assert not r.drain_wake()
+    r.close()
+    assert r.wake_fd == -1
+
+
+def test_a_wake_path_that_is_no_fifo_is_not_watched(writer: db.BellWriter) -> None:
+    os.unlink(writer._path + ".wake")
+    with open(writer._path + ".wake", "wb") as f:  # a regular file (always "readable")
+        f.write(b"x")
+    r = db.BellReader(writer.name, writer.key)
+    assert r.wake_fd == -1  # the ring is still read, on the timer
+    writer.post(b"m")
+    assert r.poll() == [b"m"]
+    r.close()
 
 
 def test_doorbell_backup_option_checked() -> None:

@@ -29,6 +29,7 @@ the host before it enqueues anything (see :mod:`aiokv.kv.ipc`).
 
 from __future__ import annotations
 
+import ctypes
 import functools
 from collections.abc import Sequence
 from typing import Any
@@ -39,9 +40,11 @@ from . import _triton
 
 __all__ = [
     "WORDS",
+    "RawLaunch",
     "available",
     "base_alignment",
     "launch_pair_copy",
+    "pair_copy_args",
     "torch_pair_copy",
     "word_size",
 ]
@@ -50,6 +53,7 @@ __all__ = [
 WORDS: dict[int, torch.dtype] = {8: torch.int64, 4: torch.int32, 2: torch.int16, 1: torch.uint8}
 _PROGRAM_BYTES = 32768
 _MAX_PROGRAMS = 2**31 - 1
+MAX_PROGRAMS = _MAX_PROGRAMS  # the grid's limit (one dimension)
 
 
 def word_size(*quantities: int) -> int:
@@ -179,8 +183,9 @@ def launch_pair_copy(
     block_stride: int,
     base_align: int,
     program_bytes: int = _PROGRAM_BYTES,
-) -> bool:
-    """Launch the fused copy on the CURRENT stream. False when the grid would be too big.
+) -> Any:
+    """Launch the fused copy on the CURRENT stream. False when the grid would be too big,
+    else the compiled kernel Triton launched (for :class:`RawLaunch`; True if none).
 
     ``src_table``/``dst_table``: ``n_layers`` int64 base addresses (device tensors),
     aligned to ``word``. ``ids``: int64 device tensor ``[2, n]`` (source ids, then
@@ -203,7 +208,7 @@ def launch_pair_copy(
     if programs > _MAX_PROGRAMS:
         return False
     word_ref = _word_ref(ids.device, word)
-    _kernel()[(programs,)](
+    compiled = _kernel()[(programs,)](
         src_table,
         dst_table,
         ids,
@@ -222,7 +227,123 @@ def launch_pair_copy(
         WORD=word,
         num_warps=num_warps,
     )
-    return True
+    return compiled if compiled is not None else True
+
+
+class RawLaunch:
+    """One compiled specialisation of the copy kernel, launched with ``cuLaunchKernel``.
+
+    ``launch_pair_copy`` goes through ``JITFunction.run``: binding and hashing the
+    arguments, the cache look-up, the launcher's Python wrapper -- ~25 µs hot and
+    ~70-180 µs on the request path of the device host (docs/benchmarks.md). The kernel's
+    per-request values (the ids buffer, the abort slot, the pair count, the grid) do
+    not change what it was compiled for (they are not specialised), so the plane keeps
+    the compiled function and launches it through the driver with its parameters in
+    ctypes values set in place. The parameter list is derived from the compiled
+    kernel's signature: its non-constexpr arguments in order, then the scratch pointers
+    Triton appends (global, and profile from Triton 3.5; both unused here, NULL).
+    Raises ``ValueError`` for a kernel this cannot launch (scratch memory, clusters,
+    cooperative or PDL launches, a parameter type it does not know). The plane uses it
+    only after the same probe copy through it was bit-exact (``aiokv.kv.ipc``).
+    """
+
+    _CTYPES = {
+        "i1": ctypes.c_int8,
+        "i8": ctypes.c_int8,
+        "i16": ctypes.c_int16,
+        "i32": ctypes.c_int32,
+        "i64": ctypes.c_int64,
+        "u1": ctypes.c_uint8,
+        "u8": ctypes.c_uint8,
+        "u16": ctypes.c_uint16,
+        "u32": ctypes.c_uint32,
+        "u64": ctypes.c_uint64,
+    }
+
+    def __init__(self, compiled: Any, drv: Any) -> None:
+        md: dict[str, Any] = compiled.metadata._asdict()  # (a namedtuple in Triton 3.x)
+        if (
+            md.get("global_scratch_size", 0)
+            or md.get("profile_scratch_size", 0)
+            or md.get("num_ctas", 1) != 1
+            or md.get("launch_cooperative_grid", False)
+            or md.get("launch_pdl", False)
+            or md.get("tensordesc_meta", None)
+        ):
+            raise ValueError("kernel needs a launch feature the raw path does not set up")
+        src = compiled.src
+        names = list(src.fn.arg_names)
+        sig = dict(src.signature)
+        self.compiled = compiled
+        self._drv = drv
+        self._vals: list[Any] = []
+        self._index: list[int] = []
+        for i, name in enumerate(names):
+            ty = sig[name] if name in sig else sig[i]
+            if ty == "constexpr":
+                continue
+            if ty.startswith("*"):
+                v: Any = ctypes.c_uint64()
+            elif ty in self._CTYPES:
+                v = self._CTYPES[ty]()
+            else:
+                raise ValueError(f"parameter {name!r} of type {ty!r}")
+            self._vals.append(v)
+            self._index.append(i)
+        extra = [ctypes.c_uint64(0) for a in ("global_scratch_size", "profile_scratch_size")
+                 if a in md]  # fmt: skip
+        self._keep = self._vals + extra
+        self._params = (ctypes.c_void_p * len(self._keep))(
+            *(ctypes.addressof(v) for v in self._keep)
+        )
+        self._function = ctypes.c_void_p(compiled.function)
+        self._threads = 32 * int(md["num_warps"])
+        self._shared = int(md["shared"])
+        self._launch = drv.launch_raw
+
+    def launch(self, programs: int, stream: int, args: Sequence[int]) -> None:
+        """Launch ``programs`` programs on ``stream`` (a raw handle) with ``args`` (the
+        kernel's arguments in order, pointers as addresses; constexprs ignored)."""
+        for v, i in zip(self._vals, self._index, strict=True):
+            v.value = args[i]
+        rc = self._launch(
+            self._function, programs, 1, 1, self._threads, 1, 1, self._shared, stream,
+            self._params, None,
+        )  # fmt: skip
+        if rc:
+            self._drv.check(rc, "cuLaunchKernel")
+
+
+def pair_copy_args(
+    src_table: int,
+    dst_table: int,
+    ids: int,
+    abort: int,
+    device: torch.device,
+    slot: int,
+    *,
+    n_pairs: int,
+    word: int,
+    n_layers: int,
+    parts: int,
+    seg_words: int,
+    src_part_stride: int,
+    dst_part_stride: int,
+    block_stride: int,
+    base_align: int,
+    program_bytes: int = _PROGRAM_BYTES,
+) -> tuple[int, tuple[int, ...]]:
+    """``(programs, arguments)`` of the launch :func:`launch_pair_copy` would make with
+    these values (pointers as addresses), for :meth:`RawLaunch.launch`."""
+    block, chunks, vec, _ = _geometry(
+        word, seg_words, src_part_stride, dst_part_stride, base_align, program_bytes
+    )
+    programs = n_layers * parts * n_pairs * chunks
+    ref = _word_ref(device, word).data_ptr()
+    return programs, (
+        src_table, dst_table, ids, abort, ref, slot, n_pairs, parts, seg_words,
+        src_part_stride, dst_part_stride, block_stride, chunks, block, vec, word,
+    )  # fmt: skip
 
 
 def torch_pair_copy(

@@ -67,7 +67,7 @@ from .._exceptions import (
     TransferAbortedError,
     TransferTimeoutError,
 )
-from . import _doorbell, _ipc_kernel
+from . import _cudrv, _doorbell, _ipc_kernel
 from .layouts import KVLayout, check_compatible, layout_from_wire
 
 if TYPE_CHECKING:
@@ -195,6 +195,12 @@ class IpcOptions:
     the ring alone does, and the engine's copy follows only if no release came
     within ``doorbell_backup_s`` (docs/ipc.md, "Doorbell").
 
+    ``driver_calls``: make the per-request CUDA calls (the ready and completion
+    events' records, the ids' upload, the copy's launch) through the CUDA driver
+    directly instead of through torch's and Triton's Python wrappers, which cost
+    several times more on the request path (:mod:`aiokv.kv._cudrv`); the launch only
+    after the probe copy through it was bit-exact.
+
     ``gpu_wait``: when the producer's ready event has not fired yet as the request
     arrives, let the consumer's copy stream wait for it on the GPU (the launch is
     queued at once) instead of polling it from the host first. Faster by one poll,
@@ -213,6 +219,7 @@ class IpcOptions:
     doorbell: bool = True
     doorbell_spin_s: float = 0.02
     doorbell_backup_s: float = 0.05
+    driver_calls: bool = True
 
     def __post_init__(self) -> None:
         if not (isinstance(self.grace_s, (int, float)) and 0 < self.grace_s <= 600):
@@ -861,6 +868,7 @@ class _Mapping:
     # variant of the kernel in the middle of a request
     tables: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
     bell: _doorbell.BellReader | None = None  # the producer's doorbell ring, if any
+    raw: _ipc_kernel.RawLaunch | None = None  # the copy through cuLaunchKernel, verified
     reply_to: str = ""  # the producer's engine (a ring message counts as from it)
     # ring messages read before their request waited (request id -> decoded message),
     # oldest first, at most _MAX_PENDING: a late recv_request takes its own from here
@@ -971,6 +979,16 @@ class IpcPlane:
         self._deferred: list[tuple[Descriptor, Release]] = []  # ok releases, sent soon
         self._ctl_stream: Any = None
         self._poller: Any = None
+        # the driver for the per-request CUDA calls (options.driver_calls, real CUDA)
+        self._drv = (
+            _cudrv.driver()
+            if backend is None and options.driver_calls and self.device.type == "cuda"
+            else None
+        )
+        self._dev_index = self.device.index if self.device.index is not None else 0
+        # slot buffers whose ids' upload may still be queued (not launched, retired):
+        # freed once their event fired
+        self._draining: list[_SlotBufs] = []
         # doorbell (consumer): request id -> (its waiter, the producer it must come from)
         self._bell_wait: dict[
             str, tuple[asyncio.Future[tuple[dict[str, Any], bool]], str | None]
@@ -1092,6 +1110,25 @@ class IpcPlane:
         self._n_events += 1
         return self._n_events - 1, ev, handle
 
+    def _raw_stream(self) -> int | None:
+        """The caller's current stream on this plane's device as a raw handle, when the
+        driver calls can be used (driver loaded, this device is the current one: the
+        kernel and events live in its context); None otherwise."""
+        if self._drv is None or torch.cuda.current_device() != self._dev_index:
+            return None
+        return int(torch._C._cuda_getCurrentRawStream(self._dev_index))
+
+    def _record(self, ev: Any) -> None:
+        """Record ``ev`` on the caller's current stream of this plane's device."""
+        rs = self._raw_stream()
+        if rs is not None:
+            assert self._drv is not None
+            self._drv.event_record(ev.cuda_event, rs)
+        else:
+            ev.record(
+                torch.cuda.current_stream(self.device) if self.device.type == "cuda" else None
+            )
+
     async def send_request(
         self,
         request_id: str,
@@ -1122,8 +1159,7 @@ class IpcPlane:
             self._log_fallback("export_failed", to, f"{type(exc).__name__}: {exc}")
             return await self.send_request(request_id, host, to=to, timeout=timeout)
         slot, ev, ev_handle = self._take_event()
-        # after everything queued so far on the current stream (the KV writes)
-        ev.record()  # on the current stream: after the KV writes queued so far
+        self._record(ev)  # on the current stream: after the KV writes queued so far
         _mark(request_id, "recorded")
         lease = self._clock() + max(0.0, deadline - time.monotonic())
         offer = None
@@ -1409,8 +1445,7 @@ class IpcPlane:
         sv.saved.add(layer)
         slot, ev, handle = self._take_event()
         sv.events.append((slot, ev, handle))
-        # after everything queued so far on the current stream (this layer's KV writes)
-        ev.record(torch.cuda.current_stream(self.device) if self.device.type == "cuda" else None)
+        self._record(ev)  # after everything queued so far on the current stream (the layer)
         sv.pending.append(LayerReady(request_id, layer, layer + 1, handle, slot))
         if len(sv.pending) == 1:  # one flush per loop pass: the engine coalesces the PUTs
             asyncio.get_running_loop().call_soon(self._flush_layers, sv)
@@ -1849,6 +1884,7 @@ class IpcPlane:
         untouched = torch.zeros_like(out)
         dst = out.view(wdt)
         swap = torch.tensor([[1, 0], [0, 1]], dtype=torch.int64, device=dev)
+        compiled: Any = None
         if self._use_triton():
             stream = m.stream
             ab, slot = self._slot()
@@ -1879,6 +1915,7 @@ class IpcPlane:
                     )
                     if not ok:
                         raise IpcUnavailableError("grid_too_big")
+                    compiled = ok if compiled is None else compiled
             stream.synchronize()  # once per peer, at set-up, off the request path
             self._free_slots.append(slot)
         else:
@@ -1892,7 +1929,63 @@ class IpcPlane:
             raise IpcUnavailableError("verify_failed", "the mapped probe did not read back")
         if self._use_triton() and bool(untouched.any()):
             raise IpcUnavailableError("verify_failed", "a launch with its abort word set wrote")
+        if self._drv is not None and compiled is not None and compiled is not True:
+            m.raw = self._try_raw(m, compiled, src, swap, expect)
         del probe
+
+    def _try_raw(
+        self, m: _Mapping, compiled: Any, src: torch.Tensor, swap: torch.Tensor, want: torch.Tensor
+    ) -> _ipc_kernel.RawLaunch | None:
+        """The verified kernel through :class:`~aiokv.kv._ipc_kernel.RawLaunch`: the same
+        probe copy (bit-exact) and abort check (writes nothing) through the driver, or
+        None (any error or difference: requests then launch through Triton)."""
+        dev = self.device
+        seg = self._seg_bytes()
+        w = m.word
+        assert self._drv is not None
+        try:
+            rl = _ipc_kernel.RawLaunch(compiled, self._drv)
+            outs = [torch.zeros(_PROBE_SEGMENTS * seg, dtype=torch.uint8, device=dev)
+                    for _ in range(2)]  # fmt: skip
+            (ab, slot), (ab_off, slot_off) = self._slot(), self._slot()
+            self._set_abort(ab_off, slot_off)
+            stream = m.stream
+            stream.wait_stream(torch.cuda.current_stream(dev))
+            stream.wait_stream(self._ctl())
+            for out, a, sl in ((outs[0], ab, slot), (outs[1], ab_off, slot_off)):
+                st = torch.tensor([src.data_ptr()], dtype=torch.int64).to(dev)
+                dt = torch.tensor([out.data_ptr()], dtype=torch.int64).to(dev)
+                torch.cuda.current_stream(dev).synchronize()  # the tables are uploaded
+                programs, args = _ipc_kernel.pair_copy_args(
+                    st.data_ptr(),
+                    dt.data_ptr(),
+                    swap.data_ptr(),
+                    a.data_ptr(),
+                    dev,
+                    sl,
+                    n_pairs=_PROBE_SEGMENTS,
+                    word=w,
+                    n_layers=1,
+                    parts=1,
+                    seg_words=seg // w,
+                    src_part_stride=m.layout.num_blocks * seg // w,
+                    dst_part_stride=self.layout.num_blocks * seg // w,
+                    block_stride=seg // w,
+                    base_align=m.align,
+                )
+                rl.launch(programs, stream.cuda_stream, args)
+                stream.synchronize()
+            self._free_slots.append(slot)
+            ok = torch.equal(outs[0], want) and not bool(outs[1].any())
+        except Exception as exc:  # a Triton whose kernels this cannot launch
+            log.info(
+                "aiokv IPC plane: copies launch through Triton (%s: %s)", type(exc).__name__, exc
+            )
+            return None
+        if not ok:
+            log.warning("aiokv IPC plane: the driver launch of the copy differed; Triton launches")
+            return None
+        return rl
 
     def _event(self, m: _Mapping, slot: int, handle: bytes) -> Any:
         """The producer's IPC event in ``slot`` (opened once per slot and handle)."""
@@ -1927,18 +2020,24 @@ class IpcPlane:
         if cuda:
             done = torch.cuda.Event()  # type: ignore[no-untyped-call]
             order = torch.cuda.Event()  # type: ignore[no-untyped-call]
+            done.record(torch.cuda.current_stream(dev))  # created now (the driver records it)
+            self._draining = [d for d in self._draining if not d.done.query()]
         from ..transport.tcp import tensor_buffer
 
         sb = _SlotBufs(cap, pin, dbuf, done, order, tensor_buffer(pin))
         self._slotbufs[slot] = sb
         return sb
 
-    def _retire_slot(self, slot: int, keep: bool) -> None:
+    def _retire_slot(self, slot: int, keep: bool, upload_on: int | None = None) -> None:
         """The slot's buffers after an abort or a failed launch: never rewritten again
-        (kept forever when a launch may still read them)."""
+        (kept forever when a launch may still read them; until an event after the ids'
+        upload fired when the driver queued that upload on raw stream ``upload_on``)."""
         sb = self._slotbufs.pop(slot, None)
         if sb is not None and keep:
             self._keep.append(sb)
+        elif sb is not None and upload_on is not None and self._drv is not None:
+            self._drv.event_record(sb.done.cuda_event, upload_on)
+            self._draining.append(sb)
 
     async def _pull(
         self,
@@ -1989,14 +2088,20 @@ class IpcPlane:
         # launch that may be queued behind the producer's event (gpu_wait) runs on the
         # mapping's own stream, so that a dead producer can only ever block that one.
         own = triton and self.options.gpu_wait and dev.type == "cuda"
-        stream = m.stream if own or dev.type != "cuda" else torch.cuda.current_stream(dev)
+        # the driver path: the caller's current stream as a raw handle, the ids' upload,
+        # launch and completion record through the driver (the launch verified bit-exact)
+        rs = self._raw_stream() if triton and not own and m.raw is not None else None
+        if rs is not None:
+            stream: Any = rs
+        else:
+            stream = m.stream if own or dev.type != "cuda" else torch.cuda.current_stream(dev)
         L = lay.num_layers
         nxt = 0  # layers [0, nxt) are launched
         launched = False
         awaited = False  # since `stream` was taken (other code may switch streams meanwhile)
         m.inflight += 1
         try:
-            ids = self._stage_ids(stream, own, sb, desc.src, host)
+            ids = self._stage_ids(stream, own, sb, desc.src, host, raw=rs is not None)
             _mark(desc.rid, "staged")
             while nxt < L:
                 if layerwise:
@@ -2031,6 +2136,7 @@ class IpcPlane:
                     sb,
                     n,
                     current=not own and not awaited,
+                    raw=rs is not None,
                 )
                 _mark(desc.rid, f"launched{nxt}")
                 nxt = hi
@@ -2044,10 +2150,10 @@ class IpcPlane:
             if not launched:
                 m.inflight -= 1
                 # nothing was launched with the slot: it may serve again, with new buffers
-                # (its ids' upload may still be queued; the device buffer is marked used
-                # by the copy stream and the pinned one by the copy, so neither is reused
-                # before that upload ran)
-                self._retire_slot(slot, keep=False)
+                # (its ids' upload may still be queued: with torch's copy the device buffer
+                # is marked used by the copy stream and the pinned one by the copy; with the
+                # driver's, the buffers are held until an event after the upload fired)
+                self._retire_slot(slot, keep=False, upload_on=rs)
                 self._free_slots.append(slot)
                 if timeout:
                     self._stats.lease_expired += 1
@@ -2076,7 +2182,10 @@ class IpcPlane:
             raise
         m.inflight -= 1
         self._free_slots.append(slot)
-        if sb.done is not None and (own or torch.cuda.current_stream(dev) != stream):
+        if rs is not None:
+            if int(torch._C._cuda_getCurrentRawStream(self._dev_index)) != rs:
+                torch.cuda.current_stream(dev).wait_event(sb.done)  # switched meanwhile
+        elif sb.done is not None and (own or torch.cuda.current_stream(dev) != stream):
             # the copy ran on another stream than the caller's current one (gpu_wait, or
             # a stream switched by other code during our awaits): order the caller after it
             torch.cuda.current_stream(dev).wait_event(sb.done)
@@ -2128,7 +2237,14 @@ class IpcPlane:
             self._release(desc, rel)
 
     def _stage_ids(
-        self, stream: Any, own: bool, sb: _SlotBufs, src: Sequence[int], dst: Sequence[int]
+        self,
+        stream: Any,
+        own: bool,
+        sb: _SlotBufs,
+        src: Sequence[int],
+        dst: Sequence[int],
+        *,
+        raw: bool = False,
     ) -> torch.Tensor:
         """Write the ids (``n`` source, then ``n`` destination) into the slot's pinned
         buffer and, on a GPU, enqueue their upload on ``stream``; returns what the copy
@@ -2140,6 +2256,10 @@ class IpcPlane:
             struct.pack_into(f"<{2 * n}q", sb.mv, 0, *src, *dst)
         if self.device.type != "cuda":
             return sb.pin[: 2 * n].view(2, n)
+        if raw:  # ``stream`` is a raw handle; exactly the ids' bytes
+            assert self._drv is not None
+            self._drv.memcpy_htod_async(sb.dev.data_ptr(), sb.pin.data_ptr(), 16 * n, stream)
+            return sb.dev
         if own:
             assert sb.order is not None
             sb.order.record(torch.cuda.current_stream(self.device))
@@ -2181,6 +2301,7 @@ class IpcPlane:
         sb: _SlotBufs,
         n: int,
         current: bool = False,
+        raw: bool = False,
     ) -> None:
         """Enqueue the copy of layers ``[lo, hi)`` on ``stream`` (after the producer's
         event ``ready`` on the GPU, if given) and re-record the slot's completion event
@@ -2189,6 +2310,34 @@ class IpcPlane:
         dev = self.device
         lay = self.layout
         whole = lo == 0 and hi == lay.num_layers
+        if raw:  # ``stream`` is a raw handle; m.raw verified at mapping time
+            assert m.raw is not None and self._drv is not None and sb.done is not None
+            seg = self._seg_bytes()
+            w = m.word
+            st, dt = self._tables(m, lo, hi)
+            programs, args = _ipc_kernel.pair_copy_args(
+                st.data_ptr(),
+                dt.data_ptr(),
+                ids.data_ptr(),
+                ab.data_ptr(),
+                dev,
+                slot,
+                n_pairs=n,
+                word=w,
+                n_layers=hi - lo,
+                parts=lay.kv_parts,
+                seg_words=seg // w,
+                src_part_stride=m.layout.num_blocks * seg // w,
+                dst_part_stride=lay.num_blocks * seg // w,
+                block_stride=seg // w,
+                base_align=m.align,
+            )
+            if programs > _ipc_kernel.MAX_PROGRAMS:
+                raise ConfigError("IPC: request too large for one launch")
+            if programs:
+                m.raw.launch(programs, stream, args)
+            self._drv.event_record(sb.done.cuda_event, stream)
+            return
         if dev.type != "cuda":
             dst = self.con.caches.raw(m.word)
             src = m.src_layers if whole else m.src_layers[lo:hi]

@@ -11,6 +11,7 @@ a JSON object with the role's findings; the test asserts on them.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import os
 import signal
@@ -121,6 +122,7 @@ def stats(con: KVConnector) -> dict[str, Any]:
         "lease_expired": s.lease_expired,
         "stuck": s.stuck_streams,
         "fallbacks": s.fallbacks,
+        "raw": con._ipc is not None and any(m.raw is not None for m in con._ipc._maps.values()),
     }
 
 
@@ -163,7 +165,9 @@ async def matrix(role: str, d: str) -> dict[str, Any]:
                 big = torch.zeros(
                     (lay.num_layers, *lay.layer_shape()), dtype=lay.torch_dtype, device=dev
                 )
-                con = KVConnector(eng, lay, list(big.unbind(0)), ipc=OPTS)
+                # every other combo makes its CUDA calls through torch and Triton
+                opts = OPTS if ci % 2 == 0 else dataclasses.replace(OPTS, driver_calls=False)
+                con = KVConnector(eng, lay, list(big.unbind(0)), ipc=opts)
                 src_big, _ = fill(plays, dev, seed)
                 ok = True
                 touched: set[int] = set()

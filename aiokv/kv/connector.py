@@ -226,6 +226,8 @@ class KVConnector:
         if type(max_inflight) is not int or max_inflight <= 0:
             raise ConfigError(f"max_inflight must be a positive int, got {max_inflight!r}")
         self.engine = engine
+        # (checked once: a runtime Protocol check costs µs on every request's path)
+        self._discards: _Discards | None = engine if isinstance(engine, _Discards) else None
         self.layout = layout
         if isinstance(caches, BoundCaches):
             if caches.layout != layout:
@@ -855,7 +857,7 @@ class KVConnector:
         """
         if not names:
             return
-        eng = self.engine if isinstance(self.engine, _Discards) else None
+        eng = self._discards
         rest: list[str] = []
         for name in names:
             try:

@@ -725,3 +725,85 @@ async def test_producer_never_ready_fails_both_sides_untouched() -> None:
         assert cons.finished_receiving() == {"n0"}
         await prod.aclose()
         await cons.aclose()
+
+
+@pytest.mark.timeout(60)
+def test_abort_words_are_never_shared_across_a_rollover() -> None:
+    """Aborted words are never reused, so the plane moves to a new block of abort words
+    once the 4096 of one are used up. A request in flight across that move must not
+    share its word (or its ids buffers, keyed the same) with a request started after
+    it: an abort of one would make the other's copy write nothing while it reports the
+    blocks landed. Regression: the free list kept bare word indices, which after the
+    move named words of the new block that were also handed out fresh."""
+    pl = make_layout("fa", "bfloat16", 8)
+    con = KVConnector(_NoEngine(), pl, filled(pl, 0), ipc=OPTS)
+    plane = IpcPlane(con, OPTS, backend=FakeBackend())
+
+    def word(x: Any) -> tuple[int, int]:  # (block of words, index)
+        t, i = plane._word(x) if isinstance(x, int) else x
+        return id(t), i
+
+    def give_back(x: Any) -> None:  # what a request that finished does with its slot
+        plane._free_slots.append(x if isinstance(x, int) else x[1])
+
+    in_flight = plane._slot()  # a request that is still copying
+    spent = [plane._slot() for _ in range(4096)]  # aborted ones: never given back
+    assert len({word(x)[0] for x in [in_flight, *spent]}) == 2  # moved to a new block
+    give_back(in_flight)  # ... and now the first request finished
+    held = [plane._slot() for _ in range(4096)]
+    words = [word(x) for x in held + spent[-100:]]
+    assert len(set(words)) == len(words), "two requests were given the same abort word"
+
+
+class _NoEngine:
+    """An engine stand-in for a plane used without transfers."""
+
+    address = "127.0.0.1:1"
+    config = None
+
+
+class _SlowOpen(FakeBackend):
+    """Mapping an export takes a while (CUDA IPC opens, the kernel's first compile)."""
+
+    def open(self, e: StorageExport, device: torch.device) -> torch.Tensor:
+        time.sleep(0.2)
+        return super().open(e, device)
+
+
+@pytest.mark.anyio
+@pytest.mark.timeout(60)
+async def test_mapping_an_export_does_not_stall_the_loop() -> None:
+    """The first request from a producer maps and verifies its export: seconds where the
+    kernel is compiled. That runs off the event loop; other tasks keep running, and a
+    second request of the same export waits for the one mapping (regression: it ran
+    on the loop and stalled it for the whole set-up)."""
+    pl = make_layout("fa", "bfloat16", 20)
+    p, c = filled(pl, 1), filled(pl, 2)
+    async with pair(pl, pl) as (a, b):
+        slow = _SlowOpen()
+        prod, cons = connectors(a, b, pl, p, pl, c, cb=slow)
+        gaps: list[float] = []
+        stop = asyncio.Event()
+
+        async def tick() -> None:
+            last = time.monotonic()
+            while not stop.is_set():
+                await asyncio.sleep(0.01)
+                now = time.monotonic()
+                gaps.append(now - last)
+                last = now
+
+        ticker = asyncio.create_task(tick())
+        await asyncio.gather(
+            move(prod, cons, a, b, "s1", [1, 2], [3, 4]),
+            move(prod, cons, a, b, "s2", [5], [6]),
+        )
+        stop.set()
+        await ticker
+        assert landed(pl, p, [1, 2, 5], c, [3, 4, 6])
+        st = cons.statistics().ipc
+        assert st is not None and st.mappings_verified == 1 and st.requests_received == 2
+        assert slow.opened >= 2  # it really took >= 0.4 s
+        assert max(gaps) < 0.15, f"the loop stalled for {max(gaps):.3f} s"
+        await prod.aclose()
+        await cons.aclose()

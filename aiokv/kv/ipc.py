@@ -57,6 +57,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 import msgpack
 import torch
 
+from .._blocking import in_daemon
 from .._common import _await_shielded
 from .._config import parse_address
 from .._exceptions import (
@@ -111,6 +112,8 @@ _MAX_EVENT_SLOT = 1 << 20
 #: how long the consumer polls a producer's event without sleeping (a forward pass
 #: that ends within it is noticed within microseconds)
 _READY_SPIN_S = 0.002
+#: abort words per block (a block is allocated when the previous one is used up)
+_ABORT_WORDS = 4096
 #: ring messages a consumer keeps per producer for requests that do not wait yet (the
 #: producer has at most SLOTS - 1 ring-only descriptors unreleased, so this is slack)
 _MAX_PENDING = 2 * _doorbell.SLOTS
@@ -972,15 +975,19 @@ class IpcPlane:
         # consumer side
         self._maps: dict[int, _Mapping] = {}
         self._failed_tokens: dict[int, str] = {}
-        self._abort: torch.Tensor | None = None
+        # abort words in blocks of _ABORT_WORDS, never freed; a slot is a global number
+        # g: word g % _ABORT_WORDS of block g // _ABORT_WORDS (the ids buffers and the
+        # free list are keyed by g, so no two slots ever share a word)
+        self._abort_blocks: dict[int, torch.Tensor] = {}
         self._keep: list[Any] = []
         self._abort_next = 0
-        self._free_slots: list[int] = []
+        self._free_slots: list[int] = []  # slots whose words were never set
         self._slotbufs: dict[int, _SlotBufs] = {}
         self._deferred: list[tuple[Descriptor, Release]] = []  # ok releases, sent soon
         self._ctl_stream: Any = None
         self._poller: Any = None
         # the driver for the per-request CUDA calls (options.driver_calls, real CUDA)
+        self._opening: dict[int, asyncio.Future[_Mapping]] = {}  # exports being mapped
         self._drv = (
             _cudrv.driver()
             if backend is None and options.driver_calls and self.device.type == "cuda"
@@ -1568,7 +1575,7 @@ class IpcPlane:
             await plain()
             return
         try:
-            m = self._mapping(desc, plout)
+            m = await self._mapping(desc, plout)
         except IpcUnavailableError as exc:
             self._count_fallback(exc.reason, desc.reply_to, str(exc))
             self._release(desc, Release(request_id, False, fallback=True, reason=exc.reason))
@@ -1749,8 +1756,9 @@ class IpcPlane:
         except Exception as exc:  # engine closing: the producer's lease runs out instead
             log.warning("aiokv IPC plane: could not send the release of %r: %s", desc.rid, exc)
 
-    def _mapping(self, desc: Descriptor, layout: KVLayout | None) -> _Mapping:
-        """The verified mapping for the descriptor's export (made on first use)."""
+    async def _mapping(self, desc: Descriptor, layout: KVLayout | None) -> _Mapping:
+        """The verified mapping for the descriptor's export (made on first use, off the
+        event loop; requests for an export being mapped wait for that one mapping)."""
         m = self._maps.get(desc.token)
         if m is not None:
             if m.broken:
@@ -1761,31 +1769,63 @@ class IpcPlane:
             raise IpcUnavailableError(why)
         if self.disabled:
             raise IpcUnavailableError(self.disabled)
-        if desc.offer is None or layout is None:
-            raise IpcUnavailableError("no_offer", "the producer's export is unknown here")
-        check_compatible(layout, self.layout)  # LayoutMismatchError: no fallback, a real error
+        opening = self._opening.get(desc.token)
+        if opening is None:
+            if desc.offer is None or layout is None:
+                raise IpcUnavailableError("no_offer", "the producer's export is unknown here")
+            check_compatible(layout, self.layout)  # LayoutMismatchError: a real error
+            opening = asyncio.ensure_future(self._open_export(desc, desc.offer, layout))
+            self._opening[desc.token] = opening
+        return await asyncio.shield(opening)  # (a cancelled request leaves it running)
+
+    async def _open_export(self, desc: Descriptor, offer: Offer, layout: KVLayout) -> _Mapping:
+        """Map and verify one export in a worker thread (CUDA IPC opens, the Triton
+        kernel's first compile and load, the probe copies and their waits: up to seconds
+        once per producer, which the event loop must not wait out), then register it."""
+        token = desc.token
         try:
-            m = self._open(desc.offer, layout)
-        except IpcUnavailableError as exc:
-            self._stats.mapping_failures += 1
-            self._failed_tokens[desc.token] = exc.reason
-            raise
-        except Exception as exc:  # CUDA refused: other container, PID namespace, no P2P...
-            self._stats.mapping_failures += 1
-            self._failed_tokens[desc.token] = "map_failed"
-            raise IpcUnavailableError("map_failed", f"{type(exc).__name__}: {exc}") from None
-        m.reply_to = desc.reply_to
-        if desc.offer.bell and self.options.doorbell:
+            if self.device.type == "cuda":
+                # what the thread takes from the plane is taken here, on the loop
+                slots = [self._slot() for _ in range(4)]  # 1 and 3 get aborted
+                self._ctl()
+            else:
+                slots = []
             try:
-                m.bell = _doorbell.BellReader(desc.offer.bell, desc.offer.bell_key)
+                m = await in_daemon(
+                    functools.partial(self._open_in_thread, offer, layout, slots),
+                    "aiokv-ipc-map",
+                )
+                self._free_slots += slots[0::2]  # (their copies finished, nothing set)
+            except IpcUnavailableError as exc:
+                self._stats.mapping_failures += 1
+                self._failed_tokens[token] = exc.reason
+                raise
+            except Exception as exc:  # CUDA refused: other container, PID namespace...
+                self._stats.mapping_failures += 1
+                self._failed_tokens[token] = "map_failed"
+                raise IpcUnavailableError("map_failed", f"{type(exc).__name__}: {exc}") from None
+        finally:
+            del self._opening[token]
+        m.reply_to = desc.reply_to
+        if self._closed:  # closed while mapping: nothing may keep the export mapped
+            raise IpcUnavailableError("closed", "the plane was closed while mapping")
+        if offer.bell and self.options.doorbell:
+            try:
+                m.bell = _doorbell.BellReader(offer.bell, offer.bell_key)
             except (OSError, ValueError) as exc:  # the engine path serves alone
-                log.info("aiokv IPC plane: doorbell %s not used: %s", desc.offer.bell, exc)
+                log.info("aiokv IPC plane: doorbell %s not used: %s", offer.bell, exc)
             else:
                 if m.bell.wake_fd >= 0:
                     asyncio.get_running_loop().add_reader(m.bell.wake_fd, self._bell_woken, m)
-        self._maps[desc.token] = m
+        self._maps[token] = m
         self._stats.mappings_verified += 1
         return m
+
+    def _open_in_thread(self, offer: Offer, layout: KVLayout, slots: list[int]) -> _Mapping:
+        if self.device.type != "cuda":
+            return self._open(offer, layout, slots)
+        with torch.cuda.device(self.device):
+            return self._open(offer, layout, slots)
 
     def _use_triton(self) -> bool:
         return (
@@ -1794,8 +1834,9 @@ class IpcPlane:
             and (_ipc_kernel.available())
         )
 
-    def _aborts(self) -> torch.Tensor:
-        if self._abort is None:
+    def _aborts(self, block: int) -> torch.Tensor:
+        t = self._abort_blocks.get(block)
+        if t is None:
             if self.device.type == "cuda":
                 # Zeroed on the control stream (where the words are later set) and waited
                 # for: a zero-fill left queued on the caller's stream could otherwise run
@@ -1803,41 +1844,45 @@ class IpcPlane:
                 # aborted launch writing). A tiny fill once per 4096 requests.
                 ctl = self._ctl()
                 with torch.cuda.stream(ctl):
-                    self._abort = torch.zeros(4096, dtype=torch.int32, device=self.device)
+                    t = torch.zeros(_ABORT_WORDS, dtype=torch.int32, device=self.device)
                 ctl.synchronize()
             else:
-                self._abort = torch.zeros(4096, dtype=torch.int32, device=self.device)
+                t = torch.zeros(_ABORT_WORDS, dtype=torch.int32, device=self.device)
             # never freed: a launch stuck behind a dead producer's event may read its
             # word whenever (if ever) that event fires
-            self._keep.append(self._abort)
-        return self._abort
+            self._abort_blocks[block] = t
+            self._keep.append(t)
+        return t
 
     def _ctl(self) -> Any:
         if self._ctl_stream is None:
             self._ctl_stream = self.backend.new_stream(self.device)
         return self._ctl_stream
 
-    def _slot(self) -> tuple[torch.Tensor, int]:
-        """An abort word never set before (aborted words are never reused)."""
+    def _slot(self) -> int:
+        """A slot whose abort word was never set (aborted words are never reused)."""
         if self._free_slots:
-            return self._aborts(), self._free_slots.pop()
-        ab = self._aborts()
-        if self._abort_next >= ab.numel():
-            self._abort = None
-            self._abort_next = 0
-            ab = self._aborts()
-        s = self._abort_next
+            return self._free_slots.pop()
+        g = self._abort_next
         self._abort_next += 1
-        return ab, s
+        self._aborts(g // _ABORT_WORDS)  # made (and zeroed) before any launch uses it
+        return g
 
-    def _set_abort(self, ab: torch.Tensor, slot: int) -> None:
+    def _word(self, g: int) -> tuple[torch.Tensor, int]:
+        """Slot ``g``'s abort word: its block and index."""
+        return self._abort_blocks[g // _ABORT_WORDS], g % _ABORT_WORDS
+
+    def _set_abort(self, g: int) -> None:
+        ab, slot = self._word(g)
         if ab.device.type == "cuda":
             with torch.cuda.stream(self._ctl()):
                 ab[slot : slot + 1].fill_(1)
         else:
             ab[slot] = 1
 
-    def _open(self, offer: Offer, layout: KVLayout) -> _Mapping:
+    def _open(self, offer: Offer, layout: KVLayout, slots: list[int]) -> _Mapping:
+        """Map and verify (in a worker thread: touches no state of the plane but the
+        ``slots`` taken for it on the loop and its control stream)."""
         check_same_host(offer, my_boot_id=self._boot_id, now=self._clock())
         dev = self.device
         storages = [self.backend.open(e, dev) for e in offer.storages]
@@ -1865,10 +1910,10 @@ class IpcPlane:
             *(t.data_ptr() for t in src_layers), *(t.data_ptr() for t in mine.tensors)
         )
         m = _Mapping(offer.token, layout, storages, src_layers, table, word, stream, align)
-        self._verify(m, offer)
+        self._verify(m, offer, slots)
         return m
 
-    def _verify(self, m: _Mapping, offer: Offer) -> None:
+    def _verify(self, m: _Mapping, offer: Offer, slots: list[int]) -> None:
         """Copy the producer's probe with the real kernel (and once with the abort word
         set) and compare with the pattern; also loads the kernel before any copy can
         wait on a peer's event (lazy module loading)."""
@@ -1888,9 +1933,8 @@ class IpcPlane:
         compiled: Any = None
         if self._use_triton():
             stream = m.stream
-            ab, slot = self._slot()
-            ab_off, slot_off = self._slot()
-            self._set_abort(ab_off, slot_off)  # also loads the fill kernel, off any peer wait
+            (ab, slot), (ab_off, slot_off) = self._word(slots[0]), self._word(slots[1])
+            self._set_abort(slots[1])  # also loads the fill kernel, off any peer wait
             # after the zero-fills above (caller's stream) and the abort (control stream)
             stream.wait_stream(torch.cuda.current_stream(dev))
             stream.wait_stream(self._ctl_stream)
@@ -1918,7 +1962,6 @@ class IpcPlane:
                         raise IpcUnavailableError("grid_too_big")
                     compiled = ok if compiled is None else compiled
             stream.synchronize()  # once per peer, at set-up, off the request path
-            self._free_slots.append(slot)
         else:
             s2 = src.view(_PROBE_SEGMENTS, -1)
             d2 = dst.view(_PROBE_SEGMENTS, -1)
@@ -1931,11 +1974,17 @@ class IpcPlane:
         if self._use_triton() and bool(untouched.any()):
             raise IpcUnavailableError("verify_failed", "a launch with its abort word set wrote")
         if self._drv is not None and compiled is not None and compiled is not True:
-            m.raw = self._try_raw(m, compiled, src, swap, expect)
+            m.raw = self._try_raw(m, compiled, src, swap, expect, slots[2:])
         del probe
 
     def _try_raw(
-        self, m: _Mapping, compiled: Any, src: torch.Tensor, swap: torch.Tensor, want: torch.Tensor
+        self,
+        m: _Mapping,
+        compiled: Any,
+        src: torch.Tensor,
+        swap: torch.Tensor,
+        want: torch.Tensor,
+        slots: list[int],
     ) -> _ipc_kernel.RawLaunch | None:
         """The verified kernel through :class:`~aiokv.kv._ipc_kernel.RawLaunch`: the same
         probe copy (bit-exact) and abort check (writes nothing) through the driver, or
@@ -1948,8 +1997,8 @@ class IpcPlane:
             rl = _ipc_kernel.RawLaunch(compiled, self._drv)
             outs = [torch.zeros(_PROBE_SEGMENTS * seg, dtype=torch.uint8, device=dev)
                     for _ in range(2)]  # fmt: skip
-            (ab, slot), (ab_off, slot_off) = self._slot(), self._slot()
-            self._set_abort(ab_off, slot_off)
+            (ab, slot), (ab_off, slot_off) = self._word(slots[0]), self._word(slots[1])
+            self._set_abort(slots[1])
             stream = m.stream
             stream.wait_stream(torch.cuda.current_stream(dev))
             stream.wait_stream(self._ctl())
@@ -1976,7 +2025,6 @@ class IpcPlane:
                 )
                 rl.launch(programs, stream.cuda_stream, args)
                 stream.synchronize()
-            self._free_slots.append(slot)
             ok = torch.equal(outs[0], want) and not bool(outs[1].any())
         except Exception as exc:  # a Triton whose kernels this cannot launch
             log.info(
@@ -2080,8 +2128,9 @@ class IpcPlane:
                 return
         t0 = time.perf_counter()
         triton = self._use_triton()
-        ab, slot = self._slot()
-        sb = self._slot_bufs(slot, n)
+        g = self._slot()
+        ab, slot = self._word(g)
+        sb = self._slot_bufs(g, n)
         _mark(desc.rid, "slot")
         dev = self.device
         # The copy runs on the caller's current stream: ordered after its work so far and
@@ -2154,8 +2203,8 @@ class IpcPlane:
                 # (its ids' upload may still be queued: with torch's copy the device buffer
                 # is marked used by the copy stream and the pinned one by the copy; with the
                 # driver's, the buffers are held until an event after the upload fired)
-                self._retire_slot(slot, keep=False, upload_on=rs)
-                self._free_slots.append(slot)
+                self._retire_slot(g, keep=False, upload_on=rs)
+                self._free_slots.append(g)
                 if timeout:
                     self._stats.lease_expired += 1
                     self._release(desc, Release(desc.rid, False, reason="producer not ready"))
@@ -2164,10 +2213,10 @@ class IpcPlane:
                     self._release(desc, Release(desc.rid, False, reason=why))
                 con._stats.recv_failures += 1
                 raise
-            self._set_abort(ab, slot)
+            self._set_abort(g)
             self._stats.aborted += 1
             settled = await self._settle(m, sb.done if sb.done is not None else _Fired())
-            self._retire_slot(slot, keep=not settled)
+            self._retire_slot(g, keep=not settled)
             if not settled:  # a stuck launch keeps its mapping's tensors forever
                 self._keep.append((m.src_table, m.tables, m.storages))
             m.inflight -= 1
@@ -2182,7 +2231,7 @@ class IpcPlane:
                 ) from None
             raise
         m.inflight -= 1
-        self._free_slots.append(slot)
+        self._free_slots.append(g)
         if rs is not None:
             if int(torch._C._cuda_getCurrentRawStream(self._dev_index)) != rs:
                 torch.cuda.current_stream(dev).wait_event(sb.done)  # switched meanwhile

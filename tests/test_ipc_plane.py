@@ -763,7 +763,7 @@ class _NoEngine:
 
 
 class _SlowOpen(FakeBackend):
-    """Mapping an export takes a while (CUDA IPC opens, the kernel's first compile)."""
+    """Mapping an export takes a while (CUDA IPC opens)."""
 
     def open(self, e: StorageExport, device: torch.device) -> torch.Tensor:
         time.sleep(0.2)
@@ -773,10 +773,10 @@ class _SlowOpen(FakeBackend):
 @pytest.mark.anyio
 @pytest.mark.timeout(60)
 async def test_mapping_an_export_does_not_stall_the_loop() -> None:
-    """The first request from a producer maps and verifies its export: seconds where the
-    kernel is compiled. That runs off the event loop; other tasks keep running, and a
-    second request of the same export waits for the one mapping (regression: it ran
-    on the loop and stalled it for the whole set-up)."""
+    """The first request from a producer maps its export: a CUDA IPC open per
+    allocation, milliseconds each. Those run off the event loop; other tasks keep
+    running, and a second request of the same export waits for the one mapping
+    (regression: they ran on the loop and stalled it)."""
     pl = make_layout("fa", "bfloat16", 20)
     p, c = filled(pl, 1), filled(pl, 2)
     async with pair(pl, pl) as (a, b):

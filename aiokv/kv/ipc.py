@@ -1757,8 +1757,9 @@ class IpcPlane:
             log.warning("aiokv IPC plane: could not send the release of %r: %s", desc.rid, exc)
 
     async def _mapping(self, desc: Descriptor, layout: KVLayout | None) -> _Mapping:
-        """The verified mapping for the descriptor's export (made on first use, off the
-        event loop; requests for an export being mapped wait for that one mapping)."""
+        """The verified mapping for the descriptor's export (made on first use, its CUDA
+        IPC opens off the event loop; requests of an export being mapped wait for that
+        one mapping)."""
         m = self._maps.get(desc.token)
         if m is not None:
             if m.broken:
@@ -1779,22 +1780,18 @@ class IpcPlane:
         return await asyncio.shield(opening)  # (a cancelled request leaves it running)
 
     async def _open_export(self, desc: Descriptor, offer: Offer, layout: KVLayout) -> _Mapping:
-        """Map and verify one export in a worker thread (CUDA IPC opens, the Triton
-        kernel's first compile and load, the probe copies and their waits: up to seconds
-        once per producer, which the event loop must not wait out), then register it."""
+        """Map one export (the CUDA IPC opens on a daemon thread: they take milliseconds
+        per allocation and the event loop must not wait them out), verify it (on the
+        loop: see :meth:`_verify`), then register it."""
         token = desc.token
         try:
-            if self.device.type == "cuda":
-                # what the thread takes from the plane is taken here, on the loop
-                slots = [self._slot() for _ in range(4)]  # 1 and 3 get aborted
-                self._ctl()
-            else:
-                slots = []
             try:
-                m = await in_daemon(
-                    functools.partial(self._open_in_thread, offer, layout, slots),
-                    "aiokv-ipc-map",
+                check_same_host(offer, my_boot_id=self._boot_id, now=self._clock())
+                opened = await in_daemon(
+                    functools.partial(self._open_storages, offer), "aiokv-ipc-map"
                 )
+                slots = [self._slot() for _ in range(4)] if self._use_triton() else []
+                m = self._open(offer, layout, slots, *opened)
                 self._free_slots += slots[0::2]  # (their copies finished, nothing set)
             except IpcUnavailableError as exc:
                 self._stats.mapping_failures += 1
@@ -1821,11 +1818,17 @@ class IpcPlane:
         self._stats.mappings_verified += 1
         return m
 
-    def _open_in_thread(self, offer: Offer, layout: KVLayout, slots: list[int]) -> _Mapping:
-        if self.device.type != "cuda":
-            return self._open(offer, layout, slots)
-        with torch.cuda.device(self.device):
-            return self._open(offer, layout, slots)
+    def _open_storages(self, offer: Offer) -> tuple[list[torch.Tensor], torch.Tensor]:
+        """The export's storages and probe, mapped (on a worker thread: CUDA IPC opens
+        only, no kernel launch. Run s13e had the verification's launches there too: the
+        loop thread's later abort fill then queued behind a copy waiting on a peer's
+        event -- the first-launch hazard of docs/reliability.md -- so they stay on the
+        loop, where they ran before)."""
+        dev = self.device
+        with torch.cuda.device(dev) if dev.type == "cuda" else contextlib.nullcontext():
+            storages = [self.backend.open(e, dev) for e in offer.storages]
+            probe = self.backend.open(offer.probe, dev)
+        return storages, probe
 
     def _use_triton(self) -> bool:
         return (
@@ -1880,12 +1883,17 @@ class IpcPlane:
         else:
             ab[slot] = 1
 
-    def _open(self, offer: Offer, layout: KVLayout, slots: list[int]) -> _Mapping:
-        """Map and verify (in a worker thread: touches no state of the plane but the
-        ``slots`` taken for it on the loop and its control stream)."""
-        check_same_host(offer, my_boot_id=self._boot_id, now=self._clock())
+    def _open(
+        self,
+        offer: Offer,
+        layout: KVLayout,
+        slots: list[int],
+        storages: list[torch.Tensor],
+        probe: torch.Tensor,
+    ) -> _Mapping:
+        """Check the mapped storages, build the mapping and verify it (``slots``: four
+        abort slots for the probe copies, when the Triton kernel is used)."""
         dev = self.device
-        storages = [self.backend.open(e, dev) for e in offer.storages]
         for e, s in zip(offer.storages, storages, strict=True):
             if s.numel() != e.size:
                 raise IpcUnavailableError("map_size", f"mapped {s.numel()} of {e.size} bytes")
@@ -1910,16 +1918,15 @@ class IpcPlane:
             *(t.data_ptr() for t in src_layers), *(t.data_ptr() for t in mine.tensors)
         )
         m = _Mapping(offer.token, layout, storages, src_layers, table, word, stream, align)
-        self._verify(m, offer, slots)
+        self._verify(m, offer, slots, probe)
         return m
 
-    def _verify(self, m: _Mapping, offer: Offer, slots: list[int]) -> None:
+    def _verify(self, m: _Mapping, offer: Offer, slots: list[int], probe: torch.Tensor) -> None:
         """Copy the producer's probe with the real kernel (and once with the abort word
         set) and compare with the pattern; also loads the kernel before any copy can
         wait on a peer's event (lazy module loading)."""
         dev = self.device
         seg = self._seg_bytes()
-        probe = self.backend.open(offer.probe, dev)
         if probe.numel() < _PROBE_SEGMENTS * seg:
             raise IpcUnavailableError("map_size", "probe smaller than announced")
         want = probe_pattern(offer.nonce, _PROBE_SEGMENTS * seg, dev)

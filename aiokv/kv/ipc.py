@@ -982,6 +982,7 @@ class IpcPlane:
         self._keep: list[Any] = []
         self._abort_next = 0
         self._free_slots: list[int] = []  # slots whose words were never set
+        self._one: torch.Tensor | None = None  # pinned int32 1: the abort words' source
         self._slotbufs: dict[int, _SlotBufs] = {}
         self._deferred: list[tuple[Descriptor, Release]] = []  # ok releases, sent soon
         self._ctl_stream: Any = None
@@ -1876,10 +1877,18 @@ class IpcPlane:
         return self._abort_blocks[g // _ABORT_WORDS], g % _ABORT_WORDS
 
     def _set_abort(self, g: int) -> None:
+        """Set slot ``g``'s abort word, from the control stream, with a copy (a DMA from
+        pinned host memory), not a kernel: an abort must never be a kernel's first
+        launch in the process -- under lazy module loading that waits until the device
+        is idle, i.e. behind the very copy it aborts when that one waits on a peer's
+        event (run s13e: torch's fill picks a kernel by the word's alignment, and the
+        one for 8-byte-aligned words had not been loaded yet)."""
         ab, slot = self._word(g)
         if ab.device.type == "cuda":
+            if self._one is None:
+                self._one = torch.ones(1, dtype=torch.int32).pin_memory()  # never written
             with torch.cuda.stream(self._ctl()):
-                ab[slot : slot + 1].fill_(1)
+                ab[slot : slot + 1].copy_(self._one, non_blocking=True)
         else:
             ab[slot] = 1
 
@@ -1941,7 +1950,7 @@ class IpcPlane:
         if self._use_triton():
             stream = m.stream
             (ab, slot), (ab_off, slot_off) = self._word(slots[0]), self._word(slots[1])
-            self._set_abort(slots[1])  # also loads the fill kernel, off any peer wait
+            self._set_abort(slots[1])
             # after the zero-fills above (caller's stream) and the abort (control stream)
             stream.wait_stream(torch.cuda.current_stream(dev))
             stream.wait_stream(self._ctl_stream)

@@ -807,3 +807,28 @@ async def test_mapping_an_export_does_not_stall_the_loop() -> None:
         assert max(gaps) < 0.15, f"the loop stalled for {max(gaps):.3f} s"
         await prod.aclose()
         await cons.aclose()
+
+
+def test_copy_geometry_is_in_the_mappings_words() -> None:
+    """The kernel's strides are in the mapping's word size, the source's part stride from
+    the producer's block count and the destination's from the consumer's."""
+    from aiokv.kv.ipc import _Mapping
+
+    mine = make_layout("fa", "bfloat16", 8)
+    theirs = make_layout("fa", "bfloat16", 13)
+    con = KVConnector(_NoEngine(), mine, filled(mine, 0), ipc=OPTS)
+    plane = IpcPlane(con, OPTS, backend=FakeBackend())
+    seg = mine.segment_numel() * mine.itemsize
+    m = _Mapping(1, theirs, [], [], torch.empty(0), 4, None, align=16)
+    g = plane._geometry(m, n_pairs=3, n_layers=2, parts=2)
+    assert g == {
+        "n_pairs": 3,
+        "word": 4,
+        "n_layers": 2,
+        "parts": 2,
+        "seg_words": seg // 4,
+        "src_part_stride": 13 * seg // 4,
+        "dst_part_stride": 8 * seg // 4,
+        "block_stride": seg // 4,
+        "base_align": 16,
+    }

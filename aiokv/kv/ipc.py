@@ -1077,6 +1077,22 @@ class IpcPlane:
     def _seg_bytes(self) -> int:
         return self.layout.segment_numel() * self.layout.itemsize
 
+    def _geometry(self, m: _Mapping, *, n_pairs: int, n_layers: int, parts: int) -> dict[str, int]:
+        """The copy kernel's geometry arguments for mapping ``m`` (in ``m``'s words)."""
+        seg = self._seg_bytes()
+        w = m.word
+        return {
+            "n_pairs": n_pairs,
+            "word": w,
+            "n_layers": n_layers,
+            "parts": parts,
+            "seg_words": seg // w,
+            "src_part_stride": m.layout.num_blocks * seg // w,
+            "dst_part_stride": self.layout.num_blocks * seg // w,
+            "block_stride": seg // w,
+            "base_align": m.align,
+        }
+
     # ------------------------------------------------------------------ producer
 
     def _make_export(self) -> _Export:
@@ -1965,14 +1981,7 @@ class IpcPlane:
                         swap,
                         a,
                         s,
-                        word=w,
-                        n_layers=1,
-                        parts=1,
-                        seg_words=seg // w,
-                        src_part_stride=m.layout.num_blocks * seg // w,
-                        dst_part_stride=self.layout.num_blocks * seg // w,
-                        block_stride=seg // w,
-                        base_align=m.align,
+                        **self._geometry(m, n_pairs=_PROBE_SEGMENTS, n_layers=1, parts=1),
                     )
                     if not ok:
                         raise IpcUnavailableError("grid_too_big")
@@ -2007,7 +2016,6 @@ class IpcPlane:
         None (any error or difference: requests then launch through Triton)."""
         dev = self.device
         seg = self._seg_bytes()
-        w = m.word
         assert self._drv is not None
         try:
             rl = _ipc_kernel.RawLaunch(compiled, self._drv)
@@ -2029,15 +2037,7 @@ class IpcPlane:
                     a.data_ptr(),
                     dev,
                     sl,
-                    n_pairs=_PROBE_SEGMENTS,
-                    word=w,
-                    n_layers=1,
-                    parts=1,
-                    seg_words=seg // w,
-                    src_part_stride=m.layout.num_blocks * seg // w,
-                    dst_part_stride=self.layout.num_blocks * seg // w,
-                    block_stride=seg // w,
-                    base_align=m.align,
+                    **self._geometry(m, n_pairs=_PROBE_SEGMENTS, n_layers=1, parts=1),
                 )
                 rl.launch(programs, stream.cuda_stream, args)
                 stream.synchronize()
@@ -2378,8 +2378,6 @@ class IpcPlane:
         whole = lo == 0 and hi == lay.num_layers
         if raw:  # ``stream`` is a raw handle; m.raw verified at mapping time
             assert m.raw is not None and self._drv is not None and sb.done is not None
-            seg = self._seg_bytes()
-            w = m.word
             st, dt = self._tables(m, lo, hi)
             programs, args = _ipc_kernel.pair_copy_args(
                 st.data_ptr(),
@@ -2388,15 +2386,7 @@ class IpcPlane:
                 ab.data_ptr(),
                 dev,
                 slot,
-                n_pairs=n,
-                word=w,
-                n_layers=hi - lo,
-                parts=lay.kv_parts,
-                seg_words=seg // w,
-                src_part_stride=m.layout.num_blocks * seg // w,
-                dst_part_stride=lay.num_blocks * seg // w,
-                block_stride=seg // w,
-                base_align=m.align,
+                **self._geometry(m, n_pairs=n, n_layers=hi - lo, parts=lay.kv_parts),
             )
             if programs > _ipc_kernel.MAX_PROGRAMS:
                 raise ConfigError("IPC: request too large for one launch")
@@ -2415,8 +2405,6 @@ class IpcPlane:
             if ready is not None:
                 stream.wait_event(ready)  # the producer's KV is written (GPU-side wait)
             if triton:
-                seg = self._seg_bytes()
-                w = m.word
                 st, dt = self._tables(m, lo, hi)
                 ok = _ipc_kernel.launch_pair_copy(
                     st,
@@ -2424,15 +2412,7 @@ class IpcPlane:
                     ids,
                     ab,
                     slot,
-                    n_pairs=n,
-                    word=w,
-                    n_layers=hi - lo,
-                    parts=lay.kv_parts,
-                    seg_words=seg // w,
-                    src_part_stride=m.layout.num_blocks * seg // w,
-                    dst_part_stride=lay.num_blocks * seg // w,
-                    block_stride=seg // w,
-                    base_align=m.align,
+                    **self._geometry(m, n_pairs=n, n_layers=hi - lo, parts=lay.kv_parts),
                 )
                 if not ok:
                     raise ConfigError("IPC: request too large for one launch")

@@ -19,12 +19,12 @@ from typing import Any
 
 import pytest
 from _kvutil import filled, make_layout
-from test_ipc_plane import OPTS, FakeEvent, connectors, landed, pair
+from test_ipc_plane import OPTS, FakeBackend, FakeEvent, connectors, landed, pair
 
 from aiokv import RemoteProtocolError, TransferTimeoutError
 from aiokv.kv import IpcOptions
 from aiokv.kv import _doorbell as db
-from aiokv.kv.ipc import Offer
+from aiokv.kv.ipc import IpcPlane, Offer
 
 pytestmark = pytest.mark.skipif(
     not os.path.isdir("/dev/shm") or sys.platform != "linux", reason="needs /dev/shm"
@@ -524,3 +524,27 @@ os.truncate({path!r}, 0)
 print(len(r.poll()))
 r.close()
 """
+
+
+@pytest.mark.anyio
+@pytest.mark.timeout(60)
+async def test_a_restarted_consumer_is_offered_the_export_again() -> None:
+    """A consumer that restarts (here: a fresh plane on the same engine) no longer knows
+    the producer's export and answers the next descriptor with a ``no_offer`` fallback.
+    That request goes the ordinary way; the next one carries the offer again and the
+    plane is used again (regression: the producer sent that consumer everything the
+    ordinary way from then on)."""
+    async with _ringing("fa", "bfloat16", doorbell_backup_s=0.05) as (pl, p, c, a, b, prod, cons):
+        old = cons._ipc
+        cons._ipc = IpcPlane(cons, old.options, backend=FakeBackend())  # the restart
+        await _move_waiting(prod, cons, a, b, "n1", [5], [9])  # no_offer: the ordinary way
+        assert landed(pl, p, [5], c, [9])
+        await _move_waiting(prod, cons, a, b, "n2", [6], [10])
+        await _move_waiting(prod, cons, a, b, "n3", [7], [11])
+        assert landed(pl, p, [6, 7], c, [10, 11])
+        cst, pst = cons.statistics().ipc, prod.statistics().ipc
+        assert cst is not None and pst is not None
+        assert cst.fallbacks == {"no_offer": 1}
+        assert cst.mappings_verified == 1 and cst.requests_received == 2
+        assert b.address not in prod._ipc._broken_to
+        await old.aclose()

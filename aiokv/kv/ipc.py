@@ -128,6 +128,9 @@ _BELL_POLL_WAKE_S = 0.01
 LAYERS = "ipc-layers"
 #: an ok release's ``reason`` when the consumer took the descriptor from the doorbell
 RING = "ring"
+#: a fallback release's reason when the consumer has no offer for the export (it
+#: restarted since it acknowledged one): the producer offers it again next time
+NO_OFFER = "no_offer"
 #: a ring message's extra key (removed before the descriptor is validated): the producer
 #: posted it by the ring alone, so no engine copy follows unless as a late backup. Only
 #: sent to consumers whose release said RING (they know the key).
@@ -1339,11 +1342,16 @@ class IpcPlane:
         self._free_events.extend(events)
         if rel.fallback:
             reason = rel.reason or "consumer_refused"
-            self._broken_to[to] = reason
             self._ring_ok.discard(to)
+            self._acked.discard(to)
             bell = self._bells.pop(to, None)
             if bell is not None:
                 bell.close()
+            if reason != NO_OFFER:
+                self._broken_to[to] = reason
+            # else: the consumer does not know our export -- it restarted, or lost the
+            # offer -- so the next request offers it again (with a new ring) instead of
+            # sending this consumer everything the ordinary way from now on
             self._count_fallback(reason, to)
             return False
         if not rel.ok:
@@ -1790,7 +1798,7 @@ class IpcPlane:
         opening = self._opening.get(desc.token)
         if opening is None:
             if desc.offer is None or layout is None:
-                raise IpcUnavailableError("no_offer", "the producer's export is unknown here")
+                raise IpcUnavailableError(NO_OFFER, "the producer's export is unknown here")
             check_compatible(layout, self.layout)  # LayoutMismatchError: a real error
             opening = asyncio.ensure_future(self._open_export(desc, desc.offer, layout))
             self._opening[desc.token] = opening

@@ -832,3 +832,35 @@ def test_copy_geometry_is_in_the_mappings_words() -> None:
         "block_stride": seg // 4,
         "base_align": 16,
     }
+
+
+@pytest.mark.anyio
+@pytest.mark.timeout(60)
+async def test_the_mapping_of_a_producer_that_is_gone_is_dropped() -> None:
+    """A mapping keeps the producer's whole cache allocation alive on its GPU. When the
+    producer process is gone (a prefill that restarted, offering a new export), the
+    consumer drops that mapping at its next new mapping instead of keeping the dead
+    producer's memory allocated until it closes (regression: kept for ever)."""
+    import os
+    import sys
+
+    pl = make_layout("fa", "bfloat16", 20)
+    p, c = filled(pl, 1), filled(pl, 2)
+    async with pair(pl, pl) as (a, b):
+        prod, cons = connectors(a, b, pl, p, pl, c)
+        await move(prod, cons, a, b, "g0", [1], [2])
+        (old,) = cons._ipc._maps.values()
+        assert old.pid == os.getpid()  # watched: this process could see the producer
+        dead = await asyncio.create_subprocess_exec(sys.executable, "-c", "pass")
+        await dead.wait()
+        old.pid = dead.pid  # the producer process has exited ...
+        prod2 = KVConnector(a, pl, p, ipc=OPTS)  # ... and a new one offers its export
+        prod2._ipc = IpcPlane(prod2, OPTS, backend=FakeBackend())
+        await move(prod2, cons, a, b, "g1", [3], [4])
+        assert landed(pl, p, [3], c, [4])
+        assert list(cons._ipc._maps) != [old.token] and old.token not in cons._ipc._maps
+        st = cons.statistics().ipc
+        assert st is not None and st.mappings_dropped == 1 and st.mappings_verified == 2
+        await prod.aclose()
+        await prod2.aclose()
+        await cons.aclose()

@@ -131,6 +131,8 @@ RING = "ring"
 #: a fallback release's reason when the consumer has no offer for the export (it
 #: restarted since it acknowledged one): the producer offers it again next time
 NO_OFFER = "no_offer"
+#: a mapping whose producer process is gone (it is unmapped; requests fall back)
+PRODUCER_GONE = "producer_gone"
 #: a ring message's extra key (removed before the descriptor is validated): the producer
 #: posted it by the ring alone, so no engine copy follows unless as a late backup. Only
 #: sent to consumers whose release said RING (they know the key).
@@ -249,6 +251,7 @@ class IpcStatistics:
     bytes_received: int = 0
     mappings_verified: int = 0
     mapping_failures: int = 0
+    mappings_dropped: int = 0  # unmapped because their producer's process was gone
     aborted: int = 0
     lease_expired: int = 0
     stuck_streams: int = 0
@@ -739,6 +742,19 @@ def unsupported_reason(
     return None
 
 
+def _pid_alive(pid: int) -> bool:
+    """Whether process ``pid`` exists here (another user's counts; 0 or less: no)."""
+    if pid <= 0:
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except OSError:  # EPERM: it exists
+        return True
+    return True
+
+
 def boot_id() -> str:
     """This host's boot id (same for every process and container of one kernel)."""
     try:
@@ -869,6 +885,9 @@ class _Mapping:
     events: dict[int, tuple[bytes, Any]] = field(default_factory=dict)
     inflight: int = 0
     broken: str = ""
+    # the producer's process, when this process could see it at mapping time (same PID
+    # namespace): once it is gone the mapping only keeps its memory allocated
+    pid: int = 0
     # layer-wise: the tables of layers [lo, hi), each its own (16-byte aligned)
     # allocation, never freed while the mapping lives: a slice of src_table at an odd
     # layer would be only 8-byte aligned, and Triton would compile (and load) another
@@ -1841,7 +1860,31 @@ class IpcPlane:
                     asyncio.get_running_loop().add_reader(m.bell.wake_fd, self._bell_woken, m)
         self._maps[token] = m
         self._stats.mappings_verified += 1
+        self._sweep_mappings()
         return m
+
+    def _sweep_mappings(self) -> None:
+        """Drop the mappings of producers whose process is gone (a restarted prefill
+        offers a new export): a mapping keeps the producer's whole cache allocation
+        alive on its GPU, where the restarted producer needs that memory again. One with
+        copies in flight is dropped when its last one ends (:meth:`_copy_ended`)."""
+        for m in list(self._maps.values()):
+            if m.pid and not _pid_alive(m.pid):
+                m.broken = PRODUCER_GONE
+                if m.inflight == 0:
+                    self._drop_mapping(m)
+
+    def _drop_mapping(self, m: _Mapping) -> None:
+        if self._maps.get(m.token) is m:
+            del self._maps[m.token]
+            self._bell_drop(m)
+            self._stats.mappings_dropped += 1
+            log.info("aiokv IPC plane: export %x unmapped (its producer is gone)", m.token)
+
+    def _copy_ended(self, m: _Mapping) -> None:
+        m.inflight -= 1
+        if m.inflight == 0 and m.broken == PRODUCER_GONE:
+            self._drop_mapping(m)
 
     def _open_storages(self, offer: Offer) -> tuple[list[torch.Tensor], torch.Tensor]:
         """The export's storages and probe, mapped (on a worker thread: CUDA IPC opens
@@ -1951,6 +1994,7 @@ class IpcPlane:
             *(t.data_ptr() for t in src_layers), *(t.data_ptr() for t in mine.tensors)
         )
         m = _Mapping(offer.token, layout, storages, src_layers, table, word, stream, align)
+        m.pid = offer.pid if _pid_alive(offer.pid) else 0  # (0: not ours to watch)
         self._verify(m, offer, slots, probe)
         return m
 
@@ -2222,7 +2266,7 @@ class IpcPlane:
                 con._drop(desc.rid, [_layer_id(desc.rid, i) for i in range(nxt, L)], frm, deadline)
             timeout = isinstance(exc, (AiokvTimeoutError, asyncio.TimeoutError, TimeoutError))
             if not launched:
-                m.inflight -= 1
+                self._copy_ended(m)
                 # nothing was launched with the slot: it may serve again, with new buffers
                 # (its ids' upload may still be queued: with torch's copy the device buffer
                 # is marked used by the copy stream and the pinned one by the copy; with the
@@ -2243,7 +2287,7 @@ class IpcPlane:
             self._retire_slot(g, keep=not settled)
             if not settled:  # a stuck launch keeps its mapping's tensors forever
                 self._keep.append((m.src_table, m.tables, m.storages))
-            m.inflight -= 1
+            self._copy_ended(m)
             reason = "cancelled" if isinstance(exc, asyncio.CancelledError) else "deadline"
             if not (timeout or isinstance(exc, asyncio.CancelledError)):
                 reason = "failed"
@@ -2254,7 +2298,7 @@ class IpcPlane:
                     f"IPC copy of {desc.rid!r} did not finish within its deadline/lease"
                 ) from None
             raise
-        m.inflight -= 1
+        self._copy_ended(m)
         self._free_slots.append(g)
         if rs is not None:
             if int(torch._C._cuda_getCurrentRawStream(self._dev_index)) != rs:

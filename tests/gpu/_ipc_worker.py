@@ -30,6 +30,7 @@ from aiokv.kv import (
     KVLayout,
     MLALayout,
 )
+from aiokv.kv.ipc import _pid_alive
 
 OPTS = IpcOptions(trust_unauthenticated=True, grace_s=1.0)
 DTYPES = ["bfloat16", "float16", "float32", "float8_e4m3fn", "float8_e5m2", "int8", "uint8"]
@@ -92,10 +93,14 @@ def _read(path: str) -> str | None:
 
 async def addresses(d: str, role: str, eng: aiokv.Engine) -> str:
     """Publish this engine's address in DIR and wait for the other role's."""
-    other = "consumer" if role == "producer" else "producer"
     _publish(d, role, eng.address)
+    return await _wait_for(d, "consumer" if role == "producer" else "producer")
+
+
+async def _wait_for(d: str, name: str) -> str:
+    """What ``name`` published in DIR (an address, or any mark), once it is there."""
     for _ in range(600):
-        got = _read(os.path.join(d, other + ".addr"))
+        got = _read(os.path.join(d, name + ".addr"))
         if got:
             return got
         await asyncio.sleep(0.05)
@@ -122,6 +127,7 @@ def stats(con: KVConnector) -> dict[str, Any]:
         "lease_expired": s.lease_expired,
         "stuck": s.stuck_streams,
         "fallbacks": s.fallbacks,
+        "dropped": s.mappings_dropped,
         "raw": con._ipc is not None and any(m.raw is not None for m in con._ipc._maps.values()),
     }
 
@@ -571,6 +577,63 @@ def expandable(role: str, d: str) -> dict[str, Any]:
     return asyncio.run(run())
 
 
+async def restart_producer(role: str, d: str) -> dict[str, Any]:
+    """A producer process exits after one request and a new one takes over (a prefill
+    that restarted). The consumer's mapping of the first producer's cache keeps that
+    allocation alive after its process is gone; the consumer drops it when it maps the
+    new producer's export, and the memory comes back."""
+    dev = device(role)
+    torch.cuda.set_device(dev)
+    out: dict[str, Any] = {}
+    if role == "producer1":  # the first producer: a child of the producer process
+        async with engine(dev) as eng:
+            _publish(d, "producer1", eng.address)
+            peer = await _wait_for(d, "consumer")
+            _, caches = fill(BIG, dev, 5)
+            con = KVConnector(eng, BIG, caches, ipc=OPTS)
+            await con.send_request("first", [1, 2, 3], to=peer, timeout=60)
+            say(role=role, sent=True)
+            os._exit(0)  # gone; its cache stays allocated while the consumer maps it
+    async with engine(dev) as eng:
+        peer = await addresses(d, role, eng)
+        if role == "producer":
+            child = await asyncio.create_subprocess_exec(
+                sys.executable, __file__, "producer1", "restart_producer", d
+            )
+            out["first_exit"] = await child.wait()
+            _, caches = fill(BIG, dev, 6)
+            torch.cuda.synchronize()
+            _publish(d, "producer2", "allocated")
+            con = KVConnector(eng, BIG, caches, ipc=OPTS)
+            await con.send_request("second", [4, 5], to=peer, timeout=60)
+            out.update(stats(con))
+            await con.aclose()
+        else:
+            big = torch.zeros(
+                (BIG.num_layers, *BIG.layer_shape()), dtype=BIG.torch_dtype, device=dev
+            )
+            con = KVConnector(eng, BIG, list(big.unbind(0)), ipc=OPTS)
+            first = await _wait_for(d, "producer1")
+            await con.recv_request("first", [10, 11, 12], frm=first, timeout=60)
+            assert con._ipc is not None
+            pid = next(iter(con._ipc._maps.values())).pid
+            out["watched"] = pid != 0
+            for _ in range(600):  # until the first producer's process is gone
+                if not _pid_alive(pid):
+                    break
+                await asyncio.sleep(0.05)
+            await _wait_for(d, "producer2")  # the second one's cache is allocated
+            torch.cuda.synchronize()
+            free_before = torch.cuda.mem_get_info(dev)[0]
+            await con.recv_request("second", [13, 14], frm=peer, timeout=60)
+            torch.cuda.synchronize()
+            out["freed"] = torch.cuda.mem_get_info(dev)[0] - free_before
+            out["cache_bytes"] = BIG.num_layers * BIG.layer_nbytes()
+            out.update(stats(con))
+            await con.aclose()
+    return out
+
+
 def main() -> None:
     role, scenario, d = sys.argv[1:4]
     if scenario == "expandable":
@@ -584,6 +647,7 @@ def main() -> None:
             "kill_consumer": kill_consumer,
             "layers": layers,
             "layers_cancel": layers_cancel,
+            "restart_producer": restart_producer,
         }[scenario]
         out = asyncio.run(fn(role, d))
     say(role=role, **out)

@@ -4,7 +4,8 @@ Each test runs ``_ipc_worker.py`` as a producer and a consumer process. Covered:
 the mapping verification and every layout x dtype (bit-exact, odd lengths and
 odd geometry, untouched neighbours, the kernel ordered after the producer's
 stream), cancellation of a copy queued behind the producer's event, a killed
-producer, a killed consumer, and expandable segments.
+producer, a killed consumer, a restarted producer (its old mapping dropped, its
+memory freed), and expandable segments.
 """
 
 from __future__ import annotations
@@ -133,3 +134,16 @@ def test_expandable_segments_refused(tmp_path: Path) -> None:
     for role in ("producer", "consumer"):
         x = r[role]
         assert x is not None and x["disabled"] == "expandable_segments", x
+
+
+def test_a_restarted_producers_old_mapping_is_dropped(tmp_path: Path) -> None:
+    """A producer exits after one request and a new one takes over: the consumer drops
+    the mapping of the one that is gone when it maps the new export, and the dead
+    producer's cache allocation (512 MiB here), held alive by that mapping, is freed."""
+    r = run_pair("restart_producer", tmp_path)
+    c, p = r["consumer"], r["producer"]
+    assert c is not None and p is not None
+    assert p["first_exit"] == 0
+    assert c["watched"] and c["received"] == 2 and c["verified"] == 2, c
+    assert c["dropped"] == 1 and not c["fallbacks"], c
+    assert c["freed"] >= 0.9 * c["cache_bytes"], c

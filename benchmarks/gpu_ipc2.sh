@@ -28,11 +28,4 @@ BENCH="-m aiokv.kv.bench --transport ipc --json --iters 3 --latency-n $LAT_N"
 for w in ${WORKLOADS:-short long}; do
   ( cd build/base && PYTHONPATH=/tmp/site:$PWD timeout 120 python3 $BENCH --workload $w 2>>"$OUT/$TAG-bench-err.txt" | tail -1 | sed 's/^{/{"tree": "before", /' )
   timeout 120 python3 $BENCH --workload $w --trace 2>>"$OUT/$TAG-bench-err.txt" | tail -1 | sed 's/^{/{"tree": "after", /'
-done | tee "$OUT/$TAG-kv.jsonl" | python3 -c "
-import json, sys
-for line in sys.stdin:
-    try: r = json.loads(line)
-    except Exception: print(line[:300]); continue
-    print(r.get('tree'), r['workload'], 'GB/s', r['aiokv_gbps'], 'raw', r['raw_gbps'], 'p50', r['p50_ms'], 'p99', r['p99_ms'], 'ok', r['ok'], r.get('error', ''))
-    if 'trace_ms' in r: print('   trace_ms', r['trace_ms'])
-"
+done | tee "$OUT/$TAG-kv.jsonl" | python3 "$(dirname "${BASH_SOURCE[0]}")/show_runs.py" kv

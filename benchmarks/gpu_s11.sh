@@ -19,21 +19,9 @@ if [ "${SKIP_IPC:-0}" != 1 ]; then
   for i in 1 2; do
     ( cd build/base && PYTHONPATH=/tmp/site:$PWD timeout 100 python3 $BENCH 2>>"$OUT/$TAG-err.txt" | tail -1 | sed 's/^{/{"tree": "base", /' )
     timeout 100 python3 $BENCH 2>>"$OUT/$TAG-err.txt" | tail -1 | sed 's/^{/{"tree": "now", /'
-  done | tee "$OUT/$TAG-ipc.jsonl" | python3 -c "
-import json, sys
-for line in sys.stdin:
-    try: r = json.loads(line)
-    except Exception: print(line[:300]); continue
-    print(r.get('tree'), r['workload'], 'GB/s', r['aiokv_gbps'], 'p50', r['p50_ms'], 'p99', r['p99_ms'], 'ok', r['ok'], r.get('error', ''))
-"
+  done | tee "$OUT/$TAG-ipc.jsonl" | python3 "$(dirname "${BASH_SOURCE[0]}")/show_runs.py" kv
 fi
 for i in 1 2 3; do
   ( cd build/base && PYTHONPATH=/tmp/site:$PWD timeout 60 python3 -m aiokv bench control --json 2>>"$OUT/$TAG-err.txt" | sed 's/^{/{"tree": "base", /' )
   timeout 60 python3 -m aiokv bench control --json 2>>"$OUT/$TAG-err.txt" | sed 's/^{/{"tree": "now", /'
-done | tee "$OUT/$TAG-control.jsonl" | python3 -c "
-import json, sys
-for line in sys.stdin:
-    try: r = json.loads(line)
-    except Exception: print(line[:200]); continue
-    print(r.get('tree'), r.get('workload'), 'raw', r.get('raw'), 'engine', r.get('engine'), 'ratio', r.get('ratio'))
-"
+done | tee "$OUT/$TAG-control.jsonl" | python3 "$(dirname "${BASH_SOURCE[0]}")/show_runs.py" control

@@ -19,12 +19,4 @@ for i in $(seq "${ROUNDS:-2}"); do
     ( cd ../main && PYTHONPATH=/tmp/site:$PWD timeout 100 python3 $BENCH --workload $w 2>>"$OUT/$TAG-err.txt" | tail -1 | sed 's/^{/{"tree": "main", /' )
     timeout 100 python3 $BENCH --workload $w 2>>"$OUT/$TAG-err.txt" | tail -1 | sed 's/^{/{"tree": "now", /'
   done
-done | tee "$OUT/$TAG-ipc.jsonl" | python3 -c "
-import json, sys
-for line in sys.stdin:
-    try: r = json.loads(line)
-    except Exception: print(line[:300]); continue
-    print(r.get('tree'), r['workload'], 'GB/s', r['aiokv_gbps'], 'p50', r['p50_ms'], 'p99', r['p99_ms'], 'ok', r['ok'], r.get('error', ''))
-    t = r.get('trace_ms') or {}
-    print('   ', {k: t[k] for k in ('recorded', 'sent', 'desc', 'mapped', 'staged', 'launched0', 'done', 'return', 'end') if k in t})
-"
+done | tee "$OUT/$TAG-ipc.jsonl" | python3 "$(dirname "${BASH_SOURCE[0]}")/show_runs.py" kv

@@ -17,11 +17,4 @@ BENCH="-m aiokv.kv.bench --transport ipc --json --iters 1 --latency-n 150 --work
 for v in "uvloop 0" "asyncio 0" "uvloop 20"; do
   set -- $v
   AIOKV_IPC_EXP_SPIN_MS=$2 timeout 100 python3 $BENCH --loop $1 2>>"$OUT/$TAG-err.txt" | tail -1 | sed "s/^{/{\"tree\": \"now\", \"loop\": \"$1\", \"spin_ms\": $2, /"
-done | tee "$OUT/$TAG-ipc.jsonl" | python3 -c "
-import json, sys
-for line in sys.stdin:
-    try: r = json.loads(line)
-    except Exception: print(line[:300]); continue
-    print(r.get('loop'), r.get('spin_ms'), 'GB/s', r.get('aiokv_gbps'), 'p50', r.get('p50_ms'), 'p99', r.get('p99_ms'), 'ok', r.get('ok'), r.get('error', ''))
-    print('   ', r.get('trace_ms'))
-"
+done | tee "$OUT/$TAG-ipc.jsonl" | python3 "$(dirname "${BASH_SOURCE[0]}")/show_runs.py" kv

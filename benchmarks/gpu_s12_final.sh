@@ -32,21 +32,8 @@ for i in $(seq "${GROUNDS:-0}"); do
   ( cd "$START" && PYTHONPATH=/tmp/site:$PWD timeout 100 python3 $BENCH $G 2>>"$OUT/$TAG-err.txt" | tail -1 | sed 's/^{/{"tree": "start", "gap": 1, /' )
   timeout 100 python3 $BENCH $G 2>>"$OUT/$TAG-err.txt" | tail -1 | sed 's/^{/{"tree": "now", "gap": 1, /'
 done
-} | tee "$OUT/$TAG-ipc.jsonl" | python3 -c "
-import json, sys
-for line in sys.stdin:
-    try: r = json.loads(line)
-    except Exception: print(line[:300]); continue
-    print(r.get('tree'), r['workload'], 'gap' if r.get('gap') else '', 'GB/s', r['aiokv_gbps'], 'p50', r['p50_ms'], 'p99', r['p99_ms'], 'ok', r['ok'], r.get('error', ''))
-    if r.get('trace_ms'): print('   ', r['trace_ms'])
-"
+} | tee "$OUT/$TAG-ipc.jsonl" | python3 "$(dirname "${BASH_SOURCE[0]}")/show_runs.py" kv
 for i in $(seq "${CROUNDS:-3}"); do
   ( cd "$START" && PYTHONPATH=/tmp/site:$PWD timeout 60 python3 -m aiokv bench control --json 2>>"$OUT/$TAG-err.txt" | sed 's/^{/{"tree": "start", /' )
   timeout 60 python3 -m aiokv bench control --json 2>>"$OUT/$TAG-err.txt" | sed 's/^{/{"tree": "now", /'
-done | tee "$OUT/$TAG-control.jsonl" | python3 -c "
-import json, sys
-for line in sys.stdin:
-    try: r = json.loads(line)
-    except Exception: print(line[:200]); continue
-    print(r.get('tree'), r.get('workload'), 'raw', r.get('raw'), 'engine', r.get('engine'), 'ratio', r.get('ratio'))
-"
+done | tee "$OUT/$TAG-control.jsonl" | python3 "$(dirname "${BASH_SOURCE[0]}")/show_runs.py" control

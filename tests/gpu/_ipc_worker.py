@@ -66,6 +66,13 @@ def fill(layout: KVLayout, dev: torch.device, seed: int) -> tuple[torch.Tensor, 
     return big, list(big.unbind(0))
 
 
+def zeroed(layout: KVLayout, dev: torch.device) -> torch.Tensor:
+    """A consumer's cache of ``layout``, all layers in one zeroed tensor."""
+    return torch.zeros(
+        (layout.num_layers, *layout.layer_shape()), dtype=layout.torch_dtype, device=dev
+    )
+
+
 def ids(n: int, num_blocks: int, seed: int) -> list[int]:
     g = torch.Generator().manual_seed(seed)
     return [int(i) for i in torch.randperm(num_blocks, generator=g)[:n]]
@@ -168,9 +175,7 @@ async def matrix(role: str, d: str) -> dict[str, Any]:
             else:
                 lay = make_layout(kind, dtype, CB)
                 plays = make_layout(kind, dtype, PB)
-                big = torch.zeros(
-                    (lay.num_layers, *lay.layer_shape()), dtype=lay.torch_dtype, device=dev
-                )
+                big = zeroed(lay, dev)
                 # every other combo makes its CUDA calls through torch and Triton
                 opts = OPTS if ci % 2 == 0 else dataclasses.replace(OPTS, driver_calls=False)
                 con = KVConnector(eng, lay, list(big.unbind(0)), ipc=opts)
@@ -240,9 +245,7 @@ async def cancel(role: str, d: str) -> dict[str, Any]:
             out.update(stats(con))
             await con.aclose()
         else:
-            big = torch.zeros(
-                (BIG.num_layers, *BIG.layer_shape()), dtype=BIG.torch_dtype, device=dev
-            )
+            big = zeroed(BIG, dev)
             con = KVConnector(eng, BIG, list(big.unbind(0)), ipc=OPTS)
             await con.recv_request("warm", [0], frm=peer, timeout=30)
             assert con._ipc is not None
@@ -320,9 +323,7 @@ async def layers(role: str, d: str) -> dict[str, Any]:
             else:
                 lay = make_layout(kind, dtype, CB)
                 plays = make_layout(kind, dtype, PB)
-                big = torch.zeros(
-                    (lay.num_layers, *lay.layer_shape()), dtype=lay.torch_dtype, device=dev
-                )
+                big = zeroed(lay, dev)
                 con = KVConnector(eng, lay, list(big.unbind(0)), ipc=OPTS)
                 ok = True
                 touched: set[int] = set()
@@ -389,9 +390,7 @@ async def layers_cancel(role: str, d: str) -> dict[str, Any]:
             out.update(stats(con))
             await con.aclose()
         else:
-            big = torch.zeros(
-                (LBIG.num_layers, *LBIG.layer_shape()), dtype=LBIG.torch_dtype, device=dev
-            )
+            big = zeroed(LBIG, dev)
             con = KVConnector(eng, LBIG, list(big.unbind(0)), ipc=OPTS)
             await con.recv_request("warm", [0], frm=peer, timeout=30)
             want, _ = fill(LBIG, dev, 12)
@@ -453,9 +452,7 @@ async def kill_producer(role: str, d: str, gpu_wait: bool = False) -> dict[str, 
             say(event="killing myself", pending=not task.done())
             os.kill(os.getpid(), signal.SIGKILL)
         else:
-            big = torch.zeros(
-                (BIG.num_layers, *BIG.layer_shape()), dtype=BIG.torch_dtype, device=dev
-            )
+            big = zeroed(BIG, dev)
             opts = IpcOptions(trust_unauthenticated=True, grace_s=1.0, gpu_wait=gpu_wait)
             con = KVConnector(eng, BIG, list(big.unbind(0)), ipc=opts)
             await con.recv_request("warm", [0], frm=peer, timeout=30)
@@ -534,9 +531,7 @@ async def kill_consumer(role: str, d: str) -> dict[str, Any]:
             out.update(stats(con))
             await con.aclose()
         else:
-            big = torch.zeros(
-                (BIG.num_layers, *BIG.layer_shape()), dtype=BIG.torch_dtype, device=dev
-            )
+            big = zeroed(BIG, dev)
             con = KVConnector(eng, BIG, list(big.unbind(0)), ipc=OPTS)
             await con.recv_request("warm", [0], frm=peer, timeout=30)
             plane = con._ipc
@@ -609,9 +604,7 @@ async def restart_producer(role: str, d: str) -> dict[str, Any]:
             out.update(stats(con))
             await con.aclose()
         else:
-            big = torch.zeros(
-                (BIG.num_layers, *BIG.layer_shape()), dtype=BIG.torch_dtype, device=dev
-            )
+            big = zeroed(BIG, dev)
             con = KVConnector(eng, BIG, list(big.unbind(0)), ipc=OPTS)
             first = await _wait_for(d, "producer1")
             await con.recv_request("first", [10, 11, 12], frm=first, timeout=60)

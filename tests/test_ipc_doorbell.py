@@ -279,7 +279,10 @@ async def test_ring_alone_once_the_consumer_reads_it() -> None:
         sent = _engine_sends(prod)
         await _move_waiting(prod, cons, a, b, "s0", [1], [2])  # the offer: engine
         await _move_waiting(prod, cons, a, b, "s1", [3], [4])  # engine and ring
-        await asyncio.sleep(0.05)  # (s1's release, which says "ring", is sent soon after)
+        for _ in range(200):  # (s1's release, which says "ring", is sent soon after)
+            if b.address in prod._ipc._ring_ok:
+                break
+            await asyncio.sleep(0.01)
         assert "s1#ipc" in sent and b.address in prod._ipc._ring_ok
         for i in range(2, 6):
             await _move_waiting(prod, cons, a, b, f"s{i}", [4 + i], [10 + i])

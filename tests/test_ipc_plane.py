@@ -804,7 +804,8 @@ async def test_mapping_an_export_does_not_stall_the_loop() -> None:
         st = cons.statistics().ipc
         assert st is not None and st.mappings_verified == 1 and st.requests_received == 2
         assert slow.opened >= 2  # it really took >= 0.4 s
-        assert max(gaps) < 0.15, f"the loop stalled for {max(gaps):.3f} s"
+        # (a blocking mapping stalls it >= 0.4 s: two opens of 0.2 s)
+        assert max(gaps) < 0.3, f"the loop stalled for {max(gaps):.3f} s"
         await prod.aclose()
         await cons.aclose()
 

@@ -20,6 +20,18 @@ _DATA_CAP = "data:"
 _PLAIN_USER = b"aiokv"
 
 
+def _time_left(deadline: float) -> float:
+    """The seconds before ``deadline`` (``time.monotonic``) for an engine call, which
+    refuses a zero timeout; :class:`~aiokv.TransferTimeoutError` when none are left
+    (a caller's ``timeout=0``, or a deadline that ran out between two steps)."""
+    left = deadline - time.monotonic()
+    if left <= 0:
+        from ._exceptions import TransferTimeoutError
+
+        raise TransferTimeoutError("the request's deadline is over")
+    return left
+
+
 class _Deadline:
     """One time budget for all phases of an operation."""
 

@@ -12,6 +12,7 @@ real CUDA IPC, the kernel, cancellation and a killed peer.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import secrets
 import time
 import warnings
@@ -864,4 +865,55 @@ async def test_the_mapping_of_a_producer_that_is_gone_is_dropped() -> None:
         assert st is not None and st.mappings_dropped == 1 and st.mappings_verified == 2
         await prod.aclose()
         await prod2.aclose()
+        await cons.aclose()
+
+
+class _VerySlowOpen(FakeBackend):
+    def open(self, e: StorageExport, device: torch.device) -> torch.Tensor:
+        time.sleep(0.6)
+        return super().open(e, device)
+
+
+@pytest.mark.anyio
+@pytest.mark.timeout(60)
+async def test_a_mapping_slower_than_the_deadline_ends_the_request_at_it() -> None:
+    """A request waits for its export's mapping only until its own deadline (then
+    ``map_timeout``, the ordinary path with what is left, which here is nothing); the
+    mapping goes on and serves later requests."""
+    pl = make_layout("fa", "bfloat16", 20)
+    p, c = filled(pl, 1), filled(pl, 2)
+    async with pair(pl, pl) as (a, b):
+        prod, cons = connectors(a, b, pl, p, pl, c, cb=_VerySlowOpen())
+        recv = asyncio.create_task(cons.recv_request("t1", [3], frm=a.address, timeout=0.5))
+        send = asyncio.create_task(prod.send_request("t1", [1], to=b.address, timeout=0.5))
+        t0 = time.monotonic()
+        with pytest.raises(TransferTimeoutError):
+            await recv
+        assert time.monotonic() - t0 < 1.0  # not the 1.2 s of the two opens
+        with contextlib.suppress(Exception):
+            await send
+        st = cons.statistics().ipc
+        assert st is not None and st.fallbacks.get("map_timeout") == 1
+        for _ in range(200):  # the mapping itself finishes in the background
+            if cons._ipc._maps:
+                break
+            await asyncio.sleep(0.01)
+        assert len(cons._ipc._maps) == 1
+        await prod.aclose()
+        await cons.aclose()
+
+
+@pytest.mark.anyio
+@pytest.mark.timeout(30)
+async def test_a_deadline_already_over_is_a_timeout_on_the_plane_too() -> None:
+    pl = make_layout("fa", "bfloat16", 20)
+    p, c = filled(pl, 1), filled(pl, 2)
+    async with pair(pl, pl) as (a, b):
+        prod, cons = connectors(a, b, pl, p, pl, c)
+        await move(prod, cons, a, b, "o0", [1], [2])  # mapped
+        with pytest.raises(TransferTimeoutError):
+            await prod.send_request("o1", [1], to=b.address, timeout=0)
+        with pytest.raises(TransferTimeoutError):
+            await cons.recv_request("o2", [1], frm=a.address, timeout=0)
+        await prod.aclose()
         await cons.aclose()

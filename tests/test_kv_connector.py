@@ -470,3 +470,21 @@ def test_bench_tiny_tcp_json() -> None:
     assert rec["workload"] == "tiny" and rec["transport"] == "tcp"
     assert rec["ok"] is True, rec
     assert rec["aiokv_gbps"] > 0 and rec["raw_gbps"] > 0
+
+
+@pytest.mark.anyio
+@pytest.mark.timeout(30)
+async def test_a_deadline_already_over_is_a_timeout_not_a_config_error() -> None:
+    """``timeout=0`` (allowed: "no time left") and a deadline that runs out between
+    steps must end the call with TransferTimeoutError. Regression: the remaining time,
+    0, went to the engine, whose calls refuse a zero timeout as a ConfigError."""
+    lay = make_layout("fa", "bfloat16", 8)
+    async with pair(lay, lay) as (a, b):
+        prod = KVConnector(a, lay, filled(lay, 1))
+        cons = KVConnector(b, lay, filled(lay, 2))
+        with pytest.raises(TransferTimeoutError):
+            await cons.recv_request("z1", [1], frm=a.address, timeout=0)
+        with pytest.raises(TransferTimeoutError):
+            await prod.send_request("z2", [1], to=b.address, timeout=0)
+        await prod.aclose()
+        await cons.aclose()

@@ -81,6 +81,7 @@ from typing import Any, Protocol, TypeVar, runtime_checkable
 import torch
 
 from .._blocking import in_pool
+from .._common import _time_left
 from .._exceptions import (
     AiokvError,
     AiokvTimeoutError,
@@ -291,7 +292,7 @@ class KVConnector:
     ) -> asyncio.Task[BaseException | None]:
         t = self._header(n_blocks, mode)
         handle = self.engine.send_nowait(
-            self.header_name(request_id), t, to=to, timeout=max(0.0, deadline - time.monotonic())
+            self.header_name(request_id), t, to=to, timeout=_time_left(deadline)
         )
         return self._track(handle, None, t)
 
@@ -490,9 +491,7 @@ class KVConnector:
                 nbytes,
             )
             view = stage.view(len(layers), n * self.layout.block_nbytes())
-            handle = self.engine.send_nowait(
-                name, view, to=to, timeout=max(0.0, deadline - time.monotonic())
-            )
+            handle = self.engine.send_nowait(name, view, to=to, timeout=_time_left(deadline))
         except BaseException:
             if lease is not None:
                 lease.release()
@@ -646,7 +645,7 @@ class KVConnector:
                 self.layer_name(request_id, layer),
                 view,
                 to=to,
-                timeout=max(0.0, deadline - time.monotonic()),
+                timeout=_time_left(deadline),
             )
         except BaseException:
             if lease is not None:
@@ -795,7 +794,7 @@ class KVConnector:
         taken = 0  # of names: collected from the engine (scattered or dropped)
         try:
             if n:
-                left = max(0.0, deadline - time.monotonic())
+                left = _time_left(deadline)
                 raw = await self.engine.recv(names[0], frm=frm, timeout=left)
                 taken = 1
                 self._check_cancelled(task, base)
@@ -803,7 +802,7 @@ class KVConnector:
                 del raw
             ids = self._op_ids(host)
             for name, layers in items:
-                left = max(0.0, deadline - time.monotonic())
+                left = _time_left(deadline)
                 raw = await self.engine.recv(name, frm=frm, timeout=left)
                 taken += 1
                 # a cancel that arrived while the chunk landed: never scatter it

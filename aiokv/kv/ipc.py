@@ -58,7 +58,7 @@ import msgpack
 import torch
 
 from .._blocking import in_daemon
-from .._common import _await_shielded
+from .._common import _await_shielded, _time_left
 from .._config import parse_address
 from .._exceptions import (
     AiokvError,
@@ -133,6 +133,8 @@ RING = "ring"
 NO_OFFER = "no_offer"
 #: a mapping whose producer process is gone (it is unmapped; requests fall back)
 PRODUCER_GONE = "producer_gone"
+#: the export's mapping did not finish before the request's deadline
+MAP_TIMEOUT = "map_timeout"
 #: a ring message's extra key (removed before the descriptor is validated): the producer
 #: posted it by the ring alone, so no engine copy follows unless as a late backup. Only
 #: sent to consumers whose release said RING (they know the key).
@@ -1055,7 +1057,7 @@ class IpcPlane:
             f"{request_id}#ipc",
             Descriptor(request_id, "chunks", n).to_wire(),
             to,
-            max(0.0, deadline - time.monotonic()),
+            _time_left(deadline),
         )
         if reason:
             self._stats.fallbacks[reason] = self._stats.fallbacks.get(reason, 0) + 1
@@ -1064,6 +1066,13 @@ class IpcPlane:
         task: asyncio.Task[None] = asyncio.ensure_future(coro)
         self._background.add(task)
         task.add_done_callback(self._background.discard)
+
+    def _lease_left(self, lease: float) -> float:
+        """Seconds left of a lease (the producer's clock); TransferTimeoutError if none."""
+        left = lease - self._clock()
+        if left <= 0:
+            raise TransferTimeoutError("the request's deadline is over")
+        return left
 
     def _send_msg(self, tensor_id: str, msg: Mapping[str, Any], to: str, timeout: float) -> None:
         """Start sending a control message; a failure is logged (the peer's wait for it
@@ -1192,6 +1201,7 @@ class IpcPlane:
         host = self._ids(block_ids, unique=False, what="send_request")
         n = len(host)
         _mark(request_id, "ids")
+        _time_left(deadline)  # (timeout=0: over before anything is taken or sent)
         reason = self.disabled or self._broken_to.get(to)
         if reason or n == 0:
             self._send_plain(request_id, n, to, deadline, reason)
@@ -1250,7 +1260,7 @@ class IpcPlane:
         else:
             if offer is None:
                 self._ring(request_id, to, wire)
-            self._send_msg(tid, wire, to, max(0.0, lease - self._clock()))
+            self._send_msg(tid, wire, to, self._lease_left(lease))
         _mark(request_id, "sent")
         rel_task = asyncio.ensure_future(self._await_release(request_id, to, lease))
         rel_task.add_done_callback(functools.partial(self._released, to, backup))
@@ -1482,7 +1492,7 @@ class IpcPlane:
                 lease=lease,
                 offer=None if to in self._acked else export.offer,
             )
-            self._send_msg(f"{request_id}#ipc", desc.to_wire(), to, max(0.0, lease - self._clock()))
+            self._send_msg(f"{request_id}#ipc", desc.to_wire(), to, self._lease_left(lease))
             rel_task = asyncio.ensure_future(self._await_release(request_id, to, lease))
             rel_task.add_done_callback(_retrieve)
             sv = _IpcSave(to, host, deadline, lease, time.perf_counter(), rel_task)
@@ -1570,7 +1580,7 @@ class IpcPlane:
             d, rung = await self._recv_desc(request_id, frm, deadline)
         else:
             raw = await self.channel.recv(
-                f"{request_id}#ipc", frm=frm, timeout=max(0.0, deadline - time.monotonic())
+                f"{request_id}#ipc", frm=frm, timeout=_time_left(deadline)
             )
             _mark(request_id, "desc")
             d = decode_message(raw)
@@ -1619,7 +1629,7 @@ class IpcPlane:
             await plain()
             return
         try:
-            m = await self._mapping(desc, plout)
+            m = await self._mapping(desc, plout, deadline)
         except IpcUnavailableError as exc:
             self._count_fallback(exc.reason, desc.reply_to, str(exc))
             self._release(desc, Release(request_id, False, fallback=True, reason=exc.reason))
@@ -1651,9 +1661,7 @@ class IpcPlane:
             self._bell_wait[rid] = (bell, frm)
             self._bell_kick()
             eng = asyncio.ensure_future(
-                self.channel.recv(
-                    f"{rid}#ipc", frm=frm, timeout=max(0.0, deadline - time.monotonic())
-                )
+                self.channel.recv(f"{rid}#ipc", frm=frm, timeout=_time_left(deadline))
             )
             try:
                 await asyncio.wait((bell, eng), return_when=asyncio.FIRST_COMPLETED)
@@ -1800,10 +1808,13 @@ class IpcPlane:
         except Exception as exc:  # engine closing: the producer's lease runs out instead
             log.warning("aiokv IPC plane: could not send the release of %r: %s", desc.rid, exc)
 
-    async def _mapping(self, desc: Descriptor, layout: KVLayout | None) -> _Mapping:
+    async def _mapping(
+        self, desc: Descriptor, layout: KVLayout | None, deadline: float
+    ) -> _Mapping:
         """The verified mapping for the descriptor's export (made on first use, its CUDA
         IPC opens off the event loop; requests of an export being mapped wait for that
-        one mapping)."""
+        one mapping, until their ``deadline``: then ``map_timeout``, and the mapping
+        goes on for later requests)."""
         m = self._maps.get(desc.token)
         if m is not None:
             if m.broken:
@@ -1820,8 +1831,15 @@ class IpcPlane:
                 raise IpcUnavailableError(NO_OFFER, "the producer's export is unknown here")
             check_compatible(layout, self.layout)  # LayoutMismatchError: a real error
             opening = asyncio.ensure_future(self._open_export(desc, desc.offer, layout))
+            opening.add_done_callback(_retrieve)  # (also when no request waits any more)
             self._opening[desc.token] = opening
-        return await asyncio.shield(opening)  # (a cancelled request leaves it running)
+        try:  # a cancelled or timed-out request leaves the mapping running
+            mapped: _Mapping = await _await_shielded(opening, deadline - time.monotonic())
+        except TimeoutError:
+            raise IpcUnavailableError(
+                MAP_TIMEOUT, "mapping the export took longer than the request's deadline"
+            ) from None
+        return mapped
 
     async def _open_export(self, desc: Descriptor, offer: Offer, layout: KVLayout) -> _Mapping:
         """Map one export (the CUDA IPC opens on a daemon thread: they take milliseconds

@@ -171,6 +171,26 @@ async def move(
     await recv
 
 
+@asynccontextmanager
+async def plane_pair(
+    cb: Any = None,
+) -> AsyncIterator[
+    tuple[
+        KVLayout, list[torch.Tensor], list[torch.Tensor], Engine, Engine, KVConnector, KVConnector
+    ]
+]:
+    """Two engines and IPC connectors over an fa/bfloat16 cache of 20 blocks (``cb``: the
+    consumer's backend), closed afterwards; yields ``(layout, producer caches, consumer
+    caches, a, b, producer, consumer)``."""
+    pl = make_layout("fa", "bfloat16", 20)
+    p, c = filled(pl, 1), filled(pl, 2)
+    async with pair(pl, pl) as (a, b):
+        prod, cons = connectors(a, b, pl, p, pl, c, cb=cb)
+        yield pl, p, c, a, b, prod, cons
+        await prod.aclose()
+        await cons.aclose()
+
+
 # --------------------------------------------------------------------------- end to end
 
 
@@ -764,10 +784,14 @@ class _NoEngine:
 
 
 class _SlowOpen(FakeBackend):
-    """Mapping an export takes a while (CUDA IPC opens)."""
+    """Mapping an export takes a while (CUDA IPC opens): ``delay`` s per open."""
+
+    def __init__(self, delay: float = 0.2) -> None:
+        super().__init__()
+        self.delay = delay
 
     def open(self, e: StorageExport, device: torch.device) -> torch.Tensor:
-        time.sleep(0.2)
+        time.sleep(self.delay)
         return super().open(e, device)
 
 
@@ -868,22 +892,13 @@ async def test_the_mapping_of_a_producer_that_is_gone_is_dropped() -> None:
         await cons.aclose()
 
 
-class _VerySlowOpen(FakeBackend):
-    def open(self, e: StorageExport, device: torch.device) -> torch.Tensor:
-        time.sleep(0.6)
-        return super().open(e, device)
-
-
 @pytest.mark.anyio
 @pytest.mark.timeout(60)
 async def test_a_mapping_slower_than_the_deadline_ends_the_request_at_it() -> None:
     """A request waits for its export's mapping only until its own deadline (then
     ``map_timeout``, the ordinary path with what is left, which here is nothing); the
     mapping goes on and serves later requests."""
-    pl = make_layout("fa", "bfloat16", 20)
-    p, c = filled(pl, 1), filled(pl, 2)
-    async with pair(pl, pl) as (a, b):
-        prod, cons = connectors(a, b, pl, p, pl, c, cb=_VerySlowOpen())
+    async with plane_pair(cb=_SlowOpen(0.6)) as (_pl, _p, _c, a, b, prod, cons):
         recv = asyncio.create_task(cons.recv_request("t1", [3], frm=a.address, timeout=0.5))
         send = asyncio.create_task(prod.send_request("t1", [1], to=b.address, timeout=0.5))
         t0 = time.monotonic()
@@ -899,21 +914,14 @@ async def test_a_mapping_slower_than_the_deadline_ends_the_request_at_it() -> No
                 break
             await asyncio.sleep(0.01)
         assert len(cons._ipc._maps) == 1
-        await prod.aclose()
-        await cons.aclose()
 
 
 @pytest.mark.anyio
 @pytest.mark.timeout(30)
 async def test_a_deadline_already_over_is_a_timeout_on_the_plane_too() -> None:
-    pl = make_layout("fa", "bfloat16", 20)
-    p, c = filled(pl, 1), filled(pl, 2)
-    async with pair(pl, pl) as (a, b):
-        prod, cons = connectors(a, b, pl, p, pl, c)
+    async with plane_pair() as (_pl, _p, _c, a, b, prod, cons):
         await move(prod, cons, a, b, "o0", [1], [2])  # mapped
         with pytest.raises(TransferTimeoutError):
             await prod.send_request("o1", [1], to=b.address, timeout=0)
         with pytest.raises(TransferTimeoutError):
             await cons.recv_request("o2", [1], frm=a.address, timeout=0)
-        await prod.aclose()
-        await cons.aclose()

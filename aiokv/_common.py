@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Callable
 from typing import Any
 
 #: Control messages queued in one loop pass leave as one zmq message of at most this
@@ -20,11 +21,11 @@ _DATA_CAP = "data:"
 _PLAIN_USER = b"aiokv"
 
 
-def _time_left(deadline: float) -> float:
-    """The seconds before ``deadline`` (``time.monotonic``) for an engine call, which
+def _time_left(deadline: float, clock: Callable[[], float] = time.monotonic) -> float:
+    """The seconds before ``deadline`` (on ``clock``) for an engine call, which
     refuses a zero timeout; :class:`~aiokv.TransferTimeoutError` when none are left
     (a caller's ``timeout=0``, or a deadline that ran out between two steps)."""
-    left = deadline - time.monotonic()
+    left = deadline - clock()
     if left <= 0:
         from ._exceptions import TransferTimeoutError
 

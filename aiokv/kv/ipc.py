@@ -1067,13 +1067,6 @@ class IpcPlane:
         self._background.add(task)
         task.add_done_callback(self._background.discard)
 
-    def _lease_left(self, lease: float) -> float:
-        """Seconds left of a lease (the producer's clock); TransferTimeoutError if none."""
-        left = lease - self._clock()
-        if left <= 0:
-            raise TransferTimeoutError("the request's deadline is over")
-        return left
-
     def _send_msg(self, tensor_id: str, msg: Mapping[str, Any], to: str, timeout: float) -> None:
         """Start sending a control message; a failure is logged (the peer's wait for it
         runs into its deadline), never left unretrieved."""
@@ -1260,7 +1253,7 @@ class IpcPlane:
         else:
             if offer is None:
                 self._ring(request_id, to, wire)
-            self._send_msg(tid, wire, to, self._lease_left(lease))
+            self._send_msg(tid, wire, to, _time_left(lease, self._clock))
         _mark(request_id, "sent")
         rel_task = asyncio.ensure_future(self._await_release(request_id, to, lease))
         rel_task.add_done_callback(functools.partial(self._released, to, backup))
@@ -1492,7 +1485,7 @@ class IpcPlane:
                 lease=lease,
                 offer=None if to in self._acked else export.offer,
             )
-            self._send_msg(f"{request_id}#ipc", desc.to_wire(), to, self._lease_left(lease))
+            self._send_msg(f"{request_id}#ipc", desc.to_wire(), to, _time_left(lease, self._clock))
             rel_task = asyncio.ensure_future(self._await_release(request_id, to, lease))
             rel_task.add_done_callback(_retrieve)
             sv = _IpcSave(to, host, deadline, lease, time.perf_counter(), rel_task)
@@ -2034,29 +2027,14 @@ class IpcPlane:
         swap = torch.tensor([[1, 0], [0, 1]], dtype=torch.int64, device=dev)
         compiled: Any = None
         if self._use_triton():
-            stream = m.stream
-            (ab, slot), (ab_off, slot_off) = self._word(slots[0]), self._word(slots[1])
-            self._set_abort(slots[1])
-            # after the zero-fills above (caller's stream) and the abort (control stream)
-            stream.wait_stream(torch.cuda.current_stream(dev))
-            stream.wait_stream(self._ctl_stream)
-            with torch.cuda.stream(stream):
-                for target, a, s in ((dst, ab, slot), (untouched.view(wdt), ab_off, slot_off)):
-                    # separate (aligned) tables: the same specialisation as the real copies
-                    st = torch.tensor([src.data_ptr()], dtype=torch.int64).to(dev)
-                    dt = torch.tensor([target.data_ptr()], dtype=torch.int64).to(dev)
-                    ok = _ipc_kernel.launch_pair_copy(
-                        st,
-                        dt,
-                        swap,
-                        a,
-                        s,
-                        **self._geometry(m, n_pairs=_PROBE_SEGMENTS, n_layers=1, parts=1),
-                    )
-                    if not ok:
-                        raise IpcUnavailableError("grid_too_big")
-                    compiled = ok if compiled is None else compiled
-            stream.synchronize()  # once per peer, at set-up, off the request path
+
+            def jit(st: torch.Tensor, dt: torch.Tensor, a: torch.Tensor, s: int) -> Any:
+                ok = _ipc_kernel.launch_pair_copy(st, dt, swap, a, s, **self._probe_geometry(m))
+                if not ok:
+                    raise IpcUnavailableError("grid_too_big")
+                return ok
+
+            compiled = self._probe_copies(m, src, (dst, untouched.view(wdt)), slots[:2], jit)
         else:
             s2 = src.view(_PROBE_SEGMENTS, -1)
             d2 = dst.view(_PROBE_SEGMENTS, -1)
@@ -2071,6 +2049,40 @@ class IpcPlane:
         if self._drv is not None and compiled is not None and compiled is not True:
             m.raw = self._try_raw(m, compiled, src, swap, expect, slots[2:])
         del probe
+
+    def _probe_geometry(self, m: _Mapping) -> dict[str, int]:
+        return self._geometry(m, n_pairs=_PROBE_SEGMENTS, n_layers=1, parts=1)
+
+    def _probe_copies(
+        self,
+        m: _Mapping,
+        src: torch.Tensor,
+        targets: Sequence[torch.Tensor],
+        slots: list[int],
+        launch: Callable[[torch.Tensor, torch.Tensor, torch.Tensor, int], Any],
+    ) -> Any:
+        """The probe copies of a verification on ``m``'s stream, waited for: ``src`` into
+        ``targets[0]`` with slot ``slots[0]``, and into ``targets[1]`` with slot
+        ``slots[1]``, whose abort word is set first (that copy must write nothing).
+        ``launch(src table, dst table, abort block, word)`` launches one; what the first
+        returned is returned."""
+        dev = self.device
+        self._set_abort(slots[1])
+        stream = m.stream
+        # after the targets' zero-fills (caller's stream) and the abort (control stream)
+        stream.wait_stream(torch.cuda.current_stream(dev))
+        stream.wait_stream(self._ctl())
+        first: Any = None
+        with torch.cuda.stream(stream):  # (the tables, too, live on this stream)
+            for target, g in zip(targets, slots[:2], strict=True):
+                a, s = self._word(g)
+                # separate (aligned) tables: the same specialisation as the real copies
+                st = torch.tensor([src.data_ptr()], dtype=torch.int64).to(dev)
+                dt = torch.tensor([target.data_ptr()], dtype=torch.int64).to(dev)
+                r = launch(st, dt, a, s)
+                first = r if first is None else first
+        stream.synchronize()  # once per peer, at set-up, off the request path
+        return first
 
     def _try_raw(
         self,
@@ -2091,26 +2103,15 @@ class IpcPlane:
             rl = _ipc_kernel.RawLaunch(compiled, self._drv)
             outs = [torch.zeros(_PROBE_SEGMENTS * seg, dtype=torch.uint8, device=dev)
                     for _ in range(2)]  # fmt: skip
-            (ab, slot), (ab_off, slot_off) = self._word(slots[0]), self._word(slots[1])
-            self._set_abort(slots[1])
-            stream = m.stream
-            stream.wait_stream(torch.cuda.current_stream(dev))
-            stream.wait_stream(self._ctl())
-            for out, a, sl in ((outs[0], ab, slot), (outs[1], ab_off, slot_off)):
-                st = torch.tensor([src.data_ptr()], dtype=torch.int64).to(dev)
-                dt = torch.tensor([out.data_ptr()], dtype=torch.int64).to(dev)
-                torch.cuda.current_stream(dev).synchronize()  # the tables are uploaded
+
+            def raw(st: torch.Tensor, dt: torch.Tensor, a: torch.Tensor, s: int) -> None:
                 programs, args = _ipc_kernel.pair_copy_args(
-                    st.data_ptr(),
-                    dt.data_ptr(),
-                    swap.data_ptr(),
-                    a.data_ptr(),
-                    dev,
-                    sl,
-                    **self._geometry(m, n_pairs=_PROBE_SEGMENTS, n_layers=1, parts=1),
-                )
-                rl.launch(programs, stream.cuda_stream, args)
-                stream.synchronize()
+                    st.data_ptr(), dt.data_ptr(), swap.data_ptr(), a.data_ptr(), dev, s,
+                    **self._probe_geometry(m),
+                )  # fmt: skip
+                rl.launch(programs, m.stream.cuda_stream, args)
+
+            self._probe_copies(m, src, outs, slots, raw)
             ok = torch.equal(outs[0], want) and not bool(outs[1].any())
         except Exception as exc:  # a Triton whose kernels this cannot launch
             log.info(

@@ -19,7 +19,7 @@ from typing import Any
 
 import pytest
 from _kvutil import filled, make_layout
-from test_ipc_plane import OPTS, FakeBackend, FakeEvent, connectors, landed, pair
+from test_ipc_plane import OPTS, FakeBackend, FakeEvent, connectors, landed, pair, plane_pair
 
 from aiokv import RemoteProtocolError, TransferTimeoutError
 from aiokv.kv import IpcOptions
@@ -52,54 +52,45 @@ def test_ring_in_order_and_once() -> None:
     assert not os.path.exists(os.path.join("/dev/shm", w.name))
 
 
-def test_ring_lapped_reader_gets_the_newest() -> None:
-    w = db.BellWriter()
-    try:
-        r = db.BellReader(w.name, w.key)
-        for i in range(db.SLOTS + 3):
-            w.post(b"%d" % i)
-        got = r.poll() + r.poll()
-        # messages 0..2 were overwritten by 64..66: lost here (the engine has them); the
-        # reader resumes at the oldest still in the ring and keeps the order
-        assert got == [b"%d" % i for i in range(3, db.SLOTS + 3)]
-        assert r.rejected == 0
-        w.post(b"next")
-        assert r.poll() == [b"next"]
-        r.close()
-    finally:
-        w.close()
+def test_ring_lapped_reader_gets_the_newest(writer: db.BellWriter) -> None:
+    w = writer
+    r = db.BellReader(w.name, w.key)
+    for i in range(db.SLOTS + 3):
+        w.post(b"%d" % i)
+    got = r.poll() + r.poll()
+    # messages 0..2 were overwritten by 64..66: lost here (the engine has them); the
+    # reader resumes at the oldest still in the ring and keeps the order
+    assert got == [b"%d" % i for i in range(3, db.SLOTS + 3)]
+    assert r.rejected == 0
+    w.post(b"next")
+    assert r.poll() == [b"next"]
+    r.close()
 
 
-def test_ring_rejects_a_wrong_key_and_garbage() -> None:
-    w = db.BellWriter()
-    try:
-        forged = db.BellReader(w.name, secrets.token_bytes(db.KEY_BYTES))
-        w.post(b"hello")
-        assert forged.poll() == [] and forged.rejected == 1
-        # a slot whose sequence number is not one the writer makes
-        r = db.BellReader(w.name, w.key)
-        w._mm[0:8] = (7).to_bytes(8, "little")  # slot 0 says 7: neither 1 nor 1 + k*SLOTS
-        assert r.poll() == [] and r.rejected == 1
-        w.post(b"again")  # seq 2, slot 1
-        assert r.poll() == [b"again"]
-        r.close()
-        forged.close()
-    finally:
-        w.close()
+def test_ring_rejects_a_wrong_key_and_garbage(writer: db.BellWriter) -> None:
+    w = writer
+    forged = db.BellReader(w.name, secrets.token_bytes(db.KEY_BYTES))
+    w.post(b"hello")
+    assert forged.poll() == [] and forged.rejected == 1
+    # a slot whose sequence number is not one the writer makes
+    r = db.BellReader(w.name, w.key)
+    w._mm[0:8] = (7).to_bytes(8, "little")  # slot 0 says 7: neither 1 nor 1 + k*SLOTS
+    assert r.poll() == [] and r.rejected == 1
+    w.post(b"again")  # seq 2, slot 1
+    assert r.poll() == [b"again"]
+    r.close()
+    forged.close()
 
 
-def test_ring_slot_being_rewritten_is_left_for_later() -> None:
-    w = db.BellWriter()
-    try:
-        r = db.BellReader(w.name, w.key)
-        w.post(b"one")
-        w._mm[0:8] = bytes(8)  # the writer's "invalid while rewritten"
-        assert r.poll() == [] and r.rejected == 0
-        w._mm[0:8] = (1).to_bytes(8, "little")
-        assert r.poll() == [b"one"]
-        r.close()
-    finally:
-        w.close()
+def test_ring_slot_being_rewritten_is_left_for_later(writer: db.BellWriter) -> None:
+    w = writer
+    r = db.BellReader(w.name, w.key)
+    w.post(b"one")
+    w._mm[0:8] = bytes(8)  # the writer's "invalid while rewritten"
+    assert r.poll() == [] and r.rejected == 0
+    w._mm[0:8] = (1).to_bytes(8, "little")
+    assert r.poll() == [b"one"]
+    r.close()
 
 
 def test_reader_refuses_other_names_and_files() -> None:
@@ -196,10 +187,7 @@ async def test_descriptors_come_by_the_doorbell() -> None:
 async def test_forged_ring_slots_cost_only_latency() -> None:
     """Slots whose MAC fails (here: the consumer holds another key, as a process that
     guessed the file would) are rejected and counted; the engine delivers."""
-    pl = make_layout("mla", "float16", 20)
-    p, c = filled(pl, 1), filled(pl, 2)
-    async with pair(pl, pl) as (a, b):
-        prod, cons = connectors(a, b, pl, p, pl, c)
+    async with plane_pair("mla", "float16", 20) as (pl, p, c, a, b, prod, cons):
         await _move_waiting(prod, cons, a, b, "f0", [1], [2])
         (m,) = cons._ipc._maps.values()
         assert m.bell is not None
@@ -208,25 +196,18 @@ async def test_forged_ring_slots_cost_only_latency() -> None:
         assert landed(pl, p, [3, 4], c, [5, 6])
         st = cons.statistics().ipc
         assert st is not None and st.doorbell_hits == 0 and st.doorbell_rejected == 1
-        await prod.aclose()
-        await cons.aclose()
 
 
 @pytest.mark.anyio
 @pytest.mark.timeout(60)
 async def test_doorbell_off() -> None:
-    pl = make_layout("fa", "float32", 20)
-    p, c = filled(pl, 1), filled(pl, 2)
     opts = IpcOptions(trust_unauthenticated=True, grace_s=0.3, doorbell=False)
-    async with pair(pl, pl) as (a, b):
-        prod, cons = connectors(a, b, pl, p, pl, c, opts=opts)
+    async with plane_pair("fa", "float32", 20, opts=opts) as (_pl, _p, _c, a, b, prod, cons):
         for i in range(3):
             await _move_waiting(prod, cons, a, b, f"o{i}", [i + 1], [i + 5])
         st = cons.statistics().ipc
         assert st is not None and st.doorbell_hits == 0
         assert prod._ipc._bells == {} and all(m.bell is None for m in cons._ipc._maps.values())
-        await prod.aclose()
-        await cons.aclose()
 
 
 @pytest.mark.anyio
@@ -235,10 +216,7 @@ async def test_ring_message_for_another_producer_is_ignored() -> None:
     """A waiter that names its producer (``frm``) takes ring messages of that producer's
     export only; here it names another address, so the ring is ignored and the call
     runs into its deadline (the engine, asked for ``frm``, has nothing either)."""
-    pl = make_layout("fa", "bfloat16", 20)
-    p, c = filled(pl, 1), filled(pl, 2)
-    async with pair(pl, pl) as (a, b):
-        prod, cons = connectors(a, b, pl, p, pl, c)
+    async with plane_pair("fa", "bfloat16", 20) as (_pl, _p, _c, a, b, prod, cons):
         await _move_waiting(prod, cons, a, b, "g0", [1], [2])
         recv = asyncio.create_task(cons.recv_request("g1", [3], frm="127.0.0.1:9", timeout=0.5))
         await asyncio.sleep(0.02)
@@ -249,8 +227,6 @@ async def test_ring_message_for_another_producer_is_ignored() -> None:
         assert st is not None and st.doorbell_hits == 0
         with pytest.raises(TransferTimeoutError):
             await send
-        await prod.aclose()
-        await cons.aclose()
 
 
 def _engine_sends(prod: Any) -> list[str]:
@@ -272,10 +248,7 @@ def _engine_sends(prod: Any) -> list[str]:
 async def test_ring_alone_once_the_consumer_reads_it() -> None:
     """The engine carries a descriptor too until the consumer's release says it took one
     from the ring; from then on the ring alone does (no engine copy, no backup)."""
-    pl = make_layout("fa", "bfloat16", 24)
-    p, c = filled(pl, 1), filled(pl, 2)
-    async with pair(pl, pl) as (a, b):
-        prod, cons = connectors(a, b, pl, p, pl, c)
+    async with plane_pair("fa", "bfloat16", 24) as (pl, p, c, a, b, prod, cons):
         sent = _engine_sends(prod)
         await _move_waiting(prod, cons, a, b, "s0", [1], [2])  # the offer: engine
         await _move_waiting(prod, cons, a, b, "s1", [3], [4])  # engine and ring
@@ -296,8 +269,6 @@ async def test_ring_alone_once_the_consumer_reads_it() -> None:
         assert pst.doorbell_backups == 0 and cst.doorbell_hits == 5
         assert prod._ipc._ring_only == {b.address: 0}
         assert prod.finished_sending() >= {f"s{i}" for i in range(6)}
-        await prod.aclose()
-        await cons.aclose()
 
 
 @contextlib.asynccontextmanager
@@ -305,11 +276,8 @@ async def _ringing(kind: str, dtype: str, **opts: Any) -> Any:
     """Two engines and connectors whose consumer has taken one descriptor from the
     ring (so the producer sends by the ring alone from then on); yields
     ``(layout, producer caches, consumer caches, a, b, prod, cons)``."""
-    pl = make_layout(kind, dtype, 24)
-    p, c = filled(pl, 1), filled(pl, 2)
     o = IpcOptions(trust_unauthenticated=True, grace_s=0.3, **opts)
-    async with pair(pl, pl) as (a, b):
-        prod, cons = connectors(a, b, pl, p, pl, c, opts=o)
+    async with plane_pair(kind, dtype, 24, opts=o) as (pl, p, c, a, b, prod, cons):
         await _move_waiting(prod, cons, a, b, "w0", [1], [2])
         await _move_waiting(prod, cons, a, b, "w1", [3], [4])
         for _ in range(100):
@@ -319,8 +287,6 @@ async def _ringing(kind: str, dtype: str, **opts: Any) -> Any:
         else:
             raise AssertionError("the consumer's release never said 'ring'")
         yield pl, p, c, a, b, prod, cons
-        await prod.aclose()
-        await cons.aclose()
 
 
 @pytest.mark.anyio

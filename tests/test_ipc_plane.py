@@ -173,19 +173,24 @@ async def move(
 
 @asynccontextmanager
 async def plane_pair(
+    kind: str = "fa",
+    dtype: str = "bfloat16",
+    num_blocks: int = 20,
+    *,
     cb: Any = None,
+    opts: IpcOptions = OPTS,
 ) -> AsyncIterator[
     tuple[
         KVLayout, list[torch.Tensor], list[torch.Tensor], Engine, Engine, KVConnector, KVConnector
     ]
 ]:
-    """Two engines and IPC connectors over an fa/bfloat16 cache of 20 blocks (``cb``: the
+    """Two engines and IPC connectors over a cache of ``kind``/``dtype`` (``cb``: the
     consumer's backend), closed afterwards; yields ``(layout, producer caches, consumer
     caches, a, b, producer, consumer)``."""
-    pl = make_layout("fa", "bfloat16", 20)
+    pl = make_layout(kind, dtype, num_blocks)
     p, c = filled(pl, 1), filled(pl, 2)
     async with pair(pl, pl) as (a, b):
-        prod, cons = connectors(a, b, pl, p, pl, c, cb=cb)
+        prod, cons = connectors(a, b, pl, p, pl, c, cb=cb, opts=opts)
         yield pl, p, c, a, b, prod, cons
         await prod.aclose()
         await cons.aclose()

@@ -30,6 +30,7 @@ import gc
 import logging
 import secrets
 import time
+from collections import OrderedDict
 from collections.abc import Awaitable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -208,6 +209,11 @@ class Engine:
         self._clients: dict[str, _ClientSession] = {}
         self._connecting: dict[str, asyncio.Future[_ClientSession]] = {}
         self._published: dict[str, torch.Tensor] = {}
+        # published for one GET only (``publish(once=True)``) until served or unpublished
+        self._once: set[str] = set()
+        # once-published tensors served and not yet waited for: the requester's address
+        self._fetched: OrderedDict[str, str] = OrderedDict()
+        self._fetch_waiters: dict[str, asyncio.Future[str]] = {}
         self._stats = EngineStatistics()
         # the receiving half: sockets, peers' sessions, admission, credit, landing
         self._server = _Server(self, config, self._codec, self._store, self._stats)
@@ -520,8 +526,12 @@ class Engine:
         self._pump_queue()  # the freed room may admit queued reservations
         return n
 
-    def publish(self, tensor_id: str, tensor: torch.Tensor) -> None:
-        """GET mode, producer side: make ``tensor`` available to peers' :meth:`get`."""
+    def publish(self, tensor_id: str, tensor: torch.Tensor, *, once: bool = False) -> None:
+        """GET mode, producer side: make ``tensor`` available to peers' :meth:`get`.
+
+        ``once``: serve it to the first GET only (a later one gets ``not_published``;
+        if serving it fails, it is available again); :meth:`wait_fetched` then says
+        which peer got it."""
         self._check_open()
         _prepare([(tensor_id, tensor)], self.config.limits.max_id_length)
         if (
@@ -530,9 +540,77 @@ class Engine:
         ):
             raise ConfigError(f"more than {self.config.limits.max_published} published tensors")
         self._published[tensor_id] = tensor
+        self._fetched.pop(tensor_id, None)
+        if once:
+            self._once.add(tensor_id)
+        else:
+            self._once.discard(tensor_id)
 
     def unpublish(self, tensor_id: str) -> bool:
+        """Stop serving ``tensor_id``; whether it was published (a :meth:`wait_fetched`
+        on it raises :class:`~aiokv.NotPublishedError`)."""
+        self._once.discard(tensor_id)
+        self._fetched.pop(tensor_id, None)
+        fut = self._fetch_waiters.pop(tensor_id, None)
+        if fut is not None and not fut.done():
+            fut.set_exception(NotPublishedError(f"{tensor_id!r} was unpublished"))
         return self._published.pop(tensor_id, None) is not None
+
+    async def wait_fetched(self, tensor_id: str, *, timeout: float | None = None) -> str:
+        """GET mode, producer side: wait until a tensor published with ``once=True`` was
+        served to a peer's :meth:`get`; return that peer's address (the listen address
+        its authenticated session holds: :meth:`send_nowait` reaches it)."""
+        self._check_open()
+        address = self._fetched.pop(tensor_id, None)
+        if address is not None:
+            return address
+        if tensor_id not in self._once:
+            raise NotPublishedError(f"{tensor_id!r} is not published with once=True")
+        if tensor_id in self._fetch_waiters:
+            raise ConfigError(f"wait_fetched({tensor_id!r}) is already waiting")
+        t = self._timeout(timeout)
+        fut: asyncio.Future[str] = self._loop.create_future()
+        fut.add_done_callback(_retrieve)
+        self._fetch_waiters[tensor_id] = fut
+        try:
+            address = await _await_shielded(fut, t)
+            return str(address)
+        except TimeoutError:
+            raise TransferTimeoutError(f"nobody fetched {tensor_id!r} within {t:.3g}s") from None
+        except asyncio.CancelledError:
+            if fut.done() and not fut.cancelled() and fut.exception() is None:
+                self._fetched[tensor_id] = fut.result()  # served meanwhile: not lost
+            raise
+        finally:
+            if self._fetch_waiters.get(tensor_id) is fut:
+                del self._fetch_waiters[tensor_id]
+
+    def _claim_published(self, tensor_ids: Sequence[str]) -> list[tuple[str, torch.Tensor]]:
+        """A GET of these (all published) starts: once-published ones leave the table."""
+        items = [(t, self._published[t]) for t in tensor_ids]
+        for t in tensor_ids:
+            if t in self._once:
+                self._published.pop(t, None)
+        return items
+
+    def _get_served(self, items: list[tuple[str, torch.Tensor]], address: str, ok: bool) -> None:
+        """A GET of ``items`` to ``address`` ended: a once-published tensor was fetched
+        (``ok``) or is available again."""
+        for t, tensor in items:
+            if t not in self._once:  # published for any number of GETs, or unpublished
+                continue
+            if not ok:
+                if not self._closed:
+                    self._published.setdefault(t, tensor)
+                continue
+            self._once.discard(t)
+            fut = self._fetch_waiters.pop(t, None)
+            if fut is not None and not fut.done():
+                fut.set_result(address)
+                continue
+            self._fetched[t] = address
+            while len(self._fetched) > self.config.limits.max_published:
+                self._fetched.popitem(last=False)
 
     async def get(self, tensor_id: str, *, frm: str, timeout: float | None = None) -> torch.Tensor:
         """GET mode, consumer side: ask ``frm`` for a published tensor and wait for it."""

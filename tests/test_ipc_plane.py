@@ -236,6 +236,24 @@ async def test_pull_every_layout_and_dtype(kind: str, dtype: str) -> None:
 
 @pytest.mark.anyio
 @pytest.mark.timeout(60)
+async def test_pull_mode_goes_through_the_plane() -> None:
+    # serve_request / fetch_request: the producer learns its consumer from the ticket's
+    # GET and then sends over the plane (what the demo's workers do)
+    async with plane_pair("fa", "bfloat16", 20) as (pl, p, c, a, b, prod, cons):
+        for r, (src, dst) in enumerate([([3, 1, 4], [5, 9, 2]), ([7], [0])]):
+            serving = asyncio.ensure_future(prod.serve_request(f"r{r}", src, timeout=20))
+            await asyncio.sleep(0.01)
+            await cons.fetch_request(f"r{r}", dst, frm=a.address, timeout=20)
+            assert await serving == b.address
+            assert landed(pl, p, src, c, dst)
+        ps, cs = prod.statistics(), cons.statistics()
+        assert ps.ipc is not None and cs.ipc is not None
+        assert ps.ipc.requests_sent == 2 and cs.ipc.requests_received == 2
+        assert ps.chunks_sent == 0 and not ps.ipc.fallbacks  # nothing the ordinary way
+
+
+@pytest.mark.anyio
+@pytest.mark.timeout(60)
 async def test_offer_sent_until_acknowledged() -> None:
     pl = make_layout("fa", "bfloat16", 20)
     p, c = filled(pl, 1), filled(pl, 2)

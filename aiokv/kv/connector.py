@@ -112,6 +112,22 @@ class SendHandle(Protocol):
     async def released(self) -> None: ...
 
 
+@runtime_checkable
+class _PullEngine(Protocol):
+    """What pull mode (:meth:`KVConnector.serve_request` / :meth:`~KVConnector.fetch_request`)
+    needs of the engine besides :class:`EngineLike`: GET mode, once-published tensors."""
+
+    def publish(self, tensor_id: str, tensor: torch.Tensor, *, once: bool = False) -> None: ...
+
+    def unpublish(self, tensor_id: str) -> bool: ...
+
+    async def wait_fetched(self, tensor_id: str, *, timeout: float | None = None) -> str: ...
+
+    async def get(
+        self, tensor_id: str, *, frm: str, timeout: float | None = None
+    ) -> torch.Tensor: ...
+
+
 class EngineLike(Protocol):
     """What the connector needs of an :class:`aiokv.Engine` (typed structurally)."""
 
@@ -135,6 +151,8 @@ _DEFAULT_TIMEOUT = 60.0
 _HEADER_VERSION = 1
 #: the packing order of gathered blocks (:mod:`aiokv.kv.ops`); bump when it changes
 PACKING = "aiokv-kv-1"
+#: version of pull mode's ticket (see :meth:`KVConnector.serve_request`)
+_TICKET_VERSION = 1
 #: a request header is at most this many bytes (the consumer refuses larger ones)
 MAX_HEADER_BYTES = 4096
 
@@ -229,6 +247,7 @@ class KVConnector:
         self.engine = engine
         # (checked once: a runtime Protocol check costs µs on every request's path)
         self._discards: _Discards | None = engine if isinstance(engine, _Discards) else None
+        self._pull: _PullEngine | None = engine if isinstance(engine, _PullEngine) else None
         self.layout = layout
         if isinstance(caches, BoundCaches):
             if caches.layout != layout:
@@ -269,6 +288,11 @@ class KVConnector:
     @staticmethod
     def layer_name(request_id: str, layer: int) -> str:
         return f"{request_id}#L{layer}"
+
+    @staticmethod
+    def ticket_name(request_id: str) -> str:
+        """Pull mode: the id of the request's ticket the producer publishes."""
+        return f"{request_id}#pull"
 
     @staticmethod
     def header_name(request_id: str) -> str:
@@ -886,6 +910,97 @@ class KVConnector:
                 await self.engine.recv(name, frm=frm, timeout=window)
 
         await asyncio.gather(*(one(name) for name in names))
+
+    # ------------------------------------------------------------------ pull mode
+
+    def _pull_engine(self, what: str) -> _PullEngine:
+        if self._pull is None:
+            raise ConfigError(f"{what} needs an engine with GET mode (an aiokv.Engine)")
+        return self._pull
+
+    async def serve_request(
+        self,
+        request_id: str,
+        block_ids: torch.Tensor | Sequence[int],
+        *,
+        timeout: float | None = None,
+    ) -> str:
+        """Pull mode, producer side: hold the request's blocks for the consumer that
+        fetches it (:meth:`fetch_request`), then send them to that consumer.
+
+        For a producer that answers before it knows its consumer (vLLM's
+        disaggregation protocol: the prefill returns, a router picks the decode, the
+        decode pulls). The producer publishes a small ticket ``"{request_id}#pull"``
+        (a CPU int64 tensor: version, block count) for one GET; the first consumer whose
+        GET is served gets the request, sent exactly as :meth:`send_request` sends it to
+        that consumer's address (the IPC plane where it works). Returns that address
+        once the request is sent (:meth:`send_request`'s meaning; the request joins
+        :meth:`finished_sending`). Raises :class:`~aiokv.TransferTimeoutError` when
+        nobody fetched it in time (the ticket is withdrawn: a late consumer gets
+        :class:`~aiokv.NotPublishedError` at once), and :meth:`send_request`'s errors.
+        When this returns or raises, the blocks may be freed -- except when it was
+        cancelled while sending (then, as for :meth:`send_request`, wait for
+        :meth:`finished_sending`).
+        """
+        eng = self._pull_engine("serve_request")
+        self._check_open()
+        self._check_rid(request_id)
+        deadline = self._deadline(timeout)
+        host = self._host_ids(block_ids, unique=False, what="serve_request")
+        name = self.ticket_name(request_id)
+        eng.publish(
+            name, torch.tensor([_TICKET_VERSION, host.numel()], dtype=torch.int64), once=True
+        )
+        try:
+            to = await eng.wait_fetched(name, timeout=_time_left(deadline))
+        finally:
+            eng.unpublish(name)
+        await self.send_request(request_id, host, to=to, timeout=_time_left(deadline))
+        return to
+
+    async def fetch_request(
+        self,
+        request_id: str,
+        block_ids: torch.Tensor | Sequence[int],
+        *,
+        frm: str,
+        timeout: float | None = None,
+    ) -> None:
+        """Pull mode, consumer side: fetch a request the producer at ``frm`` holds with
+        :meth:`serve_request` and write it into this cache at ``block_ids``.
+
+        GETs the request's ticket (:class:`~aiokv.NotPublishedError` at once if ``frm``
+        does not hold it, or another consumer took it), checks its block count against
+        ``block_ids`` (:class:`~aiokv.LayoutMismatchError`, ``code``
+        ``"kv_size_mismatch"``, before anything is written), then receives as
+        :meth:`recv_request` does (same deadline, same guarantees on cancellation and
+        failure). A consumer cancelled between the ticket and the data leaves the
+        producer's send to end at its deadline.
+        """
+        eng = self._pull_engine("fetch_request")
+        self._check_open()
+        self._check_rid(request_id)
+        deadline = self._deadline(timeout)
+        host = self._host_ids(block_ids, unique=True, what="fetch_request")
+        raw = await eng.get(self.ticket_name(request_id), frm=frm, timeout=_time_left(deadline))
+        if (
+            raw.dtype != torch.int64
+            or raw.dim() != 1
+            or raw.numel() < 2
+            or int(raw[0]) != _TICKET_VERSION
+        ):
+            raise LayoutMismatchError(
+                f"request {request_id!r}: {frm} sent a ticket this side cannot read "
+                f"({raw.dtype}, shape {tuple(raw.shape)})",
+                code="kv_size_mismatch",
+            )
+        if int(raw[1]) != host.numel():
+            raise LayoutMismatchError(
+                f"request {request_id!r}: {frm} holds {int(raw[1])} blocks, "
+                f"{host.numel()} were given here",
+                code="kv_size_mismatch",
+            )
+        await self.recv_request(request_id, host, frm=frm, timeout=_time_left(deadline))
 
     # ------------------------------------------------------------------ tracking
 

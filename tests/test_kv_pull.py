@@ -1,0 +1,196 @@
+"""Pull mode: ``publish(once=True)`` / ``wait_fetched`` on the engine, and the connector's
+``serve_request`` / ``fetch_request`` over real engines on loopback TCP (CPU)."""
+
+from __future__ import annotations
+
+import asyncio
+import warnings
+
+import pytest
+from _kvutil import blocks, filled, make_layout, rand_ids
+
+with warnings.catch_warnings():  # this CPU torch build warns at import when numpy is absent
+    warnings.simplefilter("ignore", UserWarning)
+    import torch
+
+from aiokv import (
+    ConfigError,
+    Engine,
+    EngineConfig,
+    LayoutMismatchError,
+    NotPublishedError,
+    Timeouts,
+    TransferTimeoutError,
+)
+from aiokv.kv import KVConnector
+
+# anyio_backend (asyncio in debug mode, and uvloop) comes from tests/conftest.py
+
+
+def cfg() -> EngineConfig:
+    return EngineConfig(timeouts=Timeouts(transfer=20.0))
+
+
+# --------------------------------------------------------------------------- engine
+
+
+@pytest.mark.anyio
+@pytest.mark.timeout(30)
+async def test_once_published_goes_to_one_get_and_says_to_whom() -> None:
+    async with Engine(cfg()) as a, Engine(cfg()) as b, Engine(cfg()) as c:
+        t = torch.arange(6, dtype=torch.int64)
+        a.publish("x", t, once=True)
+        waiting = asyncio.ensure_future(a.wait_fetched("x", timeout=10))
+        await asyncio.sleep(0)
+        got = await b.get("x", frm=a.address, timeout=10)
+        assert torch.equal(got, t)
+        assert await waiting == b.address
+        with pytest.raises(NotPublishedError):  # served once: gone
+            await c.get("x", frm=a.address, timeout=10)
+        with pytest.raises(NotPublishedError):  # and waited for: nothing left to wait for
+            await a.wait_fetched("x", timeout=1)
+        # an ordinary publish serves any number of GETs, and has nobody to wait for
+        a.publish("y", t)
+        for e in (b, c):
+            assert torch.equal(await e.get("y", frm=a.address, timeout=10), t)
+        with pytest.raises(NotPublishedError):
+            await a.wait_fetched("y", timeout=1)
+
+
+@pytest.mark.anyio
+@pytest.mark.timeout(30)
+async def test_a_fetch_before_the_wait_is_remembered() -> None:
+    async with Engine(cfg()) as a, Engine(cfg()) as b:
+        a.publish("x", torch.zeros(2), once=True)
+        await b.get("x", frm=a.address, timeout=10)
+        assert await a.wait_fetched("x", timeout=1) == b.address
+
+
+@pytest.mark.anyio
+@pytest.mark.timeout(30)
+async def test_wait_fetched_times_out_and_unpublish_ends_a_wait() -> None:
+    async with Engine(cfg()) as a:
+        a.publish("x", torch.zeros(2), once=True)
+        with pytest.raises(TransferTimeoutError):
+            await a.wait_fetched("x", timeout=0.05)
+        waiting = asyncio.ensure_future(a.wait_fetched("x", timeout=10))
+        await asyncio.sleep(0.01)
+        with pytest.raises(ConfigError):  # one waiter per tensor
+            await a.wait_fetched("x", timeout=1)
+        assert a.unpublish("x")
+        with pytest.raises(NotPublishedError):
+            await waiting
+
+
+@pytest.mark.anyio
+@pytest.mark.timeout(30)
+async def test_a_cancelled_wait_loses_no_fetch() -> None:
+    async with Engine(cfg()) as a:
+        t = torch.zeros(2)
+        a.publish("x", t, once=True)
+        waiting = asyncio.ensure_future(a.wait_fetched("x", timeout=10))
+        await asyncio.sleep(0)
+        # served and cancelled in one loop pass: the waiter resumes with the cancel
+        a._claim_published(["x"])
+        a._get_served([("x", t)], "127.0.0.1:9", True)
+        waiting.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await waiting
+        assert await a.wait_fetched("x", timeout=1) == "127.0.0.1:9"
+
+
+@pytest.mark.anyio
+@pytest.mark.timeout(30)
+async def test_a_failed_get_leaves_it_published() -> None:
+    async with Engine(cfg()) as a:
+        t = torch.zeros(2)
+        a.publish("x", t, once=True)
+        a._claim_published(["x"])  # a GET starts: nobody else may have it meanwhile
+        assert "x" not in a._published
+        a._get_served([("x", t)], "127.0.0.1:9", False)  # ... and fails
+        assert a._published["x"] is t
+        with pytest.raises(TransferTimeoutError):
+            await a.wait_fetched("x", timeout=0.01)
+
+
+# --------------------------------------------------------------------------- connector
+
+
+@pytest.mark.anyio
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("kind", ["fa", "mla"])
+async def test_pull_moves_the_request_bit_exact(kind: str) -> None:
+    pl = make_layout(kind, "bfloat16", num_blocks=41)
+    cl = make_layout(kind, "bfloat16", num_blocks=29)
+    p, c = filled(pl, 1), filled(cl, 2)
+    src, dst = rand_ids(11, pl.num_blocks, 3), rand_ids(11, cl.num_blocks, 4)
+    async with Engine(cfg()) as a, Engine(cfg()) as b:
+        prod, cons = KVConnector(a, pl, p), KVConnector(b, cl, c)
+        serving = asyncio.ensure_future(prod.serve_request("r1", src, timeout=20))
+        await asyncio.sleep(0.01)  # the producer answers first; the consumer comes later
+        await cons.fetch_request("r1", dst, frm=a.address, timeout=20)
+        assert await serving == b.address
+        assert prod.finished_sending() == {"r1"}
+        assert cons.finished_receiving() == {"r1"}
+        for li in range(pl.num_layers):
+            assert torch.equal(blocks(p[li], pl, src), blocks(c[li], cl, dst))
+        with pytest.raises(NotPublishedError):  # a second consumer: taken already
+            await cons.fetch_request("r1", dst, frm=a.address, timeout=5)
+        await prod.aclose()
+        await cons.aclose()
+
+
+@pytest.mark.anyio
+@pytest.mark.timeout(60)
+async def test_pull_nobody_fetches_then_a_late_consumer_is_refused_at_once() -> None:
+    lay = make_layout("fa", "float16", num_blocks=16)
+    p, c = filled(lay, 1), filled(lay, 2)
+    before = [t.clone() for t in c]
+    async with Engine(cfg()) as a, Engine(cfg()) as b:
+        prod, cons = KVConnector(a, lay, p), KVConnector(b, lay, c)
+        with pytest.raises(TransferTimeoutError):
+            await prod.serve_request("r1", [1, 2, 3], timeout=0.2)
+        t0 = asyncio.get_running_loop().time()
+        with pytest.raises(NotPublishedError):
+            await cons.fetch_request("r1", [4, 5, 6], frm=a.address, timeout=10)
+        assert asyncio.get_running_loop().time() - t0 < 5
+        assert prod.finished_sending() == set()
+        for x, y in zip(c, before, strict=True):
+            assert torch.equal(x.view(torch.uint8), y.view(torch.uint8))
+
+
+@pytest.mark.anyio
+@pytest.mark.timeout(60)
+async def test_pull_block_count_mismatch_is_refused_before_anything_is_written() -> None:
+    lay = make_layout("fa", "float16", num_blocks=16)
+    p, c = filled(lay, 1), filled(lay, 2)
+    before = [t.clone() for t in c]
+    async with Engine(cfg()) as a, Engine(cfg()) as b:
+        prod, cons = KVConnector(a, lay, p), KVConnector(b, lay, c)
+        serving = asyncio.ensure_future(prod.serve_request("r1", [1, 2, 3], timeout=2))
+        await asyncio.sleep(0.01)
+        with pytest.raises(LayoutMismatchError) as ei:
+            await cons.fetch_request("r1", [4, 5], frm=a.address, timeout=10)
+        assert ei.value.code == "kv_size_mismatch"
+        await asyncio.wait([serving], timeout=10)
+        for x, y in zip(c, before, strict=True):
+            assert torch.equal(x.view(torch.uint8), y.view(torch.uint8))
+
+
+@pytest.mark.anyio
+@pytest.mark.timeout(30)
+async def test_pull_needs_an_engine_with_get_mode() -> None:
+    lay = make_layout("fa", "float16", num_blocks=16)
+
+    class SendRecvOnly:
+        def send_nowait(self, *a: object, **k: object) -> None:
+            raise AssertionError
+
+        async def recv(self, *a: object, **k: object) -> None:
+            raise AssertionError
+
+    con = KVConnector(SendRecvOnly(), lay, filled(lay, 1))  # type: ignore[arg-type]
+    with pytest.raises(ConfigError, match="GET mode"):
+        await con.serve_request("r", [1], timeout=1)
+    with pytest.raises(ConfigError, match="GET mode"):
+        await con.fetch_request("r", [1], frm="127.0.0.1:1", timeout=1)

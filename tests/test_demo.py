@@ -14,6 +14,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any, Literal
@@ -181,6 +182,7 @@ async def test_workers_in_process_chat_and_completions() -> None:
         kv = data["kv_transfer_params"]
         assert kv["num_tokens"] == len(tokenize(prompt)) and kv["transfer_bytes"] > 0
         assert int(r.headers["x-aiokv-transfer-bytes"]) == kv["transfer_bytes"]
+        assert r.headers["x-aiokv-kv-plane"] == "engine"  # CPU: no IPC plane
         # vLLM's contract: the prefill said where its KV is (the engine's address, block ids)
         assert kv["do_remote_prefill"] is True and kv["do_remote_decode"] is False
         assert f"{kv['remote_host']}:{kv['remote_port']}" == kv["remote_engine_id"]
@@ -291,3 +293,69 @@ async def test_worker_logs_heartbeats_only_at_debug(tmp_path: Path) -> None:
     assert any("registered with" in x for x in lines), lines[-20:]
     noisy = [x for x in lines if "heartbeat" in x.lower()]
     assert not noisy, noisy[:5]
+
+
+@pytest.mark.anyio
+@pytest.mark.timeout(90)
+async def test_prefill_holds_the_blocks_until_fetched_or_kv_timeout() -> None:
+    """Pull mode: the prefill keeps a request's blocks until the decode side fetched
+    them (then frees them), or frees them after ``kv_timeout`` if nobody comes -- and a
+    decode that comes too late is refused at once, not after its own timeout."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        async with contextlib.AsyncExitStack() as stack:
+            urls = {}
+            for role in ("prefill", "decode"):
+                sock = bind_socket("127.0.0.1", 0)
+                cfg = WorkerConfig(role=role, kv_timeout=1.0)  # type: ignore[arg-type]
+                urls[role] = await stack.enter_async_context(
+                    running(create_worker_app(cfg, socket_url(sock)), sock)
+                )
+            client = await stack.enter_async_context(httpx.AsyncClient(timeout=30))
+
+            async def free(role: str) -> int:
+                return int((await client.get(urls[role] + "/healthz")).json()["free_blocks"])
+
+            full = await free("prefill")
+            body = {"model": DEFAULT_MODEL_NAME, "prompt": "held until fetched", "max_tokens": 1}
+            prefill_kv = {"do_remote_decode": True}
+
+            async def prefill(rid: str) -> dict[str, Any]:
+                r = await client.post(
+                    urls["prefill"] + "/v1/completions",
+                    json={**body, "kv_transfer_params": prefill_kv},
+                    headers={"x-request-id": rid},
+                )
+                assert r.status_code == 200, r.text
+                kv: dict[str, Any] = r.json()["kv_transfer_params"]
+                return kv
+
+            kv = await prefill("held-1")
+            assert await free("prefill") == full - kv["num_blocks"]  # held for the decode
+            r = await client.post(
+                urls["decode"] + "/v1/completions",
+                json={**body, "max_tokens": 4, "kv_transfer_params": kv},
+            )
+            assert r.status_code == 200, r.text
+            want = TinyTransformer().generate(tokenize(body["prompt"]), 4)
+            assert r.json()["choices"][0]["token_ids"] == want
+            for _ in range(100):  # freed once fetched (on the model thread, soon after)
+                if await free("prefill") == full:
+                    break
+                await asyncio.sleep(0.01)
+            assert await free("prefill") == full
+
+            kv = await prefill("held-2")  # nobody fetches this one
+            assert await free("prefill") == full - kv["num_blocks"]
+            await asyncio.sleep(1.3)
+            assert await free("prefill") == full
+            t0 = time.monotonic()
+            r = await client.post(
+                urls["decode"] + "/v1/completions",
+                json={**body, "max_tokens": 4, "kv_transfer_params": kv},
+            )
+            assert r.status_code == 502 and r.json()["error"]["code"] == "kv_fetch_failed"
+            assert "NotPublishedError" in r.text and time.monotonic() - t0 < 1.0
+    finally:
+        torch.set_num_threads(threads)

@@ -8,13 +8,18 @@ request TTFT and KV transfer time/rate, and exits non-zero on any mismatch
 or failure. Children are always torn down (also on Ctrl-C and errors).
 
 CPU and TCP by default; with two or more CUDA GPUs, prefill runs on cuda:0,
-decode on cuda:1 and the KV moves over NCCL.
+decode on cuda:1, and the KV moves over the same-host IPC plane (the decode
+worker copies the prefill's blocks straight into its cache, one kernel per
+request; docs/ipc.md), NCCL where that does not work. ``--same-gpu`` puts both
+workers on cuda:0 (IPC, else TCP: NCCL cannot put two ranks on one GPU). The
+engines authenticate each other with a fresh shared secret (CURVE).
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import collections
 import contextlib
 import json
 import os
@@ -70,6 +75,7 @@ class RequestResult:
     latency: float | None = None
     transfer_seconds: float | None = None
     transfer_bytes: int | None = None
+    plane: str | None = None
     error: str | None = None
 
     @property
@@ -86,11 +92,18 @@ class Children:
         self._logs: list[object] = []
         # the router and the workers share a fresh registration token, as a deployment would
         self.token = secrets.token_urlsafe(24)
+        # ... and the KV engines a fresh CURVE secret (the IPC plane needs authenticated peers)
+        self.kv_secret = secrets.token_urlsafe(32)
 
     def start(self, name: str, argv: list[str]) -> subprocess.Popen[bytes]:
         log = open(self.logdir / f"{name}.log", "wb")  # closed in teardown
         self._logs.append(log)
-        env = dict(os.environ, PYTHONUNBUFFERED="1", AIOKV_ROUTER_TOKEN=self.token)
+        env = dict(
+            os.environ,
+            PYTHONUNBUFFERED="1",
+            AIOKV_ROUTER_TOKEN=self.token,
+            AIOKV_KV_SECRET=self.kv_secret,
+        )
         proc = subprocess.Popen(
             argv,
             stdin=subprocess.DEVNULL,
@@ -208,6 +221,7 @@ async def _one(client: httpx.AsyncClient, res: RequestResult, max_tokens: int) -
             res.transfer_seconds = _float(r.headers, "x-aiokv-transfer-seconds")
             tb = _float(r.headers, "x-aiokv-transfer-bytes")
             res.transfer_bytes = int(tb) if tb is not None else None
+            res.plane = r.headers.get("x-aiokv-kv-plane")
             async for line in r.aiter_lines():
                 if not line.startswith("data: "):
                     continue
@@ -274,6 +288,8 @@ def _report(console: Console, results: list[RequestResult], wall: float, mode: s
         f"KV moved {nbytes / 1e6:.2f} MB in {_ms(sum(xfer) if xfer else None)} ms "
         f"({_rate(nbytes, sum(xfer) if xfer else None)})"
     )
+    planes = collections.Counter(r.plane or "unknown" for r in results if r.error is None)
+    console.print("KV plane: " + ", ".join(f"{name}: {n}" for name, n in sorted(planes.items())))
     for r in results:
         if r.error:
             console.print(f"[red]request {r.index} failed:[/] {r.error}")
@@ -285,18 +301,20 @@ def _report(console: Console, results: list[RequestResult], wall: float, mode: s
 
 async def _run(args: argparse.Namespace, children: Children, console: Console) -> int:
     gpus = torch.cuda.device_count() if args.device != "cpu" else 0
-    if args.device == "cuda" and gpus < 2:
-        console.print("[red]--device cuda needs two CUDA GPUs[/]")
+    need = 1 if args.same_gpu else 2
+    if args.device == "cuda" and gpus < need:
+        console.print(f"[red]--device cuda needs {need} CUDA GPU(s)[/]")
         return 2
-    if gpus >= 2:
-        devices, transport, ref_device, mode = (
-            ("cuda:0", "cuda:1"),
-            "nccl",
-            "cuda:0",
-            "cuda:0 → cuda:1, NCCL",
-        )
+    if args.same_gpu and gpus >= 1:
+        # NCCL cannot put two ranks on one GPU: the fallback is TCP
+        devices, transport, mode = ("cuda:0", "cuda:0"), "tcp", "cuda:0 → cuda:0, IPC or TCP"
+    elif gpus >= 2 and not args.same_gpu:
+        devices, transport, mode = ("cuda:0", "cuda:1"), "nccl", "cuda:0 → cuda:1, IPC or NCCL"
     else:
-        devices, transport, ref_device, mode = ("cpu", "cpu"), "tcp", "cpu", "CPU, TCP"
+        devices, transport, mode = ("cpu", "cpu"), "tcp", "CPU, TCP"
+    ref_device = devices[0]
+    if args.no_ipc and devices[0] != "cpu":
+        mode = mode.replace("IPC or ", "")
     pid = str(os.getpid())
     ready = children.logdir / "router.url"
     children.start(
@@ -339,6 +357,7 @@ async def _run(args: argparse.Namespace, children: Children, console: Console) -
                 pid,
                 "--log-level",
                 "warning",
+                *(["--no-ipc"] if args.no_ipc else []),
             ],
         )
     console.print(
@@ -378,6 +397,9 @@ async def _run(args: argparse.Namespace, children: Children, console: Console) -
             await asyncio.gather(*(go(r) for r in results))
         wall = time.perf_counter() - t0
     _report(console, results, wall, mode)
+    if args.require_ipc and any(r.plane != "ipc" for r in results):
+        console.print("[bold red]FAILED[/]: --require-ipc, but not every request came over IPC")
+        return 1
     if all(r.ok for r in results):
         console.print(
             "[bold green]OK[/]: disaggregated outputs are identical to single-process generation"
@@ -398,7 +420,18 @@ def main(argv: Sequence[str] | None = None) -> int:
         "--device",
         choices=("auto", "cpu", "cuda"),
         default="auto",
-        help="auto: two GPUs → NCCL, else CPU/TCP",
+        help="auto: two GPUs → IPC (NCCL fallback), else CPU/TCP",
+    )
+    p.add_argument(
+        "--same-gpu",
+        action="store_true",
+        help="both workers on cuda:0 (IPC between two processes on one GPU, TCP fallback)",
+    )
+    p.add_argument("--no-ipc", action="store_true", help="never the IPC plane (NCCL or TCP)")
+    p.add_argument(
+        "--require-ipc",
+        action="store_true",
+        help="fail unless every request's KV came over the IPC plane (a check for GPU hosts)",
     )
     p.add_argument("--policy", choices=("round_robin", "least_outstanding"), default="round_robin")
     p.add_argument("--startup-timeout", type=float, default=60.0)

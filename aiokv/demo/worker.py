@@ -12,17 +12,23 @@ like a vLLM instance running NixlConnector. ``kv_transfer_params`` in a
 request body select the leg:
 
 ``{"do_remote_decode": true, ...}`` (prefill, sent with ``max_tokens: 1``)
-    prefill the prompt, gather its KV blocks into one buffer published on
-    the engine (GET mode) under ``"<request id>#kv"``, free the blocks, and
-    answer with the first token and ``kv_transfer_params`` ``{do_remote_prefill:
-    true, do_remote_decode: false, remote_engine_id, remote_host, remote_port
-    (the engine's address), remote_block_ids, remote_request_id, num_tokens,
-    num_blocks, first_token, transfer_bytes, prefill_seconds}``. The buffer is
-    unpublished after ``kv_timeout`` seconds.
+    prefill the prompt, keep its KV blocks and hold them for the decode side to
+    pull (:meth:`aiokv.kv.KVConnector.serve_request`), and answer with the first
+    token and ``kv_transfer_params`` ``{do_remote_prefill: true, do_remote_decode:
+    false, remote_engine_id, remote_host, remote_port (the engine's address),
+    remote_block_ids, remote_request_id, num_tokens, num_blocks, first_token,
+    transfer_bytes, prefill_seconds}``. The blocks are freed once the decode side
+    has them, or after ``kv_timeout`` seconds if nobody fetched them.
 ``{"do_remote_prefill": true, "remote_host", "remote_port", ...}`` (decode)
-    allocate blocks, GET the buffer from the prefill's engine, scatter it into
-    them, decode greedily (SSE when ``stream`` is true). The response carries
-    ``x-aiokv-transfer-seconds`` / ``x-aiokv-transfer-bytes`` headers.
+    allocate blocks, fetch the KV from the prefill's engine straight into them
+    (:meth:`~aiokv.kv.KVConnector.fetch_request`), decode greedily (SSE when
+    ``stream`` is true). The response carries ``x-aiokv-transfer-seconds`` /
+    ``x-aiokv-transfer-bytes`` / ``x-aiokv-kv-plane`` (``ipc`` or ``engine``) headers.
+
+On CUDA the connector uses the same-host IPC plane (docs/ipc.md) where it works
+(both workers on one host, authenticated engines: ``--kv-secret`` or
+``$AIOKV_KV_SECRET``, the same on both), else the engine's transport (NCCL or
+TCP). ``--no-ipc`` turns the plane off.
 
 The request id is the ``X-Request-Id`` header (one is made up without it).
 Without ``kv_transfer_params`` the worker serves the request on its own.
@@ -56,7 +62,10 @@ from ..cli import apply_process_env, engine_overrides
 if TYPE_CHECKING:
     from .model import ModelConfig, TinyTransformer
 
-__all__ = ["DEFAULT_MODEL_NAME", "WorkerConfig", "create_app", "main"]
+__all__ = ["DEFAULT_MODEL_NAME", "KV_SECRET_ENV", "WorkerConfig", "create_app", "main"]
+
+#: the environment variable holding the engines' shared CURVE secret
+KV_SECRET_ENV = "AIOKV_KV_SECRET"
 
 log = logging.getLogger("aiokv.demo.worker")
 
@@ -86,6 +95,10 @@ class WorkerConfig:
     router_token: str | None = None  # default: $AIOKV_ROUTER_TOKEN
     #: host other machines reach the engine at (when it listens on a wildcard)
     advertise_host: str | None = None
+    #: the engines' shared CURVE secret (default: $AIOKV_KV_SECRET; none: no CURVE)
+    kv_secret: str | None = None
+    #: on CUDA, the same-host IPC plane where it works (docs/ipc.md)
+    ipc: bool = True
 
 
 class _BadRequest(Exception):
@@ -131,6 +144,10 @@ class _Worker:
         #: the serving helper's PeerWarmer: opens sessions to peers ahead of requests
         self.warmer: Any = None
         self.layout: Any = None
+        #: the KVConnector over the model's cache (made once the engine runs)
+        self.con: Any = None
+        #: the prefill side's serve_request tasks (each frees its blocks at the end)
+        self.serving: set[asyncio.Task[None]] = set()
         self.executor = ThreadPoolExecutor(
             1, thread_name_prefix="aiokv-model", initializer=self._init_thread
         )
@@ -295,43 +312,40 @@ class _Worker:
 
     # -- the two legs ----------------------------------------------------------------------
 
-    def _prefill_gather(self, tokens: list[int]) -> tuple[int, list[int], Any]:
-        """On the model thread: prefill, copy the blocks out into one buffer, free them."""
-        from aiokv.kv import gather_blocks
-
+    def _prefill(self, tokens: list[int]) -> tuple[int, list[int]]:
+        """On the model thread: prefill; the KV is in the returned blocks when this returns."""
         first, blocks = self.m.prefill(tokens)
+        if self.m.device.type == "cuda":
+            import torch
+
+            # written before the loop thread's connector reads or exports the blocks
+            torch.cuda.current_stream().synchronize()
+        return first, blocks
+
+    def _decode(self, blocks: list[int], num_tokens: int, first: int, n: int) -> list[int]:
+        """On the model thread: decode ``n`` tokens from the fetched KV in ``blocks``."""
+        return self.m.decode(blocks, num_tokens, first, n)
+
+    async def _serve(self, request_id: str, blocks: list[int]) -> None:
+        """Hold a prefilled request's blocks for the decode side's fetch; free them after."""
         try:
-            buf = gather_blocks(self.m.kv_caches, self.layout, blocks)
-            if buf.is_cuda:
-                import torch
-
-                torch.cuda.current_stream().synchronize()  # ready before the loop thread sends it
+            to = await self.con.serve_request(request_id, blocks, timeout=self.cfg.kv_timeout)
+            log.debug("KV of %s went to %s", request_id, to)
+        except AiokvError as e:
+            log.warning("KV of %s was not fetched: %r", request_id, e)
         finally:
-            self.m.free(blocks)
-        return first, blocks, buf
-
-    def _scatter_decode(
-        self, buf: Any, blocks: list[int], num_tokens: int, first: int, n: int | None
-    ) -> list[int]:
-        """On the model thread: write the pulled KV into ``blocks``, then decode ``n`` tokens."""
-        from aiokv.kv import scatter_blocks
-
-        scatter_blocks(buf, self.m.kv_caches, self.layout, blocks)
-        return [] if n is None else self.m.decode(blocks, num_tokens, first, n)
+            self.executor.submit(self.m.free, blocks)
 
     async def produce(self, rid: str, request_id: str, chat: bool, tokens: list[int]) -> Response:
-        """Prefill leg: compute the KV, publish it for the decode side to pull."""
+        """Prefill leg: compute the KV, hold it for the decode side to pull."""
         t0 = time.perf_counter()
         try:
-            first, blocks, buf = await self.run(self._prefill_gather, tokens)
+            first, blocks = await self.run(self._prefill, tokens)
         except self.mod.OutOfBlocksError as e:
             return _err(503, str(e), "out_of_kv_blocks", "server_error")
-        name = f"{request_id}#kv"
-        try:
-            self.engine.publish(name, buf)
-        except AiokvError as e:
-            return _err(503, f"cannot publish the KV: {e}", "kv_publish_failed", "server_error")
-        asyncio.get_running_loop().call_later(self.cfg.kv_timeout, self.engine.unpublish, name)
+        task = asyncio.create_task(self._serve(request_id, blocks))
+        self.serving.add(task)
+        task.add_done_callback(self.serving.discard)
         address = self.kv_address
         host, _, port = address.rpartition(":")
         params = {
@@ -345,7 +359,7 @@ class _Worker:
             "num_tokens": len(tokens),
             "num_blocks": len(blocks),
             "first_token": first,
-            "transfer_bytes": int(buf.numel()),
+            "transfer_bytes": self.layout.request_nbytes(len(blocks)),
             "prefill_seconds": round(time.perf_counter() - t0, 6),
         }
         return JSONResponse(self.completion(rid, chat, [first], len(tokens), params))
@@ -397,21 +411,15 @@ class _Worker:
         expected = self.layout.request_nbytes(n_blocks)
         t0 = time.perf_counter()
         try:
-            buf = await self.engine.get(
-                f"{request_id}#kv", frm=address, timeout=self.cfg.kv_timeout
+            plane = await self.con.fetch_request(
+                request_id, blocks, frm=address, timeout=self.cfg.kv_timeout
             )
             secs = time.perf_counter() - t0
-            if buf.numel() * buf.element_size() != expected:
-                raise _BadRequest(
-                    400,
-                    f"the KV from {address} holds {buf.numel() * buf.element_size()} bytes, "
-                    f"expected {expected}",
-                    "kv_size_mismatch",
-                )
-            toks = await self.run(
-                self._scatter_decode, buf, blocks, num_tokens, first, None if stream else max_tokens
+            toks = (
+                []
+                if stream
+                else await self.run(self._decode, blocks, num_tokens, first, max_tokens)
             )
-            del buf
         except BaseException as e:
             self.executor.submit(self.m.free, blocks)
             if isinstance(e, AiokvError):
@@ -426,6 +434,7 @@ class _Worker:
         headers = {
             "x-aiokv-transfer-seconds": f"{secs:.6f}",
             "x-aiokv-transfer-bytes": str(expected),
+            "x-aiokv-kv-plane": plane,
         }
         params = {**kv, "transfer_seconds": round(secs, 6), "transfer_bytes": expected}
         if not stream:
@@ -530,7 +539,7 @@ def create_app(cfg: WorkerConfig, url: str = "") -> FastAPI:
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         import aiokv
-        from aiokv.kv import FlashAttentionLayout
+        from aiokv.kv import FlashAttentionLayout, IpcOptions, KVConnector
 
         from ..serving import worker_lifespan
 
@@ -546,11 +555,13 @@ def create_app(cfg: WorkerConfig, url: str = "") -> FastAPI:
         )
         await w.run(w.warm_model)
         # the layout is offered at connection set-up: incompatible peers are refused early
+        secret = cfg.kv_secret if cfg.kv_secret is not None else os.environ.get(KV_SECRET_ENV)
         engine_cfg = aiokv.EngineConfig(
             listen=cfg.kv_listen,
             device=cfg.device,
             transport=cfg.transport,
             layout=w.layout.to_wire(),
+            curve=aiokv.CurveConfig.from_secret(secret) if secret else None,
             **engine_overrides(),
         )
 
@@ -571,8 +582,18 @@ def create_app(cfg: WorkerConfig, url: str = "") -> FastAPI:
                 kv_host=cfg.advertise_host,
             ) as handle:
                 w.warmer = handle.warmer
+                use_ipc = cfg.ipc and w.m.device.type == "cuda"
+                w.con = KVConnector(
+                    w.engine, w.layout, w.m.kv_caches, ipc=IpcOptions() if use_ipc else None
+                )
                 log.info("%s worker up: http %s, kv %s", cfg.role, url, w.engine.address)
-                yield
+                try:
+                    yield
+                finally:
+                    for t in list(w.serving):
+                        t.cancel()
+                    await asyncio.gather(*w.serving, return_exceptions=True)
+                    await w.con.aclose()
         finally:
             w.executor.shutdown(wait=False, cancel_futures=True)
 
@@ -653,6 +674,8 @@ async def _amain(args: argparse.Namespace) -> None:
         heartbeat_interval=args.heartbeat_interval,
         router_token=args.router_token,
         advertise_host=args.advertise_host,
+        kv_secret=args.kv_secret,
+        ipc=not args.no_ipc,
     )
 
     def on_started() -> None:
@@ -723,6 +746,19 @@ def build_parser() -> argparse.ArgumentParser:
         default="auto",
         choices=("auto", "tcp", "nccl"),
         help="KV transport: auto picks NCCL for CUDA tensors when both sides can",
+    )
+    p.add_argument(
+        "--kv-secret",
+        default=None,
+        metavar="SECRET",
+        help="shared secret of the KV engines (CURVE authentication and encryption; at least "
+        f"16 bytes, the same on every worker; default ${KV_SECRET_ENV}, unset: none). The "
+        "same-host IPC plane is used only between authenticated engines",
+    )
+    p.add_argument(
+        "--no-ipc",
+        action="store_true",
+        help="on CUDA, never use the same-host IPC plane (NCCL or TCP only)",
     )
     p.add_argument(
         "--heartbeat-interval",

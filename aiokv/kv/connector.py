@@ -758,7 +758,7 @@ class KVConnector:
         timeout: float | None = None,
         layerwise: bool = False,
         _plain: bool = False,
-    ) -> None:
+    ) -> str:
         """Collect the request's KV and write it into the local cache at ``block_ids``.
 
         ``block_ids`` are THIS side's (distinct) block ids, as many as the producer
@@ -768,7 +768,8 @@ class KVConnector:
         default the engine's transfer timeout).
 
         Returns once every chunk is scattered; the request then joins
-        :meth:`finished_receiving`. The producer's header is checked first: an
+        :meth:`finished_receiving`. Returns which plane carried it: ``"ipc"`` (the
+        same-host IPC plane copied it) or ``"engine"`` (the engine's transport). The producer's header is checked first: an
         incompatible layout, another block count, mode or chunk plan raises
         :class:`~aiokv.LayoutMismatchError` before anything is scattered, as does a
         chunk of the wrong size.
@@ -784,10 +785,9 @@ class KVConnector:
         Reusing the same ``request_id`` for a new request stops that drain.
         """
         if self._ipc is not None and not _plain:
-            await self._ipc.recv_request(
+            return await self._ipc.recv_request(
                 request_id, block_ids, frm=frm, timeout=timeout, layerwise=layerwise
             )
-            return
         self._check_open()
         self._check_rid(request_id)
         deadline = self._deadline(timeout)
@@ -853,6 +853,7 @@ class KVConnector:
         st.bytes_received += self.layout.request_nbytes(n)
         st.recv_seconds += time.perf_counter() - t0
         self._finished_receiving.add(request_id)
+        return "engine"
 
     @staticmethod
     def _check_cancelled(task: asyncio.Task[Any] | None, base: int) -> None:
@@ -965,7 +966,7 @@ class KVConnector:
         *,
         frm: str,
         timeout: float | None = None,
-    ) -> None:
+    ) -> str:
         """Pull mode, consumer side: fetch a request the producer at ``frm`` holds with
         :meth:`serve_request` and write it into this cache at ``block_ids``.
 
@@ -974,8 +975,8 @@ class KVConnector:
         ``block_ids`` (:class:`~aiokv.LayoutMismatchError`, ``code``
         ``"kv_size_mismatch"``, before anything is written), then receives as
         :meth:`recv_request` does (same deadline, same guarantees on cancellation and
-        failure). A consumer cancelled between the ticket and the data leaves the
-        producer's send to end at its deadline.
+        failure), and returns which plane carried it. A consumer cancelled between
+        the ticket and the data leaves the producer's send to end at its deadline.
         """
         eng = self._pull_engine("fetch_request")
         self._check_open()
@@ -1000,7 +1001,7 @@ class KVConnector:
                 f"{host.numel()} were given here",
                 code="kv_size_mismatch",
             )
-        await self.recv_request(request_id, host, frm=frm, timeout=_time_left(deadline))
+        return await self.recv_request(request_id, host, frm=frm, timeout=_time_left(deadline))
 
     # ------------------------------------------------------------------ tracking
 

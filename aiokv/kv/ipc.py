@@ -1561,7 +1561,7 @@ class IpcPlane:
         frm: str | None,
         timeout: float | None,
         layerwise: bool,
-    ) -> None:
+    ) -> str:
         con = self.con
         con._check_open()
         con._check_rid(request_id)
@@ -1620,7 +1620,7 @@ class IpcPlane:
 
         if desc.plane == "chunks":
             await plain()
-            return
+            return "engine"
         try:
             m = await self._mapping(desc, plout, deadline)
         except IpcUnavailableError as exc:
@@ -1628,13 +1628,14 @@ class IpcPlane:
             self._release(desc, Release(request_id, False, fallback=True, reason=exc.reason))
             drop_layers()
             await plain()
-            return
+            return "engine"
         except LayoutMismatchError:
             self._release(desc, Release(request_id, False, reason="layout mismatch"))
             drop_layers()
             raise
         _mark(request_id, "mapped")
         await self._pull(m, desc, host, deadline, frm, rung=rung)
+        return "ipc"
 
     async def _recv_desc(
         self, rid: str, frm: str | None, deadline: float

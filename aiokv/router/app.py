@@ -630,12 +630,17 @@ def _transfer_report(
     return out
 
 
+#: the KV planes a decode worker may name in ``x-aiokv-kv-plane`` (passed on as is)
+_PLANES = frozenset({"ipc", "engine"})
+
+
 def _trace_headers(
     request_id: str,
     prefill: Instance,
     decode: Instance,
     report: Mapping[str, float],
     attempts: int,
+    decode_headers: httpx.Headers,
 ) -> dict[str, str]:
     h = {
         "x-request-id": request_id,
@@ -648,6 +653,9 @@ def _trace_headers(
         h[f"x-aiokv-{key.replace('_', '-')}"] = (
             str(int(v)) if key != "transfer_seconds" and v.is_integer() else str(v)
         )
+    plane = decode_headers.get("x-aiokv-kv-plane")
+    if plane in _PLANES:
+        h["x-aiokv-kv-plane"] = plane
     return h
 
 
@@ -820,7 +828,9 @@ async def _proxy_inner(
                 return Response(
                     dresp.content,
                     status_code=dresp.status_code,
-                    headers=_trace_headers(request_id, prefill, decode, report, att.count),
+                    headers=_trace_headers(
+                        request_id, prefill, decode, report, att.count, dresp.headers
+                    ),
                     media_type=dresp.headers.get("content-type", "application/json"),
                 )
 
@@ -875,7 +885,9 @@ async def _proxy_inner(
                 _Relay(state, decode, dresp_s, first, chunks, start, endpoint, release),
                 status_code=dresp_s.status_code,
                 headers={
-                    **_trace_headers(request_id, prefill, decode, report, att.count),
+                    **_trace_headers(
+                        request_id, prefill, decode, report, att.count, dresp_s.headers
+                    ),
                     "cache-control": "no-cache",
                 },
                 media_type=dresp_s.headers.get("content-type", "text/event-stream"),

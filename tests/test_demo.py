@@ -308,7 +308,7 @@ async def test_prefill_holds_the_blocks_until_fetched_or_kv_timeout() -> None:
             urls = {}
             for role in ("prefill", "decode"):
                 sock = bind_socket("127.0.0.1", 0)
-                cfg = WorkerConfig(role=role, kv_timeout=1.0)  # type: ignore[arg-type]
+                cfg = WorkerConfig(role=role, kv_timeout=1.0)
                 urls[role] = await stack.enter_async_context(
                     running(create_worker_app(cfg, socket_url(sock)), sock)
                 )
@@ -318,7 +318,8 @@ async def test_prefill_holds_the_blocks_until_fetched_or_kv_timeout() -> None:
                 return int((await client.get(urls[role] + "/healthz")).json()["free_blocks"])
 
             full = await free("prefill")
-            body = {"model": DEFAULT_MODEL_NAME, "prompt": "held until fetched", "max_tokens": 1}
+            prompt = "held until fetched"
+            body = {"model": DEFAULT_MODEL_NAME, "prompt": prompt, "max_tokens": 1}
             prefill_kv = {"do_remote_decode": True}
 
             async def prefill(rid: str) -> dict[str, Any]:
@@ -338,7 +339,7 @@ async def test_prefill_holds_the_blocks_until_fetched_or_kv_timeout() -> None:
                 json={**body, "max_tokens": 4, "kv_transfer_params": kv},
             )
             assert r.status_code == 200, r.text
-            want = TinyTransformer().generate(tokenize(body["prompt"]), 4)
+            want = TinyTransformer().generate(tokenize(prompt), 4)
             assert r.json()["choices"][0]["token_ids"] == want
             for _ in range(100):  # freed once fetched (on the model thread, soon after)
                 if await free("prefill") == full:

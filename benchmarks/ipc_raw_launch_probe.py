@@ -39,7 +39,9 @@ def main() -> None:
     drv = _cudrv.driver()
     assert drv is not None, "libcuda.so.1 did not load"
     seg, nb, word, layers, n = 16 * 8 * 128 * 2, 64, 8, 4, 16  # block 16, 8 heads, dim 128
-    src = [torch.randint(0, 255, (2 * nb * seg,), dtype=torch.uint8, device=dev) for _ in range(layers)]
+    src = [
+        torch.randint(0, 255, (2 * nb * seg,), dtype=torch.uint8, device=dev) for _ in range(layers)
+    ]
     dst = [torch.zeros(2 * nb * seg, dtype=torch.uint8, device=dev) for _ in range(layers)]
     dst2 = [torch.zeros_like(t) for t in dst]
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import secrets
+import threading
 import time
 import warnings
 from collections.abc import AsyncIterator
@@ -816,6 +817,46 @@ class _SlowOpen(FakeBackend):
     def open(self, e: StorageExport, device: torch.device) -> torch.Tensor:
         time.sleep(self.delay)
         return super().open(e, device)
+
+
+@pytest.mark.anyio
+@pytest.mark.timeout(60)
+async def test_verifying_a_mapping_does_not_stall_the_loop() -> None:
+    """The verification copies the probe with the real kernel: in a fresh process that
+    compiles and loads it, seconds (run s14c: the consumer's loop stalled 1.1-2.4 s).
+    It runs off the event loop with the opens (regression: it ran on the loop)."""
+    async with plane_pair() as (pl, p, c, a, b, prod, cons):
+        assert cons._ipc is not None
+        plane = cons._ipc
+        verify = plane._verify
+        threads: list[str] = []
+
+        def slow_verify(*args: Any) -> None:
+            threads.append(threading.current_thread().name)
+            time.sleep(0.4)
+            verify(*args)
+
+        plane._verify = slow_verify  # type: ignore[method-assign]
+        gaps: list[float] = []
+        stop = asyncio.Event()
+
+        async def tick() -> None:
+            last = time.monotonic()
+            while not stop.is_set():
+                await asyncio.sleep(0.01)
+                now = time.monotonic()
+                gaps.append(now - last)
+                last = now
+
+        ticker = asyncio.create_task(tick())
+        await move(prod, cons, a, b, "v1", [1, 2], [3, 4])
+        stop.set()
+        await ticker
+        assert landed(pl, p, [1, 2], c, [3, 4])
+        assert threads == ["aiokv-ipc-map"]
+        st = cons.statistics().ipc
+        assert st is not None and st.mappings_verified == 1 and st.requests_received == 1
+        assert max(gaps) < 0.3, f"the loop stalled for {max(gaps):.3f} s"
 
 
 @pytest.mark.anyio

@@ -46,6 +46,7 @@ __all__ = [
     "launch_pair_copy",
     "pair_copy_args",
     "torch_pair_copy",
+    "warm_pair_copy",
     "word_size",
 ]
 
@@ -228,6 +229,35 @@ def launch_pair_copy(
         num_warps=num_warps,
     )
     return compiled if compiled is not None else True
+
+
+def warm_pair_copy(
+    device: torch.device,
+    *,
+    word: int,
+    seg_words: int,
+    src_part_stride: int,
+    dst_part_stride: int,
+    block_stride: int,
+    base_align: int,
+    program_bytes: int = _PROGRAM_BYTES,
+) -> Any:
+    """Compile, without launching, the specialisation :func:`launch_pair_copy` uses for
+    this geometry (Triton's ``warmup``: same argument types, alignments and
+    specialised values; the per-request values are not specialised), so that a later
+    launch finds it in Triton's cache. Returns the compiled kernel."""
+    block, chunks, vec, num_warps = _geometry(
+        word, seg_words, src_part_stride, dst_part_stride, base_align, program_bytes
+    )
+    # fresh allocations: aligned like the plane's tables, ids and abort blocks
+    table = torch.empty(1, dtype=torch.int64, device=device)
+    ids = torch.empty(2, dtype=torch.int64, device=device)
+    abort = torch.empty(1, dtype=torch.int32, device=device)
+    return _kernel().warmup(
+        table, table, ids, abort, _word_ref(device, word), 0, 1, 1, seg_words,
+        src_part_stride, dst_part_stride, block_stride, chunks,
+        BLOCK=block, VEC=vec, WORD=word, num_warps=num_warps, grid=(1,),
+    )  # fmt: skip
 
 
 class RawLaunch:

@@ -57,7 +57,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 import msgpack
 import torch
 
-from .._blocking import in_daemon
+from .._blocking import in_daemon, start_daemon
 from .._common import _await_shielded, _time_left
 from .._config import parse_address
 from .._exceptions import (
@@ -1007,6 +1007,10 @@ class IpcPlane:
         self._abort_next = 0
         self._free_slots: list[int] = []  # slots whose words were never set
         self._one: torch.Tensor | None = None  # pinned int32 1: the abort words' source
+        self._zeros: torch.Tensor | None = None  # pinned int32 0s: a new abort block's
+        # the CUDA set-up the first mapping needs (control stream, pinned sources, the
+        # first abort block), made once on a daemon thread
+        self._prepared: asyncio.Future[None] | None = None
         self._slotbufs: dict[int, _SlotBufs] = {}
         self._deferred: list[tuple[Descriptor, Release]] = []  # ok releases, sent soon
         self._ctl_stream: Any = None
@@ -1030,6 +1034,13 @@ class IpcPlane:
         self._bell_spin_until = 0.0
         self._taken: dict[str, Any] = {}  # request id -> lease of a descriptor the ring gave
         self._closed = False
+        # the copy kernel compiled ahead for this side's own geometry, off the loop (the
+        # first mapping's verification otherwise compiles it: seconds in a fresh process)
+        self._warming = (
+            start_daemon(self._warm_kernel, "aiokv-ipc-warm")
+            if not self.disabled and backend is None and self._use_triton()
+            else None
+        )
 
     # ------------------------------------------------------------------ helpers
 
@@ -1836,18 +1847,25 @@ class IpcPlane:
         return mapped
 
     async def _open_export(self, desc: Descriptor, offer: Offer, layout: KVLayout) -> _Mapping:
-        """Map one export (the CUDA IPC opens on a daemon thread: they take milliseconds
-        per allocation and the event loop must not wait them out), verify it (on the
-        loop: see :meth:`_verify`), then register it."""
+        """Map one export and verify it, on a daemon thread (:meth:`_map_verified`):
+        CUDA IPC opens take milliseconds per allocation, and the verification compiles
+        and loads the kernel -- seconds in a fresh process (run s14c: the event loop
+        stalled 1.1-2.4 s when the verification ran on it) -- then register it."""
         token = desc.token
         try:
             try:
                 check_same_host(offer, my_boot_id=self._boot_id, now=self._clock())
-                opened = await in_daemon(
-                    functools.partial(self._open_storages, offer), "aiokv-ipc-map"
-                )
+                # what the thread shares with the loop exists before it starts: the
+                # control stream, the abort copies' pinned sources and the probe copies'
+                # abort slots (their words zeroed; the first block made off the loop too)
+                if self.device.type == "cuda":
+                    if self._prepared is None:
+                        self._prepared = in_daemon(self._prepare_cuda, "aiokv-ipc-prep")
+                    await asyncio.shield(self._prepared)
                 slots = [self._slot() for _ in range(4)] if self._use_triton() else []
-                m = self._open(offer, layout, slots, *opened)
+                m = await in_daemon(
+                    functools.partial(self._map_verified, offer, layout, slots), "aiokv-ipc-map"
+                )
                 self._free_slots += slots[0::2]  # (their copies finished, nothing set)
             except IpcUnavailableError as exc:
                 self._stats.mapping_failures += 1
@@ -1898,17 +1916,23 @@ class IpcPlane:
         if m.inflight == 0 and m.broken == PRODUCER_GONE:
             self._drop_mapping(m)
 
-    def _open_storages(self, offer: Offer) -> tuple[list[torch.Tensor], torch.Tensor]:
-        """The export's storages and probe, mapped (on a worker thread: CUDA IPC opens
-        only, no kernel launch. Run s13e had the verification's launches there too: the
-        loop thread's later abort fill then queued behind a copy waiting on a peer's
-        event -- the first-launch hazard of docs/reliability.md -- so they stay on the
-        loop, where they ran before)."""
+    def _map_verified(self, offer: Offer, layout: KVLayout, slots: list[int]) -> _Mapping:
+        """On a daemon thread: map the export's storages and probe, build the mapping
+        and verify it (:meth:`_open`). Nothing here may block the event loop, and the
+        loop never waits for this thread while holding anything it needs: the
+        verification's first launches (the kernel, torch's fills and compares) may,
+        under CUDA's lazy module loading, wait for an idle device -- e.g. behind a
+        ``gpu_wait`` copy stuck on a dead producer's event; then this mapping hangs
+        (its requests fall back with ``map_timeout``), not the loop. The loop's own
+        abort words are set by copies, never by a kernel's first launch (run s13e)."""
         dev = self.device
+        if self._warming is not None:  # one compile at a time (its errors are logged)
+            with contextlib.suppress(Exception):
+                self._warming.result()
         with torch.cuda.device(dev) if dev.type == "cuda" else contextlib.nullcontext():
             storages = [self.backend.open(e, dev) for e in offer.storages]
             probe = self.backend.open(offer.probe, dev)
-        return storages, probe
+            return self._open(offer, layout, slots, storages, probe)
 
     def _use_triton(self) -> bool:
         return (
@@ -1923,11 +1947,15 @@ class IpcPlane:
             if self.device.type == "cuda":
                 # Zeroed on the control stream (where the words are later set) and waited
                 # for: a zero-fill left queued on the caller's stream could otherwise run
-                # after an abort's fill and clear it (run s11-ipc-r2 caught the probe's
-                # aborted launch writing). A tiny fill once per 4096 requests.
+                # after an abort and clear it (run s11-ipc-r2 caught the probe's aborted
+                # launch writing). Zeroed by a copy from pinned memory, not a kernel (see
+                # _set_abort). A 16 KiB copy once per 4096 requests.
                 ctl = self._ctl()
+                if self._zeros is None:
+                    self._zeros = torch.zeros(_ABORT_WORDS, dtype=torch.int32).pin_memory()
                 with torch.cuda.stream(ctl):
-                    t = torch.zeros(_ABORT_WORDS, dtype=torch.int32, device=self.device)
+                    t = torch.empty(_ABORT_WORDS, dtype=torch.int32, device=self.device)
+                    t.copy_(self._zeros, non_blocking=True)
                 ctl.synchronize()
             else:
                 t = torch.zeros(_ABORT_WORDS, dtype=torch.int32, device=self.device)
@@ -1964,12 +1992,54 @@ class IpcPlane:
         one for 8-byte-aligned words had not been loaded yet)."""
         ab, slot = self._word(g)
         if ab.device.type == "cuda":
-            if self._one is None:
-                self._one = torch.ones(1, dtype=torch.int32).pin_memory()  # never written
             with torch.cuda.stream(self._ctl()):
-                ab[slot : slot + 1].copy_(self._one, non_blocking=True)
+                ab[slot : slot + 1].copy_(self._pinned_one(), non_blocking=True)
         else:
             ab[slot] = 1
+
+    def _warm_kernel(self) -> None:
+        """On a daemon thread at start: compile (not launch) the copy kernel for a
+        producer of this side's own layout and allocation -- the usual pairing -- so
+        that the first mapping's verification finds it compiled. Another geometry (a
+        producer with another ``num_blocks`` or alignment) compiles at its mapping, as
+        before. Failures are logged; the verification then compiles."""
+        try:
+            mine = self.con.caches
+            seg = self._seg_bytes()
+            stride = self.layout.num_blocks * seg
+            word = _ipc_kernel.word_size(mine.max_word(), seg, stride)
+            align = _ipc_kernel.base_alignment(*(t.data_ptr() for t in mine.tensors))
+            t0 = time.perf_counter()
+            with torch.cuda.device(self.device):
+                _ipc_kernel.warm_pair_copy(
+                    self.device,
+                    word=word,
+                    seg_words=seg // word,
+                    src_part_stride=stride // word,
+                    dst_part_stride=stride // word,
+                    block_stride=seg // word,
+                    base_align=align,
+                )
+            log.debug("aiokv IPC plane: copy kernel compiled in %.3f s", time.perf_counter() - t0)
+        except Exception as exc:
+            log.info("aiokv IPC plane: compiling the copy kernel ahead failed: %r", exc)
+
+    def _prepare_cuda(self) -> None:
+        """On a daemon thread, once, before the first mapping: the control stream, the
+        pinned sources of the abort words' copies, and the first block of abort words
+        (the first CUDA work of a consumer may take a while: run s14d, 0.2-0.4 s on the
+        loop before this moved here). Later blocks (every 4096 requests) are made on
+        the loop, one small copy each."""
+        with torch.cuda.device(self.device):
+            self._ctl()
+            self._pinned_one()
+            self._aborts(0)
+
+    def _pinned_one(self) -> torch.Tensor:
+        """The abort copies' source: a pinned int32 1 (made once, never written)."""
+        if self._one is None:
+            self._one = torch.ones(1, dtype=torch.int32).pin_memory()
+        return self._one
 
     def _open(
         self,

@@ -45,6 +45,7 @@ from aiokv.kv import (
     KVLayout,
 )
 from aiokv.kv import ipc as ipcmod
+from aiokv.kv._ipc_wire import MAX_MESSAGE_BYTES
 from aiokv.kv.ipc import (
     Descriptor,
     IpcPlane,
@@ -570,7 +571,7 @@ def test_decode_message_accepts_bytes_from_a_channel() -> None:
     with pytest.raises(RemoteProtocolError):
         decode_message(b"")
     with pytest.raises(RemoteProtocolError):
-        decode_message(b"\x00" * (ipcmod.MAX_MESSAGE_BYTES + 1))
+        decode_message(b"\x00" * (MAX_MESSAGE_BYTES + 1))
 
 
 def test_decode_message_rejects() -> None:
@@ -581,7 +582,7 @@ def test_decode_message_rejects() -> None:
     with pytest.raises(RemoteProtocolError):
         decode_message(torch.zeros(0, dtype=torch.uint8))
     with pytest.raises(RemoteProtocolError):
-        decode_message(torch.zeros(ipcmod.MAX_MESSAGE_BYTES + 1, dtype=torch.uint8))
+        decode_message(torch.zeros(MAX_MESSAGE_BYTES + 1, dtype=torch.uint8))
     for payload in (
         msgpack.packb([1, 2]),
         msgpack.packb({"v": 2}),

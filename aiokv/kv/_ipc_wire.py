@@ -1,0 +1,475 @@
+"""The IPC plane's wire messages (docs/ipc.md, "Control interface"): msgpack maps in
+small uint8 CPU tensors, each validated field by field -- types, ranges, sizes, exact
+key sets -- before anything is allocated or mapped from it."""
+
+from __future__ import annotations
+
+import math
+import re
+import struct
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import msgpack
+import torch
+
+from .._config import parse_address
+from .._exceptions import ConfigError, RemoteProtocolError
+from . import _doorbell
+from .layouts import KVLayout, layout_from_wire
+
+WIRE_VERSION = 1
+#: the largest control message accepted (an offer of a few thousand layers fits)
+MAX_MESSAGE_BYTES = 1 << 20
+_MAX_HANDLE = 256
+_MAX_STORAGES = 8192
+_MAX_OFFSET = 1 << 52
+_MAX_REASON = 256
+_MAX_BLOCKS_PER_REQUEST = 1 << 22
+_REFCOUNT_RE = re.compile(rb"^/torch_[0-9_]{1,64}$")
+_PROBE_SEGMENTS = 2
+_MAX_EVENT_SLOT = 1 << 20
+#: the descriptor's plane for layer-wise streaming (save_layer / recv_request(layerwise=True))
+LAYERS = "ipc-layers"
+
+
+def encode_message(d: Mapping[str, Any]) -> torch.Tensor:
+    """msgpack bytes of ``d`` as a uint8 CPU tensor (what the engine carries)."""
+    b = msgpack.packb(d, use_bin_type=True)
+    if len(b) > MAX_MESSAGE_BYTES:
+        raise ConfigError(f"IPC control message of {len(b)} bytes exceeds {MAX_MESSAGE_BYTES}")
+    return torch.frombuffer(bytearray(b), dtype=torch.uint8)
+
+
+def decode_message(t: object) -> dict[str, Any]:
+    """Decode a control message received from a peer (untrusted; a uint8 tensor or
+    bytes): size-checked before decoding, no ext types, string keys only, version 1.
+    Raises :class:`~aiokv.RemoteProtocolError`."""
+    if isinstance(t, (bytes, bytearray)):  # a channel that carries bytes
+        n = len(t)
+        if n == 0 or n > MAX_MESSAGE_BYTES:
+            raise RemoteProtocolError(f"IPC control message of {n} bytes")
+        raw = bytes(t)
+    else:
+        if not isinstance(t, torch.Tensor) or t.dtype != torch.uint8 or t.dim() != 1:
+            raise RemoteProtocolError("IPC control message must be a 1-D uint8 tensor or bytes")
+        n = t.numel()
+        if n == 0 or n > MAX_MESSAGE_BYTES:
+            raise RemoteProtocolError(f"IPC control message of {n} bytes")
+        raw = _tensor_bytes(t)
+    try:
+        d = msgpack.unpackb(
+            raw,
+            raw=False,
+            strict_map_key=True,
+            use_list=True,
+            ext_hook=_no_ext,
+        )
+    except Exception as exc:
+        raise RemoteProtocolError(f"IPC control message does not decode: {exc}") from None
+    if not isinstance(d, dict):
+        raise RemoteProtocolError("IPC control message is not a map")
+    if d.get("v") != WIRE_VERSION:
+        raise RemoteProtocolError(f"IPC control message version {d.get('v')!r:.32}")
+    return d
+
+
+def _no_ext(code: int, data: bytes) -> Any:
+    raise ValueError("ext types are not allowed")
+
+
+def _tensor_bytes(t: torch.Tensor) -> bytes:
+    from ..transport.tcp import tensor_buffer
+
+    if t.device.type != "cpu" or not t.is_contiguous():  # (the engine hands out CPU ones)
+        t = t.detach().cpu().contiguous()
+    return bytes(tensor_buffer(t))
+
+
+def _int(d: Mapping[str, Any], k: str, lo: int, hi: int) -> int:
+    v = d.get(k)
+    if type(v) is not int or not lo <= v <= hi:
+        raise RemoteProtocolError(f"IPC message field {k!r}: {v!r:.64} not an int in [{lo}, {hi}]")
+    return v
+
+
+def _bytes(d: Mapping[str, Any], k: str, lo: int, hi: int) -> bytes:
+    v = d.get(k)
+    if not isinstance(v, bytes) or not lo <= len(v) <= hi:
+        raise RemoteProtocolError(f"IPC message field {k!r}: not {lo}..{hi} bytes")
+    return v
+
+
+def _str(d: Mapping[str, Any], k: str, hi: int) -> str:
+    v = d.get(k)
+    if not isinstance(v, str) or len(v) > hi:
+        raise RemoteProtocolError(f"IPC message field {k!r}: not a string of <= {hi} chars")
+    return v
+
+
+def _float(d: Mapping[str, Any], k: str) -> float:
+    v = d.get(k)
+    if not isinstance(v, (int, float)) or isinstance(v, bool) or not math.isfinite(v):
+        raise RemoteProtocolError(f"IPC message field {k!r}: {v!r:.32} not a finite number")
+    return float(v)
+
+
+def _exact_keys(d: Mapping[str, Any], what: str, keys: Sequence[str]) -> None:
+    extra = set(d) - set(keys)
+    if extra:
+        raise RemoteProtocolError(f"{what}: unknown fields {sorted(extra)[:8]}")
+
+
+@dataclass(frozen=True, slots=True)
+class StorageExport:
+    """One exported CUDA allocation region (what torch's ``_share_cuda_`` yields).
+
+    ``handle`` names the allocation (a CUDA IPC memory handle), ``offset``/``size``
+    the storage inside it; ``rc_handle``/``rc_offset`` torch's shared reference
+    counter (keeps the producer's allocator from reusing the block while mapped).
+    """
+
+    handle: bytes
+    size: int
+    offset: int
+    rc_handle: bytes
+    rc_offset: int
+    event: bytes
+
+    def to_wire(self) -> dict[str, Any]:
+        return {
+            "handle": self.handle,
+            "size": self.size,
+            "offset": self.offset,
+            "rc_handle": self.rc_handle,
+            "rc_offset": self.rc_offset,
+            "event": self.event,
+        }
+
+    @classmethod
+    def from_wire(cls, d: object) -> StorageExport:
+        if not isinstance(d, dict):
+            raise RemoteProtocolError("IPC storage export must be a map")
+        _exact_keys(
+            d, "IPC storage export", ("handle", "size", "offset", "rc_handle", "rc_offset", "event")
+        )
+        rc = _bytes(d, "rc_handle", 0, _MAX_HANDLE)
+        if rc and not _REFCOUNT_RE.match(rc):
+            raise RemoteProtocolError("IPC storage export: unexpected reference-counter name")
+        return cls(
+            handle=_bytes(d, "handle", 1, _MAX_HANDLE),
+            size=_int(d, "size", 1, _MAX_OFFSET),
+            offset=_int(d, "offset", 0, _MAX_OFFSET),
+            rc_handle=rc,
+            rc_offset=_int(d, "rc_offset", 0, 1 << 31),
+            event=_bytes(d, "event", 0, _MAX_HANDLE),
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class Offer:
+    """The producer's export of its cache to one consumer (sent inline in descriptors
+    until the consumer has used it).
+
+    ``layers[l] = (storage index, byte offset)`` of layer ``l``; ``word`` the widest
+    word its layer addresses allow; ``probe`` a buffer of ``2 * segment`` bytes filled
+    with :func:`probe_pattern` ``(nonce)``; ``boot_id``/``mono`` say which host and
+    clock the producer runs on.
+    """
+
+    token: int
+    boot_id: str
+    pid: int
+    mono: float
+    layout: dict[str, Any]
+    storages: tuple[StorageExport, ...]
+    layers: tuple[tuple[int, int], ...]
+    word: int
+    probe: StorageExport
+    nonce: int
+    bell: str = ""  # the doorbell ring's name (one per consumer), or none
+    bell_key: bytes = b""
+
+    def to_wire(self) -> dict[str, Any]:
+        bell = {"bell": self.bell, "bell_key": self.bell_key} if self.bell else {}
+        return {
+            **bell,
+            "token": self.token,
+            "boot_id": self.boot_id,
+            "pid": self.pid,
+            "mono": self.mono,
+            "layout": self.layout,
+            "storages": [s.to_wire() for s in self.storages],
+            "layers": [list(x) for x in self.layers],
+            "word": self.word,
+            "probe": self.probe.to_wire(),
+            "nonce": self.nonce,
+        }
+
+    @classmethod
+    def from_wire(cls, d: object) -> tuple[Offer, KVLayout]:
+        """Parse and check an offer; returns it with the producer's layout."""
+        if not isinstance(d, dict):
+            raise RemoteProtocolError("IPC offer must be a map")
+        _exact_keys(
+            d,
+            "IPC offer",
+            (
+                "token",
+                "boot_id",
+                "pid",
+                "mono",
+                "layout",
+                "storages",
+                "layers",
+                "word",
+                "probe",
+                "nonce",
+                "bell",
+                "bell_key",
+            ),
+        )
+        bell, bell_key = "", b""
+        if "bell" in d or "bell_key" in d:
+            bell = _str(d, "bell", 64)
+            bell_key = _bytes(d, "bell_key", _doorbell.KEY_BYTES, _doorbell.KEY_BYTES)
+            if not _doorbell.valid_name(bell):
+                raise RemoteProtocolError("IPC offer: not a doorbell name")
+        try:
+            layout = layout_from_wire(d.get("layout"))
+        except ConfigError as exc:
+            raise RemoteProtocolError(f"IPC offer: {exc}") from None
+        sts = d.get("storages")
+        if not isinstance(sts, list) or not 1 <= len(sts) <= _MAX_STORAGES:
+            raise RemoteProtocolError("IPC offer: storages must be a non-empty list")
+        storages = tuple(StorageExport.from_wire(s) for s in sts)
+        lays = d.get("layers")
+        if not isinstance(lays, list) or len(lays) != layout.num_layers:
+            raise RemoteProtocolError(
+                f"IPC offer: layers must list {layout.num_layers} (storage, offset) pairs"
+            )
+        word = _int(d, "word", 1, 8)
+        if word not in (1, 2, 4, 8):
+            raise RemoteProtocolError(f"IPC offer: word {word} is not 1, 2, 4 or 8")
+        need = layout.layer_nbytes()
+        layers: list[tuple[int, int]] = []
+        for x in lays:
+            if (
+                not isinstance(x, list)
+                or len(x) != 2
+                or type(x[0]) is not int
+                or type(x[1]) is not int
+            ):
+                raise RemoteProtocolError("IPC offer: a layer is not an [int, int] pair")
+            si, off = x
+            if not 0 <= si < len(storages) or off < 0 or off % word:
+                raise RemoteProtocolError(f"IPC offer: layer ({si}, {off}) out of range")
+            if off + need > storages[si].size:
+                raise RemoteProtocolError(
+                    f"IPC offer: layer at offset {off} (+{need} bytes) exceeds its storage "
+                    f"of {storages[si].size} bytes"
+                )
+            layers.append((si, off))
+        probe = StorageExport.from_wire(d.get("probe"))
+        seg = layout.segment_numel() * layout.itemsize
+        if probe.size < _PROBE_SEGMENTS * seg:
+            raise RemoteProtocolError("IPC offer: probe smaller than two segments")
+        offer = cls(
+            token=_int(d, "token", 1, (1 << 63) - 1),
+            boot_id=_str(d, "boot_id", 64),
+            pid=_int(d, "pid", 0, 1 << 31),
+            mono=_float(d, "mono"),
+            layout=dict(d["layout"]),
+            storages=storages,
+            layers=tuple(layers),
+            word=word,
+            probe=probe,
+            nonce=_int(d, "nonce", 0, (1 << 63) - 1),
+            bell=bell,
+            bell_key=bell_key,
+        )
+        return offer, layout
+
+
+@dataclass(frozen=True, slots=True)
+class Descriptor:
+    """One request, producer → consumer, tensor id ``f"{rid}#ipc"``.
+
+    ``plane`` ``"ipc"``: pull ``src`` (the producer's block ids) from export
+    ``token`` (``offer`` inline until the consumer acknowledged it), after IPC event
+    ``event`` (slot ``event_slot``) fires, before ``lease`` (producer's
+    ``time.monotonic()`` deadline); reply to ``reply_to``. ``plane`` ``"chunks"``:
+    the blocks come the ordinary way (the connector's chunk tensors).
+    This is the one message a request needs; the coordinator's one-message control
+    protocol can carry exactly these fields (docs/ipc.md).
+    """
+
+    rid: str
+    plane: str
+    n: int
+    reply_to: str = ""
+    token: int = 0
+    src: tuple[int, ...] = ()
+    event: bytes = b""
+    event_slot: int = 0
+    lease: float = 0.0
+    offer: Offer | None = None
+
+    def to_wire(self) -> dict[str, Any]:
+        d: dict[str, Any] = {"v": WIRE_VERSION, "rid": self.rid, "plane": self.plane, "n": self.n}
+        if self.plane in ("ipc", LAYERS):
+            d.update(
+                reply_to=self.reply_to,
+                token=self.token,
+                src=struct.pack(f"<{len(self.src)}I", *self.src),
+                event=self.event,
+                event_slot=self.event_slot,
+                lease=self.lease,
+                offer=self.offer.to_wire() if self.offer is not None else None,
+            )
+        return d
+
+    @classmethod
+    def from_wire(cls, d: Mapping[str, Any]) -> tuple[Descriptor, KVLayout | None]:
+        plane = d.get("plane")
+        rid = _str(d, "rid", 4096)
+        n = _int(d, "n", 0, _MAX_BLOCKS_PER_REQUEST)
+        if plane == "chunks":
+            _exact_keys(d, "IPC descriptor", ("v", "rid", "plane", "n"))
+            return cls(rid=rid, plane="chunks", n=n), None
+        if plane not in ("ipc", LAYERS):
+            raise RemoteProtocolError(f"IPC descriptor: unknown plane {plane!r:.32}")
+        _exact_keys(
+            d,
+            "IPC descriptor",
+            (
+                "v",
+                "rid",
+                "plane",
+                "n",
+                "reply_to",
+                "token",
+                "src",
+                "event",
+                "event_slot",
+                "lease",
+                "offer",
+            ),
+        )
+        reply_to = _str(d, "reply_to", 256)
+        try:
+            parse_address(reply_to)
+        except ConfigError:
+            raise RemoteProtocolError(f"IPC descriptor: bad reply_to {reply_to!r:.64}") from None
+        src_b = _bytes(d, "src", 0, 4 * _MAX_BLOCKS_PER_REQUEST)
+        if len(src_b) != 4 * n:
+            raise RemoteProtocolError(
+                f"IPC descriptor: {len(src_b)} bytes of block ids for {n} blocks"
+            )
+        src = struct.unpack(f"<{n}I", src_b)
+        offer = None
+        layout = None
+        if d.get("offer") is not None:
+            offer, layout = Offer.from_wire(d["offer"])
+        token = _int(d, "token", 1, (1 << 63) - 1)
+        if offer is not None and offer.token != token:
+            raise RemoteProtocolError("IPC descriptor: token differs from its offer's")
+        return (
+            cls(
+                rid=rid,
+                plane=plane,
+                n=n,
+                reply_to=reply_to,
+                token=token,
+                src=src,
+                # layer-wise: the events travel in the LayerReady messages, none here
+                event=_bytes(d, "event", *((0, 0) if plane == LAYERS else (1, _MAX_HANDLE))),
+                event_slot=_int(d, "event_slot", 0, 0 if plane == LAYERS else _MAX_EVENT_SLOT),
+                lease=_float(d, "lease"),
+                offer=offer,
+            ),
+            layout,
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class Release:
+    """Consumer → producer, tensor id ``f"{rid}#ipcrel"``: the copy is over.
+
+    ``ok``: the blocks landed (the producer may free its blocks). ``fallback``: IPC
+    did not work for this request and nothing was read; send it the ordinary way.
+    Otherwise the request failed on the consumer and nothing reads the blocks any
+    more either. ``reason``: for the log.
+    """
+
+    rid: str
+    ok: bool
+    fallback: bool = False
+    reason: str = ""
+
+    def to_wire(self) -> dict[str, Any]:
+        return {
+            "v": WIRE_VERSION,
+            "rid": self.rid,
+            "ok": self.ok,
+            "fallback": self.fallback,
+            "reason": self.reason[:_MAX_REASON],
+        }
+
+    @classmethod
+    def from_wire(cls, d: Mapping[str, Any]) -> Release:
+        _exact_keys(d, "IPC release", ("v", "rid", "ok", "fallback", "reason"))
+        ok, fb = d.get("ok"), d.get("fallback")
+        if not isinstance(ok, bool) or not isinstance(fb, bool) or (ok and fb):
+            raise RemoteProtocolError("IPC release: ok/fallback must be booleans, not both true")
+        return cls(
+            rid=_str(d, "rid", 4096), ok=ok, fallback=fb, reason=_str(d, "reason", _MAX_REASON)
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class LayerReady:
+    """Producer → consumer, tensor id ``f"{rid}#ipcL{lo}"`` (layer-wise streaming only):
+    layers ``lo`` to ``hi - 1`` of the request are written once IPC event ``event``
+    (slot ``event_slot``) fired. The chunks of one request partition ``[0, num_layers)``
+    (each layer is saved once), so the consumer asks for ``#ipcL0`` first and then for
+    the chunk that starts where the last one ended."""
+
+    rid: str
+    lo: int
+    hi: int
+    event: bytes
+    event_slot: int
+
+    def to_wire(self) -> dict[str, Any]:
+        return {
+            "v": WIRE_VERSION,
+            "rid": self.rid,
+            "lo": self.lo,
+            "hi": self.hi,
+            "event": self.event,
+            "event_slot": self.event_slot,
+        }
+
+    @classmethod
+    def from_wire(cls, d: Mapping[str, Any], num_layers: int) -> LayerReady:
+        """Parse and check against the consumer's layer count (untrusted)."""
+        _exact_keys(d, "IPC layer message", ("v", "rid", "lo", "hi", "event", "event_slot"))
+        lo = _int(d, "lo", 0, num_layers - 1)
+        hi = _int(d, "hi", lo + 1, num_layers)
+        return cls(
+            rid=_str(d, "rid", 4096),
+            lo=lo,
+            hi=hi,
+            event=_bytes(d, "event", 1, _MAX_HANDLE),
+            event_slot=_int(d, "event_slot", 0, _MAX_EVENT_SLOT),
+        )
+
+
+def probe_pattern(nonce: int, nbytes: int, device: torch.device | str) -> torch.Tensor:
+    """The verification pattern: ``nbytes`` pseudo-random bytes from ``nonce`` (same on
+    every device: integer arithmetic only)."""
+    i = torch.arange(nbytes, dtype=torch.int64, device=device)
+    x = (i * 2654435761 + (nonce & 0xFFFFFFFF)) ^ (i >> 7) * 40503
+    return ((x >> 3) & 0xFF).to(torch.uint8)

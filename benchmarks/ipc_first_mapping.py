@@ -66,16 +66,18 @@ async def _consumer(conn: Any, device: str, n: int) -> dict[str, Any]:
     from aiokv.kv import ipc as ipc_mod
 
     phases: list[tuple[str, float]] = []
-    for name in (
-        "_prepare_cuda",
-        "_map_verified",
-        "_open",
-        "_verify",
-        "_probe_copies",
-        "_try_raw",
-        "_open_export",
+    from aiokv.kv import _ipc_map
+
+    for cls, name in (
+        (_ipc_map.AbortWords, "prepare"),
+        (_ipc_map.Mapper, "map_verified"),
+        (_ipc_map.Mapper, "_open"),
+        (_ipc_map.Mapper, "_verify"),
+        (_ipc_map.Mapper, "_probe_copies"),
+        (_ipc_map.Mapper, "_try_raw"),
+        (ipc_mod.IpcPlane, "_open_export"),
     ):
-        _timed(phases, ipc_mod.IpcPlane, name)
+        _timed(phases, cls, name)
     torch.cuda.set_device(device)
     lay = _layout()
     caches = lay.allocate(device)

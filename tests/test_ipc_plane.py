@@ -786,17 +786,17 @@ def test_abort_words_are_never_shared_across_a_rollover() -> None:
     plane = IpcPlane(con, OPTS, backend=FakeBackend())
 
     def word(x: Any) -> tuple[int, int]:  # (block of words, index)
-        t, i = plane._word(x) if isinstance(x, int) else x
+        t, i = plane._words.word(x) if isinstance(x, int) else x
         return id(t), i
 
     def give_back(x: Any) -> None:  # what a request that finished does with its slot
-        plane._free_slots.append(x if isinstance(x, int) else x[1])
+        plane._words.free.append(x if isinstance(x, int) else x[1])
 
-    in_flight = plane._slot()  # a request that is still copying
-    spent = [plane._slot() for _ in range(4096)]  # aborted ones: never given back
+    in_flight = plane._words.slot()  # a request that is still copying
+    spent = [plane._words.slot() for _ in range(4096)]  # aborted ones: never given back
     assert len({word(x)[0] for x in [in_flight, *spent]}) == 2  # moved to a new block
     give_back(in_flight)  # ... and now the first request finished
-    held = [plane._slot() for _ in range(4096)]
+    held = [plane._words.slot() for _ in range(4096)]
     words = [word(x) for x in held + spent[-100:]]
     assert len(set(words)) == len(words), "two requests were given the same abort word"
 
@@ -829,7 +829,7 @@ async def test_verifying_a_mapping_does_not_stall_the_loop() -> None:
     async with plane_pair() as (pl, p, c, a, b, prod, cons):
         assert cons._ipc is not None
         plane = cons._ipc
-        verify = plane._verify
+        verify = plane._mapper._verify
         threads: list[str] = []
 
         def slow_verify(*args: Any) -> None:
@@ -837,7 +837,7 @@ async def test_verifying_a_mapping_does_not_stall_the_loop() -> None:
             time.sleep(0.4)
             verify(*args)
 
-        plane._verify = slow_verify  # type: ignore[method-assign]
+        plane._mapper._verify = slow_verify  # type: ignore[method-assign]
         gaps: list[float] = []
         stop = asyncio.Event()
 
@@ -911,7 +911,7 @@ def test_copy_geometry_is_in_the_mappings_words() -> None:
     plane = IpcPlane(con, OPTS, backend=FakeBackend())
     seg = mine.segment_numel() * mine.itemsize
     m = _Mapping(1, theirs, [], [], torch.empty(0), 4, None, align=16)
-    g = plane._geometry(m, n_pairs=3, n_layers=2, parts=2)
+    g = plane._mapper.geometry(m, n_pairs=3, n_layers=2, parts=2)
     assert g == {
         "n_pairs": 3,
         "word": 4,

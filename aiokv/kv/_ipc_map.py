@@ -1,0 +1,429 @@
+"""The IPC plane's consumer side below the request flow: the abort words every copy
+checks (:class:`AbortWords`) and a producer's export mapped and verified
+(:class:`Mapper`). See docs/ipc.md, "Export, map, verify" and "Abort word"."""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from .._blocking import start_daemon
+from .._exceptions import AiokvError
+from . import _doorbell, _ipc_kernel
+from ._ipc_wire import _PROBE_SEGMENTS, Offer, probe_pattern
+from .layouts import KVLayout
+
+__all__ = ["ABORT_WORDS", "AbortWords", "IpcUnavailableError", "Mapper", "seg_bytes"]
+
+log = logging.getLogger("aiokv.kv.ipc")
+
+#: abort words per block (a block is allocated when the previous one is used up)
+ABORT_WORDS = 4096
+
+
+def _pid_alive(pid: int) -> bool:
+    """Whether process ``pid`` exists here (another user's counts; 0 or less: no)."""
+    if pid <= 0:
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except OSError:  # EPERM: it exists
+        return True
+    return True
+
+
+def seg_bytes(layout: KVLayout) -> int:
+    """Bytes of one contiguous segment of a block (the kernel's unit)."""
+    return layout.segment_numel() * layout.itemsize
+
+
+class IpcUnavailableError(AiokvError):
+    """IPC cannot be used with this peer; the request falls back (``reason`` says why)."""
+
+    def __init__(self, reason: str, detail: str = "") -> None:
+        super().__init__(f"CUDA IPC unavailable: {reason}" + (f" ({detail})" if detail else ""))
+        self.reason = reason
+
+
+@dataclass(slots=True, eq=False)
+class _Mapping:
+    """A verified import of one producer export (consumer side)."""
+
+    token: int
+    layout: KVLayout
+    storages: list[torch.Tensor]
+    src_layers: list[torch.Tensor]  # per-layer word-typed views (torch path)
+    src_table: torch.Tensor  # int64 base addresses (Triton path)
+    word: int
+    stream: Any
+    align: int = 1  # bytes dividing every base address of both sides (vector width bound)
+    events: dict[int, tuple[bytes, Any]] = field(default_factory=dict)
+    inflight: int = 0
+    broken: str = ""
+    # the producer's process, when this process could see it at mapping time (same PID
+    # namespace): once it is gone the mapping only keeps its memory allocated
+    pid: int = 0
+    # layer-wise: the tables of layers [lo, hi), each its own (16-byte aligned)
+    # allocation, never freed while the mapping lives: a slice of src_table at an odd
+    # layer would be only 8-byte aligned, and Triton would compile (and load) another
+    # variant of the kernel in the middle of a request
+    tables: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
+    bell: _doorbell.BellReader | None = None  # the producer's doorbell ring, if any
+    raw: _ipc_kernel.RawLaunch | None = None  # the copy through cuLaunchKernel, verified
+    reply_to: str = ""  # the producer's engine (a ring message counts as from it)
+    # ring messages read before their request waited (request id -> decoded message),
+    # oldest first, at most the plane's limit: a late recv_request takes its own from here
+    # (and whether the producer sent it by the ring alone: SOLO)
+    pending: dict[str, tuple[dict[str, Any], bool]] = field(default_factory=dict)
+
+
+class AbortWords:
+    """The consumer's abort words: int32 words in device memory, in blocks of
+    :data:`ABORT_WORDS`, never freed. A slot is a global number g -- word
+    ``g % ABORT_WORDS`` of block ``g // ABORT_WORDS`` -- handed out until its word is
+    set (then never again), and set from a control stream of its own by a copy."""
+
+    def __init__(self, device: torch.device, backend: Any) -> None:
+        self.device = device
+        self.backend = backend
+        self.blocks: dict[int, torch.Tensor] = {}
+        self._next = 0
+        self.free: list[int] = []  # slots whose words were never set
+        self._one: torch.Tensor | None = None  # pinned int32 1: the abort words' source
+        self._zeros: torch.Tensor | None = None  # pinned int32 0s: a new block's
+        self._stream: Any = None
+
+    def prepare(self) -> None:
+        """On a daemon thread, once, before the first mapping: the control stream, the
+        pinned sources of the abort words' copies, and the first block of abort words
+        (the first CUDA work of a consumer may take a while: run s14d, 0.2-0.4 s on the
+        loop before this moved here). Later blocks (every 4096 requests) are made on
+        the loop, one small copy each."""
+        with torch.cuda.device(self.device):
+            self.ctl()
+            self._pinned_one()
+            self.block(0)
+
+    def block(self, block: int) -> torch.Tensor:
+        t = self.blocks.get(block)
+        if t is None:
+            if self.device.type == "cuda":
+                # Zeroed on the control stream (where the words are later set) and waited
+                # for: a zero-fill left queued on the caller's stream could otherwise run
+                # after an abort and clear it (run s11-ipc-r2 caught the probe's aborted
+                # launch writing). Zeroed by a copy from pinned memory, not a kernel (see
+                # _set_abort). A 16 KiB copy once per 4096 requests.
+                ctl = self.ctl()
+                if self._zeros is None:
+                    self._zeros = torch.zeros(ABORT_WORDS, dtype=torch.int32).pin_memory()
+                with torch.cuda.stream(ctl):
+                    t = torch.empty(ABORT_WORDS, dtype=torch.int32, device=self.device)
+                    t.copy_(self._zeros, non_blocking=True)
+                ctl.synchronize()
+            else:
+                t = torch.zeros(ABORT_WORDS, dtype=torch.int32, device=self.device)
+            # never freed: a launch stuck behind a dead producer's event may read its
+            # word whenever (if ever) that event fires
+            self.blocks[block] = t
+        return t
+
+    def ctl(self) -> Any:
+        if self._stream is None:
+            self._stream = self.backend.new_stream(self.device)
+        return self._stream
+
+    def slot(self) -> int:
+        """A slot whose abort word was never set (aborted words are never reused)."""
+        if self.free:
+            return self.free.pop()
+        g = self._next
+        self._next += 1
+        self.block(g // ABORT_WORDS)  # made (and zeroed) before any launch uses it
+        return g
+
+    def word(self, g: int) -> tuple[torch.Tensor, int]:
+        """Slot ``g``'s abort word: its block and index."""
+        return self.blocks[g // ABORT_WORDS], g % ABORT_WORDS
+
+    def set(self, g: int) -> None:
+        """Set slot ``g``'s abort word, from the control stream, with a copy (a DMA from
+        pinned host memory), not a kernel: an abort must never be a kernel's first
+        launch in the process -- under lazy module loading that waits until the device
+        is idle, i.e. behind the very copy it aborts when that one waits on a peer's
+        event (run s13e: torch's fill picks a kernel by the word's alignment, and the
+        one for 8-byte-aligned words had not been loaded yet)."""
+        ab, slot = self.word(g)
+        if ab.device.type == "cuda":
+            with torch.cuda.stream(self.ctl()):
+                ab[slot : slot + 1].copy_(self._pinned_one(), non_blocking=True)
+        else:
+            ab[slot] = 1
+
+    def _pinned_one(self) -> torch.Tensor:
+        """The abort copies' source: a pinned int32 1 (made once, never written)."""
+        if self._one is None:
+            self._one = torch.ones(1, dtype=torch.int32).pin_memory()
+        return self._one
+
+
+class Mapper:
+    """Maps and verifies producers' exports for one consumer (its device, layout and
+    caches): :meth:`map_verified`, on a daemon thread. With ``warm`` it compiles the
+    copy kernel for the consumer's own geometry at once, on a thread of its own."""
+
+    def __init__(
+        self,
+        device: torch.device,
+        layout: KVLayout,
+        caches: Any,
+        backend: Any,
+        options: Any,
+        drv: Any,
+        words: AbortWords,
+        *,
+        warm: bool,
+    ) -> None:
+        self.device = device
+        self.layout = layout
+        self.caches = caches
+        self.backend = backend
+        self.options = options
+        self._drv = drv
+        self.words = words
+        # the copy kernel compiled ahead for this side's own geometry, off the loop (the
+        # first mapping's verification otherwise compiles it: seconds in a fresh process)
+        self._warming = (
+            start_daemon(self._warm_kernel, "aiokv-ipc-warm")
+            if warm and self.use_triton()
+            else None
+        )
+
+    def map_verified(self, offer: Offer, layout: KVLayout, slots: list[int]) -> _Mapping:
+        """On a daemon thread: map the export's storages and probe, build the mapping
+        and verify it (:meth:`_open`). Nothing here may block the event loop, and the
+        loop never waits for this thread while holding anything it needs: the
+        verification's first launches (the kernel, torch's fills and compares) may,
+        under CUDA's lazy module loading, wait for an idle device -- e.g. behind a
+        ``gpu_wait`` copy stuck on a dead producer's event; then this mapping hangs
+        (its requests fall back with ``map_timeout``), not the loop. The loop's own
+        abort words are set by copies, never by a kernel's first launch (run s13e)."""
+        dev = self.device
+        if self._warming is not None:  # one compile at a time (its errors are logged)
+            with contextlib.suppress(Exception):
+                self._warming.result()
+        with torch.cuda.device(dev) if dev.type == "cuda" else contextlib.nullcontext():
+            storages = [self.backend.open(e, dev) for e in offer.storages]
+            probe = self.backend.open(offer.probe, dev)
+            return self._open(offer, layout, slots, storages, probe)
+
+    def _warm_kernel(self) -> None:
+        """On a daemon thread at start: compile (not launch) the copy kernel for a
+        producer of this side's own layout and allocation -- the usual pairing -- so
+        that the first mapping's verification finds it compiled. Another geometry (a
+        producer with another ``num_blocks`` or alignment) compiles at its mapping, as
+        before. Failures are logged; the verification then compiles."""
+        try:
+            mine = self.caches
+            seg = seg_bytes(self.layout)
+            stride = self.layout.num_blocks * seg
+            word = _ipc_kernel.word_size(mine.max_word(), seg, stride)
+            align = _ipc_kernel.base_alignment(*(t.data_ptr() for t in mine.tensors))
+            t0 = time.perf_counter()
+            with torch.cuda.device(self.device):
+                _ipc_kernel.warm_pair_copy(
+                    self.device,
+                    word=word,
+                    seg_words=seg // word,
+                    src_part_stride=stride // word,
+                    dst_part_stride=stride // word,
+                    block_stride=seg // word,
+                    base_align=align,
+                )
+            log.debug("aiokv IPC plane: copy kernel compiled in %.3f s", time.perf_counter() - t0)
+        except Exception as exc:
+            log.info("aiokv IPC plane: compiling the copy kernel ahead failed: %r", exc)
+
+    def use_triton(self) -> bool:
+        return (
+            self.device.type == "cuda"
+            and not self.options.force_torch
+            and (_ipc_kernel.available())
+        )
+
+    def geometry(self, m: _Mapping, *, n_pairs: int, n_layers: int, parts: int) -> dict[str, int]:
+        """The copy kernel's geometry arguments for mapping ``m`` (in ``m``'s words)."""
+        seg = seg_bytes(self.layout)
+        w = m.word
+        return {
+            "n_pairs": n_pairs,
+            "word": w,
+            "n_layers": n_layers,
+            "parts": parts,
+            "seg_words": seg // w,
+            "src_part_stride": m.layout.num_blocks * seg // w,
+            "dst_part_stride": self.layout.num_blocks * seg // w,
+            "block_stride": seg // w,
+            "base_align": m.align,
+        }
+
+    def _open(
+        self,
+        offer: Offer,
+        layout: KVLayout,
+        slots: list[int],
+        storages: list[torch.Tensor],
+        probe: torch.Tensor,
+    ) -> _Mapping:
+        """Check the mapped storages, build the mapping and verify it (``slots``: four
+        abort slots for the probe copies, when the Triton kernel is used)."""
+        dev = self.device
+        for e, s in zip(offer.storages, storages, strict=True):
+            if s.numel() != e.size:
+                raise IpcUnavailableError("map_size", f"mapped {s.numel()} of {e.size} bytes")
+        mine = self.caches
+        word = min(offer.word, mine.max_word())
+        seg = seg_bytes(self.layout)
+        word = _ipc_kernel.word_size(
+            word, seg, layout.num_blocks * seg, self.layout.num_blocks * seg
+        )
+        wdt = _ipc_kernel.WORDS[word]
+        need = layout.layer_nbytes()
+        src_layers = []
+        for si, off in offer.layers:
+            flat = storages[si][off : off + need]
+            v = flat.view(wdt)
+            shape = list(layout.layer_shape())
+            shape[-1] = shape[-1] * layout.itemsize // word
+            src_layers.append(v.view(shape))
+        table = torch.tensor([t.data_ptr() for t in src_layers], dtype=torch.int64).to(dev)
+        stream = self.backend.new_stream(dev) if dev.type == "cuda" else None
+        align = _ipc_kernel.base_alignment(
+            *(t.data_ptr() for t in src_layers), *(t.data_ptr() for t in mine.tensors)
+        )
+        m = _Mapping(offer.token, layout, storages, src_layers, table, word, stream, align)
+        m.pid = offer.pid if _pid_alive(offer.pid) else 0  # (0: not ours to watch)
+        self._verify(m, offer, slots, probe)
+        return m
+
+    def _verify(self, m: _Mapping, offer: Offer, slots: list[int], probe: torch.Tensor) -> None:
+        """Copy the producer's probe with the real kernel (and once with the abort word
+        set) and compare with the pattern; also loads the kernel before any copy can
+        wait on a peer's event (lazy module loading)."""
+        dev = self.device
+        seg = seg_bytes(self.layout)
+        if probe.numel() < _PROBE_SEGMENTS * seg:
+            raise IpcUnavailableError("map_size", "probe smaller than announced")
+        want = probe_pattern(offer.nonce, _PROBE_SEGMENTS * seg, dev)
+        w = m.word
+        wdt = _ipc_kernel.WORDS[w]
+        src = probe[: _PROBE_SEGMENTS * seg].view(wdt)
+        out = torch.zeros(_PROBE_SEGMENTS * seg, dtype=torch.uint8, device=dev)
+        untouched = torch.zeros_like(out)
+        dst = out.view(wdt)
+        swap = torch.tensor([[1, 0], [0, 1]], dtype=torch.int64, device=dev)
+        compiled: Any = None
+        if self.use_triton():
+
+            def jit(st: torch.Tensor, dt: torch.Tensor, a: torch.Tensor, s: int) -> Any:
+                ok = _ipc_kernel.launch_pair_copy(st, dt, swap, a, s, **self._probe_geometry(m))
+                if not ok:
+                    raise IpcUnavailableError("grid_too_big")
+                return ok
+
+            compiled = self._probe_copies(m, src, (dst, untouched.view(wdt)), slots[:2], jit)
+        else:
+            s2 = src.view(_PROBE_SEGMENTS, -1)
+            d2 = dst.view(_PROBE_SEGMENTS, -1)
+            _ipc_kernel.torch_pair_copy([s2], [d2], 0, swap[0], swap[1])
+            if dev.type == "cuda":
+                torch.cuda.current_stream(dev).synchronize()
+        expect = want.view(_PROBE_SEGMENTS, -1).flip(0).reshape(-1)
+        if not torch.equal(out, expect):
+            raise IpcUnavailableError("verify_failed", "the mapped probe did not read back")
+        if self.use_triton() and bool(untouched.any()):
+            raise IpcUnavailableError("verify_failed", "a launch with its abort word set wrote")
+        if self._drv is not None and compiled is not None and compiled is not True:
+            m.raw = self._try_raw(m, compiled, src, swap, expect, slots[2:])
+        del probe
+
+    def _probe_geometry(self, m: _Mapping) -> dict[str, int]:
+        return self.geometry(m, n_pairs=_PROBE_SEGMENTS, n_layers=1, parts=1)
+
+    def _probe_copies(
+        self,
+        m: _Mapping,
+        src: torch.Tensor,
+        targets: Sequence[torch.Tensor],
+        slots: list[int],
+        launch: Callable[[torch.Tensor, torch.Tensor, torch.Tensor, int], Any],
+    ) -> Any:
+        """The probe copies of a verification on ``m``'s stream, waited for: ``src`` into
+        ``targets[0]`` with slot ``slots[0]``, and into ``targets[1]`` with slot
+        ``slots[1]``, whose abort word is set first (that copy must write nothing).
+        ``launch(src table, dst table, abort block, word)`` launches one; what the first
+        returned is returned."""
+        dev = self.device
+        self.words.set(slots[1])
+        stream = m.stream
+        # after the targets' zero-fills (caller's stream) and the abort (control stream)
+        stream.wait_stream(torch.cuda.current_stream(dev))
+        stream.wait_stream(self.words.ctl())
+        first: Any = None
+        with torch.cuda.stream(stream):  # (the tables, too, live on this stream)
+            for target, g in zip(targets, slots[:2], strict=True):
+                a, s = self.words.word(g)
+                # separate (aligned) tables: the same specialisation as the real copies
+                st = torch.tensor([src.data_ptr()], dtype=torch.int64).to(dev)
+                dt = torch.tensor([target.data_ptr()], dtype=torch.int64).to(dev)
+                r = launch(st, dt, a, s)
+                first = r if first is None else first
+        stream.synchronize()  # once per peer, at set-up, off the request path
+        return first
+
+    def _try_raw(
+        self,
+        m: _Mapping,
+        compiled: Any,
+        src: torch.Tensor,
+        swap: torch.Tensor,
+        want: torch.Tensor,
+        slots: list[int],
+    ) -> _ipc_kernel.RawLaunch | None:
+        """The verified kernel through :class:`~aiokv.kv._ipc_kernel.RawLaunch`: the same
+        probe copy (bit-exact) and abort check (writes nothing) through the driver, or
+        None (any error or difference: requests then launch through Triton)."""
+        dev = self.device
+        seg = seg_bytes(self.layout)
+        assert self._drv is not None
+        try:
+            rl = _ipc_kernel.RawLaunch(compiled, self._drv)
+            outs = [torch.zeros(_PROBE_SEGMENTS * seg, dtype=torch.uint8, device=dev)
+                    for _ in range(2)]  # fmt: skip
+
+            def raw(st: torch.Tensor, dt: torch.Tensor, a: torch.Tensor, s: int) -> None:
+                programs, args = _ipc_kernel.pair_copy_args(
+                    st.data_ptr(), dt.data_ptr(), swap.data_ptr(), a.data_ptr(), dev, s,
+                    **self._probe_geometry(m),
+                )  # fmt: skip
+                rl.launch(programs, m.stream.cuda_stream, args)
+
+            self._probe_copies(m, src, outs, slots, raw)
+            ok = torch.equal(outs[0], want) and not bool(outs[1].any())
+        except Exception as exc:  # a Triton whose kernels this cannot launch
+            log.info(
+                "aiokv IPC plane: copies launch through Triton (%s: %s)", type(exc).__name__, exc
+            )
+            return None
+        if not ok:
+            log.warning("aiokv IPC plane: the driver launch of the copy differed; Triton launches")
+            return None
+        return rl

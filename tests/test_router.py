@@ -75,6 +75,8 @@ class FakeWorker:
         self.gate: asyncio.Event | None = None
         self.entered = asyncio.Event()
         self.tokens = 4
+        #: the decode side's x-aiokv-kv-plane header (None: none)
+        self.plane: str | None = None
         self.app = self._build()
 
     def produced(self, request_id: str | None) -> dict[str, Any]:
@@ -124,6 +126,7 @@ class FakeWorker:
                 )
             assert params["do_remote_prefill"] is True
             n = int(body.get("max_tokens") or self.tokens)
+            headers = {"x-aiokv-kv-plane": self.plane} if self.plane is not None else None
             if body.get("stream"):
 
                 async def sse() -> AsyncIterator[bytes]:
@@ -136,14 +139,15 @@ class FakeWorker:
                         await asyncio.sleep(0)
                     yield b"data: [DONE]\n\n"
 
-                return StreamingResponse(sse(), media_type="text/event-stream")
+                return StreamingResponse(sse(), media_type="text/event-stream", headers=headers)
             return JSONResponse(
                 {
                     "object": "text_completion",
                     "choices": [{"index": 0, "text": "a" * n, "token_ids": list(range(n))}],
                     "served_by": self.name,
                     "kv_transfer_params": params,
-                }
+                },
+                headers=headers,
             )
 
         app.add_api_route("/v1/completions", handle, methods=["POST"])
@@ -488,6 +492,20 @@ async def test_bad_requests() -> None:
         metrics = (await client.get("/metrics")).text
         assert 'aiokv_router_errors_total{kind="bad_request"}' in metrics
         assert 'aiokv_router_errors_total{kind="unknown_model"} 1.0' in metrics
+
+
+@pytest.mark.anyio
+@pytest.mark.timeout(30)
+async def test_the_decodes_kv_plane_is_passed_on_and_nothing_else() -> None:
+    decode = FakeWorker("decode", "d")
+    async with cluster(RouterConfig(), [FakeWorker("prefill", "p"), decode]) as (_, client, _u):
+        for stream in (False, True):
+            decode.plane = "ipc"
+            r = await client.post("/v1/completions", json=completion(stream=stream))
+            assert r.status_code == 200 and r.headers["x-aiokv-kv-plane"] == "ipc"
+            decode.plane = "<script>"  # not a plane name: not passed on
+            r = await client.post("/v1/completions", json=completion(stream=stream))
+            assert r.status_code == 200 and "x-aiokv-kv-plane" not in r.headers
 
 
 @pytest.mark.anyio

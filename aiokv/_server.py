@@ -1242,7 +1242,7 @@ class _Server:
                 ),
             )
             return
-        items = self.engine._claim_published(msg.tensor_ids)
+        items = self.engine._claim_published(msg.tensor_ids, msg.reply_to)
         self._spawn(self._serve_get(ss, msg, items))
 
     async def _serve_get(
@@ -1250,17 +1250,15 @@ class _Server:
     ) -> None:
         ss.gets += 1
         self._gets_serving += 1
-        code = "internal"
         try:
             await self.engine._transfer(msg.reply_to, self.engine._stage(items), None)
             code, detail = "ok", ""
             self._stats.gets_served += 1
         except AiokvError as exc:
-            detail = f"{type(exc).__name__}: {exc}"[:300]
+            code, detail = "internal", f"{type(exc).__name__}: {exc}"[:300]
         finally:
             ss.gets -= 1
             self._gets_serving -= 1
-            self.engine._get_served(items, msg.reply_to, code == "ok")
         if not ss.dead and ss.sess.state is SessionState.OPEN:
             self._reply(ss, ss.sess.send(GetReply(msg.req, code, detail)))
 

@@ -529,9 +529,8 @@ class Engine:
     def publish(self, tensor_id: str, tensor: torch.Tensor, *, once: bool = False) -> None:
         """GET mode, producer side: make ``tensor`` available to peers' :meth:`get`.
 
-        ``once``: serve it to the first GET only (a later one gets ``not_published``;
-        if serving it fails, it is available again); :meth:`wait_fetched` then says
-        which peer got it."""
+        ``once``: serve it to the first GET only (a later one gets ``not_published``);
+        :meth:`wait_fetched` then says which peer took it."""
         self._check_open()
         _prepare([(tensor_id, tensor)], self.config.limits.max_id_length)
         if (
@@ -557,9 +556,10 @@ class Engine:
         return self._published.pop(tensor_id, None) is not None
 
     async def wait_fetched(self, tensor_id: str, *, timeout: float | None = None) -> str:
-        """GET mode, producer side: wait until a tensor published with ``once=True`` was
-        served to a peer's :meth:`get`; return that peer's address (the listen address
-        its authenticated session holds: :meth:`send_nowait` reaches it)."""
+        """GET mode, producer side: wait until a peer's :meth:`get` took a tensor
+        published with ``once=True`` (its GET arrived and was accepted; the tensor may
+        still be on its way); return that peer's address (the listen address its
+        authenticated session holds: :meth:`send_nowait` reaches it)."""
         self._check_open()
         address = self._fetched.pop(tensor_id, None)
         if address is not None:
@@ -585,24 +585,18 @@ class Engine:
             if self._fetch_waiters.get(tensor_id) is fut:
                 del self._fetch_waiters[tensor_id]
 
-    def _claim_published(self, tensor_ids: Sequence[str]) -> list[tuple[str, torch.Tensor]]:
-        """A GET of these (all published) starts: once-published ones leave the table."""
+    def _claim_published(
+        self, tensor_ids: Sequence[str], address: str
+    ) -> list[tuple[str, torch.Tensor]]:
+        """A GET of these (all published) for the session at ``address`` starts: a
+        once-published one is that peer's from now on (it leaves the table, and
+        :meth:`wait_fetched` learns the address at once, not a round trip later when the
+        tensor has landed: a producer waiting to send that peer more starts now)."""
         items = [(t, self._published[t]) for t in tensor_ids]
         for t in tensor_ids:
-            if t in self._once:
-                self._published.pop(t, None)
-        return items
-
-    def _get_served(self, items: list[tuple[str, torch.Tensor]], address: str, ok: bool) -> None:
-        """A GET of ``items`` to ``address`` ended: a once-published tensor was fetched
-        (``ok``) or is available again."""
-        for t, tensor in items:
-            if t not in self._once:  # published for any number of GETs, or unpublished
+            if t not in self._once:
                 continue
-            if not ok:
-                if not self._closed:
-                    self._published.setdefault(t, tensor)
-                continue
+            self._published.pop(t, None)
             self._once.discard(t)
             fut = self._fetch_waiters.pop(t, None)
             if fut is not None and not fut.done():
@@ -611,6 +605,7 @@ class Engine:
             self._fetched[t] = address
             while len(self._fetched) > self.config.limits.max_published:
                 self._fetched.popitem(last=False)
+        return items
 
     async def get(self, tensor_id: str, *, frm: str, timeout: float | None = None) -> torch.Tensor:
         """GET mode, consumer side: ask ``frm`` for a published tensor and wait for it."""

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import asyncio
+import time
 import warnings
 
 import pytest
@@ -86,13 +87,11 @@ async def test_wait_fetched_times_out_and_unpublish_ends_a_wait() -> None:
 @pytest.mark.timeout(30)
 async def test_a_cancelled_wait_loses_no_fetch() -> None:
     async with Engine(cfg()) as a:
-        t = torch.zeros(2)
-        a.publish("x", t, once=True)
+        a.publish("x", torch.zeros(2), once=True)
         waiting = asyncio.ensure_future(a.wait_fetched("x", timeout=10))
         await asyncio.sleep(0)
-        # served and cancelled in one loop pass: the waiter resumes with the cancel
-        a._claim_published(["x"])
-        a._get_served([("x", t)], "127.0.0.1:9", True)
+        # taken and cancelled in one loop pass: the waiter resumes with the cancel
+        a._claim_published(["x"], "127.0.0.1:9")
         waiting.cancel()
         with pytest.raises(asyncio.CancelledError):
             await waiting
@@ -101,16 +100,23 @@ async def test_a_cancelled_wait_loses_no_fetch() -> None:
 
 @pytest.mark.anyio
 @pytest.mark.timeout(30)
-async def test_a_failed_get_leaves_it_published() -> None:
-    async with Engine(cfg()) as a:
-        t = torch.zeros(2)
-        a.publish("x", t, once=True)
-        a._claim_published(["x"])  # a GET starts: nobody else may have it meanwhile
+async def test_the_taker_is_known_when_its_get_arrives() -> None:
+    """wait_fetched returns when the GET is accepted, not when the tensor has landed
+    there: the producer's next message to that peer starts a round trip sooner."""
+    async with Engine(cfg()) as a, Engine(cfg()) as b:
+        await b.connect(a.address)
+        big = torch.ones(32 << 20, dtype=torch.uint8)  # takes a while to move
+        a.publish("x", big, once=True)
+        waiting = asyncio.ensure_future(a.wait_fetched("x", timeout=10))
+        t0 = time.perf_counter()
+        getting = asyncio.ensure_future(b.get("x", frm=a.address, timeout=10))
+        assert await waiting == b.address
+        t_taken = time.perf_counter() - t0
+        assert not getting.done()
+        assert (await getting).numel() == big.numel()
+        t_landed = time.perf_counter() - t0
+        assert t_taken < t_landed / 2, (t_taken, t_landed)
         assert "x" not in a._published
-        a._get_served([("x", t)], "127.0.0.1:9", False)  # ... and fails
-        assert a._published["x"] is t
-        with pytest.raises(TransferTimeoutError):
-            await a.wait_fetched("x", timeout=0.01)
 
 
 # --------------------------------------------------------------------------- connector

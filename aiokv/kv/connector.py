@@ -933,7 +933,7 @@ class KVConnector:
         disaggregation protocol: the prefill returns, a router picks the decode, the
         decode pulls). The producer publishes a small ticket ``"{request_id}#pull"``
         (a CPU int64 tensor: version, block count) for one GET; the first consumer whose
-        GET is served gets the request, sent exactly as :meth:`send_request` sends it to
+        GET takes it gets the request, sent exactly as :meth:`send_request` sends it to
         that consumer's address (the IPC plane where it works). Returns that address
         once the request is sent (:meth:`send_request`'s meaning; the request joins
         :meth:`finished_sending`). Raises :class:`~aiokv.TransferTimeoutError` when

@@ -820,6 +820,29 @@ class _SlowOpen(FakeBackend):
         return super().open(e, device)
 
 
+@asynccontextmanager
+async def loop_gaps() -> AsyncIterator[list[float]]:
+    """The event loop's gaps between 10 ms ticks while the body runs (a stall shows as
+    one long gap)."""
+    gaps: list[float] = []
+    stop = asyncio.Event()
+
+    async def tick() -> None:
+        last = time.monotonic()
+        while not stop.is_set():
+            await asyncio.sleep(0.01)
+            now = time.monotonic()
+            gaps.append(now - last)
+            last = now
+
+    ticker = asyncio.create_task(tick())
+    try:
+        yield gaps
+    finally:
+        stop.set()
+        await ticker
+
+
 @pytest.mark.anyio
 @pytest.mark.timeout(60)
 async def test_verifying_a_mapping_does_not_stall_the_loop() -> None:
@@ -838,21 +861,8 @@ async def test_verifying_a_mapping_does_not_stall_the_loop() -> None:
             verify(*args)
 
         plane._mapper._verify = slow_verify  # type: ignore[method-assign]
-        gaps: list[float] = []
-        stop = asyncio.Event()
-
-        async def tick() -> None:
-            last = time.monotonic()
-            while not stop.is_set():
-                await asyncio.sleep(0.01)
-                now = time.monotonic()
-                gaps.append(now - last)
-                last = now
-
-        ticker = asyncio.create_task(tick())
-        await move(prod, cons, a, b, "v1", [1, 2], [3, 4])
-        stop.set()
-        await ticker
+        async with loop_gaps() as gaps:
+            await move(prod, cons, a, b, "v1", [1, 2], [3, 4])
         assert landed(pl, p, [1, 2], c, [3, 4])
         assert threads == ["aiokv-ipc-map"]
         st = cons.statistics().ipc
@@ -872,24 +882,11 @@ async def test_mapping_an_export_does_not_stall_the_loop() -> None:
     async with pair(pl, pl) as (a, b):
         slow = _SlowOpen()
         prod, cons = connectors(a, b, pl, p, pl, c, cb=slow)
-        gaps: list[float] = []
-        stop = asyncio.Event()
-
-        async def tick() -> None:
-            last = time.monotonic()
-            while not stop.is_set():
-                await asyncio.sleep(0.01)
-                now = time.monotonic()
-                gaps.append(now - last)
-                last = now
-
-        ticker = asyncio.create_task(tick())
-        await asyncio.gather(
-            move(prod, cons, a, b, "s1", [1, 2], [3, 4]),
-            move(prod, cons, a, b, "s2", [5], [6]),
-        )
-        stop.set()
-        await ticker
+        async with loop_gaps() as gaps:
+            await asyncio.gather(
+                move(prod, cons, a, b, "s1", [1, 2], [3, 4]),
+                move(prod, cons, a, b, "s2", [5], [6]),
+            )
         assert landed(pl, p, [1, 2, 5], c, [3, 4, 6])
         st = cons.statistics().ipc
         assert st is not None and st.mappings_verified == 1 and st.requests_received == 2

@@ -6,6 +6,8 @@ from __future__ import annotations
 import asyncio
 import time
 import warnings
+from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager
 
 import pytest
 from _kvutil import blocks, filled, make_layout, rand_ids
@@ -146,14 +148,29 @@ async def test_pull_moves_the_request_bit_exact(kind: str) -> None:
         await cons.aclose()
 
 
-@pytest.mark.anyio
-@pytest.mark.timeout(60)
-async def test_pull_nobody_fetches_then_a_late_consumer_is_refused_at_once() -> None:
+@asynccontextmanager
+async def connectors() -> AsyncIterator[
+    tuple[Engine, KVConnector, KVConnector, Callable[[], None]]
+]:
+    """Two engines with connectors over small caches; yields ``(producer's engine,
+    producer, consumer, untouched)``: ``untouched()`` asserts the consumer's cache is
+    as it was."""
     lay = make_layout("fa", "float16", num_blocks=16)
     p, c = filled(lay, 1), filled(lay, 2)
     before = [t.clone() for t in c]
+
+    def untouched() -> None:
+        for x, y in zip(c, before, strict=True):
+            assert torch.equal(x.view(torch.uint8), y.view(torch.uint8))
+
     async with Engine(cfg()) as a, Engine(cfg()) as b:
-        prod, cons = KVConnector(a, lay, p), KVConnector(b, lay, c)
+        yield a, KVConnector(a, lay, p), KVConnector(b, lay, c), untouched
+
+
+@pytest.mark.anyio
+@pytest.mark.timeout(60)
+async def test_pull_nobody_fetches_then_a_late_consumer_is_refused_at_once() -> None:
+    async with connectors() as (a, prod, cons, untouched):
         with pytest.raises(TransferTimeoutError):
             await prod.serve_request("r1", [1, 2, 3], timeout=0.2)
         t0 = asyncio.get_running_loop().time()
@@ -161,26 +178,20 @@ async def test_pull_nobody_fetches_then_a_late_consumer_is_refused_at_once() -> 
             await cons.fetch_request("r1", [4, 5, 6], frm=a.address, timeout=10)
         assert asyncio.get_running_loop().time() - t0 < 5
         assert prod.finished_sending() == set()
-        for x, y in zip(c, before, strict=True):
-            assert torch.equal(x.view(torch.uint8), y.view(torch.uint8))
+        untouched()
 
 
 @pytest.mark.anyio
 @pytest.mark.timeout(60)
 async def test_pull_block_count_mismatch_is_refused_before_anything_is_written() -> None:
-    lay = make_layout("fa", "float16", num_blocks=16)
-    p, c = filled(lay, 1), filled(lay, 2)
-    before = [t.clone() for t in c]
-    async with Engine(cfg()) as a, Engine(cfg()) as b:
-        prod, cons = KVConnector(a, lay, p), KVConnector(b, lay, c)
+    async with connectors() as (a, prod, cons, untouched):
         serving = asyncio.ensure_future(prod.serve_request("r1", [1, 2, 3], timeout=2))
         await asyncio.sleep(0.01)
         with pytest.raises(LayoutMismatchError) as ei:
             await cons.fetch_request("r1", [4, 5], frm=a.address, timeout=10)
         assert ei.value.code == "kv_size_mismatch"
         await asyncio.wait([serving], timeout=10)
-        for x, y in zip(c, before, strict=True):
-            assert torch.equal(x.view(torch.uint8), y.view(torch.uint8))
+        untouched()
 
 
 @pytest.mark.anyio

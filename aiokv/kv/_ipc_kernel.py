@@ -32,7 +32,7 @@ from __future__ import annotations
 import ctypes
 import functools
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, TypedDict
 
 import torch
 
@@ -40,6 +40,7 @@ from . import _triton
 
 __all__ = [
     "WORDS",
+    "CopyGeometry",
     "RawLaunch",
     "available",
     "base_alignment",
@@ -55,6 +56,21 @@ WORDS: dict[int, torch.dtype] = {8: torch.int64, 4: torch.int32, 2: torch.int16,
 _PROGRAM_BYTES = 32768
 _MAX_PROGRAMS = 2**31 - 1
 MAX_PROGRAMS = _MAX_PROGRAMS  # the grid's limit (one dimension)
+
+
+class CopyGeometry(TypedDict):
+    """The copy's geometry keywords of :func:`launch_pair_copy` / :func:`pair_copy_args`
+    (strides and sizes in words)."""
+
+    n_pairs: int
+    word: int
+    n_layers: int
+    parts: int
+    seg_words: int
+    src_part_stride: int
+    dst_part_stride: int
+    block_stride: int
+    base_align: int
 
 
 def word_size(*quantities: int) -> int:
@@ -184,9 +200,11 @@ def launch_pair_copy(
     block_stride: int,
     base_align: int,
     program_bytes: int = _PROGRAM_BYTES,
+    warm_only: bool = False,
 ) -> Any:
     """Launch the fused copy on the CURRENT stream. False when the grid would be too big,
     else the compiled kernel Triton launched (for :class:`RawLaunch`; True if none).
+    ``warm_only``: compile, do not launch (:func:`warm_pair_copy`).
 
     ``src_table``/``dst_table``: ``n_layers`` int64 base addresses (device tensors),
     aligned to ``word``. ``ids``: int64 device tensor ``[2, n]`` (source ids, then
@@ -209,7 +227,9 @@ def launch_pair_copy(
     if programs > _MAX_PROGRAMS:
         return False
     word_ref = _word_ref(ids.device, word)
-    compiled = _kernel()[(programs,)](
+    kernel = _kernel()
+    run = functools.partial(kernel.warmup, grid=(programs,)) if warm_only else kernel[(programs,)]
+    compiled = run(
         src_table,
         dst_table,
         ids,
@@ -246,17 +266,15 @@ def warm_pair_copy(
     this geometry (Triton's ``warmup``: same argument types, alignments and
     specialised values; the per-request values are not specialised), so that a later
     launch finds it in Triton's cache. Returns the compiled kernel."""
-    block, chunks, vec, num_warps = _geometry(
-        word, seg_words, src_part_stride, dst_part_stride, base_align, program_bytes
-    )
     # fresh allocations: aligned like the plane's tables, ids and abort blocks
     table = torch.empty(1, dtype=torch.int64, device=device)
     ids = torch.empty(2, dtype=torch.int64, device=device)
     abort = torch.empty(1, dtype=torch.int32, device=device)
-    return _kernel().warmup(
-        table, table, ids, abort, _word_ref(device, word), 0, 1, 1, seg_words,
-        src_part_stride, dst_part_stride, block_stride, chunks,
-        BLOCK=block, VEC=vec, WORD=word, num_warps=num_warps, grid=(1,),
+    return launch_pair_copy(
+        table, table, ids, abort, 0, n_pairs=1, word=word, n_layers=1, parts=1,
+        seg_words=seg_words, src_part_stride=src_part_stride,
+        dst_part_stride=dst_part_stride, block_stride=block_stride, base_align=base_align,
+        program_bytes=program_bytes, warm_only=True,
     )  # fmt: skip
 
 

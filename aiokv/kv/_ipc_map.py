@@ -259,7 +259,9 @@ class Mapper:
             and (_ipc_kernel.available())
         )
 
-    def geometry(self, m: _Mapping, *, n_pairs: int, n_layers: int, parts: int) -> dict[str, int]:
+    def geometry(
+        self, m: _Mapping, *, n_pairs: int, n_layers: int, parts: int
+    ) -> _ipc_kernel.CopyGeometry:
         """The copy kernel's geometry arguments for mapping ``m`` (in ``m``'s words)."""
         seg = seg_bytes(self.layout)
         w = m.word
@@ -355,7 +357,7 @@ class Mapper:
             m.raw = self._try_raw(m, compiled, src, swap, expect, slots[2:])
         del probe
 
-    def _probe_geometry(self, m: _Mapping) -> dict[str, int]:
+    def _probe_geometry(self, m: _Mapping) -> _ipc_kernel.CopyGeometry:
         return self.geometry(m, n_pairs=_PROBE_SEGMENTS, n_layers=1, parts=1)
 
     def _probe_copies(

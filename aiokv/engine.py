@@ -31,7 +31,7 @@ import logging
 import secrets
 import time
 from collections import OrderedDict
-from collections.abc import Awaitable, Iterable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -214,6 +214,7 @@ class Engine:
         # once-published tensors served and not yet waited for: the requester's address
         self._fetched: OrderedDict[str, str] = OrderedDict()
         self._fetch_waiters: dict[str, asyncio.Future[str]] = {}
+        self._on_get: dict[str, Callable[[str], None]] = {}  # publish(on_get=...)
         self._stats = EngineStatistics()
         # the receiving half: sockets, peers' sessions, admission, credit, landing
         self._server = _Server(self, config, self._codec, self._store, self._stats)
@@ -526,11 +527,21 @@ class Engine:
         self._pump_queue()  # the freed room may admit queued reservations
         return n
 
-    def publish(self, tensor_id: str, tensor: torch.Tensor, *, once: bool = False) -> None:
+    def publish(
+        self,
+        tensor_id: str,
+        tensor: torch.Tensor,
+        *,
+        once: bool = False,
+        on_get: Callable[[str], None] | None = None,
+    ) -> None:
         """GET mode, producer side: make ``tensor`` available to peers' :meth:`get`.
 
         ``once``: serve it to the first GET only (a later one gets ``not_published``);
-        :meth:`wait_fetched` then says which peer took it."""
+        :meth:`wait_fetched` then says which peer took it. ``on_get``: called on the
+        loop with the address of each peer whose GET of it was accepted (its
+        authenticated session's listen address), before the tensor is sent; an
+        exception it raises is logged, never the GET's."""
         self._check_open()
         _prepare([(tensor_id, tensor)], self.config.limits.max_id_length)
         if (
@@ -540,6 +551,10 @@ class Engine:
             raise ConfigError(f"more than {self.config.limits.max_published} published tensors")
         self._published[tensor_id] = tensor
         self._fetched.pop(tensor_id, None)
+        if on_get is not None:
+            self._on_get[tensor_id] = on_get
+        else:
+            self._on_get.pop(tensor_id, None)
         if once:
             self._once.add(tensor_id)
         else:
@@ -550,6 +565,7 @@ class Engine:
         on it raises :class:`~aiokv.NotPublishedError`)."""
         self._once.discard(tensor_id)
         self._fetched.pop(tensor_id, None)
+        self._on_get.pop(tensor_id, None)
         fut = self._fetch_waiters.pop(tensor_id, None)
         if fut is not None and not fut.done():
             fut.set_exception(NotPublishedError(f"{tensor_id!r} was unpublished"))
@@ -594,6 +610,12 @@ class Engine:
         tensor has landed: a producer waiting to send that peer more starts now)."""
         items = [(t, self._published[t]) for t in tensor_ids]
         for t in tensor_ids:
+            cb = self._on_get.get(t)
+            if cb is not None:
+                try:
+                    cb(address)
+                except Exception:
+                    log.exception("on_get callback of published %r failed", t)
             if t not in self._once:
                 continue
             self._published.pop(t, None)

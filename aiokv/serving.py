@@ -318,6 +318,7 @@ async def worker_lifespan(
     max_model_len: int | None = None,
     kv_host: str | None = None,
     warm_peers: bool = True,
+    after_connect: Callable[[str], Awaitable[object]] | None = None,
 ) -> AsyncIterator[WorkerHandle]:
     """Start an engine and (when ``router_url`` is given) the heartbeat task.
 
@@ -332,7 +333,10 @@ async def worker_lifespan(
     told to the router so it refuses longer ``max_tokens`` up front.
     ``warm_peers``: run a :class:`PeerWarmer` (the handle's ``warmer``) fed with the
     router's listing of this worker's peers, so their sessions are open before the
-    first request. On exit the warmer and the heartbeat are stopped, the instance
+    first request; ``after_connect`` (its :class:`PeerWarmer` argument) runs after
+    each peer's session opened, e.g. a decode worker's
+    :meth:`aiokv.kv.KVConnector.prepare` (the IPC plane's mapping of a prefill's
+    cache). On exit the warmer and the heartbeat are stopped, the instance
     deregistered (bounded) and the engine closed.
     """
     from aiokv import Engine
@@ -340,7 +344,7 @@ async def worker_lifespan(
     async with Engine(engine_config) as engine:
         if on_engine is not None:
             await on_engine(engine)
-        warmer = PeerWarmer(engine) if warm_peers else None
+        warmer = PeerWarmer(engine, after_connect=after_connect) if warm_peers else None
         reg: WorkerRegistration | None = None
         task: asyncio.Task[None] | None = None
         if router_url is not None:
@@ -390,6 +394,11 @@ class PeerWarmer:
     at most ``max_peers`` peers wait for one (more are left to a later call), and at most
     ``max_peers`` warm peers are remembered (the oldest forgotten first). Use it from
     the engine's event loop.
+
+    ``after_connect``: awaited with the peer's address after each successful connect,
+    before the peer counts as warm (what else the first request would wait for, e.g.
+    :meth:`aiokv.kv.KVConnector.prepare`); an error it raises is logged, and the peer
+    still counts as warm (its session is open).
     """
 
     def __init__(
@@ -400,6 +409,7 @@ class PeerWarmer:
         max_peers: int = 256,
         recheck: float = 5.0,
         timeout: float | None = None,
+        after_connect: Callable[[str], Awaitable[object]] | None = None,
     ) -> None:
         if concurrency < 1 or max_peers < 1 or recheck < 0:
             raise ValueError("concurrency and max_peers must be >= 1, recheck >= 0")
@@ -408,6 +418,7 @@ class PeerWarmer:
         self.max_peers = max_peers
         self.recheck = recheck
         self.timeout = timeout
+        self.after_connect = after_connect
         self._warm: OrderedDict[str, float] = OrderedDict()  # address -> when confirmed
         self._waiting: OrderedDict[str, None] = OrderedDict()
         self._tasks: dict[str, asyncio.Task[None]] = {}
@@ -463,6 +474,11 @@ class PeerWarmer:
             log.log(level, "warming the session to %s failed (tried again when named): %r", peer, e)
         else:
             self.connected += 1
+            if self.after_connect is not None:
+                try:
+                    await self.after_connect(peer)
+                except Exception as e:
+                    log.warning("after connecting to %s: %r", peer, e)
             self._warm[peer] = time.monotonic()
             self._warm.move_to_end(peer)
             while len(self._warm) > self.max_peers:

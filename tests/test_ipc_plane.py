@@ -256,6 +256,62 @@ async def test_pull_mode_goes_through_the_plane() -> None:
 
 @pytest.mark.anyio
 @pytest.mark.timeout(60)
+async def test_prepare_maps_the_export_ahead_of_the_first_request() -> None:
+    async with plane_pair("fa", "bfloat16", 20) as (pl, p, c, a, b, prod, cons):
+        assert cons._ipc is not None and prod._ipc is not None
+        # concurrent calls share one attempt; the producer learns the consumer from the
+        # GET of its hello and sends an offer-only request
+        assert await asyncio.gather(
+            cons.prepare(a.address, timeout=10), cons.prepare(a.address, timeout=10)
+        ) == [True, True]
+        st = cons.statistics().ipc
+        assert st is not None and st.mappings_verified == 1 and st.requests_received == 0
+        for _ in range(200):  # the producer takes the consumer's release a moment later
+            if b.address in prod._ipc._acked:
+                break
+            await asyncio.sleep(0.005)
+        assert b.address in prod._ipc._acked  # the offer was acknowledged
+        assert await cons.prepare(a.address, timeout=10)  # mapped already: no round trip
+        seen: list[bool] = []
+        orig = Descriptor.from_wire
+
+        def spy(d: Any) -> Any:
+            seen.append(d.get("offer") is not None)
+            return orig(d)
+
+        ipcmod.Descriptor.from_wire = spy  # type: ignore[method-assign]
+        try:
+            await move(prod, cons, a, b, "r1", [3, 1, 4], [5, 9, 2])
+        finally:
+            ipcmod.Descriptor.from_wire = orig  # type: ignore[method-assign]
+        assert seen and not any(seen)  # the first request carried no offer
+        assert landed(pl, p, [3, 1, 4], c, [5, 9, 2])
+        st = cons.statistics().ipc
+        assert st is not None and st.mappings_verified == 1 and st.requests_received == 1
+        ps = prod.statistics().ipc
+        assert ps is not None and ps.requests_sent == 1  # the offer alone is not a request
+        assert prod.finished_sending() == {"r1"}
+        assert cons.finished_receiving() == {"r1"}
+
+
+@pytest.mark.anyio
+@pytest.mark.timeout(60)
+async def test_prepare_against_a_producer_without_the_plane_is_false_at_once() -> None:
+    pl = make_layout("fa", "bfloat16", 20)
+    async with pair(pl, pl) as (a, b):
+        prod = KVConnector(a, pl, filled(pl, 1))  # no IPC plane: no hello published
+        cons = KVConnector(b, pl, filled(pl, 2), ipc=OPTS)
+        cons._ipc = IpcPlane(cons, OPTS, backend=FakeBackend())
+        t0 = time.monotonic()
+        assert not await cons.prepare(a.address, timeout=10)
+        assert time.monotonic() - t0 < 5
+        assert not await KVConnector(b, pl, filled(pl, 3)).prepare(a.address)  # no plane here
+        await prod.aclose()
+        await cons.aclose()
+
+
+@pytest.mark.anyio
+@pytest.mark.timeout(60)
 async def test_offer_sent_until_acknowledged() -> None:
     pl = make_layout("fa", "bfloat16", 20)
     p, c = filled(pl, 1), filled(pl, 2)

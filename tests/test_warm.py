@@ -80,6 +80,33 @@ async def test_warm_opens_the_session_in_the_background() -> None:
         await warmer.aclose()
 
 
+@pytest.mark.anyio
+@pytest.mark.timeout(30)
+async def test_after_connect_runs_before_the_peer_counts_as_warm(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    async with aiokv.Engine() as a, aiokv.Engine() as b, aiokv.Engine() as c:
+        called: list[str] = []
+        gate = asyncio.Event()
+
+        async def after(peer: str) -> None:
+            called.append(peer)
+            await gate.wait()
+            if peer == c.address:
+                raise RuntimeError("mapping failed")
+
+        warmer = PeerWarmer(a, after_connect=after)
+        warmer.warm([b.address, c.address])
+        await _until(lambda: len(called) == 2)
+        assert not warmer.is_warm(b.address)  # not before after_connect finished
+        with caplog.at_level(logging.WARNING, logger="aiokv.serving"):
+            gate.set()
+            await _until(lambda: warmer.pending == 0)
+        assert warmer.is_warm(b.address) and warmer.is_warm(c.address)  # sessions are open
+        assert any("mapping failed" in r.getMessage() for r in caplog.records)
+        await warmer.aclose()
+
+
 def aiokv_tensor() -> object:
     import torch
 

@@ -565,8 +565,19 @@ def create_app(cfg: WorkerConfig, url: str = "") -> FastAPI:
             **engine_overrides(),
         )
 
+        use_ipc = cfg.ipc and w.m.device.type == "cuda"
+
         async def on_engine(engine: Any) -> None:
             w.engine = engine
+            w.con = KVConnector(
+                engine, w.layout, w.m.kv_caches, ipc=IpcOptions() if use_ipc else None
+            )
+
+        async def prepare(peer: str) -> None:
+            # a decode worker maps each prefill's cache as soon as the router lists it
+            # (IPC plane), so the first request does not wait for that
+            if await w.con.prepare(peer):
+                log.info("IPC plane: %s's cache mapped ahead", peer)
 
         try:
             async with worker_lifespan(
@@ -580,12 +591,9 @@ def create_app(cfg: WorkerConfig, url: str = "") -> FastAPI:
                 token=cfg.router_token,
                 max_model_len=mc.max_positions,
                 kv_host=cfg.advertise_host,
+                after_connect=prepare if use_ipc and cfg.role == "decode" else None,
             ) as handle:
                 w.warmer = handle.warmer
-                use_ipc = cfg.ipc and w.m.device.type == "cuda"
-                w.con = KVConnector(
-                    w.engine, w.layout, w.m.kv_caches, ipc=IpcOptions() if use_ipc else None
-                )
                 log.info("%s worker up: http %s, kv %s", cfg.role, url, w.engine.address)
                 try:
                     yield

@@ -117,7 +117,14 @@ class _PullEngine(Protocol):
     """What pull mode (:meth:`KVConnector.serve_request` / :meth:`~KVConnector.fetch_request`)
     needs of the engine besides :class:`EngineLike`: GET mode, once-published tensors."""
 
-    def publish(self, tensor_id: str, tensor: torch.Tensor, *, once: bool = False) -> None: ...
+    def publish(
+        self,
+        tensor_id: str,
+        tensor: torch.Tensor,
+        *,
+        once: bool = False,
+        on_get: Callable[[str], None] | None = None,
+    ) -> None: ...
 
     def unpublish(self, tensor_id: str) -> bool: ...
 
@@ -1002,6 +1009,20 @@ class KVConnector:
                 code="kv_size_mismatch",
             )
         return await self.recv_request(request_id, host, frm=frm, timeout=_time_left(deadline))
+
+    async def prepare(self, peer: str, *, timeout: float | None = None) -> bool:
+        """Consumer side: set up what the first request from the producer at ``peer``
+        would otherwise wait for. With the IPC plane, that is mapping and verifying the
+        producer's export (0.17-0.6 s on the first request otherwise, docs/ipc.md):
+        returns True once it is mapped here, False when IPC is not used with that
+        producer (the plane is off on either side, or it fell back: counted and logged
+        as for a request). Without the plane, False. Call it for the producers this
+        side will read from (a decode worker: its prefill peers), e.g. once the session
+        to them is warm (:class:`aiokv.serving.PeerWarmer`'s ``after_connect``)."""
+        self._check_open()
+        if self._ipc is None:
+            return False
+        return await self._ipc.prepare(peer, timeout)
 
     # ------------------------------------------------------------------ tracking
 

@@ -58,9 +58,11 @@ import torch
 from .._blocking import in_daemon
 from .._common import _await_shielded, _time_left
 from .._exceptions import (
+    AiokvError,
     AiokvTimeoutError,
     ConfigError,
     LayoutMismatchError,
+    NotPublishedError,
     RemoteProtocolError,
     TransferAbortedError,
     TransferTimeoutError,
@@ -92,7 +94,9 @@ if TYPE_CHECKING:
     from .connector import KVConnector
 
 __all__ = [
+    "HELLO",
     "LAYERS",
+    "PREPARE_RID",
     "ControlChannel",
     "Descriptor",
     "EngineChannel",
@@ -136,6 +140,11 @@ NO_OFFER = "no_offer"
 PRODUCER_GONE = "producer_gone"
 #: the export's mapping did not finish before the request's deadline
 MAP_TIMEOUT = "map_timeout"
+#: the tensor a producer's plane publishes for consumers that map its export ahead
+#: (:meth:`IpcPlane.prepare`): a GET of it makes the producer send its offer
+HELLO = "aiokv#ipc-hello"
+#: the request id of that offer-only request (no blocks)
+PREPARE_RID = "aiokv#ipc-prepare"
 #: a ring message's extra key (removed before the descriptor is validated): the producer
 #: posted it by the ring alone, so no engine copy follows unless as a late backup. Only
 #: sent to consumers whose release said RING (they know the key).
@@ -532,6 +541,14 @@ class IpcPlane:
         self._bell_spin_until = 0.0
         self._taken: dict[str, Any] = {}  # request id -> lease of a descriptor the ring gave
         self._closed = False
+        self._offering: set[str] = set()  # consumers an offer-only request is going to
+        self._preparing: dict[str, asyncio.Future[bool]] = {}  # producer -> prepare()
+        if not self.disabled and connector._pull is not None:
+            # consumers may ask for the offer ahead of their first request (prepare)
+            with contextlib.suppress(AiokvError):
+                connector._pull.publish(
+                    HELLO, torch.zeros(1, dtype=torch.uint8), on_get=self._hello
+                )
         self._mapper = Mapper(
             self.device,
             self.layout,
@@ -678,6 +695,7 @@ class IpcPlane:
         *,
         to: str,
         timeout: float | None,
+        _offer_only: bool = False,
     ) -> None:
         _mark(request_id, "send")
         con = self.con
@@ -689,7 +707,7 @@ class IpcPlane:
         _mark(request_id, "ids")
         _time_left(deadline)  # (timeout=0: over before anything is taken or sent)
         reason = self.disabled or self._broken_to.get(to)
-        if reason or n == 0:
+        if reason or (n == 0 and not _offer_only):
             self._send_plain(request_id, n, to, deadline, reason)
             await con.send_request(
                 request_id, host, to=to, timeout=max(0.0, deadline - time.monotonic()), _plain=True
@@ -880,6 +898,8 @@ class IpcPlane:
             if bell is not None:  # the consumer opened both with the offer: names can go
                 bell.open_wake()
                 bell.unlink()
+        if request_id == PREPARE_RID:  # an offer alone: no request to count or report
+            return True
         self._stats.requests_sent += 1
         st = con._stats
         st.requests_sent += 1
@@ -913,7 +933,27 @@ class IpcPlane:
         if rel is not None:
             self._free_events.extend(events)
         # blocks are free to reuse from here on (release, or lease + grace over)
-        self.con._finished_sending.add(rid)
+        if rid != PREPARE_RID:
+            self.con._finished_sending.add(rid)
+
+    def _hello(self, address: str) -> None:
+        """``on_get`` of :data:`HELLO`: the consumer at ``address`` (an authenticated
+        session's address) maps our export ahead of its first request
+        (:meth:`prepare`); send it an offer-only request (the offer rides along unless
+        that consumer acknowledged it already). One at a time per consumer."""
+        if self._closed or address in self._offering:
+            return
+        self._offering.add(address)
+
+        async def offer() -> None:
+            try:
+                await self.send_request(PREPARE_RID, (), to=address, timeout=None, _offer_only=True)
+            except AiokvError as exc:
+                log.info("aiokv IPC plane: the offer to %s did not land: %r", address, exc)
+            finally:
+                self._offering.discard(address)
+
+        self._track(offer())
 
     # ------------------------------------------------------------------ producer, layer-wise
 
@@ -1046,6 +1086,36 @@ class IpcPlane:
 
     # ------------------------------------------------------------------ consumer
 
+    async def prepare(self, frm: str, timeout: float | None) -> bool:
+        """Map and verify the export of the producer at ``frm`` ahead of its first
+        request (which then waits for no mapping): GET the producer's :data:`HELLO`,
+        which makes it send an offer-only request, and receive that. True when the
+        export is mapped here; False when it cannot be (the plane is off on either
+        side, or the request fell back: counted and logged as usual). Concurrent calls
+        for one producer share one attempt."""
+        if self.disabled or self.con._pull is None:
+            return False
+        if any(m.reply_to == frm and not m.broken for m in self._maps.values()):
+            return True
+        fut = self._preparing.get(frm)
+        if fut is None:
+            fut = asyncio.ensure_future(self._prepare(frm, timeout))
+            self._preparing[frm] = fut
+            fut.add_done_callback(lambda f: self._preparing.pop(frm, None))
+        return await asyncio.shield(fut)
+
+    async def _prepare(self, frm: str, timeout: float | None) -> bool:
+        assert self.con._pull is not None
+        deadline = self.con._deadline(timeout)
+        try:
+            await self.con._pull.get(HELLO, frm=frm, timeout=_time_left(deadline))
+        except NotPublishedError:  # no IPC plane there
+            return False
+        plane = await self.recv_request(
+            PREPARE_RID, (), frm=frm, timeout=_time_left(deadline), layerwise=False
+        )
+        return plane == "ipc"
+
     async def recv_request(
         self,
         request_id: str,
@@ -1127,6 +1197,9 @@ class IpcPlane:
             drop_layers()
             raise
         _mark(request_id, "mapped")
+        if n == 0:  # an offer alone (prepare): mapped and verified, nothing to copy
+            self._release(desc, Release(request_id, True))
+            return "ipc"
         await self._pull(m, desc, host, deadline, frm, rung=rung)
         return "ipc"
 
@@ -1825,6 +1898,9 @@ class IpcPlane:
         """Stop: wait (bounded) for background messages and in-flight copies, then unmap."""
         self._closed = True
         end = time.monotonic() + timeout
+        if self.con._pull is not None:
+            with contextlib.suppress(AiokvError):
+                self.con._pull.unpublish(HELLO)
         self._flush_releases()
         if self._background:
             await asyncio.wait(list(self._background), timeout=timeout)

@@ -17,8 +17,8 @@ import secrets
 import threading
 import time
 import warnings
-from collections.abc import AsyncIterator
-from contextlib import asynccontextmanager
+from collections.abc import AsyncIterator, Iterator
+from contextlib import asynccontextmanager, contextmanager
 from typing import Any
 
 import msgpack
@@ -254,6 +254,23 @@ async def test_pull_mode_goes_through_the_plane() -> None:
         assert ps.chunks_sent == 0 and not ps.ipc.fallbacks  # nothing the ordinary way
 
 
+@contextmanager
+def offers_seen() -> Iterator[list[bool]]:
+    """Whether each descriptor validated meanwhile carried the producer's offer."""
+    seen: list[bool] = []
+    orig = Descriptor.from_wire
+
+    def spy(d: Any) -> Any:
+        seen.append(d.get("offer") is not None)
+        return orig(d)
+
+    ipcmod.Descriptor.from_wire = spy  # type: ignore[method-assign]
+    try:
+        yield seen
+    finally:
+        ipcmod.Descriptor.from_wire = orig  # type: ignore[method-assign]
+
+
 @pytest.mark.anyio
 @pytest.mark.timeout(60)
 async def test_prepare_maps_the_export_ahead_of_the_first_request() -> None:
@@ -272,18 +289,8 @@ async def test_prepare_maps_the_export_ahead_of_the_first_request() -> None:
             await asyncio.sleep(0.005)
         assert b.address in prod._ipc._acked  # the offer was acknowledged
         assert await cons.prepare(a.address, timeout=10)  # mapped already: no round trip
-        seen: list[bool] = []
-        orig = Descriptor.from_wire
-
-        def spy(d: Any) -> Any:
-            seen.append(d.get("offer") is not None)
-            return orig(d)
-
-        ipcmod.Descriptor.from_wire = spy  # type: ignore[method-assign]
-        try:
+        with offers_seen() as seen:
             await move(prod, cons, a, b, "r1", [3, 1, 4], [5, 9, 2])
-        finally:
-            ipcmod.Descriptor.from_wire = orig  # type: ignore[method-assign]
         assert seen and not any(seen)  # the first request carried no offer
         assert landed(pl, p, [3, 1, 4], c, [5, 9, 2])
         st = cons.statistics().ipc
@@ -317,19 +324,9 @@ async def test_offer_sent_until_acknowledged() -> None:
     p, c = filled(pl, 1), filled(pl, 2)
     async with pair(pl, pl) as (a, b):
         prod, cons = connectors(a, b, pl, p, pl, c)
-        seen: list[bool] = []
-        orig = Descriptor.from_wire
-
-        def spy(d: Any) -> Any:
-            seen.append(d.get("offer") is not None)
-            return orig(d)
-
-        ipcmod.Descriptor.from_wire = spy  # type: ignore[method-assign]
-        try:
+        with offers_seen() as seen:
             await move(prod, cons, a, b, "x0", [1, 2], [3, 4])
             await move(prod, cons, a, b, "x1", [5], [6])
-        finally:
-            ipcmod.Descriptor.from_wire = orig  # type: ignore[method-assign]
         assert seen == [True, False]
         await prod.aclose()
         await cons.aclose()

@@ -303,6 +303,35 @@ async def test_prepare_maps_the_export_ahead_of_the_first_request() -> None:
 
 @pytest.mark.anyio
 @pytest.mark.timeout(60)
+@pytest.mark.parametrize("fail_open", [True, False])
+async def test_a_prepare_that_falls_back_reports_nothing_as_sent(fail_open: bool) -> None:
+    """The offer-only request of prepare() is not a request: when the consumer cannot map
+    the export (fallback release) -- and when the producer already knows it cannot (a
+    second prepare) -- prepare() is False at once, and the producer reports nothing in
+    finished_sending() and counts no request (regression: the fallback sent it the
+    ordinary way as an empty request, which reported "aiokv#ipc-prepare" finished)."""
+    pl = make_layout("fa", "bfloat16", 20)
+    p, c = filled(pl, 1), filled(pl, 2)
+    cb = FakeBackend(fail_open=True) if fail_open else FakeBackend(corrupt_probe=True)
+    async with pair(pl, pl) as (a, b):
+        prod, cons = connectors(a, b, pl, p, pl, c, cb=cb)
+        for _ in range(2):
+            t0 = time.monotonic()
+            assert not await cons.prepare(a.address, timeout=10)
+            assert time.monotonic() - t0 < 5
+        await asyncio.sleep(0.05)  # the producer's side of the fallback settles
+        assert prod.finished_sending() == set()
+        ps = prod.statistics()
+        assert ps.requests_sent == 0 and ps.ipc is not None and ps.ipc.requests_sent == 0
+        await move(prod, cons, a, b, "r1", [1, 2], [3, 4])  # requests go the ordinary way
+        assert landed(pl, p, [1, 2], c, [3, 4])
+        assert prod.finished_sending() == {"r1"}
+        await prod.aclose()
+        await cons.aclose()
+
+
+@pytest.mark.anyio
+@pytest.mark.timeout(60)
 async def test_prepare_against_a_producer_without_the_plane_is_false_at_once() -> None:
     pl = make_layout("fa", "bfloat16", 20)
     async with pair(pl, pl) as (a, b):

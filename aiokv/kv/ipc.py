@@ -541,7 +541,8 @@ class IpcPlane:
         self._bell_spin_until = 0.0
         self._taken: dict[str, Any] = {}  # request id -> lease of a descriptor the ring gave
         self._closed = False
-        self._offering: set[str] = set()  # consumers an offer-only request is going to
+        # consumers an offer-only request is going to -> whether another hello came
+        self._offering: dict[str, bool] = {}
         self._preparing: dict[str, asyncio.Future[bool]] = {}  # producer -> prepare()
         if not self.disabled and connector._pull is not None:
             # consumers may ask for the offer ahead of their first request (prepare)
@@ -707,6 +708,9 @@ class IpcPlane:
         _mark(request_id, "ids")
         _time_left(deadline)  # (timeout=0: over before anything is taken or sent)
         reason = self.disabled or self._broken_to.get(to)
+        if _offer_only and reason:  # no offer to make: the consumer's prepare() is False
+            self._send_plain(request_id, 0, to, deadline, None)
+            return
         if reason or (n == 0 and not _offer_only):
             self._send_plain(request_id, n, to, deadline, reason)
             await con.send_request(
@@ -718,7 +722,9 @@ class IpcPlane:
         except Exception as exc:  # an allocation torch cannot share (expandable segments ...)
             self.disabled = "export_failed"  # counted per request on the plain path
             self._log_fallback("export_failed", to, f"{type(exc).__name__}: {exc}")
-            return await self.send_request(request_id, host, to=to, timeout=timeout)
+            return await self.send_request(
+                request_id, host, to=to, timeout=timeout, _offer_only=_offer_only
+            )
         slot, ev, ev_handle = self._take_event()
         self._record(ev)  # on the current stream: after the KV writes queued so far
         _mark(request_id, "recorded")
@@ -777,7 +783,7 @@ class IpcPlane:
             started=t0,
             count_errors=False,
         )
-        if not ok:  # nothing was read: the ordinary way (from now on, for this consumer)
+        if not ok and not _offer_only:  # nothing was read: the ordinary way (from now on)
             await con.send_request(
                 request_id, host, to=to, timeout=max(0.0, deadline - time.monotonic()), _plain=True
             )
@@ -940,18 +946,29 @@ class IpcPlane:
         """``on_get`` of :data:`HELLO`: the consumer at ``address`` (an authenticated
         session's address) maps our export ahead of its first request
         (:meth:`prepare`); send it an offer-only request (the offer rides along unless
-        that consumer acknowledged it already). One at a time per consumer."""
-        if self._closed or address in self._offering:
+        that consumer acknowledged it already). Every hello gets its answer, one at a
+        time per consumer: a hello while one is being answered (the consumer may ask
+        again as soon as it released the last, before we took that release) is
+        answered after it."""
+        if self._closed:
             return
-        self._offering.add(address)
+        if address in self._offering:
+            self._offering[address] = True  # answer once more when this one is done
+            return
+        self._offering[address] = False
 
         async def offer() -> None:
-            try:
-                await self.send_request(PREPARE_RID, (), to=address, timeout=None, _offer_only=True)
-            except AiokvError as exc:
-                log.info("aiokv IPC plane: the offer to %s did not land: %r", address, exc)
-            finally:
-                self._offering.discard(address)
+            again = True
+            while again and not self._closed:
+                try:
+                    await self.send_request(
+                        PREPARE_RID, (), to=address, timeout=None, _offer_only=True
+                    )
+                except AiokvError as exc:
+                    log.info("aiokv IPC plane: the offer to %s did not land: %r", address, exc)
+                again = self._offering.get(address, False)
+                self._offering[address] = False
+            self._offering.pop(address, None)
 
         self._track(offer())
 

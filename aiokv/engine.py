@@ -308,6 +308,9 @@ class Engine:
                 f.set_exception(exc)
         self._server.close_sessions(exc)
         self._store.fail_all(exc)
+        for w in self._fetch_waiters.values():  # nobody can fetch any more
+            if not w.done():
+                w.set_exception(exc)
         if self._watchdog is not None:
             self._watchdog.stop()
         if self._poller is not None:
@@ -620,6 +623,7 @@ class Engine:
                 continue
             self._published.pop(t, None)
             self._once.discard(t)
+            self._on_get.pop(t, None)
             fut = self._fetch_waiters.pop(t, None)
             if fut is not None and not fut.done():
                 fut.set_result(address)

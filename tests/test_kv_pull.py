@@ -19,6 +19,7 @@ with warnings.catch_warnings():  # this CPU torch build warns at import when num
 from aiokv import (
     ConfigError,
     Engine,
+    EngineClosedError,
     EngineConfig,
     LayoutMismatchError,
     NotPublishedError,
@@ -83,6 +84,21 @@ async def test_wait_fetched_times_out_and_unpublish_ends_a_wait() -> None:
         assert a.unpublish("x")
         with pytest.raises(NotPublishedError):
             await waiting
+
+
+@pytest.mark.anyio
+@pytest.mark.timeout(30)
+async def test_closing_the_engine_ends_a_wait_for_a_fetch() -> None:
+    a = Engine(cfg())
+    await a.start()
+    a.publish("x", torch.zeros(2), once=True)
+    waiting = asyncio.ensure_future(a.wait_fetched("x", timeout=20))
+    await asyncio.sleep(0.01)
+    t0 = time.perf_counter()
+    await a.aclose()
+    with pytest.raises(EngineClosedError):
+        await waiting
+    assert time.perf_counter() - t0 < 5
 
 
 @pytest.mark.anyio

@@ -624,14 +624,21 @@ class Engine:
             self._published.pop(t, None)
             self._once.discard(t)
             self._on_get.pop(t, None)
-            fut = self._fetch_waiters.pop(t, None)
-            if fut is not None and not fut.done():
-                fut.set_result(address)
-                continue
-            self._fetched[t] = address
-            while len(self._fetched) > self.config.limits.max_published:
-                self._fetched.popitem(last=False)
+            # one loop pass later: the GET's own reply (spawned next by the server) starts
+            # first, and whatever the waiter sends that peer goes after it
+            self._loop.call_soon(self._fetched_by, t, address)
         return items
+
+    def _fetched_by(self, tensor_id: str, address: str) -> None:
+        """A once-published tensor was taken by the peer at ``address``: tell its
+        :meth:`wait_fetched`, or keep it for the next one."""
+        fut = self._fetch_waiters.pop(tensor_id, None)
+        if fut is not None and not fut.done():
+            fut.set_result(address)
+            return
+        self._fetched[tensor_id] = address
+        while len(self._fetched) > self.config.limits.max_published:
+            self._fetched.popitem(last=False)
 
     async def get(self, tensor_id: str, *, frm: str, timeout: float | None = None) -> torch.Tensor:
         """GET mode, consumer side: ask ``frm`` for a published tensor and wait for it."""

@@ -227,3 +227,36 @@ async def test_pull_needs_an_engine_with_get_mode() -> None:
         await con.serve_request("r", [1], timeout=1)
     with pytest.raises(ConfigError, match="GET mode"):
         await con.fetch_request("r", [1], frm="127.0.0.1:1", timeout=1)
+
+
+@pytest.mark.anyio
+@pytest.mark.timeout(60)
+async def test_a_request_pulled_whole_is_checked_before_anything_is_written() -> None:
+    """A CPU producer without the IPC plane hands the request over with its ticket (header
+    and blocks in one GET): the consumer checks the header like recv_request's (here a
+    layout of the same bytes per block but other heads) and refuses a malformed one."""
+    from aiokv.kv import FlashAttentionLayout
+
+    mine = FlashAttentionLayout(3, 16, 4, 1, 16, "float16")
+    theirs = FlashAttentionLayout(3, 16, 4, 2, 8, "float16")  # same block bytes
+    assert mine.block_nbytes() == theirs.block_nbytes()
+    p, c = filled(theirs, 1), filled(mine, 2)
+    before = [t.clone() for t in c]
+    async with Engine(cfg()) as a, Engine(cfg()) as b:
+        prod, cons = KVConnector(a, theirs, p), KVConnector(b, mine, c)
+        serving = asyncio.ensure_future(prod.serve_request("r1", [1, 2], timeout=5))
+        await asyncio.sleep(0.01)
+        with pytest.raises(LayoutMismatchError) as ei:
+            await cons.fetch_request("r1", [3, 4], frm=a.address, timeout=5)
+        assert ei.value.code == "layout_mismatch"
+        await serving  # taken (the producer's blocks were copied out)
+        for bad in (
+            torch.zeros(2, dtype=torch.uint8),  # too short
+            torch.tensor([255, 255, 0, 0, 1, 2], dtype=torch.uint8),  # header length
+        ):
+            a.publish("r2#pull", bad, once=True)
+            with pytest.raises(LayoutMismatchError):
+                await cons.fetch_request("r2", [3, 4], frm=a.address, timeout=5)
+        for x, y in zip(c, before, strict=True):
+            assert torch.equal(x.view(torch.uint8), y.view(torch.uint8))
+        assert cons.finished_receiving() == set()

@@ -71,6 +71,7 @@ import contextlib
 import dataclasses
 import functools
 import json
+import struct
 import sys
 import time
 from collections import deque
@@ -305,8 +306,8 @@ class KVConnector:
     def header_name(request_id: str) -> str:
         return f"{request_id}#kvh"
 
-    def _header(self, n_blocks: int, mode: str) -> torch.Tensor:
-        """The request header (see the module docstring) as a CPU uint8 tensor."""
+    def _header_bytes(self, n_blocks: int, mode: str) -> bytes:
+        """The request header (see the module docstring): JSON."""
         body = {
             "v": _HEADER_VERSION,
             "packing": PACKING,
@@ -315,8 +316,11 @@ class KVConnector:
             "n_blocks": n_blocks,
             "chunk_bytes": self.chunk_bytes,
         }
-        raw = json.dumps(body, separators=(",", ":"), sort_keys=True).encode()
-        return torch.tensor(list(raw), dtype=torch.uint8)
+        return json.dumps(body, separators=(",", ":"), sort_keys=True).encode()
+
+    def _header(self, n_blocks: int, mode: str) -> torch.Tensor:
+        """The request header as a CPU uint8 tensor."""
+        return torch.frombuffer(bytearray(self._header_bytes(n_blocks, mode)), dtype=torch.uint8)
 
     def _send_header(
         self, request_id: str, n_blocks: int, mode: str, to: str, deadline: float
@@ -956,15 +960,50 @@ class KVConnector:
         deadline = self._deadline(timeout)
         host = self._host_ids(block_ids, unique=False, what="serve_request")
         name = self.ticket_name(request_id)
-        eng.publish(
-            name, torch.tensor([_TICKET_VERSION, host.numel()], dtype=torch.int64), once=True
+        # A CPU cache without the IPC plane: the ticket IS the request (header and
+        # gathered blocks), moved by the GET itself -- one exchange, and the blocks are
+        # free once gathered. Otherwise a small ticket; the request follows it.
+        inline = self._ipc is None and self.device.type == "cpu" and host.numel() > 0
+        t0 = time.perf_counter()
+        ticket = (
+            await self._pulled_request(host)
+            if inline
+            else torch.tensor([_TICKET_VERSION, host.numel()], dtype=torch.int64)
         )
+        eng.publish(name, ticket, once=True)
         try:
             to = await eng.wait_fetched(name, timeout=_time_left(deadline))
         finally:
             eng.unpublish(name)
-        await self.send_request(request_id, host, to=to, timeout=_time_left(deadline))
+        if inline:
+            st = self._stats
+            st.requests_sent += 1
+            st.chunks_sent += 1
+            st.bytes_sent += self.layout.request_nbytes(host.numel())
+            st.send_seconds += time.perf_counter() - t0
+            self._finished_sending.add(request_id)
+        else:
+            await self.send_request(request_id, host, to=to, timeout=_time_left(deadline))
         return to
+
+    async def _pulled_request(self, host: torch.Tensor) -> torch.Tensor:
+        """A whole request as one uint8 tensor: ``<u32 header length>``, the header
+        (JSON), zero padding to a multiple of 16 bytes, then the gathered blocks."""
+        n = host.numel()
+        head = self._header_bytes(n, "chunks")
+        off = -(-(4 + len(head)) // 16) * 16
+        nbytes = self.layout.request_nbytes(n)
+        buf = torch.zeros(off + nbytes, dtype=torch.uint8)
+        buf[: 4 + len(head)] = torch.frombuffer(
+            bytearray(struct.pack("<I", len(head)) + head), dtype=torch.uint8
+        )
+        await self._copy(
+            functools.partial(
+                gather_blocks, self.caches, self.layout, self._op_ids(host), out=buf[off:]
+            ),
+            nbytes,
+        )
+        return buf
 
     async def fetch_request(
         self,
@@ -991,6 +1030,8 @@ class KVConnector:
         deadline = self._deadline(timeout)
         host = self._host_ids(block_ids, unique=True, what="fetch_request")
         raw = await eng.get(self.ticket_name(request_id), frm=frm, timeout=_time_left(deadline))
+        if raw.dtype == torch.uint8:  # the request itself (see serve_request)
+            return await self._take_pulled(request_id, raw, host)
         if (
             raw.dtype != torch.int64
             or raw.dim() != 1
@@ -1009,6 +1050,42 @@ class KVConnector:
                 code="kv_size_mismatch",
             )
         return await self.recv_request(request_id, host, frm=frm, timeout=_time_left(deadline))
+
+    async def _take_pulled(self, request_id: str, raw: torch.Tensor, host: torch.Tensor) -> str:
+        """Write a request that came whole with its ticket (:meth:`_pulled_request`):
+        its header is checked like :meth:`recv_request`'s, and its size, before
+        anything is written."""
+        n = host.numel()
+
+        def bad(why: str) -> LayoutMismatchError:
+            return LayoutMismatchError(f"KV request {request_id!r}: {why}", code="kv_size_mismatch")
+
+        if raw.dim() != 1 or raw.numel() < 4:
+            raise bad("the pulled request is too short")
+        pre = raw[: min(raw.numel(), 4 + MAX_HEADER_BYTES)].cpu()
+        (hlen,) = struct.unpack_from("<I", bytes(pre[:4].tolist()))
+        if hlen > MAX_HEADER_BYTES or 4 + hlen > pre.numel():
+            raise bad(f"the pulled request's header length {hlen} is out of range")
+        self._check_header(request_id, pre[4 : 4 + hlen], n, False)
+        off = -(-(4 + hlen) // 16) * 16
+        data = raw[off:]
+        if data.numel() != self.layout.request_nbytes(n):
+            raise bad(
+                f"the pulled request holds {data.numel()} bytes of blocks, "
+                f"expected {self.layout.request_nbytes(n)}"
+            )
+        t0 = time.perf_counter()
+        await self._copy(
+            functools.partial(scatter_blocks, data, self.caches, self.layout, self._op_ids(host)),
+            data.numel(),
+        )
+        st = self._stats
+        st.requests_received += 1
+        st.chunks_received += 1
+        st.bytes_received += data.numel()
+        st.recv_seconds += time.perf_counter() - t0
+        self._finished_receiving.add(request_id)
+        return "engine"
 
     async def prepare(self, peer: str, *, timeout: float | None = None) -> bool:
         """Consumer side: set up what the first request from the producer at ``peer``

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import asyncio
+import struct
 import time
 import warnings
 from collections.abc import AsyncIterator, Callable
@@ -11,6 +12,8 @@ from contextlib import asynccontextmanager
 
 import pytest
 from _kvutil import blocks, filled, make_layout, rand_ids
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 with warnings.catch_warnings():  # this CPU torch build warns at import when numpy is absent
     warnings.simplefilter("ignore", UserWarning)
@@ -260,3 +263,64 @@ async def test_a_request_pulled_whole_is_checked_before_anything_is_written() ->
         for x, y in zip(c, before, strict=True):
             assert torch.equal(x.view(torch.uint8), y.view(torch.uint8))
         assert cons.finished_receiving() == set()
+
+
+# --------------------------------------------------------------------------- hostile input
+
+
+def _consumer() -> tuple[KVConnector, list[torch.Tensor], list[torch.Tensor]]:
+    lay = make_layout("fa", "float16", num_blocks=16)
+    c = filled(lay, 2)
+
+    class NoEngine:  # _take_pulled / _check_ticket touch no engine
+        def send_nowait(self, *a: object, **k: object) -> None:
+            raise AssertionError
+
+        async def recv(self, *a: object, **k: object) -> None:
+            raise AssertionError
+
+    return KVConnector(NoEngine(), lay, c), c, [t.clone() for t in c]  # type: ignore[arg-type]
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    head=st.binary(max_size=64),
+    hlen=st.one_of(st.none(), st.integers(0, 2**32 - 1)),
+    tail=st.binary(max_size=512),
+)
+def test_a_hostile_pulled_request_is_refused_and_writes_nothing(
+    head: bytes, hlen: int | None, tail: bytes
+) -> None:
+    """Whatever bytes a producer sends as a whole pulled request: a LayoutMismatchError
+    or (only for a well-formed one) the write -- never another exception, and nothing
+    written when refused."""
+    con, c, before = _consumer()
+    prefix = b"" if hlen is None else struct.pack("<I", hlen)
+    raw = (
+        torch.frombuffer(bytearray(prefix + head + tail), dtype=torch.uint8)
+        if (prefix + head + tail)
+        else torch.empty(0, dtype=torch.uint8)
+    )
+    try:
+        asyncio.run(con._take_pulled("r", raw, torch.tensor([3, 4])))
+    except LayoutMismatchError:
+        for x, y in zip(c, before, strict=True):
+            assert torch.equal(x.view(torch.uint8), y.view(torch.uint8))
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    values=st.lists(st.integers(-(2**63), 2**63 - 1), max_size=4),
+    dtype=st.sampled_from([torch.int64, torch.int32, torch.float32]),
+)
+def test_a_hostile_ticket_is_refused(values: list[int], dtype: torch.dtype) -> None:
+    if dtype is not torch.int64:
+        values = [v % 1000 for v in values]
+    t = torch.tensor(values, dtype=dtype)
+    ok = dtype is torch.int64 and len(values) >= 2 and values[0] == 1 and values[1] == 2
+    try:
+        KVConnector._check_ticket("r", "peer", t, 2)
+    except LayoutMismatchError:
+        assert not ok
+    else:
+        assert ok

@@ -1032,6 +1032,13 @@ class KVConnector:
         raw = await eng.get(self.ticket_name(request_id), frm=frm, timeout=_time_left(deadline))
         if raw.dtype == torch.uint8:  # the request itself (see serve_request)
             return await self._take_pulled(request_id, raw, host)
+        self._check_ticket(request_id, frm, raw, host.numel())
+        return await self.recv_request(request_id, host, frm=frm, timeout=_time_left(deadline))
+
+    @staticmethod
+    def _check_ticket(request_id: str, frm: str, raw: torch.Tensor, n: int) -> None:
+        """A small pull ticket this side can read, for ``n`` blocks (else
+        LayoutMismatchError, ``kv_size_mismatch``)."""
         if (
             raw.dtype != torch.int64
             or raw.dim() != 1
@@ -1043,13 +1050,11 @@ class KVConnector:
                 f"({raw.dtype}, shape {tuple(raw.shape)})",
                 code="kv_size_mismatch",
             )
-        if int(raw[1]) != host.numel():
+        if int(raw[1]) != n:
             raise LayoutMismatchError(
-                f"request {request_id!r}: {frm} holds {int(raw[1])} blocks, "
-                f"{host.numel()} were given here",
+                f"request {request_id!r}: {frm} holds {int(raw[1])} blocks, {n} were given here",
                 code="kv_size_mismatch",
             )
-        return await self.recv_request(request_id, host, frm=frm, timeout=_time_left(deadline))
 
     async def _take_pulled(self, request_id: str, raw: torch.Tensor, host: torch.Tensor) -> str:
         """Write a request that came whole with its ticket (:meth:`_pulled_request`):

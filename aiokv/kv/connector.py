@@ -161,6 +161,14 @@ _HEADER_VERSION = 1
 PACKING = "aiokv-kv-1"
 #: version of pull mode's ticket (see :meth:`KVConnector.serve_request`)
 _TICKET_VERSION = 1
+
+
+def _pulled_offset(header_len: int) -> int:
+    """Where the blocks start in a whole pulled request: after the u32 header length
+    and the header, padded to a multiple of 16 bytes."""
+    return -(-(4 + header_len) // 16) * 16
+
+
 #: a request header is at most this many bytes (the consumer refuses larger ones)
 MAX_HEADER_BYTES = 4096
 
@@ -610,12 +618,7 @@ class KVConnector:
             raise
         finally:
             self._sending.discard(request_id)
-        st = self._stats
-        st.requests_sent += 1
-        st.chunks_sent += len(plan)
-        st.bytes_sent += self.layout.request_nbytes(host.numel())
-        st.send_seconds += time.perf_counter() - t0
-        self._finished_sending.add(request_id)
+        self._sent(request_id, len(plan), host.numel(), t0)
 
     def save_layer(
         self,
@@ -725,12 +728,7 @@ class KVConnector:
                 f"request {request_id!r}: layers {missing[:8]}{'...' if len(missing) > 8 else ''} "
                 "were never saved"
             )
-        st = self._stats
-        st.requests_sent += 1
-        st.chunks_sent += len(save.tasks)
-        st.bytes_sent += self.layout.request_nbytes(save.n_blocks)
-        st.send_seconds += time.perf_counter() - save.started
-        self._finished_sending.add(request_id)
+        self._sent(request_id, len(save.tasks), save.n_blocks, save.started)
 
     # ------------------------------------------------------------------ consumer
 
@@ -858,12 +856,7 @@ class KVConnector:
             raise
         finally:
             self._receiving.discard(request_id)
-        st = self._stats
-        st.requests_received += 1
-        st.chunks_received += len(items)
-        st.bytes_received += self.layout.request_nbytes(n)
-        st.recv_seconds += time.perf_counter() - t0
-        self._finished_receiving.add(request_id)
+        self._received(request_id, len(items), n, t0)
         return "engine"
 
     @staticmethod
@@ -942,11 +935,14 @@ class KVConnector:
 
         For a producer that answers before it knows its consumer (vLLM's
         disaggregation protocol: the prefill returns, a router picks the decode, the
-        decode pulls). The producer publishes a small ticket ``"{request_id}#pull"``
-        (a CPU int64 tensor: version, block count) for one GET; the first consumer whose
-        GET takes it gets the request, sent exactly as :meth:`send_request` sends it to
-        that consumer's address (the IPC plane where it works). Returns that address
-        once the request is sent (:meth:`send_request`'s meaning; the request joins
+        decode pulls). The producer publishes a ticket ``"{request_id}#pull"`` for one
+        GET; the first consumer whose GET takes it gets the request. With the IPC plane
+        or a CUDA cache the ticket is small (a CPU int64 tensor: version, block count)
+        and the request follows it, sent exactly as :meth:`send_request` sends it to
+        that consumer's address (the IPC plane where it works); a CPU cache without the
+        plane makes the ticket the request itself (a uint8 tensor: header and gathered
+        blocks, moved by the GET). Returns that address once the request is sent or
+        taken (:meth:`send_request`'s meaning; the request joins
         :meth:`finished_sending`). Raises :class:`~aiokv.TransferTimeoutError` when
         nobody fetched it in time (the ticket is withdrawn: a late consumer gets
         :class:`~aiokv.NotPublishedError` at once), and :meth:`send_request`'s errors.
@@ -976,12 +972,7 @@ class KVConnector:
         finally:
             eng.unpublish(name)
         if inline:
-            st = self._stats
-            st.requests_sent += 1
-            st.chunks_sent += 1
-            st.bytes_sent += self.layout.request_nbytes(host.numel())
-            st.send_seconds += time.perf_counter() - t0
-            self._finished_sending.add(request_id)
+            self._sent(request_id, 1, host.numel(), t0)
         else:
             await self.send_request(request_id, host, to=to, timeout=_time_left(deadline))
         return to
@@ -990,13 +981,12 @@ class KVConnector:
         """A whole request as one uint8 tensor: ``<u32 header length>``, the header
         (JSON), zero padding to a multiple of 16 bytes, then the gathered blocks."""
         n = host.numel()
-        head = self._header_bytes(n, "chunks")
-        off = -(-(4 + len(head)) // 16) * 16
+        header = self._header_bytes(n, "chunks")
+        off = _pulled_offset(len(header))
+        prefix = (struct.pack("<I", len(header)) + header).ljust(off, b"\0")
         nbytes = self.layout.request_nbytes(n)
-        buf = torch.zeros(off + nbytes, dtype=torch.uint8)
-        buf[: 4 + len(head)] = torch.frombuffer(
-            bytearray(struct.pack("<I", len(head)) + head), dtype=torch.uint8
-        )
+        buf = torch.empty(off + nbytes, dtype=torch.uint8)  # the blocks fill the rest
+        buf[:off] = torch.frombuffer(bytearray(prefix), dtype=torch.uint8)
         await self._copy(
             functools.partial(
                 gather_blocks, self.caches, self.layout, self._op_ids(host), out=buf[off:]
@@ -1017,11 +1007,12 @@ class KVConnector:
         :meth:`serve_request` and write it into this cache at ``block_ids``.
 
         GETs the request's ticket (:class:`~aiokv.NotPublishedError` at once if ``frm``
-        does not hold it, or another consumer took it), checks its block count against
-        ``block_ids`` (:class:`~aiokv.LayoutMismatchError`, ``code``
+        does not hold it, or another consumer took it). A small ticket: checks its block
+        count against ``block_ids`` (:class:`~aiokv.LayoutMismatchError`, ``code``
         ``"kv_size_mismatch"``, before anything is written), then receives as
         :meth:`recv_request` does (same deadline, same guarantees on cancellation and
-        failure), and returns which plane carried it. A consumer cancelled between
+        failure). A whole request: checks its header like :meth:`recv_request` and its
+        size, then writes it. Returns which plane carried it. A consumer cancelled between
         the ticket and the data leaves the producer's send to end at its deadline.
         """
         eng = self._pull_engine("fetch_request")
@@ -1072,8 +1063,7 @@ class KVConnector:
         if hlen > MAX_HEADER_BYTES or 4 + hlen > pre.numel():
             raise bad(f"the pulled request's header length {hlen} is out of range")
         self._check_header(request_id, pre[4 : 4 + hlen], n, False)
-        off = -(-(4 + hlen) // 16) * 16
-        data = raw[off:]
+        data = raw[_pulled_offset(hlen) :]
         if data.numel() != self.layout.request_nbytes(n):
             raise bad(
                 f"the pulled request holds {data.numel()} bytes of blocks, "
@@ -1084,12 +1074,7 @@ class KVConnector:
             functools.partial(scatter_blocks, data, self.caches, self.layout, self._op_ids(host)),
             data.numel(),
         )
-        st = self._stats
-        st.requests_received += 1
-        st.chunks_received += 1
-        st.bytes_received += data.numel()
-        st.recv_seconds += time.perf_counter() - t0
-        self._finished_receiving.add(request_id)
+        self._received(request_id, 1, n, t0)
         return "engine"
 
     async def prepare(self, peer: str, *, timeout: float | None = None) -> bool:
@@ -1105,6 +1090,24 @@ class KVConnector:
         if self._ipc is None:
             return False
         return await self._ipc.prepare(peer, timeout)
+
+    def _sent(self, request_id: str, chunks: int, n_blocks: int, started: float) -> None:
+        """A request sent the ordinary way: counted, and its blocks may be freed."""
+        st = self._stats
+        st.requests_sent += 1
+        st.chunks_sent += chunks
+        st.bytes_sent += self.layout.request_nbytes(n_blocks)
+        st.send_seconds += time.perf_counter() - started
+        self._finished_sending.add(request_id)
+
+    def _received(self, request_id: str, chunks: int, n_blocks: int, started: float) -> None:
+        """A request received the ordinary way, every block in place: counted."""
+        st = self._stats
+        st.requests_received += 1
+        st.chunks_received += chunks
+        st.bytes_received += self.layout.request_nbytes(n_blocks)
+        st.recv_seconds += time.perf_counter() - started
+        self._finished_receiving.add(request_id)
 
     # ------------------------------------------------------------------ tracking
 

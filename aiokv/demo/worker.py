@@ -322,10 +322,6 @@ class _Worker:
             torch.cuda.current_stream().synchronize()
         return first, blocks
 
-    def _decode(self, blocks: list[int], num_tokens: int, first: int, n: int) -> list[int]:
-        """On the model thread: decode ``n`` tokens from the fetched KV in ``blocks``."""
-        return self.m.decode(blocks, num_tokens, first, n)
-
     async def _serve(self, request_id: str, blocks: list[int]) -> None:
         """Hold a prefilled request's blocks for the decode side's fetch; free them after."""
         try:
@@ -418,7 +414,7 @@ class _Worker:
             toks = (
                 []
                 if stream
-                else await self.run(self._decode, blocks, num_tokens, first, max_tokens)
+                else await self.run(self.m.decode, blocks, num_tokens, first, max_tokens)
             )
         except BaseException as e:
             self.executor.submit(self.m.free, blocks)

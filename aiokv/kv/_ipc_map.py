@@ -388,7 +388,7 @@ class Mapper:
                 dt = torch.tensor([target.data_ptr()], dtype=torch.int64).to(dev)
                 r = launch(st, dt, a, s)
                 first = r if first is None else first
-        stream.synchronize()  # once per peer, at set-up, off the request path
+        stream.synchronize()  # once per export, on the mapping's thread (not the loop)
         return first
 
     def _try_raw(

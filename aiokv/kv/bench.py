@@ -385,14 +385,31 @@ def _take_trace(a: dict[str, Any]) -> list[tuple[str, str, float]]:
     return [x for x in ipc.take_trace() if x[0].startswith("lat")]
 
 
+def _by_request(prod: list[Any], cons: list[Any]) -> dict[str, dict[str, float]]:
+    by: dict[str, dict[str, float]] = {}
+    for rid, stage, t in [*prod, *cons]:
+        if str(rid).startswith("lat"):
+            by.setdefault(rid, {}).setdefault(stage, t)
+    return by
+
+
+def _trace_counts(prod: list[Any], cons: list[Any]) -> dict[str, int]:
+    """How many latency requests have each stage (the path they took)."""
+    out: dict[str, int] = {}
+    for st in _by_request(prod, cons).values():
+        for stage in st:
+            out[stage] = out.get(stage, 0) + 1
+    return out
+
+
 def _trace_summary(
     prod: list[Any], cons: list[Any], starts: list[float], ends: list[float]
 ) -> dict[str, float]:
-    """Median time of each stamped stage after the producer's call (ms), both processes;
-    ``end`` is the consumer's clock stop (blocks in place, device synchronised)."""
-    by: dict[str, dict[str, float]] = {}
-    for rid, stage, t in [*prod, *cons]:
-        by.setdefault(rid, {}).setdefault(stage, t)
+    """Median time of each stamped stage after the producer's call (ms), both processes,
+    over the latency requests (``lat<i>``; a stage some requests skip is the median of
+    those that have it: :func:`_trace_counts`); ``end`` is the consumer's clock stop
+    (blocks in place, device synchronised)."""
+    by = _by_request(prod, cons)
     rows: dict[str, list[float]] = {}
     for st in by.values():
         t0 = st.get("send")
@@ -683,6 +700,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 c["lat_start"],
                 c["lat_end"],
             )
+            rec["trace_n"] = _trace_counts(got["producer"][1].get("trace", []), c.get("trace", []))
         rec.update(
             aiokv_gbps=round(total / t_aiokv / 1e9, 4),
             raw_gbps=round(total / t_raw / 1e9, 4),

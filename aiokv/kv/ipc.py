@@ -262,6 +262,7 @@ class IpcStatistics:
     doorbell_hits: int = 0  # descriptors taken from the doorbell before the engine's
     doorbell_rejected: int = 0  # ring slots whose MAC failed (or that made no sense)
     doorbell_backups: int = 0  # producer: ring-only descriptors also sent by the engine late
+    ring_launches: int = 0  # consumer: copies launched by the ring's poll (staged ahead)
     fallbacks: dict[str, int] = field(default_factory=dict)
 
 
@@ -445,6 +446,33 @@ class _IpcSave:
     pending: list[LayerReady] = field(default_factory=list)
 
 
+@dataclass(slots=True, eq=False)
+class _Staged:
+    """A whole request's copy made ready before its descriptor came (consumer): the
+    abort slot, its ids buffer with the destination ids written, the caller's raw
+    stream at ``recv_request``, the launch's arguments. When the descriptor comes by
+    the ring and everything checks out at once, the ring's poll launches it on the
+    spot (:meth:`IpcPlane._launch_staged`) instead of a loop pass later after the
+    request's task decoded it again (docs/ipc.md, "Staged launches")."""
+
+    rid: str
+    m: _Mapping
+    g: int
+    ab: torch.Tensor
+    slot: int
+    sb: _SlotBufs
+    rs: int
+    n: int
+    deadline: float
+    programs: int
+    args: tuple[int, ...]
+    t0: float = 0.0
+    desc: Descriptor | None = None  # the descriptor, once the ring's poll validated it
+    ready: Any = None  # ... and the producer's event it waits for
+    launched: bool = False  # the copy was (or may have been) launched: abort rules apply
+    error: BaseException | None = None  # a launch call that failed after the upload
+
+
 def _retrieve(t: asyncio.Task[Any]) -> None:
     if not t.cancelled():
         t.exception()
@@ -535,7 +563,8 @@ class IpcPlane:
         self._draining: list[_SlotBufs] = []
         # doorbell (consumer): request id -> (its waiter, the producer it must come from)
         self._bell_wait: dict[
-            str, tuple[asyncio.Future[tuple[dict[str, Any], bool]], str | None]
+            str,
+            tuple[asyncio.Future[tuple[dict[str, Any], bool]], str | None, _Staged | None],
         ] = {}
         self._bell_task: asyncio.Task[None] | None = None
         self._bell_spin_until = 0.0
@@ -674,9 +703,13 @@ class IpcPlane:
         """The caller's current stream on this plane's device as a raw handle, when the
         driver calls can be used (driver loaded, this device is the current one: the
         kernel and events live in its context); None otherwise."""
-        if self._drv is None or torch.cuda.current_device() != self._dev_index:
+        if self._drv is None or not self._on_device():
             return None
         return int(torch._C._cuda_getCurrentRawStream(self._dev_index))
+
+    def _on_device(self) -> bool:
+        """Whether this plane's device is the current one (its context is current)."""
+        return bool(torch.cuda.current_device() == self._dev_index)
 
     def _record(self, ev: Any) -> None:
         """Record ``ev`` on the caller's current stream of this plane's device."""
@@ -1150,7 +1183,26 @@ class IpcPlane:
         n = len(host)
         rung = False
         if not layerwise and any(m.bell is not None for m in self._maps.values()):
-            d, rung = await self._recv_desc(request_id, frm, deadline)
+            staged = self._stage(request_id, host, frm, deadline)
+            if staged is None:
+                _mark(request_id, "unstaged")
+            try:
+                d, rung = await self._recv_desc(request_id, frm, deadline, staged)
+            except BaseException as exc:
+                if staged is not None and staged.desc is not None:
+                    # the ring's poll took (and maybe launched) the copy, then this task
+                    # was cancelled (or failed) before it resumed
+                    await self._pull(
+                        staged.m, staged.desc, host, deadline, frm, staged=staged, exc=exc
+                    )
+                self._unstage(staged)
+                raise
+            if staged is not None and staged.desc is not None:
+                await self._pull(
+                    staged.m, staged.desc, host, deadline, frm, rung=rung, staged=staged
+                )
+                return "ipc"
+            self._unstage(staged)
         else:
             raw = await self.channel.recv(
                 f"{request_id}#ipc", frm=frm, timeout=_time_left(deadline)
@@ -1221,7 +1273,7 @@ class IpcPlane:
         return "ipc"
 
     async def _recv_desc(
-        self, rid: str, frm: str | None, deadline: float
+        self, rid: str, frm: str | None, deadline: float, staged: _Staged | None = None
     ) -> tuple[dict[str, Any], bool]:
         """The request's descriptor (decoded, not yet validated) from whichever comes
         first: a producer's doorbell ring or the engine; and whether the ring gave it.
@@ -1235,7 +1287,7 @@ class IpcPlane:
             bell: asyncio.Future[tuple[dict[str, Any], bool]] = (
                 asyncio.get_running_loop().create_future()
             )
-            self._bell_wait[rid] = (bell, frm)
+            self._bell_wait[rid] = (bell, frm, staged)
             self._bell_kick()
             eng = asyncio.ensure_future(
                 self.channel.recv(f"{rid}#ipc", frm=frm, timeout=_time_left(deadline))
@@ -1363,6 +1415,8 @@ class IpcPlane:
                 continue
             w = self._bell_wait.get(rid)
             if w is not None and (w[1] is None or w[1] == m.reply_to) and not w[0].done():
+                if w[2] is not None and w[2].m is m:
+                    self._launch_staged(w[2], d)
                 w[0].set_result((d, solo))
                 continue
             m.pending.pop(rid, None)
@@ -1541,6 +1595,119 @@ class IpcPlane:
             self._drv.event_record(sb.done.cuda_event, upload_on)
             self._draining.append(sb)
 
+    def _stage(
+        self, rid: str, host: tuple[int, ...], frm: str | None, deadline: float
+    ) -> _Staged | None:
+        """Make a whole request's copy ready ahead of its descriptor, when the driver's
+        launch will serve it: one mapping it can come from (``frm``'s, or the only one),
+        with a ring and a verified raw launch, the caller's current stream on this
+        device. Everything but the source ids is done here, off the critical path."""
+        if self._drv is None or self.options.gpu_wait or not host:
+            return None
+        ms = [
+            m
+            for m in self._maps.values()
+            if m.bell is not None
+            and m.raw is not None
+            and not m.broken
+            and (frm is None or m.reply_to == frm)
+        ]
+        if len(ms) != 1 or not self._mapper.use_triton():
+            return None
+        m = ms[0]
+        rs = self._raw_stream()
+        if rs is None:
+            return None
+        n = len(host)
+        lay = self.layout
+        L = lay.num_layers
+        g = self._words.slot()
+        ab, slot = self._words.word(g)
+        sb = self._slot_bufs(g, n)
+        st, dt = self._tables(m, 0, L)
+        programs, args = _ipc_kernel.pair_copy_args(
+            st.data_ptr(),
+            dt.data_ptr(),
+            sb.dev.data_ptr(),
+            ab.data_ptr(),
+            self.device,
+            slot,
+            **self._mapper.geometry(m, n_pairs=n, n_layers=L, parts=lay.kv_parts),
+        )
+        if not 0 < programs <= _ipc_kernel.MAX_PROGRAMS:
+            self._words.free.append(g)
+            return None
+        struct.pack_into(f"<{n}q", sb.mv, 8 * n, *host)  # destination ids: second half
+        return _Staged(rid, m, g, ab, slot, sb, rs, n, deadline, programs, args)
+
+    def _unstage(self, st: _Staged | None) -> None:
+        """A staged copy the ring's poll did not take: its slot serves again (no upload
+        was queued with it)."""
+        if st is not None and st.desc is None:
+            self._words.free.append(st.g)
+
+    def _launch_staged(self, st: _Staged, d: dict[str, Any]) -> None:
+        """The ring's poll has ``st``'s descriptor: validate it as ``recv_request`` and
+        :meth:`_pull` would, and launch the copy now if the producer's event already
+        fired. A descriptor that fails a check is left alone (the request's task goes
+        the ordinary way, the same checks raising the same errors); one whose event has
+        not fired yet stays validated (``st.desc``): the task waits for the event and
+        launches (:meth:`_pull_staged`)."""
+        try:
+            desc, _ = Descriptor.from_wire(d)
+        except Exception:
+            _mark(st.rid, "ring:wire")
+            return
+        m = st.m
+        now = time.monotonic()
+        if (
+            desc.rid != st.rid
+            or desc.plane != "ipc"
+            or desc.n != st.n
+            or desc.offer is not None
+            or desc.token != m.token
+            or self._maps.get(desc.token) is not m
+            or m.broken
+            or max(desc.src) >= m.layout.num_blocks
+            or min(st.deadline, now + desc.lease - self._clock()) <= now
+            or not self._on_device()
+        ):
+            _mark(st.rid, "ring:check")
+            return
+        try:
+            st.ready = self._event(m, desc.event_slot, desc.event)
+            fired = bool(st.ready.query())
+        except Exception:
+            _mark(st.rid, "ring:event")
+            return
+        st.desc = desc
+        if not fired:
+            _mark(st.rid, "ring:not-ready")
+            return
+        with contextlib.suppress(Exception):  # (the upload failed: the task retries, fails)
+            self._fire_staged(st)
+            self._stats.ring_launches += 1
+
+    def _fire_staged(self, st: _Staged) -> None:
+        """Upload the source ids of ``st``'s validated descriptor and launch its copy on
+        the caller's stream. Raises if the upload fails (then nothing was queued); a
+        failed launch call after it is kept in ``st.error`` (the abort rules apply)."""
+        m, sb, n, desc = st.m, st.sb, st.n, st.desc
+        drv = self._drv
+        assert drv is not None and m.raw is not None and sb.done is not None and desc is not None
+        struct.pack_into(f"<{n}q", sb.mv, 0, *desc.src)
+        st.t0 = time.perf_counter()
+        drv.memcpy_htod_async(sb.dev.data_ptr(), sb.pin.data_ptr(), 16 * n, st.rs)
+        _mark(st.rid, "staged")
+        st.launched = True
+        m.inflight += 1
+        try:
+            m.raw.launch(st.programs, st.rs, st.args)
+            drv.event_record(sb.done.cuda_event, st.rs)
+        except Exception as exc:
+            st.error = exc
+        _mark(st.rid, "launched0")
+
     async def _pull(
         self,
         m: _Mapping,
@@ -1550,14 +1717,21 @@ class IpcPlane:
         frm: str | None = None,
         *,
         rung: bool = False,
+        staged: _Staged | None = None,
+        exc: BaseException | None = None,
     ) -> None:
         """Copy the request: one launch (``plane == "ipc"``), or one per chunk of layers
         as the producer's :class:`LayerReady` messages arrive (``LAYERS``). ``rung``:
-        the descriptor came by the doorbell (the ok release says so)."""
+        the descriptor came by the doorbell (the ok release says so). ``staged``: the
+        ring's poll launched the copy already (:meth:`_launch_staged`): wait for it;
+        ``exc``: the request failed (was cancelled) after that launch: settle the copy
+        by the abort rules and re-raise."""
         con = self.con
         n = len(host)
         lay = self.layout
         layerwise = desc.plane == LAYERS
+        if staged is not None:
+            return await self._pull_staged(m, desc, staged, deadline, rung, exc)
         if n and max(desc.src) >= m.layout.num_blocks:  # uint32 on the wire: never < 0
             self._release(desc, Release(desc.rid, False, reason="source block id out of range"))
             raise RemoteProtocolError(
@@ -1649,7 +1823,6 @@ class IpcPlane:
         except BaseException as exc:
             if layerwise and nxt < L:  # the producer's later layer messages: dropped
                 con._drop(desc.rid, [_layer_id(desc.rid, i) for i in range(nxt, L)], frm, deadline)
-            timeout = isinstance(exc, (AiokvTimeoutError, asyncio.TimeoutError, TimeoutError))
             if not launched:
                 self._copy_ended(m)
                 # nothing was launched with the slot: it may serve again, with new buffers
@@ -1658,35 +1831,106 @@ class IpcPlane:
                 # driver's, the buffers are held until an event after the upload fired)
                 self._retire_slot(g, keep=False, upload_on=rs)
                 self._words.free.append(g)
-                if timeout:
-                    self._stats.lease_expired += 1
-                    self._release(desc, Release(desc.rid, False, reason="producer not ready"))
-                else:
-                    why = "cancelled" if isinstance(exc, asyncio.CancelledError) else "failed"
-                    self._release(desc, Release(desc.rid, False, reason=why))
-                con._stats.recv_failures += 1
+                self._unlaunched_failed(desc, exc)
                 raise
-            self._words.set(g)
-            self._stats.aborted += 1
-            settled = await self._settle(m, sb.done if sb.done is not None else _Fired())
-            self._retire_slot(g, keep=not settled)
-            if not settled:  # a stuck launch keeps its mapping's tensors forever
-                self._keep.append((m.src_table, m.tables, m.storages))
-            self._copy_ended(m)
-            reason = "cancelled" if isinstance(exc, asyncio.CancelledError) else "deadline"
-            if not (timeout or isinstance(exc, asyncio.CancelledError)):
-                reason = "failed"
-            self._release(desc, Release(desc.rid, False, reason=reason))
-            con._stats.recv_failures += 1
-            if timeout and not isinstance(exc, TransferTimeoutError):
-                raise TransferTimeoutError(
-                    f"IPC copy of {desc.rid!r} did not finish within its deadline/lease"
-                ) from None
+            await self._abort_launched(m, desc, g, sb, exc)
             raise
+        self._copied(m, desc, g, sb, rs, stream, own, rung, t0)
+
+    async def _pull_staged(
+        self,
+        m: _Mapping,
+        desc: Descriptor,
+        st: _Staged,
+        deadline: float,
+        rung: bool,
+        exc: BaseException | None,
+    ) -> None:
+        """The rest of a request whose descriptor the ring's poll validated
+        (:meth:`_launch_staged`): when its producer's event had not fired then, wait for
+        it and launch; then wait for the copy."""
+        until = min(deadline, time.monotonic() + desc.lease - self._clock())
+        if not st.launched:
+            try:
+                if exc is not None:
+                    raise exc
+                await self._wait_ready(st.ready, until)
+                _mark(desc.rid, "ready0")
+                self._fire_staged(st)
+            except BaseException as e:
+                if not st.launched:
+                    self._words.free.append(st.g)  # nothing was queued with it
+                    self._unlaunched_failed(desc, e)
+                    raise
+                exc = e  # (interrupted after the upload: the abort rules apply)
+        try:
+            if exc is not None:
+                raise exc
+            if st.error is not None:
+                raise st.error
+            done = st.sb.done if st.sb.done is not None else _Fired()
+            await self._wait_done(done, until - time.monotonic())
+            _mark(desc.rid, "done")
+        except BaseException as e:
+            await self._abort_launched(m, desc, st.g, st.sb, e)
+            raise
+        self._copied(m, desc, st.g, st.sb, st.rs, st.rs, False, rung, st.t0)
+
+    def _unlaunched_failed(self, desc: Descriptor, exc: BaseException) -> None:
+        """A request failed before its copy was launched: the producer's blocks are
+        released with the reason (its event did not fire in time, cancelled, failed)."""
+        if isinstance(exc, (AiokvTimeoutError, asyncio.TimeoutError, TimeoutError)):
+            self._stats.lease_expired += 1
+            why = "producer not ready"
+        else:
+            why = "cancelled" if isinstance(exc, asyncio.CancelledError) else "failed"
+        self._release(desc, Release(desc.rid, False, reason=why))
+        self.con._stats.recv_failures += 1
+
+    async def _abort_launched(
+        self, m: _Mapping, desc: Descriptor, g: int, sb: _SlotBufs, exc: BaseException
+    ) -> None:
+        """A copy that may have been launched failed (deadline, cancellation, error):
+        set its abort word, wait (bounded) until the launch is over, release the
+        producer's blocks with a failure. Raises :class:`TransferTimeoutError` for a
+        timeout; the caller re-raises anything else."""
+        timeout = isinstance(exc, (AiokvTimeoutError, asyncio.TimeoutError, TimeoutError))
+        self._words.set(g)
+        self._stats.aborted += 1
+        settled = await self._settle(m, sb.done if sb.done is not None else _Fired())
+        self._retire_slot(g, keep=not settled)
+        if not settled:  # a stuck launch keeps its mapping's tensors forever
+            self._keep.append((m.src_table, m.tables, m.storages))
+        self._copy_ended(m)
+        reason = "cancelled" if isinstance(exc, asyncio.CancelledError) else "deadline"
+        if not (timeout or isinstance(exc, asyncio.CancelledError)):
+            reason = "failed"
+        self._release(desc, Release(desc.rid, False, reason=reason))
+        self.con._stats.recv_failures += 1
+        if timeout and not isinstance(exc, TransferTimeoutError):
+            raise TransferTimeoutError(
+                f"IPC copy of {desc.rid!r} did not finish within its deadline/lease"
+            ) from None
+
+    def _copied(
+        self,
+        m: _Mapping,
+        desc: Descriptor,
+        g: int,
+        sb: _SlotBufs,
+        rs: int | None,
+        stream: Any,
+        own: bool,
+        rung: bool,
+        t0: float,
+    ) -> None:
+        """A copy finished: the slot serves again, the caller's current stream is
+        ordered after the copy, the release goes out soon, the counters move."""
+        dev = self.device
         self._copy_ended(m)
         self._words.free.append(g)
         if rs is not None:
-            if int(torch._C._cuda_getCurrentRawStream(self._dev_index)) != rs:
+            if self._raw_stream() != rs:
                 torch.cuda.current_stream(dev).wait_event(sb.done)  # switched meanwhile
         elif sb.done is not None and (own or torch.cuda.current_stream(dev) != stream):
             # the copy ran on another stream than the caller's current one (gpu_wait, or
@@ -1694,13 +1938,14 @@ class IpcPlane:
             torch.cuda.current_stream(dev).wait_event(sb.done)
         # off the critical path: sent after the caller (woken by our return) ran
         self._release_soon(desc, Release(desc.rid, True, reason=RING if rung else ""))
+        nbytes = self.layout.request_nbytes(desc.n)
         self._stats.requests_received += 1
-        self._stats.bytes_received += lay.request_nbytes(n)
-        st = con._stats
+        self._stats.bytes_received += nbytes
+        st = self.con._stats
         st.requests_received += 1
-        st.bytes_received += lay.request_nbytes(n)
+        st.bytes_received += nbytes
         st.recv_seconds += time.perf_counter() - t0
-        con._finished_receiving.add(desc.rid)
+        self.con._finished_receiving.add(desc.rid)
         _mark(desc.rid, "return")
 
     async def _next_layers(

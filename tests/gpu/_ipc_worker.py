@@ -135,6 +135,7 @@ def stats(con: KVConnector) -> dict[str, Any]:
         "stuck": s.stuck_streams,
         "fallbacks": s.fallbacks,
         "dropped": s.mappings_dropped,
+        "ring_launches": s.ring_launches,
         "raw": con._ipc is not None and any(m.raw is not None for m in con._ipc._maps.values()),
     }
 

@@ -1,0 +1,277 @@
+"""Staged launches: the consumer prepares a whole request's copy when ``recv_request``
+is called, and the doorbell's poll launches it as the descriptor arrives (on CPU).
+
+CUDA is faked as in test_ipc_plane.py; on top of that the driver path is faked: a
+"launch" queues the copy, which runs when its completion event is next queried (the
+GPU runs it later) and honours the abort word then, as the kernel does. What is
+checked: the copy lands and is counted as a ring launch; a descriptor that fails any
+check is not launched there and fails (or falls back) exactly as without staging; a
+request cancelled between the ring's launch and its task resuming aborts the copy,
+writes nothing, and releases the producer's blocks with a failure.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import struct
+import sys
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import torch
+from _kvutil import filled, make_layout
+from test_ipc_plane import FakeEvent, connectors, landed, pair
+
+from aiokv import RemoteProtocolError, TransferAbortedError
+from aiokv.kv import _ipc_kernel
+from aiokv.kv.ipc import Descriptor, IpcPlane
+
+pytestmark = pytest.mark.skipif(
+    not os.path.isdir("/dev/shm") or sys.platform != "linux", reason="needs /dev/shm"
+)
+
+
+class FakeDone:
+    """A slot's completion event: querying it runs the copies queued before it."""
+
+    def __init__(self) -> None:
+        self.pending: list[Callable[[], None]] = []
+        self.cuda_event = self
+
+    def query(self) -> bool:
+        run, self.pending = self.pending, []
+        for f in run:
+            f()
+        return True
+
+
+class FakeDriver:
+    def __init__(self) -> None:
+        self.calls: list[str] = []
+
+    def memcpy_htod_async(self, dst: int, src: int, nbytes: int, stream: int) -> None:
+        self.calls.append("upload")  # on CPU the slot's "device" buffer is the pinned one
+
+    def event_record(self, event: Any, stream: int) -> None:
+        self.calls.append("record")
+
+
+class FakeRaw:
+    """The mapping's raw launch: queues the copy on the slot's completion event."""
+
+    def __init__(self, plane: IpcPlane, m: Any) -> None:
+        self.plane, self.m = plane, m
+        self.launched = 0
+
+    def launch(self, programs: int, stream: int, args: tuple[int, ...]) -> None:
+        plane, m = self.plane, self.m
+        sb = next(b for b in plane._slotbufs.values() if b.dev.data_ptr() == args[2])
+        ab = next(t for t in plane._words.blocks.values() if t.data_ptr() == args[3])
+        slot, n = args[5], args[6]
+        self.launched += 1
+
+        def run() -> None:
+            if int(ab[slot]):  # the kernel's check: aborted, nothing written
+                return
+            ids = sb.pin[: 2 * n].view(2, n)
+            dst = plane.con.caches.raw(m.word)
+            _ipc_kernel.torch_pair_copy(m.src_layers, dst, plane.layout.block_dim, ids[0], ids[1])
+
+        sb.done.pending.append(run)
+
+
+def fake_driver(plane: IpcPlane) -> tuple[FakeDriver, FakeRaw]:
+    """Turn the driver path on for ``plane``, a consumer on CPU with a faked CUDA whose
+    one mapping the first request made: the driver, the verified raw launch."""
+    (m,) = plane._maps.values()
+    assert m.bell is not None
+    plane._mapper.use_triton = lambda: True  # type: ignore[method-assign]
+    m.raw = raw = FakeRaw(plane, m)  # type: ignore[assignment]
+    drv = FakeDriver()
+    plane._drv = drv  # type: ignore[assignment]
+    plane._raw_stream = lambda: 7  # type: ignore[method-assign]
+    plane._on_device = lambda: True  # type: ignore[method-assign]
+    slot_bufs = plane._slot_bufs
+
+    def with_done(slot: int, n: int) -> Any:
+        sb = slot_bufs(slot, n)
+        if sb.done is None:
+            sb.done = FakeDone()
+        return sb
+
+    plane._slot_bufs = with_done  # type: ignore[method-assign]
+    return drv, raw
+
+
+def untouched(before: list[torch.Tensor], now: list[torch.Tensor]) -> bool:
+    """Bit for bit (random bf16 bits include NaNs, which never compare equal)."""
+    return all(
+        torch.equal(x.view(torch.uint8), y.view(torch.uint8))
+        for x, y in zip(before, now, strict=True)
+    )
+
+
+async def first_request(prod: Any, cons: Any, a: Any, b: Any) -> None:
+    """The offer's request (by the engine), so that the ring is mapped."""
+    recv = asyncio.create_task(cons.recv_request("r0", [3, 4], frm=a.address, timeout=10))
+    await asyncio.sleep(0.02)
+    await prod.send_request("r0", [1, 2], to=b.address, timeout=10)
+    await recv
+
+
+@pytest.mark.anyio
+@pytest.mark.timeout(60)
+async def test_ring_launches_the_staged_copy() -> None:
+    pl = make_layout("fa", "bfloat16", 24)
+    p, c = filled(pl, 1), filled(pl, 2)
+    async with pair(pl, pl) as (a, b):
+        prod, cons = connectors(a, b, pl, p, pl, c)
+        plane = cons._ipc
+        await first_request(prod, cons, a, b)
+        drv, raw = fake_driver(plane)
+        for i in range(1, 4):
+            src, dst = [5 + i, 9 + i, 13], [10 + i, 14 + i, 20]
+            recv = asyncio.create_task(cons.recv_request(f"r{i}", dst, frm=a.address, timeout=10))
+            await asyncio.sleep(0.02)
+            assert len(plane._bell_wait[f"r{i}"]) == 3 and plane._bell_wait[f"r{i}"][2] is not None
+            await prod.send_request(f"r{i}", src, to=b.address, timeout=10)
+            assert await recv == "ipc"
+            assert landed(pl, p, src, c, dst)
+        st = plane.statistics()
+        assert st.ring_launches == 3 and raw.launched == 3 and st.aborted == 0
+        assert drv.calls == ["upload", "record"] * 3
+        assert prod.finished_sending() == {"r0", "r1", "r2", "r3"}
+        assert not plane._bell_wait
+        await prod.aclose()
+        await cons.aclose()
+
+
+@pytest.mark.anyio
+@pytest.mark.timeout(60)
+async def test_hostile_ids_are_not_launched_by_the_ring() -> None:
+    """A rung descriptor whose source ids are out of range: not launched by the poll;
+    the request fails as it does without staging, and nothing was written."""
+    pl = make_layout("fa", "bfloat16", 24)
+    p, c = filled(pl, 1), filled(pl, 2)
+    async with pair(pl, pl) as (a, b):
+        prod, cons = connectors(a, b, pl, p, pl, c)
+        plane = cons._ipc
+        await first_request(prod, cons, a, b)
+        _, raw = fake_driver(plane)
+        before = [t.clone() for t in c]
+        real = Descriptor.to_wire
+
+        def hostile(self: Descriptor) -> dict[str, Any]:
+            w = real(self)
+            w["src"] = struct.pack(f"<{self.n}I", *[pl.num_blocks + 5] * self.n)
+            return w
+
+        Descriptor.to_wire = hostile  # type: ignore[method-assign]
+        try:
+            recv = asyncio.create_task(cons.recv_request("h", [7, 8], frm=a.address, timeout=5))
+            await asyncio.sleep(0.02)
+            send = asyncio.create_task(prod.send_request("h", [1, 2], to=b.address, timeout=5))
+            with pytest.raises(RemoteProtocolError):
+                await recv
+            with pytest.raises(TransferAbortedError, match="source block id out of range"):
+                await send
+        finally:
+            Descriptor.to_wire = real  # type: ignore[method-assign]
+        assert raw.launched == 0 and plane.statistics().ring_launches == 0
+        assert untouched(before, c)
+        assert "h" not in prod.finished_sending()
+        await prod.aclose()
+        await cons.aclose()
+
+
+@pytest.mark.anyio
+@pytest.mark.timeout(60)
+async def test_cancelled_after_the_ring_launched_writes_nothing() -> None:
+    """The ring's poll launched the copy; the request's task is cancelled before it
+    resumed: the abort word is set before the (faked) GPU runs the copy, so nothing is
+    written, the slot is never reused, and the producer gets a failed release."""
+    pl = make_layout("fa", "bfloat16", 24)
+    p, c = filled(pl, 1), filled(pl, 2)
+    async with pair(pl, pl) as (a, b):
+        prod, cons = connectors(a, b, pl, p, pl, c)
+        plane = cons._ipc
+        await first_request(prod, cons, a, b)
+        _, raw = fake_driver(plane)
+        before = [t.clone() for t in c]
+        recv = asyncio.create_task(cons.recv_request("x", [7, 8], frm=a.address, timeout=5))
+        launch = plane._launch_staged
+
+        def launch_then_cancel(st: Any, d: dict[str, Any]) -> None:
+            launch(st, d)
+            assert st.launched
+            recv.cancel()
+
+        plane._launch_staged = launch_then_cancel  # type: ignore[method-assign]
+        await asyncio.sleep(0.02)
+        staged = plane._bell_wait["x"][2]
+        assert staged is not None
+        with pytest.raises(TransferAbortedError, match="cancelled"):
+            await prod.send_request("x", [1, 2], to=b.address, timeout=5)
+        with pytest.raises(asyncio.CancelledError):
+            await recv
+        assert raw.launched == 1
+        staged.sb.done.query()  # the GPU runs whatever was queued, sooner or later
+        st = plane.statistics()
+        assert st.ring_launches == 1 and st.aborted == 1
+        assert untouched(before, c)
+        assert staged.g not in plane._words.free  # an aborted slot never serves again
+        assert "x" not in prod.finished_sending()
+        assert cons.statistics().recv_failures == 1
+        await prod.aclose()
+        await cons.aclose()
+
+
+@pytest.mark.anyio
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("cancel", [False, True])
+async def test_validated_by_the_ring_before_the_producer_is_ready(cancel: bool) -> None:
+    """The ring's poll validates the descriptor but the producer's event has not fired:
+    the request's task waits for it and launches the staged copy (no second decode);
+    cancelled while it waits, nothing is launched, the slot serves again and the
+    producer hears "cancelled" at once instead of running into its lease."""
+    pl = make_layout("fa", "bfloat16", 24)
+    p, c = filled(pl, 1), filled(pl, 2)
+    async with pair(pl, pl) as (a, b):
+        prod, cons = connectors(a, b, pl, p, pl, c)
+        plane = cons._ipc
+        await first_request(prod, cons, a, b)
+        _, raw = fake_driver(plane)
+        before = [t.clone() for t in c]
+        FakeEvent.fire_after = None if cancel else 0.1
+        try:
+            recv = asyncio.create_task(cons.recv_request("w", [7, 8], frm=a.address, timeout=5))
+            await asyncio.sleep(0.02)
+            staged = plane._bell_wait["w"][2]
+            assert staged is not None
+            send = asyncio.create_task(prod.send_request("w", [1, 2], to=b.address, timeout=5))
+            for _ in range(200):
+                await asyncio.sleep(0.005)
+                if staged.desc is not None:
+                    break
+            assert staged.desc is not None and not staged.launched
+            if cancel:
+                recv.cancel()
+                with pytest.raises(asyncio.CancelledError):
+                    await recv
+                with pytest.raises(TransferAbortedError, match="cancelled"):
+                    await send
+                assert raw.launched == 0 and untouched(before, c)
+                assert staged.g in plane._words.free
+                assert cons.statistics().recv_failures == 1
+            else:
+                assert await recv == "ipc"
+                await send
+                assert raw.launched == 1 and landed(pl, p, [1, 2], c, [7, 8])
+                assert "w" in prod.finished_sending()
+            assert plane.statistics().ring_launches == 0  # (launched by the task)
+        finally:
+            FakeEvent.fire_after = 0.0
+        await prod.aclose()
+        await cons.aclose()

@@ -11,7 +11,11 @@ consumer spins on its event. Latency = the producer's call -> the consumer saw t
 
 Compared in the same run with the host hop (the producer writes ``gen`` from the host,
 the consumer's host spins on it, then launches the same upload + copy + event), and the
-consumer releasing its own armed wait from the host (the abort path).
+consumer releasing its own armed wait from the host (the abort path). And two
+ready signals alone, no copy: ``event_hop`` -- the producer records an interprocess
+event on its idle stream, the consumer's host spins on ``query()`` (what the IPC plane's
+consumer does with a descriptor's ready event); ``write_hop`` -- the producer's stream
+writes the shared page (``cuStreamWriteValue64``), the consumer's host spins on it.
 
 ``python3 benchmarks/ipc_armed_probe.py [--iters 300] [--mib 4] [--gap-ms 0.5]``
 """
@@ -29,7 +33,8 @@ import statistics
 import struct
 import time
 
-FLAG, ARMED, T0, DONE, IDS = 0, 64, 128, 192, 256
+FLAG, ARMED, T0, DONE, IDS, FLAG2, EVH = 0, 64, 128, 192, 256, 512, 1024
+MODES = ("armed", "host_hop", "self_release", "event_hop", "write_hop")
 SIZE = 4096
 
 
@@ -85,14 +90,13 @@ def consumer(path: str, args: argparse.Namespace, q: mp.Queue) -> None:  # type:
     s = torch.cuda.Stream()
     rs = s.cuda_stream
     ev = torch.cuda.Event()
-    out: dict[str, list[float]] = {
-        "armed": [],
-        "host_hop": [],
-        "self_release": [],
-        "enqueue_us": [],
-    }
+    out: dict[str, list[float]] = {m: [] for m in (*MODES, "enqueue_us")}
+    assert _spin(mm, EVH, 1, time.perf_counter() + 60)  # the producer's event handle
+    (hlen,) = struct.unpack_from("<Q", mm, EVH)
+    handle = bytes(mm[EVH + 8 : EVH + 8 + hlen])
+    pev = torch.cuda.Event.from_ipc_handle(torch.device("cuda:0"), handle)
     gen = 0
-    for mode in ("armed", "host_hop", "self_release") * 1:
+    for mode in MODES:
         for it in range(args.iters + 20):
             gen += 1
             if mode in ("armed", "self_release"):
@@ -117,6 +121,18 @@ def consumer(path: str, args: argparse.Namespace, q: mp.Queue) -> None:  # type:
                 t1 = time.perf_counter()
                 if t0 is None:
                     t0 = struct.unpack_from("<d", mm, T0)[0]
+            elif mode == "event_hop":  # the producer records an IPC event; we query it
+                struct.pack_into("<Q", mm, ARMED, gen)
+                assert _spin(mm, DONE, gen, time.perf_counter() + 10)
+                while not pev.query():
+                    pass
+                t1 = time.perf_counter()
+                t0 = struct.unpack_from("<d", mm, T0)[0]
+            elif mode == "write_hop":  # the producer's stream writes the page; we read it
+                struct.pack_into("<Q", mm, ARMED, gen)
+                assert _spin(mm, FLAG2, gen, time.perf_counter() + 10)
+                t1 = time.perf_counter()
+                t0 = struct.unpack_from("<d", mm, T0)[0]
             else:
                 struct.pack_into("<Q", mm, ARMED, gen)
                 assert _spin(mm, DONE, gen, time.perf_counter() + 10)
@@ -140,9 +156,13 @@ def producer(path: str, args: argparse.Namespace) -> None:
     torch, lib, mm, _buf, _host, dptr, _rcs = _map(path)
     s = torch.cuda.Stream()
     rs = s.cuda_stream
+    ev = torch.cuda.Event(interprocess=True, blocking=False)
+    ev.record(s)
+    h = ev.ipc_handle()
+    mm[EVH + 8 : EVH + 8 + len(h)] = h
+    struct.pack_into("<Q", mm, EVH, len(h))
     gen = 0
-    modes = ("armed", "host_hop", "self_release")
-    for mode in modes:
+    for mode in MODES:
         for _ in range(args.iters + 20):
             gen += 1
             if not _spin(mm, ARMED, gen, time.perf_counter() + 30):
@@ -159,6 +179,12 @@ def producer(path: str, args: argparse.Namespace) -> None:
             struct.pack_into("<d", mm, T0, t0)
             if mode == "armed":
                 rc = lib.cuStreamWriteValue64_v2(rs, dptr + FLAG, gen, 0)
+                assert rc == 0, rc
+            elif mode == "event_hop":
+                ev.record(s)
+                struct.pack_into("<Q", mm, DONE, gen)
+            elif mode == "write_hop":
+                rc = lib.cuStreamWriteValue64_v2(rs, dptr + FLAG2, gen, 0)
                 assert rc == 0, rc
             else:
                 struct.pack_into("<Q", mm, DONE, gen)

@@ -34,7 +34,10 @@ import struct
 import time
 
 FLAG, ARMED, T0, DONE, IDS, FLAG2, EVH = 0, 64, 128, 192, 256, 512, 1024
-MODES = ("armed", "host_hop", "self_release", "event_hop", "write_hop")
+MODES = (
+    "armed", "host_hop", "self_release", "event_hop", "write_hop",
+    "event_hop_default", "event_hop_after_copy",
+)  # fmt: skip
 SIZE = 4096
 
 
@@ -121,7 +124,11 @@ def consumer(path: str, args: argparse.Namespace, q: mp.Queue) -> None:  # type:
                 t1 = time.perf_counter()
                 if t0 is None:
                     t0 = struct.unpack_from("<d", mm, T0)[0]
-            elif mode == "event_hop":  # the producer records an IPC event; we query it
+            elif mode.startswith("event_hop"):  # the producer records an IPC event
+                if mode == "event_hop_after_copy":  # as the bench: our copy, synchronised
+                    with torch.cuda.stream(s):
+                        dst.copy_(src)
+                    torch.cuda.synchronize()
                 struct.pack_into("<Q", mm, ARMED, gen)
                 assert _spin(mm, DONE, gen, time.perf_counter() + 10)
                 while not pev.query():
@@ -180,8 +187,9 @@ def producer(path: str, args: argparse.Namespace) -> None:
             if mode == "armed":
                 rc = lib.cuStreamWriteValue64_v2(rs, dptr + FLAG, gen, 0)
                 assert rc == 0, rc
-            elif mode == "event_hop":
-                ev.record(s)
+            elif mode.startswith("event_hop"):
+                # _default: on the legacy default stream (the bench producer's current one)
+                ev.record(torch.cuda.current_stream() if mode == "event_hop_default" else s)
                 struct.pack_into("<Q", mm, DONE, gen)
             elif mode == "write_hop":
                 rc = lib.cuStreamWriteValue64_v2(rs, dptr + FLAG2, gen, 0)

@@ -262,7 +262,8 @@ class IpcStatistics:
     doorbell_hits: int = 0  # descriptors taken from the doorbell before the engine's
     doorbell_rejected: int = 0  # ring slots whose MAC failed (or that made no sense)
     doorbell_backups: int = 0  # producer: ring-only descriptors also sent by the engine late
-    ring_launches: int = 0  # consumer: copies launched by the ring's poll (staged ahead)
+    staged_launches: int = 0  # consumer: copies staged at recv_request, then launched ...
+    ring_launches: int = 0  # ... of which by the ring's poll (the producer's event had fired)
     fallbacks: dict[str, int] = field(default_factory=dict)
 
 
@@ -1701,6 +1702,7 @@ class IpcPlane:
         _mark(st.rid, "staged")
         st.launched = True
         m.inflight += 1
+        self._stats.staged_launches += 1
         try:
             m.raw.launch(st.programs, st.rs, st.args)
             drv.event_record(sb.done.cuda_event, st.rs)

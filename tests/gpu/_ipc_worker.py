@@ -136,6 +136,7 @@ def stats(con: KVConnector) -> dict[str, Any]:
         "fallbacks": s.fallbacks,
         "dropped": s.mappings_dropped,
         "ring_launches": s.ring_launches,
+        "staged_launches": s.staged_launches,
         "raw": con._ipc is not None and any(m.raw is not None for m in con._ipc._maps.values()),
     }
 

@@ -1654,6 +1654,7 @@ class IpcPlane:
         the ordinary way, the same checks raising the same errors); one whose event has
         not fired yet stays validated (``st.desc``): the task waits for the event and
         launches (:meth:`_pull_staged`)."""
+        _mark(st.rid, "ring")
         try:
             desc, _ = Descriptor.from_wire(d)
         except Exception:

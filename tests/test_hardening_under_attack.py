@@ -250,6 +250,10 @@ async def test_hostile_input_while_a_legit_peer_streams(
                 backend=backend_name(anyio_backend),
             )
             hello = await p.wait_event("ready", 60)
+            # the ids to receive, made before the ticker runs: make_case builds each
+            # tensor (64-256 KiB of random bytes), which on the loop between two ticks
+            # was counted as the engine's stall (up to ~50 ms with the attack's work)
+            names = [make_case(seed, 1, k, "small")[0] for k in range(n)]
             p.tell("go")
             tick = asyncio.ensure_future(ticker())
             legit = str(hello.get("address", ""))
@@ -268,7 +272,7 @@ async def test_hostile_input_while_a_legit_peer_streams(
             )
             got = []
             for k in range(n):  # collect only: checking is not the engine's work (after)
-                got.append(await eng.recv(make_case(seed, 1, k, "small")[0], timeout=30))
+                got.append(await eng.recv(names[k], timeout=30))
                 await asyncio.sleep(0)
             await hostile
             done = await p.wait_event("done", 30)

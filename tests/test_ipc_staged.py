@@ -24,7 +24,7 @@ import torch
 from _kvutil import filled, make_layout
 from test_ipc_plane import FakeEvent, connectors, landed, pair
 
-from aiokv import RemoteProtocolError, TransferAbortedError
+from aiokv import NotPublishedError, RemoteProtocolError, TransferAbortedError
 from aiokv.kv import _ipc_kernel
 from aiokv.kv.ipc import Descriptor, IpcPlane
 
@@ -276,5 +276,36 @@ async def test_validated_by_the_ring_before_the_producer_is_ready(cancel: bool) 
             assert st.staged_launches == (0 if cancel else 1)
         finally:
             FakeEvent.fire_after = 0.0
+        await prod.aclose()
+        await cons.aclose()
+
+
+@pytest.mark.anyio
+@pytest.mark.timeout(60)
+async def test_pull_mode_stages_beside_the_ticket() -> None:
+    """fetch_request from a producer whose ring is mapped: the receive starts beside
+    the ticket's GET, staged, and the ring's poll launches the copy; a fetch of a
+    ticket nobody serves fails at once and leaves no staging or waiter behind."""
+    pl = make_layout("fa", "bfloat16", 24)
+    p, c = filled(pl, 1), filled(pl, 2)
+    async with pair(pl, pl) as (a, b):
+        prod, cons = connectors(a, b, pl, p, pl, c)
+        plane = cons._ipc
+        await first_request(prod, cons, a, b)
+        _, raw = fake_driver(plane)
+        assert plane.stages_for(a.address) and not plane.stages_for(b.address)
+        for r, (src, dst) in enumerate([([3, 1, 4], [5, 9, 2]), ([7], [0])]):
+            serving = asyncio.ensure_future(prod.serve_request(f"p{r}", src, timeout=20))
+            await asyncio.sleep(0.01)
+            assert await cons.fetch_request(f"p{r}", dst, frm=a.address, timeout=20) == "ipc"
+            assert await serving == b.address
+            assert landed(pl, p, src, c, dst)
+        st = plane.statistics()
+        assert st.staged_launches == raw.launched == 2
+        free = sorted(plane._words.free)
+        with pytest.raises(NotPublishedError):
+            await cons.fetch_request("nobody", [1], frm=a.address, timeout=5)
+        assert not plane._bell_wait and sorted(plane._words.free) == free
+        assert plane.statistics().staged_launches == 2
         await prod.aclose()
         await cons.aclose()

@@ -4,10 +4,13 @@ A server socket made with ``proto=0`` never gets ``TCP_NODELAY`` from asyncio,
 and a small response then waits for the client's delayed ACK: ~40 ms per hop.
 ``test_tiny_completion_latency`` sends 50 tiny completions through router →
 prefill → decode (the demo's CPU workers, real uvicorn servers on loopback)
-and needs a median under 10 ms, well below one such stall. The machine may
+and needs a median under 20 ms, half of one such stall. The machine may
 be shared with other test runs, so up to three rounds of 50 are measured and
 the best round counts: with a Nagle stall on any hop every round would be
-above 40 ms.
+above 40 ms. (The bound was 10 ms, with 8.4-9.3 ms measured on the development
+machine in session 14; in session 15 the same machine measured 10.4-11.4 ms for
+both that session's code and the one before it, so the bound measured the
+machine's speed, not the defect it is for.)
 """
 
 from __future__ import annotations
@@ -23,7 +26,7 @@ from test_demo import demo_cluster
 from aiokv.demo.worker import DEFAULT_MODEL_NAME
 from aiokv.serving import bind_socket
 
-P50_BOUND_S = 0.010
+P50_BOUND_S = 0.020
 
 
 @pytest.fixture

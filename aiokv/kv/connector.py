@@ -1020,11 +1020,40 @@ class KVConnector:
         self._check_rid(request_id)
         deadline = self._deadline(timeout)
         host = self._host_ids(block_ids, unique=True, what="fetch_request")
-        raw = await eng.get(self.ticket_name(request_id), frm=frm, timeout=_time_left(deadline))
+        ticket = self.ticket_name(request_id)
+        if self._ipc is not None and self._ipc.stages_for(frm):
+            return await self._fetch_staged(eng, request_id, host, frm, deadline)
+        raw = await eng.get(ticket, frm=frm, timeout=_time_left(deadline))
         if raw.dtype == torch.uint8:  # the request itself (see serve_request)
             return await self._take_pulled(request_id, raw, host)
         self._check_ticket(request_id, frm, raw, host.numel())
         return await self.recv_request(request_id, host, frm=frm, timeout=_time_left(deadline))
+
+    async def _fetch_staged(
+        self, eng: Any, request_id: str, host: torch.Tensor, frm: str, deadline: float
+    ) -> str:
+        """``fetch_request`` from a producer whose IPC ring this side reads: the receive
+        starts beside the ticket's GET, its copy staged, so that the ring's poll
+        launches it as soon as the producer sends (which it does when it accepts the
+        GET, before the ticket is back here). The descriptor is checked against the
+        block count as the ticket would be; a failed GET or ticket check ends the
+        receive (nothing was launched for a GET that failed: the producer sends only
+        after accepting it)."""
+        recv = asyncio.ensure_future(
+            self.recv_request(request_id, host, frm=frm, timeout=_time_left(deadline))
+        )
+        try:
+            raw = await eng.get(self.ticket_name(request_id), frm=frm, timeout=_time_left(deadline))
+            if raw.dtype == torch.uint8:  # a whole request (a producer without the plane)
+                recv.cancel()
+                await asyncio.gather(recv, return_exceptions=True)
+                return await self._take_pulled(request_id, raw, host)
+            self._check_ticket(request_id, frm, raw, host.numel())
+        except BaseException:
+            recv.cancel()
+            await asyncio.gather(recv, return_exceptions=True)
+            raise
+        return await recv
 
     @staticmethod
     def _check_ticket(request_id: str, frm: str, raw: torch.Tensor, n: int) -> None:

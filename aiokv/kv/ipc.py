@@ -1596,14 +1596,10 @@ class IpcPlane:
             self._drv.event_record(sb.done.cuda_event, upload_on)
             self._draining.append(sb)
 
-    def _stage(
-        self, rid: str, host: tuple[int, ...], frm: str | None, deadline: float
-    ) -> _Staged | None:
-        """Make a whole request's copy ready ahead of its descriptor, when the driver's
-        launch will serve it: one mapping it can come from (``frm``'s, or the only one),
-        with a ring and a verified raw launch, the caller's current stream on this
-        device. Everything but the source ids is done here, off the critical path."""
-        if self._drv is None or self.options.gpu_wait or not host:
+    def _staging_mapping(self, frm: str | None) -> _Mapping | None:
+        """The mapping a whole request from ``frm`` would be staged for (one mapping
+        it can come from, with a ring and a verified raw launch), or None."""
+        if self._drv is None or self.options.gpu_wait or self.disabled:
             return None
         ms = [
             m
@@ -1615,7 +1611,24 @@ class IpcPlane:
         ]
         if len(ms) != 1 or not self._mapper.use_triton():
             return None
-        m = ms[0]
+        return ms[0]
+
+    def stages_for(self, frm: str) -> bool:
+        """Whether a ``recv_request`` from ``frm`` would be staged (pull mode starts
+        it beside the ticket's GET then, so that the ring's poll can launch the copy
+        as soon as the producer sends)."""
+        return self._staging_mapping(frm) is not None
+
+    def _stage(
+        self, rid: str, host: tuple[int, ...], frm: str | None, deadline: float
+    ) -> _Staged | None:
+        """Make a whole request's copy ready ahead of its descriptor, when the driver's
+        launch will serve it: one mapping it can come from (``frm``'s, or the only one),
+        with a ring and a verified raw launch, the caller's current stream on this
+        device. Everything but the source ids is done here, off the critical path."""
+        m = self._staging_mapping(frm) if host else None
+        if m is None:
+            return None
         rs = self._raw_stream()
         if rs is None:
             return None

@@ -1673,6 +1673,7 @@ class IpcPlane:
         except Exception:
             _mark(st.rid, "ring:wire")
             return
+        _mark(st.rid, "ring:decoded")
         m = st.m
         now = time.monotonic()
         if (
@@ -1689,9 +1690,11 @@ class IpcPlane:
         ):
             _mark(st.rid, "ring:check")
             return
+        _mark(st.rid, "ring:checked")
         try:
             st.ready = self._event(m, desc.event_slot, desc.event)
             fired = bool(st.ready.query())
+            _mark(st.rid, "ring:queried")
         except Exception:
             _mark(st.rid, "ring:event")
             return

@@ -72,6 +72,26 @@ def test_parameters_follow_the_signature() -> None:
     assert grid == 3 and vals[:3] == [0x1010, 0x2020, 2]
 
 
+@pytest.mark.parametrize("profile", [0, _ABSENT])
+def test_a_prepared_parameter_block_launches_as_launch_does(profile: object) -> None:
+    """params() makes a block of its own per request (a staged one, ahead of its
+    launch): launching with it passes exactly what launch() passes, and blocks made
+    for two requests do not share values."""
+    c = _compiled(profile_scratch_size=profile)
+    a, b = (0x1000, 0x2000, 7, 1 << 40, 1, 64), (0x1010, 0x2020, 2, 5, 1, 64)
+    direct, prepared = FakeDriver(), FakeDriver()
+    rl = RawLaunch(c, direct)
+    rl.launch(96, 0xBEEF, a)
+    rl.launch(3, 0xBEEF, b)
+    rp = RawLaunch(c, prepared)
+    pa, pb = rp.params(a), rp.params(b)
+    rp.launch_with(96, 0xBEEF, pa)
+    rp.launch_with(3, 0xBEEF, pb)
+    assert prepared.calls == direct.calls
+    with pytest.raises(_cudrv.CudaDriverError):
+        RawLaunch(c, FakeDriver(rc=700)).launch_with(1, 0, pa)
+
+
 def test_an_older_triton_without_profile_scratch() -> None:
     c = _compiled(profile_scratch_size=_ABSENT)
     drv = FakeDriver()

@@ -65,7 +65,10 @@ class FakeRaw:
         self.plane, self.m = plane, m
         self.launched = 0
 
-    def launch(self, programs: int, stream: int, args: tuple[int, ...]) -> None:
+    def params(self, args: tuple[int, ...]) -> tuple[int, ...]:
+        return tuple(args)
+
+    def launch_with(self, programs: int, stream: int, args: tuple[int, ...]) -> None:
         plane, m = self.plane, self.m
         sb = next(b for b in plane._slotbufs.values() if b.dev.data_ptr() == args[2])
         ab = next(t for t in plane._words.blocks.values() if t.data_ptr() == args[3])

@@ -340,6 +340,7 @@ class RawLaunch:
             self._index.append(i)
         extra = [ctypes.c_uint64(0) for a in ("global_scratch_size", "profile_scratch_size")
                  if a in md]  # fmt: skip
+        self._n_extra = len(extra)
         self._keep = self._vals + extra
         self._params = (ctypes.c_void_p * len(self._keep))(
             *(ctypes.addressof(v) for v in self._keep)
@@ -357,6 +358,24 @@ class RawLaunch:
         rc = self._launch(
             self._function, programs, 1, 1, self._threads, 1, 1, self._shared, stream,
             self._params, None,
+        )  # fmt: skip
+        if rc:
+            self._drv.check(rc, "cuLaunchKernel")
+
+    def params(self, args: Sequence[int]) -> Any:
+        """A parameter block of its own for ``args`` (as :meth:`launch` takes them), for
+        :meth:`launch_with`: the ``ctypes`` values are made once, ahead of the launch
+        (a staged request's arguments are known before its descriptor comes)."""
+        vals = [type(v)(args[i]) for v, i in zip(self._vals, self._index, strict=True)]
+        keep = vals + [ctypes.c_uint64(0) for _ in range(self._n_extra)]
+        block = (ctypes.c_void_p * len(keep))(*(ctypes.addressof(v) for v in keep))
+        return (block, keep)  # the values stay alive with the block
+
+    def launch_with(self, programs: int, stream: int, params: Any) -> None:
+        """Launch with a block from :meth:`params` (the driver copies the values)."""
+        rc = self._launch(
+            self._function, programs, 1, 1, self._threads, 1, 1, self._shared, stream,
+            params[0], None,
         )  # fmt: skip
         if rc:
             self._drv.check(rc, "cuLaunchKernel")

@@ -466,7 +466,7 @@ class _Staged:
     n: int
     deadline: float
     programs: int
-    args: tuple[int, ...]
+    params: Any  # the launch's parameter block (RawLaunch.params), made at staging
     t0: float = 0.0
     desc: Descriptor | None = None  # the descriptor, once the ring's poll validated it
     ready: Any = None  # ... and the producer's event it waits for
@@ -1652,7 +1652,9 @@ class IpcPlane:
             self._words.free.append(g)
             return None
         struct.pack_into(f"<{n}q", sb.mv, 8 * n, *host)  # destination ids: second half
-        return _Staged(rid, m, g, ab, slot, sb, rs, n, deadline, programs, args)
+        assert m.raw is not None
+        params = m.raw.params(args)
+        return _Staged(rid, m, g, ab, slot, sb, rs, n, deadline, programs, params)
 
     def _unstage(self, st: _Staged | None) -> None:
         """A staged copy the ring's poll did not take: its slot serves again (no upload
@@ -1721,7 +1723,7 @@ class IpcPlane:
         m.inflight += 1
         self._stats.staged_launches += 1
         try:
-            m.raw.launch(st.programs, st.rs, st.args)
+            m.raw.launch_with(st.programs, st.rs, st.params)
             drv.event_record(sb.done.cuda_event, st.rs)
         except Exception as exc:
             st.error = exc

@@ -16,7 +16,9 @@ import asyncio
 import os
 import struct
 import sys
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -124,9 +126,13 @@ async def first_request(prod: Any, cons: Any, a: Any, b: Any) -> None:
     await recv
 
 
-@pytest.mark.anyio
-@pytest.mark.timeout(60)
-async def test_ring_launches_the_staged_copy() -> None:
+@asynccontextmanager
+async def staged_pair() -> AsyncIterator[Any]:
+    """Two engines and IPC connectors (FlashAttention, bf16, 24 blocks) whose first
+    request mapped the producer's export and ring, with the consumer's driver path
+    faked; closed afterwards. Yields a namespace: layout ``pl``, caches ``p``/``c``,
+    engines ``a``/``b``, connectors ``prod``/``cons``, the consumer's ``plane``,
+    ``drv``, ``raw``."""
     pl = make_layout("fa", "bfloat16", 24)
     p, c = filled(pl, 1), filled(pl, 2)
     async with pair(pl, pl) as (a, b):
@@ -134,6 +140,19 @@ async def test_ring_launches_the_staged_copy() -> None:
         plane = cons._ipc
         await first_request(prod, cons, a, b)
         drv, raw = fake_driver(plane)
+        yield SimpleNamespace(
+            pl=pl, p=p, c=c, a=a, b=b, prod=prod, cons=cons, plane=plane, drv=drv, raw=raw
+        )
+        await prod.aclose()
+        await cons.aclose()
+
+
+@pytest.mark.anyio
+@pytest.mark.timeout(60)
+async def test_ring_launches_the_staged_copy() -> None:
+    async with staged_pair() as t:
+        pl, p, c, a, b, prod, cons, plane = t.pl, t.p, t.c, t.a, t.b, t.prod, t.cons, t.plane
+        drv, raw = t.drv, t.raw
         for i in range(1, 4):
             src, dst = [5 + i, 9 + i, 13], [10 + i, 14 + i, 20]
             recv = asyncio.create_task(cons.recv_request(f"r{i}", dst, frm=a.address, timeout=10))
@@ -148,8 +167,6 @@ async def test_ring_launches_the_staged_copy() -> None:
         assert drv.calls == ["upload", "record"] * 3
         assert prod.finished_sending() == {"r0", "r1", "r2", "r3"}
         assert not plane._bell_wait
-        await prod.aclose()
-        await cons.aclose()
 
 
 @pytest.mark.anyio
@@ -157,14 +174,10 @@ async def test_ring_launches_the_staged_copy() -> None:
 async def test_hostile_ids_are_not_launched_by_the_ring() -> None:
     """A rung descriptor whose source ids are out of range: not launched by the poll;
     the request fails as it does without staging, and nothing was written."""
-    pl = make_layout("fa", "bfloat16", 24)
-    p, c = filled(pl, 1), filled(pl, 2)
-    async with pair(pl, pl) as (a, b):
-        prod, cons = connectors(a, b, pl, p, pl, c)
-        plane = cons._ipc
-        await first_request(prod, cons, a, b)
-        _, raw = fake_driver(plane)
-        before = [t.clone() for t in c]
+    async with staged_pair() as t:
+        pl, c, a, b, prod, cons, plane = t.pl, t.c, t.a, t.b, t.prod, t.cons, t.plane
+        raw = t.raw
+        before = [x.clone() for x in c]
         real = Descriptor.to_wire
 
         def hostile(self: Descriptor) -> dict[str, Any]:
@@ -186,8 +199,6 @@ async def test_hostile_ids_are_not_launched_by_the_ring() -> None:
         assert raw.launched == 0 and plane.statistics().ring_launches == 0
         assert untouched(before, c)
         assert "h" not in prod.finished_sending()
-        await prod.aclose()
-        await cons.aclose()
 
 
 @pytest.mark.anyio
@@ -196,14 +207,10 @@ async def test_cancelled_after_the_ring_launched_writes_nothing() -> None:
     """The ring's poll launched the copy; the request's task is cancelled before it
     resumed: the abort word is set before the (faked) GPU runs the copy, so nothing is
     written, the slot is never reused, and the producer gets a failed release."""
-    pl = make_layout("fa", "bfloat16", 24)
-    p, c = filled(pl, 1), filled(pl, 2)
-    async with pair(pl, pl) as (a, b):
-        prod, cons = connectors(a, b, pl, p, pl, c)
-        plane = cons._ipc
-        await first_request(prod, cons, a, b)
-        _, raw = fake_driver(plane)
-        before = [t.clone() for t in c]
+    async with staged_pair() as t:
+        c, a, b, prod, cons, plane = t.c, t.a, t.b, t.prod, t.cons, t.plane
+        raw = t.raw
+        before = [x.clone() for x in c]
         recv = asyncio.create_task(cons.recv_request("x", [7, 8], frm=a.address, timeout=5))
         launch = plane._launch_staged
 
@@ -228,8 +235,6 @@ async def test_cancelled_after_the_ring_launched_writes_nothing() -> None:
         assert staged.g not in plane._words.free  # an aborted slot never serves again
         assert "x" not in prod.finished_sending()
         assert cons.statistics().recv_failures == 1
-        await prod.aclose()
-        await cons.aclose()
 
 
 @pytest.mark.anyio
@@ -240,14 +245,10 @@ async def test_validated_by_the_ring_before_the_producer_is_ready(cancel: bool) 
     the request's task waits for it and launches the staged copy (no second decode);
     cancelled while it waits, nothing is launched, the slot serves again and the
     producer hears "cancelled" at once instead of running into its lease."""
-    pl = make_layout("fa", "bfloat16", 24)
-    p, c = filled(pl, 1), filled(pl, 2)
-    async with pair(pl, pl) as (a, b):
-        prod, cons = connectors(a, b, pl, p, pl, c)
-        plane = cons._ipc
-        await first_request(prod, cons, a, b)
-        _, raw = fake_driver(plane)
-        before = [t.clone() for t in c]
+    async with staged_pair() as t:
+        pl, p, c, a, b, prod, cons, plane = t.pl, t.p, t.c, t.a, t.b, t.prod, t.cons, t.plane
+        raw = t.raw
+        before = [x.clone() for x in c]
         FakeEvent.fire_after = None if cancel else 0.1
         try:
             recv = asyncio.create_task(cons.recv_request("w", [7, 8], frm=a.address, timeout=5))
@@ -279,8 +280,6 @@ async def test_validated_by_the_ring_before_the_producer_is_ready(cancel: bool) 
             assert st.staged_launches == (0 if cancel else 1)
         finally:
             FakeEvent.fire_after = 0.0
-        await prod.aclose()
-        await cons.aclose()
 
 
 @pytest.mark.anyio
@@ -289,13 +288,9 @@ async def test_pull_mode_stages_beside_the_ticket() -> None:
     """fetch_request from a producer whose ring is mapped: the receive starts beside
     the ticket's GET, staged, and the ring's poll launches the copy; a fetch of a
     ticket nobody serves fails at once and leaves no staging or waiter behind."""
-    pl = make_layout("fa", "bfloat16", 24)
-    p, c = filled(pl, 1), filled(pl, 2)
-    async with pair(pl, pl) as (a, b):
-        prod, cons = connectors(a, b, pl, p, pl, c)
-        plane = cons._ipc
-        await first_request(prod, cons, a, b)
-        _, raw = fake_driver(plane)
+    async with staged_pair() as t:
+        pl, p, c, a, b, prod, cons, plane = t.pl, t.p, t.c, t.a, t.b, t.prod, t.cons, t.plane
+        raw = t.raw
         assert plane.stages_for(a.address) and not plane.stages_for(b.address)
         for r, (src, dst) in enumerate([([3, 1, 4], [5, 9, 2]), ([7], [0])]):
             serving = asyncio.ensure_future(prod.serve_request(f"p{r}", src, timeout=20))
@@ -310,5 +305,3 @@ async def test_pull_mode_stages_beside_the_ticket() -> None:
             await cons.fetch_request("nobody", [1], frm=a.address, timeout=5)
         assert not plane._bell_wait and sorted(plane._words.free) == free
         assert plane.statistics().staged_launches == 2
-        await prod.aclose()
-        await cons.aclose()

@@ -304,4 +304,5 @@ async def test_pull_mode_stages_beside_the_ticket() -> None:
         with pytest.raises(NotPublishedError):
             await cons.fetch_request("nobody", [1], frm=a.address, timeout=5)
         assert not plane._bell_wait and sorted(plane._words.free) == free
+        assert cons.statistics().recv_failures == 1  # counted once
         assert plane.statistics().staged_launches == 2

@@ -197,6 +197,7 @@ async def test_pull_nobody_fetches_then_a_late_consumer_is_refused_at_once() -> 
             await cons.fetch_request("r1", [4, 5, 6], frm=a.address, timeout=10)
         assert asyncio.get_running_loop().time() - t0 < 5
         assert prod.finished_sending() == set()
+        assert cons.statistics().recv_failures == 1  # a failed fetch is a failed receive
         untouched()
 
 
@@ -209,6 +210,7 @@ async def test_pull_block_count_mismatch_is_refused_before_anything_is_written()
         with pytest.raises(LayoutMismatchError) as ei:
             await cons.fetch_request("r1", [4, 5], frm=a.address, timeout=10)
         assert ei.value.code == "kv_size_mismatch"
+        assert cons.statistics().recv_failures == 1
         await asyncio.wait([serving], timeout=10)
         untouched()
 
@@ -263,6 +265,7 @@ async def test_a_request_pulled_whole_is_checked_before_anything_is_written() ->
         for x, y in zip(c, before, strict=True):
             assert torch.equal(x.view(torch.uint8), y.view(torch.uint8))
         assert cons.finished_receiving() == set()
+        assert cons.statistics().recv_failures == 3  # each refused fetch, once
 
 
 # --------------------------------------------------------------------------- hostile input

@@ -1020,14 +1020,21 @@ class KVConnector:
         self._check_rid(request_id)
         deadline = self._deadline(timeout)
         host = self._host_ids(block_ids, unique=True, what="fetch_request")
-        ticket = self.ticket_name(request_id)
-        if self._ipc is not None and self._ipc.stages_for(frm):
-            return await self._fetch_staged(eng, request_id, host, frm, deadline)
-        raw = await eng.get(ticket, frm=frm, timeout=_time_left(deadline))
-        if raw.dtype == torch.uint8:  # the request itself (see serve_request)
-            return await self._take_pulled(request_id, raw, host)
-        self._check_ticket(request_id, frm, raw, host.numel())
-        return await self.recv_request(request_id, host, frm=frm, timeout=_time_left(deadline))
+        failures = self._stats.recv_failures
+        try:
+            if self._ipc is not None and self._ipc.stages_for(frm):
+                return await self._fetch_staged(eng, request_id, host, frm, deadline)
+            raw = await eng.get(self.ticket_name(request_id), frm=frm, timeout=_time_left(deadline))
+            if raw.dtype == torch.uint8:  # the request itself (see serve_request)
+                return await self._take_pulled(request_id, raw, host)
+            self._check_ticket(request_id, frm, raw, host.numel())
+            return await self.recv_request(request_id, host, frm=frm, timeout=_time_left(deadline))
+        except BaseException:
+            # a failed fetch is a failed receive, counted once: where the receive it
+            # started did not count it (the GET, the ticket, a refused whole request)
+            if self._stats.recv_failures == failures:
+                self._stats.recv_failures += 1
+            raise
 
     async def _fetch_staged(
         self, eng: Any, request_id: str, host: torch.Tensor, frm: str, deadline: float

@@ -14,8 +14,10 @@ from __future__ import annotations
 
 import asyncio
 import os
+import secrets
 import struct
 import sys
+import time
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from types import SimpleNamespace
@@ -24,7 +26,7 @@ from typing import Any
 import pytest
 import torch
 from _kvutil import filled, make_layout
-from test_ipc_plane import FakeEvent, connectors, landed, pair
+from test_ipc_plane import FakeBackend, FakeEvent, connectors, landed, pair
 
 from aiokv import NotPublishedError, RemoteProtocolError, TransferAbortedError
 from aiokv.kv import _ipc_kernel
@@ -306,3 +308,60 @@ async def test_pull_mode_stages_beside_the_ticket() -> None:
         assert not plane._bell_wait and sorted(plane._words.free) == free
         assert cons.statistics().recv_failures == 1  # counted once
         assert plane.statistics().staged_launches == 2
+
+
+def _wire(plane: IpcPlane, rid: str, over: dict[str, Any] | None = None) -> dict[str, Any]:
+    """A ring descriptor the staging for ``rid`` (2 blocks) accepts, with ``over``."""
+    (m,) = plane._maps.values()
+    handle = secrets.token_bytes(64)
+    FakeBackend.events[handle] = FakeEvent()
+    d = Descriptor(
+        rid=rid,
+        plane="ipc",
+        n=2,
+        reply_to=m.reply_to,
+        token=m.token,
+        src=(1, 2),
+        event=handle,
+        event_slot=0,
+        lease=time.monotonic() + 10,
+    ).to_wire()
+    d.update(over or {})
+    return d
+
+
+@pytest.mark.anyio
+@pytest.mark.timeout(60)
+async def test_the_poll_launches_only_what_the_task_would() -> None:
+    """Each way a ring descriptor can be wrong for its staging -- the other request's,
+    another block count, layer-wise, an inline offer, another export, a source id out
+    of range, a lease already over, an event nobody exported, bytes that do not parse
+    -- and the poll launches nothing and keeps nothing (the task then decodes it the
+    ordinary way, raising as without staging); the one right descriptor launches."""
+    async with staged_pair() as t:
+        plane, a = t.plane, t.a
+        nb = t.pl.num_blocks
+        bad: dict[str, dict[str, Any]] = {
+            "rid": {"rid": "other"},
+            "n": {"n": 3, "src": struct.pack("<3I", 1, 2, 3)},
+            "plane": {"plane": "ipc-layers", "event": b"", "event_slot": 0},
+            "token": {"token": 12345},
+            "offer": {"offer": t.prod._ipc._make_export().offer.to_wire()},
+            "src": {"src": struct.pack("<2I", 1, nb)},
+            "lease": {"lease": time.monotonic() - 1},
+            "event": {"event": secrets.token_bytes(64)},
+            "wire": {"src": b"\x01\x02\x03"},
+            "extra": {"surprise": 1},
+        }
+        for what, over in bad.items():
+            st = plane._stage(f"s-{what}", (7, 8), a.address, time.monotonic() + 10)
+            assert st is not None
+            plane._launch_staged(st, _wire(plane, f"s-{what}", over))
+            assert not st.launched and st.desc is None, what
+            plane._unstage(st)
+        st = plane._stage("s-ok", (7, 8), a.address, time.monotonic() + 10)
+        assert st is not None
+        plane._launch_staged(st, _wire(plane, "s-ok"))
+        assert st.launched and st.desc is not None and t.raw.launched == 1
+        await plane._pull_staged(st.m, st.desc, st, time.monotonic() + 10, True, None)
+        assert landed(t.pl, t.p, [1, 2], t.c, [7, 8])

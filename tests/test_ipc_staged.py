@@ -88,6 +88,8 @@ class FakeRaw:
 
         sb.done.pending.append(run)
 
+    launch = launch_with  # the ordinary path's call: the arguments as a tuple
+
 
 def fake_driver(plane: IpcPlane) -> tuple[FakeDriver, FakeRaw]:
     """Turn the driver path on for ``plane``, a consumer on CPU with a faked CUDA whose
@@ -365,3 +367,28 @@ async def test_the_poll_launches_only_what_the_task_would() -> None:
         assert st.launched and st.desc is not None and t.raw.launched == 1
         await plane._pull_staged(st.m, st.desc, st, time.monotonic() + 10, True, None)
         assert landed(t.pl, t.p, [1, 2], t.c, [7, 8])
+
+
+@pytest.mark.anyio
+@pytest.mark.timeout(60)
+async def test_an_error_inside_the_poll_leaves_the_request_to_its_task() -> None:
+    """Whatever goes wrong while the ring's poll looks at a staged request (here the
+    device check raises) stays out of the poll: it launches nothing, keeps polling,
+    and the request's task copies it the ordinary way."""
+    async with staged_pair() as t:
+        plane, a, b = t.plane, t.a, t.b
+
+        def broken() -> bool:
+            raise RuntimeError("CUDA went away (faked)")
+
+        plane._on_device = broken  # type: ignore[method-assign]
+        recv = asyncio.create_task(t.cons.recv_request("e", [7, 8], frm=a.address, timeout=5))
+        await asyncio.sleep(0.02)
+        assert plane._bell_wait["e"][2] is not None  # staged
+        await t.prod.send_request("e", [1, 2], to=b.address, timeout=5)
+        assert await recv == "ipc"
+        assert landed(t.pl, t.p, [1, 2], t.c, [7, 8])
+        st = plane.statistics()
+        assert st.staged_launches == st.ring_launches == 0 and t.raw.launched == 1
+        task = plane._bell_task  # (ends by itself once nothing waits; never by an error)
+        assert task is not None and not (task.done() and task.exception() is not None)

@@ -1678,18 +1678,22 @@ class IpcPlane:
         _mark(st.rid, "ring:decoded")
         m = st.m
         now = time.monotonic()
-        if (
-            desc.rid != st.rid
-            or desc.plane != "ipc"
-            or desc.n != st.n
-            or desc.offer is not None
-            or desc.token != m.token
-            or self._maps.get(desc.token) is not m
-            or m.broken
-            or max(desc.src) >= m.layout.num_blocks
-            or min(st.deadline, now + desc.lease - self._clock()) <= now
-            or not self._on_device()
-        ):
+        try:  # (this runs inside the ring's poll: nothing may escape into it)
+            ok = not (
+                desc.rid != st.rid
+                or desc.plane != "ipc"
+                or desc.n != st.n
+                or desc.offer is not None
+                or desc.token != m.token
+                or self._maps.get(desc.token) is not m
+                or m.broken
+                or max(desc.src) >= m.layout.num_blocks
+                or min(st.deadline, now + desc.lease - self._clock()) <= now
+                or not self._on_device()
+            )
+        except Exception:
+            ok = False
+        if not ok:
             _mark(st.rid, "ring:check")
             return
         _mark(st.rid, "ring:checked")
@@ -1712,6 +1716,9 @@ class IpcPlane:
         """Upload the source ids of ``st``'s validated descriptor and launch its copy on
         the caller's stream. Raises if the upload fails (then nothing was queued); a
         failed launch call after it is kept in ``st.error`` (the abort rules apply)."""
+        if not self._on_device():  # (switched by other code while the task waited)
+            with torch.cuda.device(self._dev_index):
+                return self._fire_staged(st)
         m, sb, n, desc = st.m, st.sb, st.n, st.desc
         drv = self._drv
         assert drv is not None and m.raw is not None and sb.done is not None and desc is not None

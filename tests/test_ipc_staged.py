@@ -365,7 +365,7 @@ async def test_the_poll_launches_only_what_the_task_would() -> None:
         assert st is not None
         plane._launch_staged(st, _wire(plane, "s-ok"))
         assert st.launched and st.desc is not None and t.raw.launched == 1
-        await plane._pull_staged(st.m, st.desc, st, time.monotonic() + 10, True, None)
+        await plane._pull_staged(st, time.monotonic() + 10, True, None)
         assert landed(t.pl, t.p, [1, 2], t.c, [7, 8])
 
 

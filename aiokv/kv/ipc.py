@@ -459,8 +459,6 @@ class _Staged:
     rid: str
     m: _Mapping
     g: int
-    ab: torch.Tensor
-    slot: int
     sb: _SlotBufs
     rs: int
     n: int
@@ -1193,15 +1191,11 @@ class IpcPlane:
                 if staged is not None and staged.desc is not None:
                     # the ring's poll took (and maybe launched) the copy, then this task
                     # was cancelled (or failed) before it resumed
-                    await self._pull(
-                        staged.m, staged.desc, host, deadline, frm, staged=staged, exc=exc
-                    )
+                    await self._pull_staged(staged, deadline, False, exc)
                 self._unstage(staged)
                 raise
             if staged is not None and staged.desc is not None:
-                await self._pull(
-                    staged.m, staged.desc, host, deadline, frm, rung=rung, staged=staged
-                )
+                await self._pull_staged(staged, deadline, rung, None)
                 return "ipc"
             self._unstage(staged)
         else:
@@ -1633,28 +1627,17 @@ class IpcPlane:
         if rs is None:
             return None
         n = len(host)
-        lay = self.layout
-        L = lay.num_layers
         g = self._words.slot()
         ab, slot = self._words.word(g)
         sb = self._slot_bufs(g, n)
-        st, dt = self._tables(m, 0, L)
-        programs, args = _ipc_kernel.pair_copy_args(
-            st.data_ptr(),
-            dt.data_ptr(),
-            sb.dev.data_ptr(),
-            ab.data_ptr(),
-            self.device,
-            slot,
-            **self._mapper.geometry(m, n_pairs=n, n_layers=L, parts=lay.kv_parts),
-        )
+        programs, args = self._raw_args(m, sb.dev, ab, slot, n, 0, self.layout.num_layers)
         if not 0 < programs <= _ipc_kernel.MAX_PROGRAMS:
             self._words.free.append(g)
             return None
         struct.pack_into(f"<{n}q", sb.mv, 8 * n, *host)  # destination ids: second half
         assert m.raw is not None
         params = m.raw.params(args)
-        return _Staged(rid, m, g, ab, slot, sb, rs, n, deadline, programs, params)
+        return _Staged(rid, m, g, sb, rs, n, deadline, programs, params)
 
     def _unstage(self, st: _Staged | None) -> None:
         """A staged copy the ring's poll did not take: its slot serves again (no upload
@@ -1745,21 +1728,14 @@ class IpcPlane:
         frm: str | None = None,
         *,
         rung: bool = False,
-        staged: _Staged | None = None,
-        exc: BaseException | None = None,
     ) -> None:
         """Copy the request: one launch (``plane == "ipc"``), or one per chunk of layers
         as the producer's :class:`LayerReady` messages arrive (``LAYERS``). ``rung``:
-        the descriptor came by the doorbell (the ok release says so). ``staged``: the
-        ring's poll launched the copy already (:meth:`_launch_staged`): wait for it;
-        ``exc``: the request failed (was cancelled) after that launch: settle the copy
-        by the abort rules and re-raise."""
+        the descriptor came by the doorbell (the ok release says so)."""
         con = self.con
         n = len(host)
         lay = self.layout
         layerwise = desc.plane == LAYERS
-        if staged is not None:
-            return await self._pull_staged(m, desc, staged, deadline, rung, exc)
         if n and max(desc.src) >= m.layout.num_blocks:  # uint32 on the wire: never < 0
             self._release(desc, Release(desc.rid, False, reason="source block id out of range"))
             raise RemoteProtocolError(
@@ -1866,17 +1842,15 @@ class IpcPlane:
         self._copied(m, desc, g, sb, rs, stream, own, rung, t0)
 
     async def _pull_staged(
-        self,
-        m: _Mapping,
-        desc: Descriptor,
-        st: _Staged,
-        deadline: float,
-        rung: bool,
-        exc: BaseException | None,
+        self, st: _Staged, deadline: float, rung: bool, exc: BaseException | None
     ) -> None:
         """The rest of a request whose descriptor the ring's poll validated
         (:meth:`_launch_staged`): when its producer's event had not fired then, wait for
-        it and launch; then wait for the copy."""
+        it and launch; then wait for the copy. ``exc``: the request failed (was
+        cancelled) after the poll took its descriptor: end it by the abort rules (a
+        launched copy is settled, an unlaunched one released) and re-raise."""
+        m, desc = st.m, st.desc
+        assert desc is not None
         until = min(deadline, time.monotonic() + desc.lease - self._clock())
         if not st.launched:
             try:
@@ -2063,6 +2037,29 @@ class IpcPlane:
             m.tables[(lo, hi)] = t
         return t
 
+    def _raw_args(
+        self,
+        m: _Mapping,
+        ids: torch.Tensor,
+        ab: torch.Tensor,
+        slot: int,
+        n: int,
+        lo: int,
+        hi: int,
+    ) -> tuple[int, tuple[int, ...]]:
+        """``(programs, arguments)`` of the raw launch copying layers ``[lo, hi)`` of
+        ``n`` block pairs whose ids are in ``ids``, abort word ``ab[slot]``."""
+        st, dt = self._tables(m, lo, hi)
+        return _ipc_kernel.pair_copy_args(
+            st.data_ptr(),
+            dt.data_ptr(),
+            ids.data_ptr(),
+            ab.data_ptr(),
+            self.device,
+            slot,
+            **self._mapper.geometry(m, n_pairs=n, n_layers=hi - lo, parts=self.layout.kv_parts),
+        )
+
     def _launch(
         self,
         m: _Mapping,
@@ -2088,16 +2085,7 @@ class IpcPlane:
         whole = lo == 0 and hi == lay.num_layers
         if raw:  # ``stream`` is a raw handle; m.raw verified at mapping time
             assert m.raw is not None and self._drv is not None and sb.done is not None
-            st, dt = self._tables(m, lo, hi)
-            programs, args = _ipc_kernel.pair_copy_args(
-                st.data_ptr(),
-                dt.data_ptr(),
-                ids.data_ptr(),
-                ab.data_ptr(),
-                dev,
-                slot,
-                **self._mapper.geometry(m, n_pairs=n, n_layers=hi - lo, parts=lay.kv_parts),
-            )
+            programs, args = self._raw_args(m, ids, ab, slot, n, lo, hi)
             if programs > _ipc_kernel.MAX_PROGRAMS:
                 raise ConfigError("IPC: request too large for one launch")
             if programs:

@@ -13,18 +13,21 @@ import asyncio
 import contextlib
 import os
 import secrets
+import struct
 import subprocess
 import sys
 from typing import Any
 
 import pytest
 from _kvutil import filled, make_layout
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from test_ipc_plane import OPTS, FakeBackend, FakeEvent, connectors, landed, pair, plane_pair
 
 from aiokv import RemoteProtocolError, TransferTimeoutError
 from aiokv.kv import IpcOptions
 from aiokv.kv import _doorbell as db
-from aiokv.kv.ipc import IpcPlane, Offer
+from aiokv.kv.ipc import Descriptor, IpcPlane, Offer
 
 pytestmark = pytest.mark.skipif(
     not os.path.isdir("/dev/shm") or sys.platform != "linux", reason="needs /dev/shm"
@@ -140,6 +143,90 @@ def test_offer_doorbell_fields() -> None:
             Offer.from_wire(_offer_wire(**over))
 
 
+# --------------------------------------------------------------------------- the ring record
+
+
+_ids = st.lists(st.integers(0, (1 << 32) - 1), max_size=300)
+
+
+@st.composite
+def _descriptors(draw: Any) -> Descriptor:
+    src = tuple(draw(_ids))
+    return Descriptor(
+        rid=draw(st.text(max_size=80)),
+        plane="ipc",
+        n=len(src),
+        reply_to="127.0.0.1:5555",
+        token=draw(st.integers(1, (1 << 63) - 1)),
+        src=src,
+        event=draw(st.binary(min_size=1, max_size=256)),
+        event_slot=draw(st.integers(0, 1 << 20)),
+        lease=draw(st.floats(allow_nan=False, allow_infinity=False)),
+    )
+
+
+@settings(max_examples=300, deadline=None)
+@given(d=_descriptors(), solo=st.booleans())
+def test_ring_record_round_trip(d: Descriptor, solo: bool) -> None:
+    """A descriptor comes back from its ring record as it went in (the reply address
+    is the ring's producer's, not the record's)."""
+    assert Descriptor.from_ring(d.to_ring(solo=solo), d.reply_to) == (d, solo)
+    got, _ = Descriptor.from_ring(d.to_ring(solo=solo), "10.0.0.1:1")
+    assert got.reply_to == "10.0.0.1:1"
+
+
+@settings(max_examples=300, deadline=None)
+@given(d=_descriptors(), cut=st.integers(1, 64), extra=st.binary(min_size=1, max_size=8))
+def test_ring_record_of_the_wrong_size_is_refused(d: Descriptor, cut: int, extra: bytes) -> None:
+    b = d.to_ring(solo=False)
+    for bad in (b[: max(0, len(b) - cut)], b + extra):
+        with pytest.raises(RemoteProtocolError):
+            Descriptor.from_ring(bad, "127.0.0.1:5555")
+
+
+def _record(**over: Any) -> bytes:
+    f = {"magic": 0xA1, "flags": 0, "n": 2, "slot": 0, "token": 7, "lease": 1.0, "ev": 64}
+    f.update(over)
+    rid = over.pop("rid", b"r")
+    head = struct.pack(
+        "<BBHIIQdH", f["magic"], f["flags"], len(rid), f["n"], f["slot"], f["token"],
+        f["lease"], f["ev"],
+    )  # fmt: skip
+    return head + b"e" * f["ev"] + rid + struct.pack(f"<{f['n']}I", *range(f["n"]))
+
+
+@pytest.mark.parametrize(
+    "over",
+    [
+        {"magic": 0x82},  # (a msgpack map: an older producer's record)
+        {"flags": 2},
+        {"ev": 0},
+        {"ev": 257},
+        {"slot": (1 << 20) + 1},
+        {"token": 0},
+        {"token": 1 << 63},
+        {"lease": float("nan")},
+        {"lease": float("inf")},
+        {"rid": b"\xff\xfe"},
+        {"rid": b"x" * 4097},
+    ],
+)
+def test_ring_record_fields_checked(over: dict[str, Any]) -> None:
+    assert Descriptor.from_ring(_record(), "127.0.0.1:5555")[0].src == (0, 1)
+    with pytest.raises(RemoteProtocolError):
+        Descriptor.from_ring(_record(**over), "127.0.0.1:5555")
+
+
+@settings(max_examples=500, deadline=None)
+@given(b=st.binary(max_size=200))
+def test_ring_record_garbage_raises_only_the_protocol_error(b: bytes) -> None:
+    for x in (b, bytes([0xA1]) + b):
+        try:
+            Descriptor.from_ring(x, "127.0.0.1:5555")
+        except RemoteProtocolError:
+            pass
+
+
 # --------------------------------------------------------------------------- the plane
 
 
@@ -196,6 +283,25 @@ async def test_forged_ring_slots_cost_only_latency() -> None:
         assert landed(pl, p, [3, 4], c, [5, 6])
         st = cons.statistics().ipc
         assert st is not None and st.doorbell_hits == 0 and st.doorbell_rejected == 1
+
+
+@pytest.mark.anyio
+@pytest.mark.timeout(60)
+async def test_a_record_that_does_not_decode_costs_only_latency() -> None:
+    """A slot whose MAC verifies but whose record does not decode (a producer's bug, or
+    an older producer's msgpack record) is rejected and counted; the engine's copy
+    delivers, and nothing was launched from it."""
+    async with plane_pair("fa", "float16", 20) as (pl, p, c, a, b, prod, cons):
+        await _move_waiting(prod, cons, a, b, "k0", [1], [2])
+        real = Descriptor.to_ring
+        Descriptor.to_ring = lambda self, *, solo: real(self, solo=solo)[:-1]  # type: ignore[method-assign]
+        try:
+            await _move_waiting(prod, cons, a, b, "k1", [3, 4], [5, 6])
+        finally:
+            Descriptor.to_ring = real  # type: ignore[method-assign]
+        assert landed(pl, p, [3, 4], c, [5, 6])
+        st_ = cons.statistics().ipc
+        assert st_ is not None and st_.doorbell_hits == 0 and st_.doorbell_rejected == 1
 
 
 @pytest.mark.anyio

@@ -258,17 +258,24 @@ async def test_pull_mode_goes_through_the_plane() -> None:
 def offers_seen() -> Iterator[list[bool]]:
     """Whether each descriptor validated meanwhile carried the producer's offer."""
     seen: list[bool] = []
-    orig = Descriptor.from_wire
+    orig, orig_ring = Descriptor.from_wire, Descriptor.from_ring
 
     def spy(d: Any) -> Any:
         seen.append(d.get("offer") is not None)
         return orig(d)
 
+    def spy_ring(b: bytes, reply_to: str) -> Any:
+        got = orig_ring(b, reply_to)
+        seen.append(got[0].offer is not None)
+        return got
+
     ipcmod.Descriptor.from_wire = spy  # type: ignore[method-assign]
+    ipcmod.Descriptor.from_ring = spy_ring  # type: ignore[method-assign]
     try:
         yield seen
     finally:
         ipcmod.Descriptor.from_wire = orig  # type: ignore[method-assign]
+        ipcmod.Descriptor.from_ring = orig_ring  # type: ignore[method-assign]
 
 
 @pytest.mark.anyio

@@ -13,6 +13,7 @@ writes nothing, and releases the producer's blocks with a failure.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import os
 import secrets
 import struct
@@ -182,14 +183,19 @@ async def test_hostile_ids_are_not_launched_by_the_ring() -> None:
         pl, c, a, b, prod, cons, plane = t.pl, t.c, t.a, t.b, t.prod, t.cons, t.plane
         raw = t.raw
         before = [x.clone() for x in c]
-        real = Descriptor.to_wire
+        real, real_ring = Descriptor.to_wire, Descriptor.to_ring
 
         def hostile(self: Descriptor) -> dict[str, Any]:
             w = real(self)
             w["src"] = struct.pack(f"<{self.n}I", *[pl.num_blocks + 5] * self.n)
             return w
 
+        def hostile_ring(self: Descriptor, *, solo: bool) -> bytes:
+            bad = dataclasses.replace(self, src=(pl.num_blocks + 5,) * self.n)
+            return real_ring(bad, solo=solo)
+
         Descriptor.to_wire = hostile  # type: ignore[method-assign]
+        Descriptor.to_ring = hostile_ring  # type: ignore[method-assign]
         try:
             recv = asyncio.create_task(cons.recv_request("h", [7, 8], frm=a.address, timeout=5))
             await asyncio.sleep(0.02)
@@ -200,6 +206,7 @@ async def test_hostile_ids_are_not_launched_by_the_ring() -> None:
                 await send
         finally:
             Descriptor.to_wire = real  # type: ignore[method-assign]
+            Descriptor.to_ring = real_ring  # type: ignore[method-assign]
         assert raw.launched == 0 and plane.statistics().ring_launches == 0
         assert untouched(before, c)
         assert "h" not in prod.finished_sending()
@@ -218,8 +225,8 @@ async def test_cancelled_after_the_ring_launched_writes_nothing() -> None:
         recv = asyncio.create_task(cons.recv_request("x", [7, 8], frm=a.address, timeout=5))
         launch = plane._launch_staged
 
-        def launch_then_cancel(st: Any, d: dict[str, Any]) -> None:
-            launch(st, d)
+        def launch_then_cancel(st: Any, desc: Descriptor) -> None:
+            launch(st, desc)
             assert st.launched
             recv.cancel()
 
@@ -312,7 +319,7 @@ async def test_pull_mode_stages_beside_the_ticket() -> None:
         assert plane.statistics().staged_launches == 2
 
 
-def _wire(plane: IpcPlane, rid: str, over: dict[str, Any] | None = None) -> dict[str, Any]:
+def _desc(plane: IpcPlane, rid: str, over: dict[str, Any] | None = None) -> Descriptor:
     """A ring descriptor the staging for ``rid`` (2 blocks) accepts, with ``over``."""
     (m,) = plane._maps.values()
     handle = secrets.token_bytes(64)
@@ -327,9 +334,8 @@ def _wire(plane: IpcPlane, rid: str, over: dict[str, Any] | None = None) -> dict
         event=handle,
         event_slot=0,
         lease=time.monotonic() + 10,
-    ).to_wire()
-    d.update(over or {})
-    return d
+    )
+    return dataclasses.replace(d, **(over or {}))
 
 
 @pytest.mark.anyio
@@ -337,33 +343,32 @@ def _wire(plane: IpcPlane, rid: str, over: dict[str, Any] | None = None) -> dict
 async def test_the_poll_launches_only_what_the_task_would() -> None:
     """Each way a ring descriptor can be wrong for its staging -- the other request's,
     another block count, layer-wise, an inline offer, another export, a source id out
-    of range, a lease already over, an event nobody exported, bytes that do not parse
-    -- and the poll launches nothing and keeps nothing (the task then decodes it the
-    ordinary way, raising as without staging); the one right descriptor launches."""
+    of range, a lease already over, an event nobody exported -- and the poll launches
+    nothing and keeps nothing (the task then checks it the ordinary way, raising as
+    without staging); the one right descriptor launches. (Records that do not decode
+    never reach it: test_ipc_doorbell.py.)"""
     async with staged_pair() as t:
         plane, a = t.plane, t.a
         nb = t.pl.num_blocks
         bad: dict[str, dict[str, Any]] = {
             "rid": {"rid": "other"},
-            "n": {"n": 3, "src": struct.pack("<3I", 1, 2, 3)},
+            "n": {"n": 3, "src": (1, 2, 3)},
             "plane": {"plane": "ipc-layers", "event": b"", "event_slot": 0},
             "token": {"token": 12345},
-            "offer": {"offer": t.prod._ipc._make_export().offer.to_wire()},
-            "src": {"src": struct.pack("<2I", 1, nb)},
+            "offer": {"offer": t.prod._ipc._make_export().offer},
+            "src": {"src": (1, nb)},
             "lease": {"lease": time.monotonic() - 1},
             "event": {"event": secrets.token_bytes(64)},
-            "wire": {"src": b"\x01\x02\x03"},
-            "extra": {"surprise": 1},
         }
         for what, over in bad.items():
             st = plane._stage(f"s-{what}", (7, 8), a.address, time.monotonic() + 10)
             assert st is not None
-            plane._launch_staged(st, _wire(plane, f"s-{what}", over))
+            plane._launch_staged(st, _desc(plane, f"s-{what}", over))
             assert not st.launched and st.desc is None, what
             plane._unstage(st)
         st = plane._stage("s-ok", (7, 8), a.address, time.monotonic() + 10)
         assert st is not None
-        plane._launch_staged(st, _wire(plane, "s-ok"))
+        plane._launch_staged(st, _desc(plane, "s-ok"))
         assert st.launched and st.desc is not None and t.raw.launched == 1
         await plane._pull_staged(st, time.monotonic() + 10, True, None)
         assert landed(t.pl, t.p, [1, 2], t.c, [7, 8])

@@ -17,7 +17,7 @@ import torch
 from .._blocking import start_daemon
 from .._exceptions import AiokvError
 from . import _doorbell, _ipc_kernel
-from ._ipc_wire import _PROBE_SEGMENTS, Offer, probe_pattern
+from ._ipc_wire import _PROBE_SEGMENTS, Descriptor, Offer, probe_pattern
 from .layouts import KVLayout
 
 __all__ = ["ABORT_WORDS", "AbortWords", "IpcUnavailableError", "Mapper", "seg_bytes"]
@@ -80,10 +80,10 @@ class _Mapping:
     bell: _doorbell.BellReader | None = None  # the producer's doorbell ring, if any
     raw: _ipc_kernel.RawLaunch | None = None  # the copy through cuLaunchKernel, verified
     reply_to: str = ""  # the producer's engine (a ring message counts as from it)
-    # ring messages read before their request waited (request id -> decoded message),
+    # ring records read before their request waited (request id -> the descriptor),
     # oldest first, at most the plane's limit: a late recv_request takes its own from here
-    # (and whether the producer sent it by the ring alone: SOLO)
-    pending: dict[str, tuple[dict[str, Any], bool]] = field(default_factory=dict)
+    # (and whether the producer sent it by the ring alone: solo)
+    pending: dict[str, tuple[Descriptor, bool]] = field(default_factory=dict)
 
 
 class AbortWords:

@@ -32,6 +32,18 @@ _PROBE_SEGMENTS = 2
 _MAX_EVENT_SLOT = 1 << 20
 #: the descriptor's plane for layer-wise streaming (save_layer / recv_request(layerwise=True))
 LAYERS = "ipc-layers"
+#: A whole request's descriptor as the doorbell ring carries it (docs/ipc.md,
+#: "Doorbell"): magic, flags (bit 0: sent by the ring alone), the request id's length
+#: in bytes, the block count, the event slot, the export's token, the lease, the event
+#: handle's length; then the event handle, the request id (UTF-8) and the source block
+#: ids (u32 each). Fixed offsets, no map: packed and checked in a few microseconds
+#: (the msgpack map and its generic validation were the largest piece of the ring's
+#: poll on the device host, run s15i). The ring never carries an offer or a layer-wise
+#: descriptor, and its producer's address is the mapping's (the ring is named only in
+#: that producer's offer), so neither is in the record.
+_RING = struct.Struct("<BBHIIQdH")
+_RING_MAGIC = 0xA1  # (no msgpack map starts with it: an older producer's record is rejected)
+_RING_SOLO = 1
 
 
 def encode_message(d: Mapping[str, Any]) -> torch.Tensor:
@@ -329,6 +341,72 @@ class Descriptor:
                 offer=self.offer.to_wire() if self.offer is not None else None,
             )
         return d
+
+    def to_ring(self, *, solo: bool) -> bytes:
+        """The doorbell ring's record of this descriptor (whole request, no offer);
+        ``solo``: the ring alone carries it (the engine's copy is only a late backup)."""
+        assert self.plane == "ipc" and self.offer is None
+        rid = self.rid.encode()
+        return b"".join(
+            (
+                _RING.pack(
+                    _RING_MAGIC,
+                    _RING_SOLO if solo else 0,
+                    len(rid),
+                    self.n,
+                    self.event_slot,
+                    self.token,
+                    self.lease,
+                    len(self.event),
+                ),
+                self.event,
+                rid,
+                struct.pack(f"<{self.n}I", *self.src),
+            )
+        )
+
+    @classmethod
+    def from_ring(cls, b: bytes, reply_to: str) -> tuple[Descriptor, bool]:
+        """A ring record (untrusted, as an engine message) as a descriptor replying to
+        ``reply_to`` (the ring's producer), and whether it is ``solo``. The same field
+        rules as :meth:`from_wire`; the sizes add up exactly. Raises
+        :class:`~aiokv.RemoteProtocolError`."""
+        if len(b) < _RING.size:
+            raise RemoteProtocolError(f"IPC ring record of {len(b)} bytes")
+        magic, flags, lr, n, slot, token, lease, le = _RING.unpack_from(b)
+        if magic != _RING_MAGIC or flags & ~_RING_SOLO:
+            raise RemoteProtocolError("IPC ring record: not a descriptor record")
+        if (
+            not 1 <= le <= _MAX_HANDLE
+            or n > _MAX_BLOCKS_PER_REQUEST
+            or slot > _MAX_EVENT_SLOT
+            or not 1 <= token < 1 << 63
+            or not math.isfinite(lease)
+        ):
+            raise RemoteProtocolError("IPC ring record: a field out of range")
+        if len(b) != _RING.size + le + lr + 4 * n:
+            raise RemoteProtocolError(
+                f"IPC ring record of {len(b)} bytes for {lr} + {le} bytes and {n} blocks"
+            )
+        o = _RING.size + le
+        try:
+            rid = b[o : o + lr].decode()
+        except UnicodeDecodeError:
+            raise RemoteProtocolError("IPC ring record: request id not UTF-8") from None
+        if len(rid) > 4096:
+            raise RemoteProtocolError("IPC ring record: request id of over 4096 chars")
+        desc = cls(
+            rid=rid,
+            plane="ipc",
+            n=n,
+            reply_to=reply_to,
+            token=token,
+            src=struct.unpack_from(f"<{n}I", b, o + lr),
+            event=b[_RING.size : o],
+            event_slot=slot,
+            lease=lease,
+        )
+        return desc, bool(flags & _RING_SOLO)
 
     @classmethod
     def from_wire(cls, d: Mapping[str, Any]) -> tuple[Descriptor, KVLayout | None]:

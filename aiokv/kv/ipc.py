@@ -52,7 +52,6 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
 
-import msgpack
 import torch
 
 from .._blocking import in_daemon
@@ -145,10 +144,6 @@ MAP_TIMEOUT = "map_timeout"
 HELLO = "aiokv#ipc-hello"
 #: the request id of that offer-only request (no blocks)
 PREPARE_RID = "aiokv#ipc-prepare"
-#: a ring message's extra key (removed before the descriptor is validated): the producer
-#: posted it by the ring alone, so no engine copy follows unless as a late backup. Only
-#: sent to consumers whose release said RING (they know the key).
-SOLO = "solo"
 
 
 #: per-request timestamps, ``(request id, stage, time.perf_counter())``, kept only when
@@ -563,7 +558,7 @@ class IpcPlane:
         # doorbell (consumer): request id -> (its waiter, the producer it must come from)
         self._bell_wait: dict[
             str,
-            tuple[asyncio.Future[tuple[dict[str, Any], bool]], str | None, _Staged | None],
+            tuple[asyncio.Future[tuple[Descriptor, bool]], str | None, _Staged | None],
         ] = {}
         self._bell_task: asyncio.Task[None] | None = None
         self._bell_spin_until = 0.0
@@ -780,7 +775,6 @@ class IpcPlane:
             offer=offer,
         )
         t0 = time.perf_counter()
-        wire = desc.to_wire()
         _mark(request_id, "built")
         tid = f"{request_id}#ipc"
         # The ring alone carries the descriptor to a consumer whose last release said it
@@ -791,18 +785,18 @@ class IpcPlane:
             offer is None
             and to in self._ring_ok
             and self._ring_only.get(to, 0) < _doorbell.SLOTS - 1
-            and self._ring(request_id, to, {SOLO: True, **wire})
+            and self._ring(desc, to, solo=True)
         )
         backup: asyncio.TimerHandle | None = None
         if ring_only:
             self._ring_only[to] = self._ring_only.get(to, 0) + 1
             backup = asyncio.get_running_loop().call_later(
-                self.options.doorbell_backup_s, self._send_backup, tid, wire, to, lease
+                self.options.doorbell_backup_s, self._send_backup, tid, desc, to, lease
             )
         else:
             if offer is None:
-                self._ring(request_id, to, wire)
-            self._send_msg(tid, wire, to, _time_left(lease, self._clock))
+                self._ring(desc, to, solo=False)
+            self._send_msg(tid, desc.to_wire(), to, _time_left(lease, self._clock))
         _mark(request_id, "sent")
         rel_task = asyncio.ensure_future(self._await_release(request_id, to, lease))
         rel_task.add_done_callback(functools.partial(self._released, to, backup))
@@ -835,22 +829,22 @@ class IpcPlane:
         self._bells[to] = bell
         return bell
 
-    def _ring(self, request_id: str, to: str, wire: Mapping[str, Any]) -> bool:
+    def _ring(self, desc: Descriptor, to: str, *, solo: bool) -> bool:
         """Post the descriptor in ``to``'s doorbell ring, if it has one; whether it was."""
         bell = self._bells.get(to)
-        if bell is not None and bell.post(msgpack.packb(wire, use_bin_type=True)):
-            _mark(request_id, "rung")
+        if bell is not None and bell.post(desc.to_ring(solo=solo)):
+            _mark(desc.rid, "rung")
             return True
         return False
 
-    def _send_backup(self, tid: str, wire: Mapping[str, Any], to: str, lease: float) -> None:
+    def _send_backup(self, tid: str, desc: Descriptor, to: str, lease: float) -> None:
         """No release came soon after a ring-only descriptor: send it by the engine too
         (the ring message was lost, or the consumer does not wait yet; a consumer that
         took the ring's copy drops this one)."""
         left = lease - self._clock()
         if left > 0 and not self._closed:
             self._stats.doorbell_backups += 1
-            self._send_msg(tid, wire, to, left)
+            self._send_msg(tid, desc.to_wire(), to, left)
 
     def _released(
         self, to: str, backup: asyncio.TimerHandle | None, t: asyncio.Task[Release | None]
@@ -1186,7 +1180,7 @@ class IpcPlane:
             if staged is None:
                 _mark(request_id, "unstaged")
             try:
-                d, rung = await self._recv_desc(request_id, frm, deadline, staged)
+                desc, plout, rung = await self._recv_desc(request_id, frm, deadline, staged)
             except BaseException as exc:
                 if staged is not None and staged.desc is not None:
                     # the ring's poll took (and maybe launched) the copy, then this task
@@ -1203,8 +1197,7 @@ class IpcPlane:
                 f"{request_id}#ipc", frm=frm, timeout=_time_left(deadline)
             )
             _mark(request_id, "desc")
-            d = decode_message(raw)
-        desc, plout = Descriptor.from_wire(d)
+            desc, plout = Descriptor.from_wire(decode_message(raw))
         _mark(request_id, "decoded")
         if desc.rid != request_id:
             raise RemoteProtocolError(f"IPC descriptor for {desc.rid!r:.64} under {request_id!r}")
@@ -1269,17 +1262,18 @@ class IpcPlane:
 
     async def _recv_desc(
         self, rid: str, frm: str | None, deadline: float, staged: _Staged | None = None
-    ) -> tuple[dict[str, Any], bool]:
-        """The request's descriptor (decoded, not yet validated) from whichever comes
-        first: a producer's doorbell ring or the engine; and whether the ring gave it.
+    ) -> tuple[Descriptor, KVLayout | None, bool]:
+        """The request's descriptor (decoded; not yet checked against the request) and
+        its inline offer's layout from whichever comes first: a producer's doorbell
+        ring or the engine; and whether the ring gave it.
         When the ring wins, an engine copy (sent too, or late as a backup) is discarded
         as far as it is here or on its way, and one landing later is never taken for a
         new request of the same id (``_taken``)."""
         got = self._bell_take(rid, frm)  # read before this call (or right now)
         if got is not None:
-            return self._rung(rid, *got, frm, deadline), True
+            return self._rung(rid, *got, frm, deadline), None, True
         while True:
-            bell: asyncio.Future[tuple[dict[str, Any], bool]] = (
+            bell: asyncio.Future[tuple[Descriptor, bool]] = (
                 asyncio.get_running_loop().create_future()
             )
             self._bell_wait[rid] = (bell, frm, staged)
@@ -1302,17 +1296,17 @@ class IpcPlane:
                         eng.exception()  # retrieved; a descriptor it took goes with it
                 else:
                     eng.cancel()
-                return self._rung(rid, *bell.result(), frm, deadline), True
+                return self._rung(rid, *bell.result(), frm, deadline), None, True
             bell.cancel()
             d = decode_message(eng.result())
             if rid in self._taken and self._taken[rid] == d.get("lease"):
                 continue  # a late engine copy of a descriptor the ring gave: not this one
             _mark(rid, "desc")
-            return d, False
+            return *Descriptor.from_wire(d), False
 
     def _rung(
-        self, rid: str, d: dict[str, Any], solo: bool, frm: str | None, deadline: float
-    ) -> dict[str, Any]:
+        self, rid: str, desc: Descriptor, solo: bool, frm: str | None, deadline: float
+    ) -> Descriptor:
         """A descriptor taken from the ring: count it, drop the engine's copy, remember
         its lease. The copy of a descriptor the engine carried too is collected and
         dropped as it lands (it surely comes); one sent by the ring alone (``solo``) has
@@ -1323,12 +1317,12 @@ class IpcPlane:
         self._stats.doorbell_hits += 1
         self.con._drop(rid, [f"{rid}#ipc"], frm, deadline, late=not solo)
         self._taken.pop(rid, None)
-        self._taken[rid] = d.get("lease")
+        self._taken[rid] = desc.lease
         if len(self._taken) > _MAX_TAKEN:
             del self._taken[next(iter(self._taken))]
-        return d
+        return desc
 
-    def _bell_take(self, rid: str, frm: str | None) -> tuple[dict[str, Any], bool] | None:
+    def _bell_take(self, rid: str, frm: str | None) -> tuple[Descriptor, bool] | None:
         """Read the rings of the mappings from ``frm`` (every one when None) and take
         ``rid``'s descriptor if one of them had it."""
         for m in list(self._maps.values()):
@@ -1387,8 +1381,10 @@ class IpcPlane:
         """Hand the descriptors in ``m``'s ring to their waiting requests, and keep those
         of requests that do not wait yet in ``m.pending``. A message is only taken for a
         request from this producer (the caller's ``frm``), for this export, plane
-        ``"ipc"``; anything else is left to the engine's copy. Validation proper follows
-        in ``recv_request``, as for the engine's."""
+        ``"ipc"``; anything else is left to the engine's copy. A record is decoded with
+        the engine message's field rules (:meth:`Descriptor.from_ring`); one that does
+        not decode is rejected. Checks against the request follow in ``recv_request``,
+        as for the engine's."""
         b = m.bell
         assert b is not None
         before = b.rejected
@@ -1400,22 +1396,21 @@ class IpcPlane:
             return
         for payload in msgs:
             try:
-                d = decode_message(payload)
+                desc, solo = Descriptor.from_ring(payload, m.reply_to)
             except RemoteProtocolError:
                 b.rejected += 1
                 continue
-            solo = d.pop(SOLO, False) is True
-            rid = d.get("rid")
-            if not isinstance(rid, str) or d.get("token") != m.token or d.get("plane") != "ipc":
+            if desc.token != m.token:
                 continue
+            rid = desc.rid
             w = self._bell_wait.get(rid)
             if w is not None and (w[1] is None or w[1] == m.reply_to) and not w[0].done():
                 if w[2] is not None and w[2].m is m:
-                    self._launch_staged(w[2], d)
-                w[0].set_result((d, solo))
+                    self._launch_staged(w[2], desc)
+                w[0].set_result((desc, solo))
                 continue
             m.pending.pop(rid, None)
-            m.pending[rid] = (d, solo)  # nobody waits yet: a later recv_request takes it
+            m.pending[rid] = (desc, solo)  # nobody waits yet: a later recv_request takes it
             if len(m.pending) > _MAX_PENDING:
                 del m.pending[next(iter(m.pending))]
         if b.rejected != before:
@@ -1645,20 +1640,14 @@ class IpcPlane:
         if st is not None and st.desc is None:
             self._words.free.append(st.g)
 
-    def _launch_staged(self, st: _Staged, d: dict[str, Any]) -> None:
-        """The ring's poll has ``st``'s descriptor: validate it as ``recv_request`` and
-        :meth:`_pull` would, and launch the copy now if the producer's event already
-        fired. A descriptor that fails a check is left alone (the request's task goes
-        the ordinary way, the same checks raising the same errors); one whose event has
-        not fired yet stays validated (``st.desc``): the task waits for the event and
-        launches (:meth:`_pull_staged`)."""
+    def _launch_staged(self, st: _Staged, desc: Descriptor) -> None:
+        """The ring's poll has ``st``'s descriptor (decoded): check it as
+        ``recv_request`` and :meth:`_pull` would, and launch the copy now if the
+        producer's event already fired. A descriptor that fails a check is left alone
+        (the request's task goes the ordinary way, the same checks raising the same
+        errors); one whose event has not fired yet stays checked (``st.desc``): the task
+        waits for the event and launches (:meth:`_pull_staged`)."""
         _mark(st.rid, "ring")
-        try:
-            desc, _ = Descriptor.from_wire(d)
-        except Exception:
-            _mark(st.rid, "ring:wire")
-            return
-        _mark(st.rid, "ring:decoded")
         m = st.m
         now = time.monotonic()
         try:  # (this runs inside the ring's poll: nothing may escape into it)

@@ -467,6 +467,12 @@ class _Staged:
     error: BaseException | None = None  # a launch call that failed after the upload
 
 
+def _engine_first(bell: asyncio.Future[Any], _: object) -> None:
+    """The engine's receive of a descriptor ended before the ring gave it."""
+    if not bell.done():
+        bell.set_result(None)
+
+
 def _retrieve(t: asyncio.Task[Any]) -> None:
     if not t.cancelled():
         t.exception()
@@ -558,7 +564,7 @@ class IpcPlane:
         # doorbell (consumer): request id -> (its waiter, the producer it must come from)
         self._bell_wait: dict[
             str,
-            tuple[asyncio.Future[tuple[Descriptor, bool]], str | None, _Staged | None],
+            tuple[asyncio.Future[tuple[Descriptor, bool] | None], str | None, _Staged | None],
         ] = {}
         self._bell_task: asyncio.Task[None] | None = None
         self._bell_spin_until = 0.0
@@ -1273,7 +1279,10 @@ class IpcPlane:
         if got is not None:
             return self._rung(rid, *got, frm, deadline), None, True
         while True:
-            bell: asyncio.Future[tuple[Descriptor, bool]] = (
+            # One future for both: the ring's poll sets the descriptor, the engine's
+            # receive (ending first, in any way) sets None. Awaited directly, it wakes
+            # this task a loop pass sooner than asyncio.wait over the two.
+            bell: asyncio.Future[tuple[Descriptor, bool] | None] = (
                 asyncio.get_running_loop().create_future()
             )
             self._bell_wait[rid] = (bell, frm, staged)
@@ -1281,8 +1290,9 @@ class IpcPlane:
             eng = asyncio.ensure_future(
                 self.channel.recv(f"{rid}#ipc", frm=frm, timeout=_time_left(deadline))
             )
+            eng.add_done_callback(functools.partial(_engine_first, bell))
             try:
-                await asyncio.wait((bell, eng), return_when=asyncio.FIRST_COMPLETED)
+                got = await bell
             except BaseException:
                 eng.cancel()  # (a descriptor already handed over goes back to the store)
                 raise
@@ -1290,14 +1300,13 @@ class IpcPlane:
                 w = self._bell_wait.get(rid)
                 if w is not None and w[0] is bell:
                     del self._bell_wait[rid]
-            if bell.done() and not bell.cancelled():
+            if got is not None:
                 if eng.done():
                     if not eng.cancelled():
                         eng.exception()  # retrieved; a descriptor it took goes with it
                 else:
                     eng.cancel()
-                return self._rung(rid, *bell.result(), frm, deadline), None, True
-            bell.cancel()
+                return self._rung(rid, *got, frm, deadline), None, True
             d = decode_message(eng.result())
             if rid in self._taken and self._taken[rid] == d.get("lease"):
                 continue  # a late engine copy of a descriptor the ring gave: not this one
@@ -1407,7 +1416,8 @@ class IpcPlane:
             if w is not None and (w[1] is None or w[1] == m.reply_to) and not w[0].done():
                 if w[2] is not None and w[2].m is m:
                     self._launch_staged(w[2], desc)
-                w[0].set_result((desc, solo))
+                if not w[0].done():  # (the task was not cancelled meanwhile)
+                    w[0].set_result((desc, solo))
                 continue
             m.pending.pop(rid, None)
             m.pending[rid] = (desc, solo)  # nobody waits yet: a later recv_request takes it
@@ -2119,8 +2129,19 @@ class IpcPlane:
         return self._poller
 
     async def _wait_done(self, done: Any, timeout: float) -> None:
-        # a waiter and a timer, not wait_for(shield()): a task fewer per request
-        await _await_shielded(self._poll().wait(done, expected_s=0.0002), timeout)
+        """Wait for a request's copy to end: queried from this task on every loop pass
+        for the first ``_READY_SPIN_S`` (a copy is µs to a few ms; this notices its end
+        a pass after it, where the poller's future wakes the task three passes after
+        the poller saw it), then by the progress poller (a waiter and a timer, not
+        ``wait_for(shield())``: a task fewer). Raises ``TimeoutError`` after ``timeout``."""
+        now = time.monotonic()
+        at, spin_until = now + timeout, now + min(timeout, _READY_SPIN_S)
+        while not bool(done.query()):
+            now = time.monotonic()
+            if now >= spin_until:
+                await _await_shielded(self._poll().wait(done), at - now)
+                return
+            await asyncio.sleep(0)
 
     async def _wait_ready(self, ev: Any, until: float) -> None:
         """Poll the producer's event from the loop until it fired, or raise

@@ -22,7 +22,7 @@ BENCH="-m aiokv.kv.bench --transport ipc --json --iters 3 --latency-n ${LAT_N:-1
 show='import json,sys
 for l in sys.stdin:
     d=json.loads(l); t=d.get("trace_ms") or {}
-    print(d.get("tree"), d.get("workload"), "p50", d["p50_ms"], "p99", d["p99_ms"], "GB/s", d["aiokv_gbps"], "ratio", d["ratio"], "ok", d["ok"], "ring", d.get("ipc",{}).get("ring_launches"), d.get("ipc",{}).get("staged_launches"))
+    print(d.get("tree"), d.get("workload"), "p50", d["p50_ms"], "ret", d.get("p50_return_ms"), "p99", d["p99_ms"], "GB/s", d["aiokv_gbps"], "ratio", d["ratio"], "ok", d["ok"], "ring", d.get("ipc",{}).get("ring_launches"), d.get("ipc",{}).get("staged_launches"))
     print("   ", {k: t[k] for k in t})'
 one() {  # $1 tree label, $2 workload; runs in the current directory's aiokv
   timeout "${BENCH_TIMEOUT:-90}" python3 $BENCH --workload "$2" 2>>"$OUT/$TAG-err.txt" | tail -1 | sed "s/^{/{\"tree\": \"$1\", /"

@@ -30,6 +30,7 @@ with warnings.catch_warnings():
     import torch
 
 from aiokv import (
+    ConfigError,
     Engine,
     EngineConfig,
     LayoutMismatchError,
@@ -1076,3 +1077,28 @@ async def test_a_deadline_already_over_is_a_timeout_on_the_plane_too() -> None:
             await prod.send_request("o1", [1], to=b.address, timeout=0)
         with pytest.raises(TransferTimeoutError):
             await cons.recv_request("o2", [1], frm=a.address, timeout=0)
+
+
+@pytest.mark.anyio
+@pytest.mark.timeout(60)
+async def test_block_ids_as_tensors_are_checked_as_lists() -> None:
+    """The plane takes a CPU integer tensor's ids by ``tolist()`` and checks them in
+    Python, with the connector's rules and errors; anything else goes the connector's
+    way (its torch checks)."""
+    async with plane_pair("fa", "bfloat16", 20) as (_pl, _p, _c, _a, _b, prod, _cons):
+        plane = prod._ipc
+        assert plane is not None
+        for dt in (torch.int64, torch.int32, torch.int16, torch.uint8):
+            assert plane._ids(torch.tensor([3, 1, 4], dtype=dt), unique=True, what="x") == (3, 1, 4)
+        assert plane._ids(torch.tensor([], dtype=torch.int64), unique=True, what="x") == ()
+        assert plane._ids(torch.tensor([5, 5]), unique=False, what="x") == (5, 5)
+        bad: list[tuple[Any, str]] = [
+            (torch.tensor([1, 20]), r"block ids must be in \[0, 20\), got \[1, 20\]"),
+            (torch.tensor([-1, 2], dtype=torch.int8), r"must be in \[0, 20\), got \[-1, 2\]"),
+            (torch.tensor([2, 2]), "duplicate block ids"),
+            (torch.tensor([[1, 2]]), "1-D integer tensor"),
+            (torch.tensor([1.0, 2.0]), "1-D integer tensor"),
+        ]
+        for ids, match in bad:
+            with pytest.raises(ConfigError, match=match):
+                plane._ids(ids, unique=True, what="x")

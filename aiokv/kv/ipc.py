@@ -125,6 +125,7 @@ _READY_SPIN_S = 0.002
 #: the stream, ~0.03 ms of the request's path on the device host, run s15i); every
 #: program of the copy reads two ids, so large requests upload them.
 #: ``AIOKV_IPC_HOST_IDS_MAX`` sets it (0: always upload).
+_INT_DTYPES = (torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8)
 _HOST_IDS_MAX_PAIRS = int(os.environ.get("AIOKV_IPC_HOST_IDS_MAX", "64"))
 #: ring messages a consumer keeps per producer for requests that do not wait yet (the
 #: producer has at most SLOTS - 1 ring-only descriptors unreleased, so this is slack)
@@ -653,6 +654,13 @@ class IpcPlane:
         """Block ids as a checked tuple (the connector's rules). A list or tuple of ints
         is checked in Python: the torch calls of the connector's check cost ~80 µs per
         request on the device host (run s11-ipc-r2), more than the copy itself."""
+        if (
+            isinstance(block_ids, torch.Tensor)
+            and block_ids.device.type == "cpu"
+            and block_ids.dtype in _INT_DTYPES
+            and block_ids.dim() == 1
+        ):
+            block_ids = block_ids.tolist()  # (a CPU tensor: checked as the list it holds)
         if isinstance(block_ids, (list, tuple)) and all(type(i) is int for i in block_ids):
             ids = tuple(block_ids)
             nb = self.layout.num_blocks

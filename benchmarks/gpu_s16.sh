@@ -1,9 +1,11 @@
 #!/usr/bin/env bash
 # Session 16 on ONE H200 (nvidia-h200): the IPC plane's one-request latency under MPS
 # (both processes clients of one MPS server: no context switch between them; see
-# gpu_s15_mps.sh), the session's start (build/s16) vs now vs now uploading every
-# request's ids (AIOKV_IPC_HOST_IDS_MAX=0), interleaved and traced; then the one-GPU
-# suite on this tree with what is left of a ~570 s budget (unless SKIP_TESTS=1).
+# gpu_s15_mps.sh), the session's start (build/s16) vs now, interleaved and traced; then
+# the one-GPU suite on this tree with what is left of a ~570 s budget (unless
+# SKIP_TESTS=1). Runs s16a-c also ran "now-upload" (UPLOAD=1): AIOKV_IPC_HOST_IDS_MAX=0
+# turned off commit 0886a74's in-place ids, reverted after them (no measurable gain:
+# docs/benchmarks.md, "Session 16"); on later trees that variant equals "now".
 #   here:   mkdir -p build/s16 && git archive <start> | tar -x -C build/s16
 #   device: TAG=s16a bash benchmarks/gpu_s16.sh   (carry .whl .whl2 build/s16)
 set -uo pipefail
@@ -31,7 +33,7 @@ for i in $(seq "${ROUNDS:-1}"); do
   for w in ${WLS:-short long}; do
     ( cd "$START" && PYTHONPATH=/tmp/site:$PWD one start "$w" )
     one now "$w"
-    AIOKV_IPC_HOST_IDS_MAX=0 one now-upload "$w"
+    [ "${UPLOAD:-0}" = 1 ] && AIOKV_IPC_HOST_IDS_MAX=0 one now-upload "$w"
   done
 done | tee "$OUT/$TAG-ipc.jsonl" | python3 -c "$show"
 tail -3 "$OUT/$TAG-err.txt" 2>/dev/null

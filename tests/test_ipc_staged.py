@@ -31,7 +31,6 @@ from test_ipc_plane import FakeBackend, FakeEvent, connectors, landed, pair
 
 from aiokv import NotPublishedError, RemoteProtocolError, TransferAbortedError
 from aiokv.kv import _ipc_kernel
-from aiokv.kv import ipc as ipcmod
 from aiokv.kv.ipc import Descriptor, IpcPlane
 
 pytestmark = pytest.mark.skipif(
@@ -70,7 +69,6 @@ class FakeRaw:
     def __init__(self, plane: IpcPlane, m: Any) -> None:
         self.plane, self.m = plane, m
         self.launched = 0
-        self.ids: list[tuple[int, int]] = []  # (the ids' address, pairs) per launch
 
     def params(self, args: tuple[int, ...]) -> tuple[int, ...]:
         return tuple(args)
@@ -81,7 +79,6 @@ class FakeRaw:
         ab = next(t for t in plane._words.blocks.values() if t.data_ptr() == args[3])
         slot, n = args[5], args[6]
         self.launched += 1
-        self.ids.append((args[2], n))
 
         def run() -> None:
             if int(ab[slot]):  # the kernel's check: aborted, nothing written
@@ -95,15 +92,13 @@ class FakeRaw:
     launch = launch_with  # the ordinary path's call: the arguments as a tuple
 
 
-def fake_driver(plane: IpcPlane, host_ids: bool = False) -> tuple[FakeDriver, FakeRaw]:
+def fake_driver(plane: IpcPlane) -> tuple[FakeDriver, FakeRaw]:
     """Turn the driver path on for ``plane``, a consumer on CPU with a faked CUDA whose
-    one mapping the first request made: the driver, the verified raw launch (reading
-    small requests' ids in place from the pinned buffers: ``host_ids``)."""
+    one mapping the first request made: the driver, the verified raw launch."""
     (m,) = plane._maps.values()
     assert m.bell is not None
     plane._mapper.use_triton = lambda: True  # type: ignore[method-assign]
     m.raw = raw = FakeRaw(plane, m)  # type: ignore[assignment]
-    m.host_ids = host_ids
     drv = FakeDriver()
     plane._drv = drv  # type: ignore[assignment]
     plane._raw_stream = lambda: 7  # type: ignore[method-assign]
@@ -114,7 +109,6 @@ def fake_driver(plane: IpcPlane, host_ids: bool = False) -> tuple[FakeDriver, Fa
         sb = slot_bufs(slot, n)
         if sb.done is None:
             sb.done = FakeDone()
-            sb.mapped = host_ids
         return sb
 
     plane._slot_bufs = with_done  # type: ignore[method-assign]
@@ -138,7 +132,7 @@ async def first_request(prod: Any, cons: Any, a: Any, b: Any) -> None:
 
 
 @asynccontextmanager
-async def staged_pair(host_ids: bool = False) -> AsyncIterator[Any]:
+async def staged_pair() -> AsyncIterator[Any]:
     """Two engines and IPC connectors (FlashAttention, bf16, 24 blocks) whose first
     request mapped the producer's export and ring, with the consumer's driver path
     faked; closed afterwards. Yields a namespace: layout ``pl``, caches ``p``/``c``,
@@ -150,7 +144,7 @@ async def staged_pair(host_ids: bool = False) -> AsyncIterator[Any]:
         prod, cons = connectors(a, b, pl, p, pl, c)
         plane = cons._ipc
         await first_request(prod, cons, a, b)
-        drv, raw = fake_driver(plane, host_ids)
+        drv, raw = fake_driver(plane)
         yield SimpleNamespace(
             pl=pl, p=p, c=c, a=a, b=b, prod=prod, cons=cons, plane=plane, drv=drv, raw=raw
         )
@@ -178,26 +172,6 @@ async def test_ring_launches_the_staged_copy() -> None:
         assert drv.calls == ["upload", "record"] * 3
         assert prod.finished_sending() == {"r0", "r1", "r2", "r3"}
         assert not plane._bell_wait
-
-
-@pytest.mark.anyio
-@pytest.mark.timeout(60)
-async def test_small_requests_read_their_ids_in_place(monkeypatch: Any) -> None:
-    """Where the raw launch was verified reading its ids from pinned host memory, a
-    staged request of at most _HOST_IDS_MAX_PAIRS pairs is launched on the slot's
-    pinned buffer with no upload; a larger one uploads its ids first. Both land."""
-    monkeypatch.setattr(ipcmod, "_HOST_IDS_MAX_PAIRS", 2)
-    async with staged_pair(host_ids=True) as t:
-        pl, p, c, a, b, prod, cons, plane = t.pl, t.p, t.c, t.a, t.b, t.prod, t.cons, t.plane
-        for i, (src, dst) in enumerate([([5, 9], [10, 14]), ([6, 11, 13], [12, 16, 20])]):
-            recv = asyncio.create_task(cons.recv_request(f"h{i}", dst, frm=a.address, timeout=10))
-            await asyncio.sleep(0.02)
-            await prod.send_request(f"h{i}", src, to=b.address, timeout=10)
-            assert await recv == "ipc"
-            assert landed(pl, p, src, c, dst)
-        assert [n for _, n in t.raw.ids] == [2, 3]
-        assert t.drv.calls == ["record", "upload", "record"]
-        assert plane.statistics().staged_launches == 2
 
 
 @pytest.mark.anyio

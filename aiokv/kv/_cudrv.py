@@ -9,9 +9,7 @@ on handles torch created and owns:
 * ``cuEventRecord`` -- the producer's ready event, the consumer's completion event;
 * ``cuMemcpyHtoDAsync`` -- a request's block ids into the slot's device buffer;
 * ``cuLaunchKernel`` -- the Triton copy kernel's compiled function (see
-  :class:`aiokv.kv._ipc_kernel.RawLaunch`);
-* ``cuMemHostGetDevicePointer`` -- once per pinned ids buffer: whether the kernel can
-  read it where it is (no upload for small requests).
+  :class:`aiokv.kv._ipc_kernel.RawLaunch`).
 
 Streams are torch's (``torch._C._cuda_getCurrentRawStream``), so ordering is the
 caller's current stream exactly as with torch's own calls. ``libcuda.so.1`` is the
@@ -56,12 +54,6 @@ class Driver:
             c.c_void_p,
         ]
         lib.cuLaunchKernel.restype = c.c_int
-        lib.cuMemHostGetDevicePointer_v2.argtypes = [
-            c.POINTER(c.c_uint64),
-            c.c_void_p,
-            c.c_uint,
-        ]
-        lib.cuMemHostGetDevicePointer_v2.restype = c.c_int
         lib.cuGetErrorName.argtypes = [c.c_int, c.POINTER(c.c_char_p)]
         lib.cuGetErrorName.restype = c.c_int
         self.event_record_raw = lib.cuEventRecord
@@ -80,14 +72,6 @@ class Driver:
 
     def memcpy_htod_async(self, dst: int, src: int, nbytes: int, stream: int) -> None:
         self.check(self.memcpy_htod_raw(dst, src, nbytes, stream), "cuMemcpyHtoDAsync")
-
-    def host_device_pointer(self, host: int) -> int:
-        """The device address of pinned host memory at ``host`` (in the current
-        context); raises where it is not mapped into the device's address space."""
-        out = ctypes.c_uint64()
-        rc = self._lib.cuMemHostGetDevicePointer_v2(ctypes.byref(out), host, 0)
-        self.check(rc, "cuMemHostGetDevicePointer")
-        return int(out.value)
 
 
 @functools.lru_cache(maxsize=1)

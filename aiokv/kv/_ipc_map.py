@@ -79,8 +79,6 @@ class _Mapping:
     tables: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
     bell: _doorbell.BellReader | None = None  # the producer's doorbell ring, if any
     raw: _ipc_kernel.RawLaunch | None = None  # the copy through cuLaunchKernel, verified
-    # ... verified reading its block ids from pinned host memory (no upload)
-    host_ids: bool = False
     reply_to: str = ""  # the producer's engine (a ring message counts as from it)
     # ring records read before their request waited (request id -> the descriptor),
     # oldest first, at most the plane's limit: a late recv_request takes its own from here
@@ -254,17 +252,6 @@ class Mapper:
         except Exception as exc:
             log.info("aiokv IPC plane: compiling the copy kernel ahead failed: %r", exc)
 
-    def host_mapped(self, t: torch.Tensor) -> bool:
-        """Whether the GPU reads pinned host tensor ``t`` at its own address (unified
-        addressing, as for memory from ``cudaHostAlloc``: torch's pinned memory)."""
-        if self._drv is None or not t.is_pinned():
-            return False
-        try:
-            with torch.cuda.device(self.device):
-                return bool(self._drv.host_device_pointer(t.data_ptr()) == t.data_ptr())
-        except Exception:
-            return False
-
     def use_triton(self) -> bool:
         return (
             self.device.type == "cuda"
@@ -415,9 +402,7 @@ class Mapper:
     ) -> _ipc_kernel.RawLaunch | None:
         """The verified kernel through :class:`~aiokv.kv._ipc_kernel.RawLaunch`: the same
         probe copy (bit-exact) and abort check (writes nothing) through the driver, or
-        None (any error or difference: requests then launch through Triton). Where the
-        GPU reads pinned host memory in place (:meth:`host_mapped`), the probe reads its
-        block ids from there, as small requests then do (``m.host_ids``)."""
+        None (any error or difference: requests then launch through Triton)."""
         dev = self.device
         seg = seg_bytes(self.layout)
         assert self._drv is not None
@@ -425,19 +410,16 @@ class Mapper:
             rl = _ipc_kernel.RawLaunch(compiled, self._drv)
             outs = [torch.zeros(_PROBE_SEGMENTS * seg, dtype=torch.uint8, device=dev)
                     for _ in range(2)]  # fmt: skip
-            host = swap.cpu().pin_memory()
-            ids = host if self.host_mapped(host) else swap
 
             def raw(st: torch.Tensor, dt: torch.Tensor, a: torch.Tensor, s: int) -> None:
                 programs, args = _ipc_kernel.pair_copy_args(
-                    st.data_ptr(), dt.data_ptr(), ids.data_ptr(), a.data_ptr(), dev, s,
+                    st.data_ptr(), dt.data_ptr(), swap.data_ptr(), a.data_ptr(), dev, s,
                     **self._probe_geometry(m),
                 )  # fmt: skip
                 rl.launch(programs, m.stream.cuda_stream, args)
 
             self._probe_copies(m, src, outs, slots, raw)
             ok = torch.equal(outs[0], want) and not bool(outs[1].any())
-            m.host_ids = ok and ids is host
         except Exception as exc:  # a Triton whose kernels this cannot launch
             log.info(
                 "aiokv IPC plane: copies launch through Triton (%s: %s)", type(exc).__name__, exc

@@ -120,13 +120,8 @@ _MAX_CLOCK_SKEW_S = 30.0
 #: how long the consumer polls a producer's event without sleeping (a forward pass
 #: that ends within it is noticed within microseconds)
 _READY_SPIN_S = 0.002
-#: the largest request (block pairs) whose raw launch reads its block ids from the slot's
-#: pinned host buffer in place instead of an upload first (a driver call and a copy on
-#: the stream, ~0.03 ms of the request's path on the device host, run s15i); every
-#: program of the copy reads two ids, so large requests upload them.
-#: ``AIOKV_IPC_HOST_IDS_MAX`` sets it (0: always upload).
+#: block ids of these dtypes in a CPU tensor are checked as the list they hold
 _INT_DTYPES = (torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8)
-_HOST_IDS_MAX_PAIRS = int(os.environ.get("AIOKV_IPC_HOST_IDS_MAX", "64"))
 #: ring messages a consumer keeps per producer for requests that do not wait yet (the
 #: producer has at most SLOTS - 1 ring-only descriptors unreleased, so this is slack)
 _MAX_PENDING = 2 * _doorbell.SLOTS
@@ -431,7 +426,6 @@ class _SlotBufs:
     done: Any  # recorded after each launch of the slot's request
     order: Any  # the caller's stream, recorded before the ids' upload
     mv: memoryview  # of pin, for struct.pack_into
-    mapped: bool = False  # the GPU reads pin in place (raw launches of small requests)
     streams: list[Any] = field(default_factory=list)  # dev was record_stream'ed on these
 
 
@@ -468,7 +462,6 @@ class _Staged:
     deadline: float
     programs: int
     params: Any  # the launch's parameter block (RawLaunch.params), made at staging
-    upload: bool  # the ids go to sb.dev first (else the copy reads them from sb.pin)
     t0: float = 0.0
     desc: Descriptor | None = None  # the descriptor, once the ring's poll validated it
     ready: Any = None  # ... and the producer's event it waits for
@@ -1597,13 +1590,8 @@ class IpcPlane:
         from ..transport.tcp import tensor_buffer
 
         sb = _SlotBufs(cap, pin, dbuf, done, order, tensor_buffer(pin))
-        sb.mapped = cuda and self._drv is not None and self._mapper.host_mapped(pin)
         self._slotbufs[slot] = sb
         return sb
-
-    def _host_ids(self, m: _Mapping, sb: _SlotBufs, n: int) -> bool:
-        """Whether a raw launch of ``n`` pairs on ``m`` reads its ids from ``sb.pin``."""
-        return m.host_ids and sb.mapped and n <= _HOST_IDS_MAX_PAIRS
 
     def _retire_slot(self, slot: int, keep: bool, upload_on: int | None = None) -> None:
         """The slot's buffers after an abort or a failed launch: never rewritten again
@@ -1656,16 +1644,14 @@ class IpcPlane:
         g = self._words.slot()
         ab, slot = self._words.word(g)
         sb = self._slot_bufs(g, n)
-        upload = not self._host_ids(m, sb, n)
-        ids = sb.dev if upload else sb.pin
-        programs, args = self._raw_args(m, ids, ab, slot, n, 0, self.layout.num_layers)
+        programs, args = self._raw_args(m, sb.dev, ab, slot, n, 0, self.layout.num_layers)
         if not 0 < programs <= _ipc_kernel.MAX_PROGRAMS:
             self._words.free.append(g)
             return None
         struct.pack_into(f"<{n}q", sb.mv, 8 * n, *host)  # destination ids: second half
         assert m.raw is not None
         params = m.raw.params(args)
-        return _Staged(rid, m, g, sb, rs, n, deadline, programs, params, upload)
+        return _Staged(rid, m, g, sb, rs, n, deadline, programs, params)
 
     def _unstage(self, st: _Staged | None) -> None:
         """A staged copy the ring's poll did not take: its slot serves again (no upload
@@ -1729,8 +1715,7 @@ class IpcPlane:
         assert drv is not None and m.raw is not None and sb.done is not None and desc is not None
         struct.pack_into(f"<{n}q", sb.mv, 0, *desc.src)
         st.t0 = time.perf_counter()
-        if st.upload:
-            drv.memcpy_htod_async(sb.dev.data_ptr(), sb.pin.data_ptr(), 16 * n, st.rs)
+        drv.memcpy_htod_async(sb.dev.data_ptr(), sb.pin.data_ptr(), 16 * n, st.rs)
         _mark(st.rid, "staged")
         st.launched = True
         m.inflight += 1
@@ -1805,15 +1790,7 @@ class IpcPlane:
         awaited = False  # since `stream` was taken (other code may switch streams meanwhile)
         m.inflight += 1
         try:
-            ids = self._stage_ids(
-                stream,
-                own,
-                sb,
-                desc.src,
-                host,
-                raw=rs is not None,
-                in_place=self._host_ids(m, sb, n),
-            )
+            ids = self._stage_ids(stream, own, sb, desc.src, host, raw=rs is not None)
             _mark(desc.rid, "staged")
             while nxt < L:
                 if layerwise:
@@ -2026,11 +2003,10 @@ class IpcPlane:
         dst: Sequence[int],
         *,
         raw: bool = False,
-        in_place: bool = False,
     ) -> torch.Tensor:
         """Write the ids (``n`` source, then ``n`` destination) into the slot's pinned
-        buffer and, on a GPU, enqueue their upload on ``stream`` unless the raw launch
-        reads them there (``in_place``); returns what the copy reads. The mapping's own stream (``own``) first waits for the caller's current
+        buffer and, on a GPU, enqueue their upload on ``stream``; returns what the copy
+        reads. The mapping's own stream (``own``) first waits for the caller's current
         stream (its work so far may still read the destination blocks). A few Python
         and torch calls, no allocation: each one costs tens of µs on the device host."""
         n = len(dst)
@@ -2038,8 +2014,6 @@ class IpcPlane:
             struct.pack_into(f"<{2 * n}q", sb.mv, 0, *src, *dst)
         if self.device.type != "cuda":
             return sb.pin[: 2 * n].view(2, n)
-        if raw and in_place:
-            return sb.pin
         if raw:  # ``stream`` is a raw handle; exactly the ids' bytes
             assert self._drv is not None
             self._drv.memcpy_htod_async(sb.dev.data_ptr(), sb.pin.data_ptr(), 16 * n, stream)

@@ -138,7 +138,6 @@ def stats(con: KVConnector) -> dict[str, Any]:
         "ring_launches": s.ring_launches,
         "staged_launches": s.staged_launches,
         "raw": con._ipc is not None and any(m.raw is not None for m in con._ipc._maps.values()),
-        "host_ids": con._ipc is not None and any(m.host_ids for m in con._ipc._maps.values()),
     }
 
 

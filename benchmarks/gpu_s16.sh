@@ -20,7 +20,8 @@ if [ "${MPS:-1}" = 1 ]; then
   nvidia-cuda-mps-control -d && echo "MPS started"
   trap 'echo quit | nvidia-cuda-mps-control; echo "MPS stopped"' EXIT
 fi
-BENCH="-m aiokv.kv.bench --transport ipc --json --iters 3 --latency-n ${LAT_N:-150} --trace"
+BENCH="-m aiokv.kv.bench --transport ipc --json --iters 3 --latency-n ${LAT_N:-150}"
+[ "${TRACE:-1}" = 1 ] && BENCH="$BENCH --trace"
 show='import json,sys
 for l in sys.stdin:
     d=json.loads(l); t=d.get("trace_ms") or {}

@@ -14,11 +14,13 @@ still sends it if no release came in time (docs/ipc.md, "Doorbell").
 
 Safety: the producer creates the file (``O_EXCL``, mode 0600, a random name under
 ``/dev/shm``) and names it, with a random 32-byte key, in the offer -- which
-travels only over the authenticated engine session. The consumer reads it (``pread``, read-only,
-never mapped: see :class:`BellReader`) and accepts a slot only when its BLAKE2b MAC (keyed, over the sequence number and
-the payload) verifies, then decodes the payload (the plane's fixed-layout record,
-``Descriptor.from_ring``) with the engine message's field rules. The producer unlinks the file once the consumer acknowledged the
-offer (it mapped the ring before), so the name exists during one request. The wake
+travels only over the authenticated engine session. The consumer reads it (``pread``,
+read-only, never mapped: see :class:`BellReader`) and accepts a slot only when its
+BLAKE2b MAC (keyed, over the sequence number and the payload) verifies, then decodes
+the payload (the plane's fixed-layout record, ``Descriptor.from_ring``) with the
+engine message's field rules. The producer unlinks the file once the consumer
+acknowledged the offer (it mapped the ring before), so the name exists during one
+request. The wake
 FIFO carries no data (a byte per message; one the consumer did not drain is only a
 spurious wake-up), is made 0600 beside the ring and is unlinked with it. A slot
 is ``seq u64 | length u32 | pad | mac 16 bytes | payload``; the writer zeroes

@@ -20,11 +20,10 @@ BLAKE2b MAC (keyed, over the sequence number and the payload) verifies, then dec
 the payload (the plane's fixed-layout record, ``Descriptor.from_ring``) with the
 engine message's field rules. The producer unlinks the file once the consumer
 acknowledged the offer (it mapped the ring before), so the name exists during one
-request. The wake
-FIFO carries no data (a byte per message; one the consumer did not drain is only a
-spurious wake-up), is made 0600 beside the ring and is unlinked with it. A slot
-is ``seq u64 | length u32 | pad | mac 16 bytes | payload``; the writer zeroes
-``seq``, writes the rest, then ``seq`` (a seqlock: the reader re-reads ``seq``
+request. The wake FIFO carries no data (a byte per message; one the consumer did not
+drain is only a spurious wake-up), is made 0600 beside the ring and is unlinked with
+it. A slot is ``seq u64 | length u32 | pad | mac 16 bytes | payload``; the writer
+zeroes ``seq``, writes the rest, then ``seq`` (a seqlock: the reader re-reads ``seq``
 after copying and the MAC catches anything torn).
 """
 

@@ -623,3 +623,55 @@ async def test_a_restarted_consumer_is_offered_the_export_again() -> None:
         assert cst.mappings_verified == 1 and cst.requests_received == 2
         assert b.address not in prod._ipc._broken_to
         await old.aclose()
+
+
+@pytest.mark.anyio
+@pytest.mark.timeout(60)
+async def test_hostile_records_in_a_live_ring_cost_only_latency() -> None:
+    """MAC-valid slots (the key holder's bytes) that are not records -- random bytes, cut
+    or padded records, another magic -- and well-formed records of requests nobody
+    waits for, posted into the ring ahead of each real record: the waiting request
+    still lands (by the ring, or by the engine's backup), every bad slot is counted, the
+    records kept for later requests stay bounded, and the ring's poll keeps running."""
+    import random
+
+    rnd = random.Random(7)
+    async with _ringing("fa", "bfloat16") as (pl, p, c, a, b, prod, cons):
+        bell = prod._ipc._bells[b.address]
+        assert bell is not None
+        (m,) = cons._ipc._maps.values()
+        real = Descriptor(
+            rid="x", plane="ipc", n=2, reply_to=a.address, token=m.token, src=(1, 2),
+            event=b"e" * 64, event_slot=0, lease=1.0,
+        ).to_ring(solo=True)  # fmt: skip
+        bad = 0
+        for i in range(4):
+            before = cons.statistics().ipc.doorbell_rejected  # type: ignore[union-attr]
+            recv = asyncio.create_task(
+                cons.recv_request(f"h{i}", [10 + i, 15 + i], frm=a.address, timeout=10)
+            )
+            await asyncio.sleep(0.01)
+            junk = [rnd.randbytes(rnd.randrange(0, 200)) for _ in range(10)]
+            junk += [real[: rnd.randrange(len(real))] for _ in range(10)]
+            junk += [real + rnd.randbytes(rnd.randrange(1, 9)) for _ in range(10)]
+            junk += [bytes([0x82]) + real[1:]]
+            for x in junk:
+                assert bell.post(x)
+            bad += len(junk)
+            for k in range(40):  # well-formed, for requests that never wait
+                other = Descriptor(
+                    rid=f"nobody-{i}-{k}", plane="ipc", n=1, reply_to=a.address,
+                    token=m.token, src=(3,), event=b"e" * 64, event_slot=k, lease=1.0,
+                )  # fmt: skip
+                assert bell.post(other.to_ring(solo=True))
+                if k % 10 == 9:
+                    await asyncio.sleep(0)  # (the consumer reads; the ring holds 64)
+            await prod.send_request(f"h{i}", [4 + i, 9 + i], to=b.address, timeout=10)
+            assert await recv == "ipc"
+            assert landed(pl, p, [4 + i, 9 + i], c, [10 + i, 15 + i])
+            after = cons.statistics().ipc.doorbell_rejected  # type: ignore[union-attr]
+            assert after - before == len(junk)
+        assert len(m.pending) <= 2 * db.SLOTS
+        task = cons._ipc._bell_task
+        assert task is None or not (task.done() and task.exception() is not None)
+        assert cons.statistics().ipc.doorbell_rejected == bad  # type: ignore[union-attr]

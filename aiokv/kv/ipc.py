@@ -6,10 +6,10 @@ See ``docs/ipc.md`` for the design, the wire messages and the safety rules; in s
 * **Pull.** The producer exports its cache tensors (CUDA IPC handles) once per
   consumer; the consumer maps them, verifies the mapping with a known pattern
   (and the kernel, and the abort word), and from then on copies each request with
-  one launch on its own copy stream, behind the producer's ready event (a CUDA IPC
-  event, waited for on the GPU, not the host). The kernel writes only the
-  consumer's own memory, so a dead producer can never make it write into memory
-  somebody freed.
+  one launch on the caller's current stream once the producer's ready event (a
+  CUDA IPC event) fired, polled from the event loop (``gpu_wait``: waited for on
+  the GPU instead). The kernel writes only the consumer's own memory, so a dead
+  producer can never make it write into memory somebody freed.
 * **Lease.** Each request's descriptor carries a deadline (``CLOCK_MONOTONIC``,
   shared by the processes of one host). The producer keeps the blocks until the
   consumer's release message says the copy finished, or until the deadline plus
@@ -34,23 +34,26 @@ consumer polls: it arrives ~0.35 ms sooner on the device host; the engine's copy
 stays the authority. The per-request path avoids allocations and most torch calls (each
 costs tens of µs on a GPU host); ``AIOKV_IPC_TRACE=1`` stamps its stages
 (:func:`take_trace`, ``aiokv bench kv --transport ipc --trace``).
+
+Modules: this one holds :class:`IpcPlane` with the consumer's side (mapping,
+doorbell poll, staged and ordinary launches, abort rules, release);
+:mod:`aiokv.kv._ipc_producer` the producer's side it inherits (export, events,
+descriptor, lease, layer-wise saving); :mod:`aiokv.kv._ipc_common` what both use
+(options, statistics, backend, channel, trace, helpers).
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import dataclasses
 import functools
-import logging
-import os
 import secrets
 import struct
 import sys
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -67,16 +70,36 @@ from .._exceptions import (
     TransferTimeoutError,
 )
 from . import _cudrv, _doorbell, _ipc_kernel
+from ._ipc_common import (
+    HELLO,
+    NO_OFFER,
+    PREPARE_RID,
+    RING,
+    Backend,
+    ControlChannel,
+    CudaBackend,
+    EngineChannel,
+    IpcOptions,
+    IpcStatistics,
+    _layer_id,
+    _mark,
+    _on,
+    _retrieve,
+    boot_id,
+    check_same_host,
+    log,
+    take_trace,
+    unsupported_reason,
+)
 from ._ipc_map import (
     AbortWords,
     IpcUnavailableError,
     Mapper,
     _Mapping,
     _pid_alive,
-    seg_bytes,
 )
+from ._ipc_producer import _Export, _IpcSave, _ProducerSide
 from ._ipc_wire import (
-    _PROBE_SEGMENTS,
     LAYERS,
     Descriptor,
     LayerReady,
@@ -113,15 +136,9 @@ __all__ = [
     "unsupported_reason",
 ]
 
-log = logging.getLogger("aiokv.kv.ipc")
-
-# a producer's "now" more than this far from ours means another clock (host, VM, sandbox)
-_MAX_CLOCK_SKEW_S = 30.0
 #: how long the consumer polls a producer's event without sleeping (a forward pass
 #: that ends within it is noticed within microseconds)
 _READY_SPIN_S = 0.002
-#: block ids of these dtypes in a CPU tensor are checked as the list they hold
-_INT_DTYPES = (torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8)
 #: ring messages a consumer keeps per producer for requests that do not wait yet (the
 #: producer has at most SLOTS - 1 ring-only descriptors unreleased, so this is slack)
 _MAX_PENDING = 2 * _doorbell.SLOTS
@@ -132,288 +149,10 @@ _MAX_TAKEN = 4096
 #: safety net with one
 _BELL_POLL_S = 0.001
 _BELL_POLL_WAKE_S = 0.01
-#: an ok release's ``reason`` when the consumer took the descriptor from the doorbell
-RING = "ring"
-#: a fallback release's reason when the consumer has no offer for the export (it
-#: restarted since it acknowledged one): the producer offers it again next time
-NO_OFFER = "no_offer"
 #: a mapping whose producer process is gone (it is unmapped; requests fall back)
 PRODUCER_GONE = "producer_gone"
 #: the export's mapping did not finish before the request's deadline
 MAP_TIMEOUT = "map_timeout"
-#: the tensor a producer's plane publishes for consumers that map its export ahead
-#: (:meth:`IpcPlane.prepare`): a GET of it makes the producer send its offer
-HELLO = "aiokv#ipc-hello"
-#: the request id of that offer-only request (no blocks)
-PREPARE_RID = "aiokv#ipc-prepare"
-
-
-#: per-request timestamps, ``(request id, stage, time.perf_counter())``, kept only when
-#: ``AIOKV_IPC_TRACE`` is set (``aiokv bench kv --transport ipc`` reports them):
-#: ``perf_counter`` is ``CLOCK_MONOTONIC``, so the two processes' stamps compare.
-_trace: list[tuple[str, str, float]] | None = [] if os.environ.get("AIOKV_IPC_TRACE") else None
-
-
-def _mark(rid: str, stage: str) -> None:
-    if _trace is not None and len(_trace) < 1_000_000:
-        _trace.append((rid, stage, time.perf_counter()))
-
-
-def take_trace() -> list[tuple[str, str, float]]:
-    """The stamps recorded so far (and forget them); empty unless ``AIOKV_IPC_TRACE``."""
-    if _trace is None:
-        return []
-    out = list(_trace)
-    _trace.clear()
-    return out
-
-
-def _on(stream: Any, device: torch.device) -> contextlib.AbstractContextManager[Any]:
-    """``torch.cuda.stream(stream)``, or nothing when it is already current (the common
-    case: the copy runs on the caller's stream; a switch costs several CUDA calls)."""
-    if torch.cuda.current_stream(device) == stream:
-        return contextlib.nullcontext()
-    return torch.cuda.stream(stream)
-
-
-def _layer_id(rid: str, lo: int) -> str:
-    """Tensor id of the :class:`LayerReady` message of the chunk starting at layer ``lo``."""
-    return f"{rid}#ipcL{lo}"
-
-
-# --------------------------------------------------------------------------- options, stats
-
-
-@dataclass(frozen=True, slots=True)
-class IpcOptions:
-    """How a :class:`~aiokv.kv.KVConnector` uses the IPC plane (give both sides the same).
-
-    ``trust_unauthenticated``: IPC exposes the producer's cache allocation to the
-    consumer, so by default it is offered only when the engine authenticates its
-    peers (CURVE); set True only where every process that can reach the engine is
-    trusted (one host, one tenant). ``grace_s``: how long after a lease's deadline
-    the producer still keeps the blocks (a copy that started before the deadline
-    finishes within it). ``force_torch``: use the torch-ops copy instead of the
-    Triton kernel (see :mod:`aiokv.kv._ipc_kernel`).
-
-    ``doorbell``: the producer also writes each descriptor into a shared-memory ring
-    (:mod:`aiokv.kv._doorbell`) that the consumer polls while a ``recv_request``
-    waits -- spinning its loop (``sleep(0)``) for ``doorbell_spin_s`` after the call
-    began; after that a wake-up through a FIFO beside the ring brings the loop to it
-    (and a timed poll, should that fail). Until a consumer's release says it took a
-    descriptor from the ring, the engine carries every descriptor too; from then on
-    the ring alone does, and the engine's copy follows only if no release came
-    within ``doorbell_backup_s`` (docs/ipc.md, "Doorbell").
-
-    ``driver_calls``: make the per-request CUDA calls (the ready and completion
-    events' records, the ids' upload, the copy's launch) through the CUDA driver
-    directly instead of through torch's and Triton's Python wrappers, which cost
-    several times more on the request path (:mod:`aiokv.kv._cudrv`); the launch only
-    after the probe copy through it was bit-exact.
-
-    ``gpu_wait``: when the producer's ready event has not fired yet as the request
-    arrives, let the consumer's copy stream wait for it on the GPU (the launch is
-    queued at once) instead of polling it from the host first. Faster by one poll,
-    but if the producer dies before its event fires, that stream waits forever:
-    the launch itself is harmless (its abort word is set), but a device-wide
-    ``torch.cuda.synchronize()`` in the consumer then never returns, nor does the
-    next first launch of a kernel under lazy module loading (runs s10-ipc-r1, r3,
-    r4; docs/ipc.md). Off by default; consider it only where the producer's death
-    also ends the consumer.
-    """
-
-    trust_unauthenticated: bool = False
-    grace_s: float = 1.0
-    force_torch: bool = False
-    gpu_wait: bool = False
-    doorbell: bool = True
-    doorbell_spin_s: float = 0.02
-    doorbell_backup_s: float = 0.05
-    driver_calls: bool = True
-
-    def __post_init__(self) -> None:
-        if not (isinstance(self.grace_s, (int, float)) and 0 < self.grace_s <= 600):
-            raise ConfigError(f"grace_s must be in (0, 600], got {self.grace_s!r}")
-        s = self.doorbell_spin_s
-        if not (isinstance(s, (int, float)) and 0 <= s <= 1):
-            raise ConfigError(f"doorbell_spin_s must be in [0, 1], got {s!r}")
-        b = self.doorbell_backup_s
-        if not (isinstance(b, (int, float)) and 0 < b <= 60):
-            raise ConfigError(f"doorbell_backup_s must be in (0, 60], got {b!r}")
-
-
-@dataclass(slots=True)
-class IpcStatistics:
-    """Counters of one plane. ``fallbacks`` counts requests sent the ordinary way
-    because IPC was unavailable, by reason."""
-
-    requests_sent: int = 0
-    requests_received: int = 0
-    bytes_received: int = 0
-    mappings_verified: int = 0
-    mapping_failures: int = 0
-    mappings_dropped: int = 0  # unmapped because their producer's process was gone
-    aborted: int = 0
-    lease_expired: int = 0
-    stuck_streams: int = 0
-    doorbell_hits: int = 0  # descriptors taken from the doorbell before the engine's
-    doorbell_rejected: int = 0  # ring slots whose MAC failed (or that made no sense)
-    doorbell_backups: int = 0  # producer: ring-only descriptors also sent by the engine late
-    staged_launches: int = 0  # consumer: copies staged at recv_request, then launched ...
-    ring_launches: int = 0  # ... of which by the ring's poll (the producer's event had fired)
-    fallbacks: dict[str, int] = field(default_factory=dict)
-
-
-# --------------------------------------------------------------------------- decisions
-
-
-def allocator_conf() -> str:
-    """The caching allocator settings torch reads at start (env)."""
-    return (
-        os.environ.get("PYTORCH_CUDA_ALLOC_CONF", "")
-        + ","
-        + os.environ.get("PYTORCH_ALLOC_CONF", "")
-    )
-
-
-def unsupported_reason(
-    device: torch.device,
-    *,
-    authenticated: bool,
-    options: IpcOptions,
-    alloc_conf: str | None = None,
-    hip: str | None = None,
-) -> str | None:
-    """Why this process cannot offer or use the IPC plane at all (None: it can).
-
-    Checked on each side before any handshake; each reason is also a fallback
-    counter's name.
-    """
-    if device.type != "cuda":
-        return "not_cuda"
-    if hip if hip is not None else getattr(torch.version, "hip", None):
-        return "rocm"
-    conf = (alloc_conf if alloc_conf is not None else allocator_conf()).replace(" ", "").lower()
-    if "expandable_segments:true" in conf:
-        return "expandable_segments"
-    if not (authenticated or options.trust_unauthenticated):
-        return "unauthenticated"
-    return None
-
-
-def boot_id() -> str:
-    """This host's boot id (same for every process and container of one kernel)."""
-    try:
-        with open("/proc/sys/kernel/random/boot_id") as f:
-            return f.read().strip()[:64]
-    except OSError:
-        return ""
-
-
-def check_same_host(offer: Offer, *, my_boot_id: str, now: float) -> None:
-    """Raise :class:`IpcUnavailableError` when the offer comes from another host or clock."""
-    if not offer.boot_id or offer.boot_id != my_boot_id:
-        raise IpcUnavailableError("other_host", f"boot id {offer.boot_id!r} != {my_boot_id!r}")
-    if abs(now - offer.mono) > _MAX_CLOCK_SKEW_S:
-        raise IpcUnavailableError(
-            "other_clock", f"the producer's monotonic clock is {offer.mono - now:+.1f} s off"
-        )
-
-
-# --------------------------------------------------------------------------- backend
-
-
-class Backend(Protocol):
-    """What the plane needs of CUDA. :class:`CudaBackend` is the real one; the CPU
-    tests give a fake one (same process, no IPC) to test the protocol and the rules."""
-
-    def export(self, storage: torch.UntypedStorage) -> StorageExport: ...
-
-    def open(self, e: StorageExport, device: torch.device) -> torch.Tensor: ...
-
-    def new_event(self, device: torch.device) -> tuple[Any, bytes]: ...
-
-    def open_event(self, handle: bytes, device: torch.device) -> Any: ...
-
-    def new_stream(self, device: torch.device) -> Any: ...
-
-
-class CudaBackend:
-    """CUDA IPC through torch: ``UntypedStorage._share_cuda_`` / ``_new_shared_cuda``
-    (what ``torch.multiprocessing`` uses) and interprocess events."""
-
-    def export(self, storage: torch.UntypedStorage) -> StorageExport:
-        st: Any = storage  # torch's private sharing API is untyped and varies by version
-        (_dev, handle, size, offset, rc, rc_off, ev, _sync) = st._share_cuda_()
-        return StorageExport(
-            handle=bytes(handle),
-            size=int(size),
-            offset=int(offset),
-            rc_handle=bytes(rc) if rc else b"",
-            rc_offset=int(rc_off or 0),
-            event=bytes(ev) if ev else b"",
-        )
-
-    def open(self, e: StorageExport, device: torch.device) -> torch.Tensor:
-        idx = device.index if device.index is not None else torch.cuda.current_device()
-        cls: Any = torch.UntypedStorage
-        st = cls._new_shared_cuda(
-            idx, e.handle, e.size, e.offset, e.rc_handle, e.rc_offset, e.event, False
-        )
-        t: Any = torch.empty(0, dtype=torch.uint8, device=device)
-        t.set_(st)
-        out: torch.Tensor = t
-        return out
-
-    def new_event(self, device: torch.device) -> tuple[Any, bytes]:
-        with torch.cuda.device(device):
-            ev: Any = torch.cuda.Event(interprocess=True)  # type: ignore[no-untyped-call]
-            ev.record()  # an event must be recorded once before it can be exported
-            return ev, bytes(ev.ipc_handle())
-
-    def open_event(self, handle: bytes, device: torch.device) -> Any:
-        return torch.cuda.Event.from_ipc_handle(device, handle)  # type: ignore[no-untyped-call]
-
-    def new_stream(self, device: torch.device) -> Any:
-        return torch.cuda.Stream(device)  # type: ignore[no-untyped-call]
-
-
-# --------------------------------------------------------------------------- control channel
-
-
-class ControlChannel(Protocol):
-    """How the plane's two messages travel (docs/ipc.md, "Control interface").
-
-    ``send`` starts sending one message (a plain msgpack-able dict) and returns an
-    awaitable that settles when it was delivered (or failed); ``recv`` returns the
-    message received under ``tensor_id`` as the raw uint8 tensor/bytes, which the
-    plane decodes and validates itself. :class:`EngineChannel` carries them as
-    small CPU tensors through an engine's public ``send_nowait`` / ``recv``; the
-    one-message control protocol can carry the same dicts instead.
-    """
-
-    def send(self, tensor_id: str, msg: Mapping[str, Any], *, to: str, timeout: float) -> Any: ...
-
-    async def recv(self, tensor_id: str, *, frm: str | None, timeout: float) -> Any: ...
-
-
-class EngineChannel:
-    """:class:`ControlChannel` over an engine: msgpack bytes in a uint8 CPU tensor."""
-
-    def __init__(self, engine: Any) -> None:
-        self.engine = engine
-
-    def send(self, tensor_id: str, msg: Mapping[str, Any], *, to: str, timeout: float) -> Any:
-        t = encode_message(msg)
-        rid, _, what = tensor_id.partition("#")
-        _mark(rid, "encoded:" + what)
-        return self.engine.send_nowait(tensor_id, t, to=to, timeout=timeout)
-
-    async def recv(self, tensor_id: str, *, frm: str | None, timeout: float) -> Any:
-        return await self.engine.recv(tensor_id, frm=frm, timeout=timeout)
-
-
-# --------------------------------------------------------------------------- the plane
 
 
 @dataclass(slots=True, eq=False)
@@ -427,21 +166,6 @@ class _SlotBufs:
     order: Any  # the caller's stream, recorded before the ids' upload
     mv: memoryview  # of pin, for struct.pack_into
     streams: list[Any] = field(default_factory=list)  # dev was record_stream'ed on these
-
-
-@dataclass(slots=True, eq=False)
-class _IpcSave:
-    """A request being saved layer by layer over the plane (producer)."""
-
-    to: str
-    host: tuple[int, ...]
-    deadline: float
-    lease: float
-    started: float
-    rel_task: asyncio.Task[Release | None]
-    saved: set[int] = field(default_factory=set)
-    events: list[tuple[int, Any, bytes]] = field(default_factory=list)
-    pending: list[LayerReady] = field(default_factory=list)
 
 
 @dataclass(slots=True, eq=False)
@@ -475,21 +199,7 @@ def _engine_first(bell: asyncio.Future[Any], _: object) -> None:
         bell.set_result(None)
 
 
-def _retrieve(t: asyncio.Task[Any]) -> None:
-    if not t.cancelled():
-        t.exception()
-
-
-@dataclass(slots=True, eq=False)
-class _Export:
-    """What the producer exported to consumers (one per plane)."""
-
-    offer: Offer
-    probe: torch.Tensor
-    storages: list[torch.UntypedStorage]
-
-
-class IpcPlane:
+class IpcPlane(_ProducerSide):
     """The IPC data plane of one :class:`~aiokv.kv.KVConnector` (both roles).
 
     Built by the connector when it is given ``ipc=IpcOptions(...)``; the connector's
@@ -593,554 +303,6 @@ class IpcPlane:
         )
 
     # ------------------------------------------------------------------ helpers
-
-    def statistics(self) -> IpcStatistics:
-        return dataclasses.replace(self._stats, fallbacks=dict(self._stats.fallbacks))
-
-    def _count_fallback(self, reason: str, peer: str, detail: str = "") -> None:
-        self._stats.fallbacks[reason] = self._stats.fallbacks.get(reason, 0) + 1
-        self._log_fallback(reason, peer, detail)
-
-    def _log_fallback(self, reason: str, peer: str, detail: str = "") -> None:
-        log.warning(
-            "aiokv IPC plane: falling back to the ordinary transport with %s: %s%s",
-            peer,
-            reason,
-            f" ({detail})" if detail else "",
-        )
-
-    def _send_plain(
-        self, request_id: str, n: int, to: str, deadline: float, reason: str | None
-    ) -> None:
-        """Tell the consumer (which waits for a descriptor either way) that this request's
-        blocks come the ordinary way; count it under ``reason`` if the plane is off."""
-        self._send_msg(
-            f"{request_id}#ipc",
-            Descriptor(request_id, "chunks", n).to_wire(),
-            to,
-            _time_left(deadline),
-        )
-        if reason:
-            self._stats.fallbacks[reason] = self._stats.fallbacks.get(reason, 0) + 1
-
-    def _track(self, coro: Any) -> None:
-        task: asyncio.Task[None] = asyncio.ensure_future(coro)
-        self._background.add(task)
-        task.add_done_callback(self._background.discard)
-
-    def _send_msg(self, tensor_id: str, msg: Mapping[str, Any], to: str, timeout: float) -> None:
-        """Start sending a control message; a failure is logged (the peer's wait for it
-        runs into its deadline), never left unretrieved."""
-        h = self.channel.send(tensor_id, msg, to=to, timeout=timeout)
-
-        async def reap() -> None:
-            try:
-                await h
-            except Exception as exc:
-                log.warning("aiokv IPC plane: sending %r to %s failed: %s", tensor_id, to, exc)
-
-        self._track(reap())
-
-    def _ids(
-        self, block_ids: torch.Tensor | Sequence[int], *, unique: bool, what: str
-    ) -> tuple[int, ...]:
-        """Block ids as a checked tuple (the connector's rules). A list or tuple of ints
-        is checked in Python: the torch calls of the connector's check cost ~80 µs per
-        request on the device host (run s11-ipc-r2), more than the copy itself."""
-        if (
-            isinstance(block_ids, torch.Tensor)
-            and block_ids.device.type == "cpu"
-            and block_ids.dtype in _INT_DTYPES
-            and block_ids.dim() == 1
-        ):
-            block_ids = block_ids.tolist()  # (a CPU tensor: checked as the list it holds)
-        if isinstance(block_ids, (list, tuple)) and all(type(i) is int for i in block_ids):
-            ids = tuple(block_ids)
-            nb = self.layout.num_blocks
-            if ids and (min(ids) < 0 or max(ids) >= nb):
-                raise ConfigError(
-                    f"{what}: block ids must be in [0, {nb}), got [{min(ids)}, {max(ids)}]"
-                )
-            if unique and len(set(ids)) != len(ids):
-                raise ConfigError(f"{what}: duplicate block ids")
-            return ids
-        return tuple(self.con._host_ids(block_ids, unique=unique, what=what).tolist())
-
-    # ------------------------------------------------------------------ producer
-
-    def _make_export(self) -> _Export:
-        if self._export is not None:
-            return self._export
-        tensors = self.con.caches.tensors
-        storages: list[torch.UntypedStorage] = []
-        index: dict[int, int] = {}
-        layers: list[tuple[int, int]] = []
-        for t in tensors:
-            st = t.untyped_storage()
-            key = st.data_ptr()
-            if key not in index:
-                index[key] = len(storages)
-                storages.append(st)
-            layers.append((index[key], t.data_ptr() - key))
-        seg = seg_bytes(self.layout)
-        nonce = secrets.randbits(62)
-        probe = probe_pattern(nonce, _PROBE_SEGMENTS * seg, self.device)
-        word = _ipc_kernel.word_size(*(t.data_ptr() for t in tensors))
-        offer = Offer(
-            token=secrets.randbits(62) | 1,
-            boot_id=self._boot_id,
-            pid=os.getpid(),
-            mono=self._clock(),
-            layout=self.layout.to_wire(),
-            storages=tuple(self.backend.export(s) for s in storages),
-            layers=tuple(layers),
-            word=word,
-            probe=self.backend.export(probe.untyped_storage()),
-            nonce=nonce,
-        )
-        self._export = _Export(offer, probe, storages)
-        return self._export
-
-    def _take_event(self) -> tuple[int, Any, bytes]:
-        if self._free_events:
-            return self._free_events.pop()
-        ev, handle = self.backend.new_event(self.device)
-        self._n_events += 1
-        return self._n_events - 1, ev, handle
-
-    def _raw_stream(self) -> int | None:
-        """The caller's current stream on this plane's device as a raw handle, when the
-        driver calls can be used (driver loaded, this device is the current one: the
-        kernel and events live in its context); None otherwise."""
-        if self._drv is None or not self._on_device():
-            return None
-        return int(torch._C._cuda_getCurrentRawStream(self._dev_index))
-
-    def _on_device(self) -> bool:
-        """Whether this plane's device is the current one (its context is current)."""
-        return bool(torch.cuda.current_device() == self._dev_index)
-
-    def _record(self, ev: Any) -> None:
-        """Record ``ev`` on the caller's current stream of this plane's device."""
-        rs = self._raw_stream()
-        if rs is not None:
-            assert self._drv is not None
-            self._drv.event_record(ev.cuda_event, rs)
-        else:
-            ev.record(
-                torch.cuda.current_stream(self.device) if self.device.type == "cuda" else None
-            )
-
-    async def send_request(
-        self,
-        request_id: str,
-        block_ids: torch.Tensor | Sequence[int],
-        *,
-        to: str,
-        timeout: float | None,
-        _offer_only: bool = False,
-    ) -> None:
-        _mark(request_id, "send")
-        con = self.con
-        con._check_open()
-        con._check_rid(request_id)
-        deadline = con._deadline(timeout)
-        host = self._ids(block_ids, unique=False, what="send_request")
-        n = len(host)
-        _mark(request_id, "ids")
-        _time_left(deadline)  # (timeout=0: over before anything is taken or sent)
-        reason = self.disabled or self._broken_to.get(to)
-        if _offer_only and reason:  # no offer to make: the consumer's prepare() is False
-            self._send_plain(request_id, 0, to, deadline, None)
-            return
-        if reason or (n == 0 and not _offer_only):
-            self._send_plain(request_id, n, to, deadline, reason)
-            await con.send_request(
-                request_id, host, to=to, timeout=max(0.0, deadline - time.monotonic()), _plain=True
-            )
-            return
-        try:
-            export = self._make_export()
-        except Exception as exc:  # an allocation torch cannot share (expandable segments ...)
-            self.disabled = "export_failed"  # counted per request on the plain path
-            self._log_fallback("export_failed", to, f"{type(exc).__name__}: {exc}")
-            return await self.send_request(
-                request_id, host, to=to, timeout=timeout, _offer_only=_offer_only
-            )
-        slot, ev, ev_handle = self._take_event()
-        self._record(ev)  # on the current stream: after the KV writes queued so far
-        _mark(request_id, "recorded")
-        lease = self._clock() + max(0.0, deadline - time.monotonic())
-        offer = None
-        if to not in self._acked:
-            offer = export.offer
-            bell = self._bell_for(to)
-            if bell is not None:  # named only over the engine (authenticated)
-                offer = dataclasses.replace(offer, bell=bell.name, bell_key=bell.key)
-        desc = Descriptor(
-            rid=request_id,
-            plane="ipc",
-            n=n,
-            reply_to=str(getattr(con.engine, "address", "")),
-            token=export.offer.token,
-            src=host,
-            event=ev_handle,
-            event_slot=slot,
-            lease=lease,
-            offer=offer,
-        )
-        t0 = time.perf_counter()
-        _mark(request_id, "built")
-        tid = f"{request_id}#ipc"
-        # The ring alone carries the descriptor to a consumer whose last release said it
-        # took one from the ring, while fewer than SLOTS - 1 of them are unreleased (so
-        # none is overwritten unread); the engine's copy follows only if no release came
-        # within doorbell_backup_s. Otherwise the engine carries it too, at once.
-        ring_only = (
-            offer is None
-            and to in self._ring_ok
-            and self._ring_only.get(to, 0) < _doorbell.SLOTS - 1
-            and self._ring(desc, to, solo=True)
-        )
-        backup: asyncio.TimerHandle | None = None
-        if ring_only:
-            self._ring_only[to] = self._ring_only.get(to, 0) + 1
-            backup = asyncio.get_running_loop().call_later(
-                self.options.doorbell_backup_s, self._send_backup, tid, desc, to, lease
-            )
-        else:
-            if offer is None:
-                self._ring(desc, to, solo=False)
-            self._send_msg(tid, desc.to_wire(), to, _time_left(lease, self._clock))
-        _mark(request_id, "sent")
-        rel_task = asyncio.ensure_future(self._await_release(request_id, to, lease))
-        rel_task.add_done_callback(functools.partial(self._released, to, backup))
-        ok = await self._settle_release(
-            request_id,
-            to,
-            rel_task,
-            [(slot, ev, ev_handle)],
-            nbytes=self.layout.request_nbytes(n),
-            started=t0,
-            count_errors=False,
-        )
-        if not ok and not _offer_only:  # nothing was read: the ordinary way (from now on)
-            await con.send_request(
-                request_id, host, to=to, timeout=max(0.0, deadline - time.monotonic()), _plain=True
-            )
-
-    def _bell_for(self, to: str) -> _doorbell.BellWriter | None:
-        """The doorbell ring for consumer ``to`` (made once; None where the option is off
-        or no ring can be made here, e.g. no ``/dev/shm``)."""
-        if not self.options.doorbell:
-            return None
-        if to in self._bells:
-            return self._bells[to]
-        try:
-            bell: _doorbell.BellWriter | None = _doorbell.BellWriter()
-        except OSError as exc:
-            log.info("aiokv IPC plane: no doorbell for %s: %s", to, exc)
-            bell = None
-        self._bells[to] = bell
-        return bell
-
-    def _ring(self, desc: Descriptor, to: str, *, solo: bool) -> bool:
-        """Post the descriptor in ``to``'s doorbell ring, if it has one; whether it was."""
-        bell = self._bells.get(to)
-        if bell is not None and bell.post(desc.to_ring(solo=solo)):
-            _mark(desc.rid, "rung")
-            return True
-        return False
-
-    def _send_backup(self, tid: str, desc: Descriptor, to: str, lease: float) -> None:
-        """No release came soon after a ring-only descriptor: send it by the engine too
-        (the ring message was lost, or the consumer does not wait yet; a consumer that
-        took the ring's copy drops this one)."""
-        left = lease - self._clock()
-        if left > 0 and not self._closed:
-            self._stats.doorbell_backups += 1
-            self._send_msg(tid, desc.to_wire(), to, left)
-
-    def _released(
-        self, to: str, backup: asyncio.TimerHandle | None, t: asyncio.Task[Release | None]
-    ) -> None:
-        """The release of a request sent over the plane came (or never will): a pending
-        engine copy is not needed; the consumer's release says whether it reads the
-        ring (``reason == "ring"`` on an ok release)."""
-        if backup is not None:
-            backup.cancel()
-            self._ring_only[to] -= 1
-        rel = None if t.cancelled() or t.exception() is not None else t.result()
-        if rel is not None and rel.ok:
-            if rel.reason == RING:
-                self._ring_ok.add(to)
-            else:
-                self._ring_ok.discard(to)
-
-    async def _settle_release(
-        self,
-        request_id: str,
-        to: str,
-        rel_task: asyncio.Task[Release | None],
-        events: list[tuple[int, Any, bytes]],
-        *,
-        nbytes: int,
-        started: float,
-        count_errors: bool,
-    ) -> bool:
-        """Wait for the consumer's release of a request it reads over the plane and settle
-        it (``send_request`` and ``wait_saved`` alike): True when the blocks landed (the
-        request joins ``finished_sending()``), False when the consumer asked for the
-        ordinary path (nothing was read; the caller sends it that way). Raises
-        :class:`~aiokv.TransferTimeoutError` when no release came before lease + grace
-        and :class:`~aiokv.TransferAbortedError` when the consumer failed the request.
-
-        Cancelled, the request joins ``finished_sending()`` (and its ``events`` go back to
-        the pool) only at the release or once lease + grace are over: the consumer may
-        still be reading. ``count_errors``: whether another error while waiting (a bad
-        release) counts as a send failure -- ``wait_saved`` counts it, ``send_request``
-        never did (tests/test_ipc_settle.py pins both)."""
-        con = self.con
-        try:
-            rel = await asyncio.shield(rel_task)
-        except asyncio.CancelledError:
-            self._track(self._settle_cancelled(rel_task, events, request_id))
-            con._stats.send_failures += 1
-            raise
-        except BaseException:
-            if count_errors:
-                con._stats.send_failures += 1
-            raise
-        _mark(request_id, "released")
-        if rel is None:
-            con._stats.send_failures += 1
-            self._stats.lease_expired += 1
-            raise TransferTimeoutError(
-                f"IPC: no release of {request_id!r} from {to} before its lease ran out "
-                "(the consumer no longer reads the blocks)"
-            )
-        self._free_events.extend(events)
-        if rel.fallback:
-            reason = rel.reason or "consumer_refused"
-            self._ring_ok.discard(to)
-            self._acked.discard(to)
-            bell = self._bells.pop(to, None)
-            if bell is not None:
-                bell.close()
-            if reason != NO_OFFER:
-                self._broken_to[to] = reason
-            # else: the consumer does not know our export -- it restarted, or lost the
-            # offer -- so the next request offers it again (with a new ring) instead of
-            # sending this consumer everything the ordinary way from now on
-            self._count_fallback(reason, to)
-            return False
-        if not rel.ok:
-            con._stats.send_failures += 1
-            raise TransferAbortedError(
-                f"IPC: the consumer {to} failed request {request_id!r}: {rel.reason}"
-            )
-        if to not in self._acked:
-            self._acked.add(to)
-            bell = self._bells.get(to)
-            if bell is not None:  # the consumer opened both with the offer: names can go
-                bell.open_wake()
-                bell.unlink()
-        if request_id == PREPARE_RID:  # an offer alone: no request to count or report
-            return True
-        self._stats.requests_sent += 1
-        st = con._stats
-        st.requests_sent += 1
-        st.bytes_sent += nbytes
-        st.send_seconds += time.perf_counter() - started
-        con._finished_sending.add(request_id)
-        return True
-
-    async def _await_release(self, rid: str, frm: str, lease: float) -> Release | None:
-        """The consumer's release, or None once the lease plus the grace period is over."""
-        left = lease + self.options.grace_s - self._clock()
-        try:
-            raw = await self.channel.recv(f"{rid}#ipcrel", frm=frm, timeout=max(0.0, left))
-        except TransferTimeoutError:
-            return None
-        rel = Release.from_wire(decode_message(raw))
-        if rel.rid != rid:
-            raise RemoteProtocolError(f"IPC release for {rel.rid!r:.64} under {rid!r:.64}")
-        return rel
-
-    async def _settle_cancelled(
-        self,
-        rel_task: asyncio.Task[Release | None],
-        events: list[tuple[int, Any, bytes]],
-        rid: str,
-    ) -> None:
-        try:
-            rel = await rel_task
-        except Exception:
-            rel = None
-        if rel is not None:
-            self._free_events.extend(events)
-        # blocks are free to reuse from here on (release, or lease + grace over)
-        if rid != PREPARE_RID:
-            self.con._finished_sending.add(rid)
-
-    def _hello(self, address: str) -> None:
-        """``on_get`` of :data:`HELLO`: the consumer at ``address`` (an authenticated
-        session's address) maps our export ahead of its first request
-        (:meth:`prepare`); send it an offer-only request (the offer rides along unless
-        that consumer acknowledged it already). Every hello gets its answer, one at a
-        time per consumer: a hello while one is being answered (the consumer may ask
-        again as soon as it released the last, before we took that release) is
-        answered after it."""
-        if self._closed:
-            return
-        if address in self._offering:
-            self._offering[address] = True  # answer once more when this one is done
-            return
-        self._offering[address] = False
-
-        async def offer() -> None:
-            again = True
-            while again and not self._closed:
-                try:
-                    await self.send_request(
-                        PREPARE_RID, (), to=address, timeout=None, _offer_only=True
-                    )
-                except AiokvError as exc:
-                    log.info("aiokv IPC plane: the offer to %s did not land: %r", address, exc)
-                again = self._offering.get(address, False)
-                self._offering[address] = False
-            self._offering.pop(address, None)
-
-        self._track(offer())
-
-    # ------------------------------------------------------------------ producer, layer-wise
-
-    def owns_save(self, request_id: str) -> bool:
-        """True when the layers of ``request_id`` are being saved over IPC (not the
-        ordinary path)."""
-        return request_id in self._saves
-
-    def save_layer(
-        self,
-        request_id: str,
-        layer: int,
-        block_ids: torch.Tensor | Sequence[int],
-        *,
-        to: str,
-        timeout: float | None,
-    ) -> None:
-        """Layer-wise streaming over the plane (see :meth:`KVConnector.save_layer`).
-
-        The first layer of a request sends its descriptor (plane ``"ipc-layers"``: the
-        block ids, the lease, the offer); every layer then records an IPC event of its
-        own on the current stream and, at the end of this loop pass, sends a
-        :class:`LayerReady` naming it. The consumer copies each layer with one launch
-        once that event fired. Where the plane is off for this consumer the descriptor
-        says ``"chunks"`` and the request takes the ordinary path from its first layer.
-        """
-        con = self.con
-        con._check_open()
-        con._check_rid(request_id)
-        L = self.layout.num_layers
-        if type(layer) is not int or not 0 <= layer < L:
-            raise ConfigError(f"layer must be an int in [0, {L}), got {layer!r}")
-        if request_id in self._plain_saves:
-            con.save_layer(request_id, layer, block_ids, to=to, timeout=timeout, _plain=True)
-            return
-        host = self._ids(block_ids, unique=False, what="save_layer")
-        n = len(host)
-        sv = self._saves.get(request_id)
-        if sv is None:
-            deadline = con._deadline(timeout)
-            reason = self.disabled or self._broken_to.get(to)
-            export = None
-            if not reason and n:
-                try:
-                    export = self._make_export()
-                except Exception as exc:  # see send_request
-                    reason = self.disabled = "export_failed"  # counted just below
-                    self._log_fallback("export_failed", to, f"{type(exc).__name__}: {exc}")
-            if export is None:
-                self._send_plain(request_id, n, to, deadline, reason)
-                self._plain_saves.add(request_id)
-                con.save_layer(request_id, layer, host, to=to, timeout=timeout, _plain=True)
-                return
-            lease = self._clock() + max(0.0, deadline - time.monotonic())
-            desc = Descriptor(
-                rid=request_id,
-                plane=LAYERS,
-                n=n,
-                reply_to=str(getattr(con.engine, "address", "")),
-                token=export.offer.token,
-                src=host,
-                lease=lease,
-                offer=None if to in self._acked else export.offer,
-            )
-            self._send_msg(f"{request_id}#ipc", desc.to_wire(), to, _time_left(lease, self._clock))
-            rel_task = asyncio.ensure_future(self._await_release(request_id, to, lease))
-            rel_task.add_done_callback(_retrieve)
-            sv = _IpcSave(to, host, deadline, lease, time.perf_counter(), rel_task)
-            self._saves[request_id] = sv
-        elif sv.to != to or sv.host != host:
-            raise ConfigError(
-                f"save_layer({request_id!r}, {layer}): other block ids or peer than the "
-                "earlier layers of the request"
-            )
-        if layer in sv.saved:
-            raise ConfigError(f"layer {layer} of {request_id!r} was already saved")
-        sv.saved.add(layer)
-        slot, ev, handle = self._take_event()
-        sv.events.append((slot, ev, handle))
-        self._record(ev)  # after everything queued so far on the current stream (the layer)
-        sv.pending.append(LayerReady(request_id, layer, layer + 1, handle, slot))
-        if len(sv.pending) == 1:  # one flush per loop pass: the engine coalesces the PUTs
-            asyncio.get_running_loop().call_soon(self._flush_layers, sv)
-
-    def _flush_layers(self, sv: _IpcSave) -> None:
-        pending, sv.pending = sv.pending, []
-        left = max(0.0, sv.lease - self._clock())
-        for lr in pending:
-            try:
-                self._send_msg(_layer_id(lr.rid, lr.lo), lr.to_wire(), sv.to, left)
-            except Exception as exc:  # engine closing: the consumer's lease runs out instead
-                log.warning(
-                    "aiokv IPC plane: could not announce %r: %s", _layer_id(lr.rid, lr.lo), exc
-                )
-
-    async def wait_saved(self, request_id: str) -> None:
-        """Wait for the consumer's release of a request saved over IPC (see
-        :meth:`KVConnector.wait_saved`); the request then joins ``finished_sending()``.
-
-        As with :meth:`send_request`, the blocks are the consumer's to read until its
-        release or the lease (plus grace) is over: also when this raises (layers never
-        saved, cancellation), the request joins ``finished_sending()`` only then."""
-        con = self.con
-        sv = self._saves.pop(request_id)
-        self._flush_layers(sv)
-        L = self.layout.num_layers
-        missing = [i for i in range(L) if i not in sv.saved]
-        if missing:
-            # the consumer waits for them until the lease; what it read so far stays its
-            self._track(self._settle_cancelled(sv.rel_task, sv.events, request_id))
-            con._stats.send_failures += 1
-            raise ConfigError(
-                f"request {request_id!r}: layers {missing[:8]}{'...' if len(missing) > 8 else ''} "
-                "were never saved"
-            )
-        ok = await self._settle_release(
-            request_id,
-            sv.to,
-            sv.rel_task,
-            sv.events,
-            nbytes=self.layout.request_nbytes(len(sv.host)),
-            started=sv.started,
-            count_errors=True,
-        )
-        if not ok:  # nothing was read: every layer the ordinary way (all are written now)
-            left = max(0.0, sv.deadline - time.monotonic())
-            for i in range(L):
-                con.save_layer(request_id, i, sv.host, to=sv.to, timeout=left, _plain=True)
-            await con.wait_saved(request_id)
 
     # ------------------------------------------------------------------ consumer
 

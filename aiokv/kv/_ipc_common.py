@@ -1,0 +1,416 @@
+"""The IPC plane's shared pieces (:mod:`aiokv.kv.ipc` re-exports the public ones): its
+options and statistics, the CUDA backend and the control channel, the per-request
+trace, and :class:`_PlaneBase` -- the state and the helpers both sides of a plane use.
+The producer's side is :mod:`aiokv.kv._ipc_producer`, the consumer's is the rest of
+:class:`aiokv.kv.ipc.IpcPlane`."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import logging
+import os
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Protocol
+
+import torch
+
+from .._exceptions import (
+    ConfigError,
+)
+from . import _cudrv
+from ._ipc_map import (
+    IpcUnavailableError,
+)
+from ._ipc_wire import (
+    Offer,
+    StorageExport,
+    encode_message,
+)
+from .layouts import KVLayout
+
+if TYPE_CHECKING:
+    from .connector import KVConnector
+
+
+log = logging.getLogger("aiokv.kv.ipc")
+
+# a producer's "now" more than this far from ours means another clock (host, VM, sandbox)
+_MAX_CLOCK_SKEW_S = 30.0
+#: block ids of these dtypes in a CPU tensor are checked as the list they hold
+_INT_DTYPES = (torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8)
+#: an ok release's ``reason`` when the consumer took the descriptor from the doorbell
+RING = "ring"
+#: a fallback release's reason when the consumer has no offer for the export (it
+#: restarted since it acknowledged one): the producer offers it again next time
+NO_OFFER = "no_offer"
+#: the tensor a producer's plane publishes for consumers that map its export ahead
+#: (:meth:`IpcPlane.prepare`): a GET of it makes the producer send its offer
+HELLO = "aiokv#ipc-hello"
+#: the request id of that offer-only request (no blocks)
+PREPARE_RID = "aiokv#ipc-prepare"
+
+
+#: per-request timestamps, ``(request id, stage, time.perf_counter())``, kept only when
+#: ``AIOKV_IPC_TRACE`` is set (``aiokv bench kv --transport ipc`` reports them):
+#: ``perf_counter`` is ``CLOCK_MONOTONIC``, so the two processes' stamps compare.
+_trace: list[tuple[str, str, float]] | None = [] if os.environ.get("AIOKV_IPC_TRACE") else None
+
+
+def _mark(rid: str, stage: str) -> None:
+    if _trace is not None and len(_trace) < 1_000_000:
+        _trace.append((rid, stage, time.perf_counter()))
+
+
+def take_trace() -> list[tuple[str, str, float]]:
+    """The stamps recorded so far (and forget them); empty unless ``AIOKV_IPC_TRACE``."""
+    if _trace is None:
+        return []
+    out = list(_trace)
+    _trace.clear()
+    return out
+
+
+def _on(stream: Any, device: torch.device) -> contextlib.AbstractContextManager[Any]:
+    """``torch.cuda.stream(stream)``, or nothing when it is already current (the common
+    case: the copy runs on the caller's stream; a switch costs several CUDA calls)."""
+    if torch.cuda.current_stream(device) == stream:
+        return contextlib.nullcontext()
+    return torch.cuda.stream(stream)
+
+
+def _layer_id(rid: str, lo: int) -> str:
+    """Tensor id of the :class:`LayerReady` message of the chunk starting at layer ``lo``."""
+    return f"{rid}#ipcL{lo}"
+
+
+# --------------------------------------------------------------------------- options, stats
+
+
+@dataclass(frozen=True, slots=True)
+class IpcOptions:
+    """How a :class:`~aiokv.kv.KVConnector` uses the IPC plane (give both sides the same).
+
+    ``trust_unauthenticated``: IPC exposes the producer's cache allocation to the
+    consumer, so by default it is offered only when the engine authenticates its
+    peers (CURVE); set True only where every process that can reach the engine is
+    trusted (one host, one tenant). ``grace_s``: how long after a lease's deadline
+    the producer still keeps the blocks (a copy that started before the deadline
+    finishes within it). ``force_torch``: use the torch-ops copy instead of the
+    Triton kernel (see :mod:`aiokv.kv._ipc_kernel`).
+
+    ``doorbell``: the producer also writes each descriptor into a shared-memory ring
+    (:mod:`aiokv.kv._doorbell`) that the consumer polls while a ``recv_request``
+    waits -- spinning its loop (``sleep(0)``) for ``doorbell_spin_s`` after the call
+    began; after that a wake-up through a FIFO beside the ring brings the loop to it
+    (and a timed poll, should that fail). Until a consumer's release says it took a
+    descriptor from the ring, the engine carries every descriptor too; from then on
+    the ring alone does, and the engine's copy follows only if no release came
+    within ``doorbell_backup_s`` (docs/ipc.md, "Doorbell").
+
+    ``driver_calls``: make the per-request CUDA calls (the ready and completion
+    events' records, the ids' upload, the copy's launch) through the CUDA driver
+    directly instead of through torch's and Triton's Python wrappers, which cost
+    several times more on the request path (:mod:`aiokv.kv._cudrv`); the launch only
+    after the probe copy through it was bit-exact.
+
+    ``gpu_wait``: when the producer's ready event has not fired yet as the request
+    arrives, let the consumer's copy stream wait for it on the GPU (the launch is
+    queued at once) instead of polling it from the host first. Faster by one poll,
+    but if the producer dies before its event fires, that stream waits forever:
+    the launch itself is harmless (its abort word is set), but a device-wide
+    ``torch.cuda.synchronize()`` in the consumer then never returns, nor does the
+    next first launch of a kernel under lazy module loading (runs s10-ipc-r1, r3,
+    r4; docs/ipc.md). Off by default; consider it only where the producer's death
+    also ends the consumer.
+    """
+
+    trust_unauthenticated: bool = False
+    grace_s: float = 1.0
+    force_torch: bool = False
+    gpu_wait: bool = False
+    doorbell: bool = True
+    doorbell_spin_s: float = 0.02
+    doorbell_backup_s: float = 0.05
+    driver_calls: bool = True
+
+    def __post_init__(self) -> None:
+        if not (isinstance(self.grace_s, (int, float)) and 0 < self.grace_s <= 600):
+            raise ConfigError(f"grace_s must be in (0, 600], got {self.grace_s!r}")
+        s = self.doorbell_spin_s
+        if not (isinstance(s, (int, float)) and 0 <= s <= 1):
+            raise ConfigError(f"doorbell_spin_s must be in [0, 1], got {s!r}")
+        b = self.doorbell_backup_s
+        if not (isinstance(b, (int, float)) and 0 < b <= 60):
+            raise ConfigError(f"doorbell_backup_s must be in (0, 60], got {b!r}")
+
+
+@dataclass(slots=True)
+class IpcStatistics:
+    """Counters of one plane. ``fallbacks`` counts requests sent the ordinary way
+    because IPC was unavailable, by reason."""
+
+    requests_sent: int = 0
+    requests_received: int = 0
+    bytes_received: int = 0
+    mappings_verified: int = 0
+    mapping_failures: int = 0
+    mappings_dropped: int = 0  # unmapped because their producer's process was gone
+    aborted: int = 0
+    lease_expired: int = 0
+    stuck_streams: int = 0
+    doorbell_hits: int = 0  # descriptors taken from the doorbell before the engine's
+    doorbell_rejected: int = 0  # ring slots whose MAC failed (or that made no sense)
+    doorbell_backups: int = 0  # producer: ring-only descriptors also sent by the engine late
+    staged_launches: int = 0  # consumer: copies staged at recv_request, then launched ...
+    ring_launches: int = 0  # ... of which by the ring's poll (the producer's event had fired)
+    fallbacks: dict[str, int] = field(default_factory=dict)
+
+
+# --------------------------------------------------------------------------- decisions
+
+
+def allocator_conf() -> str:
+    """The caching allocator settings torch reads at start (env)."""
+    return (
+        os.environ.get("PYTORCH_CUDA_ALLOC_CONF", "")
+        + ","
+        + os.environ.get("PYTORCH_ALLOC_CONF", "")
+    )
+
+
+def unsupported_reason(
+    device: torch.device,
+    *,
+    authenticated: bool,
+    options: IpcOptions,
+    alloc_conf: str | None = None,
+    hip: str | None = None,
+) -> str | None:
+    """Why this process cannot offer or use the IPC plane at all (None: it can).
+
+    Checked on each side before any handshake; each reason is also a fallback
+    counter's name.
+    """
+    if device.type != "cuda":
+        return "not_cuda"
+    if hip if hip is not None else getattr(torch.version, "hip", None):
+        return "rocm"
+    conf = (alloc_conf if alloc_conf is not None else allocator_conf()).replace(" ", "").lower()
+    if "expandable_segments:true" in conf:
+        return "expandable_segments"
+    if not (authenticated or options.trust_unauthenticated):
+        return "unauthenticated"
+    return None
+
+
+def boot_id() -> str:
+    """This host's boot id (same for every process and container of one kernel)."""
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            return f.read().strip()[:64]
+    except OSError:
+        return ""
+
+
+def check_same_host(offer: Offer, *, my_boot_id: str, now: float) -> None:
+    """Raise :class:`IpcUnavailableError` when the offer comes from another host or clock."""
+    if not offer.boot_id or offer.boot_id != my_boot_id:
+        raise IpcUnavailableError("other_host", f"boot id {offer.boot_id!r} != {my_boot_id!r}")
+    if abs(now - offer.mono) > _MAX_CLOCK_SKEW_S:
+        raise IpcUnavailableError(
+            "other_clock", f"the producer's monotonic clock is {offer.mono - now:+.1f} s off"
+        )
+
+
+# --------------------------------------------------------------------------- backend
+
+
+class Backend(Protocol):
+    """What the plane needs of CUDA. :class:`CudaBackend` is the real one; the CPU
+    tests give a fake one (same process, no IPC) to test the protocol and the rules."""
+
+    def export(self, storage: torch.UntypedStorage) -> StorageExport: ...
+
+    def open(self, e: StorageExport, device: torch.device) -> torch.Tensor: ...
+
+    def new_event(self, device: torch.device) -> tuple[Any, bytes]: ...
+
+    def open_event(self, handle: bytes, device: torch.device) -> Any: ...
+
+    def new_stream(self, device: torch.device) -> Any: ...
+
+
+class CudaBackend:
+    """CUDA IPC through torch: ``UntypedStorage._share_cuda_`` / ``_new_shared_cuda``
+    (what ``torch.multiprocessing`` uses) and interprocess events."""
+
+    def export(self, storage: torch.UntypedStorage) -> StorageExport:
+        st: Any = storage  # torch's private sharing API is untyped and varies by version
+        (_dev, handle, size, offset, rc, rc_off, ev, _sync) = st._share_cuda_()
+        return StorageExport(
+            handle=bytes(handle),
+            size=int(size),
+            offset=int(offset),
+            rc_handle=bytes(rc) if rc else b"",
+            rc_offset=int(rc_off or 0),
+            event=bytes(ev) if ev else b"",
+        )
+
+    def open(self, e: StorageExport, device: torch.device) -> torch.Tensor:
+        idx = device.index if device.index is not None else torch.cuda.current_device()
+        cls: Any = torch.UntypedStorage
+        st = cls._new_shared_cuda(
+            idx, e.handle, e.size, e.offset, e.rc_handle, e.rc_offset, e.event, False
+        )
+        t: Any = torch.empty(0, dtype=torch.uint8, device=device)
+        t.set_(st)
+        out: torch.Tensor = t
+        return out
+
+    def new_event(self, device: torch.device) -> tuple[Any, bytes]:
+        with torch.cuda.device(device):
+            ev: Any = torch.cuda.Event(interprocess=True)  # type: ignore[no-untyped-call]
+            ev.record()  # an event must be recorded once before it can be exported
+            return ev, bytes(ev.ipc_handle())
+
+    def open_event(self, handle: bytes, device: torch.device) -> Any:
+        return torch.cuda.Event.from_ipc_handle(device, handle)  # type: ignore[no-untyped-call]
+
+    def new_stream(self, device: torch.device) -> Any:
+        return torch.cuda.Stream(device)  # type: ignore[no-untyped-call]
+
+
+# --------------------------------------------------------------------------- control channel
+
+
+class ControlChannel(Protocol):
+    """How the plane's two messages travel (docs/ipc.md, "Control interface").
+
+    ``send`` starts sending one message (a plain msgpack-able dict) and returns an
+    awaitable that settles when it was delivered (or failed); ``recv`` returns the
+    message received under ``tensor_id`` as the raw uint8 tensor/bytes, which the
+    plane decodes and validates itself. :class:`EngineChannel` carries them as
+    small CPU tensors through an engine's public ``send_nowait`` / ``recv``; the
+    one-message control protocol can carry the same dicts instead.
+    """
+
+    def send(self, tensor_id: str, msg: Mapping[str, Any], *, to: str, timeout: float) -> Any: ...
+
+    async def recv(self, tensor_id: str, *, frm: str | None, timeout: float) -> Any: ...
+
+
+class EngineChannel:
+    """:class:`ControlChannel` over an engine: msgpack bytes in a uint8 CPU tensor."""
+
+    def __init__(self, engine: Any) -> None:
+        self.engine = engine
+
+    def send(self, tensor_id: str, msg: Mapping[str, Any], *, to: str, timeout: float) -> Any:
+        t = encode_message(msg)
+        rid, _, what = tensor_id.partition("#")
+        _mark(rid, "encoded:" + what)
+        return self.engine.send_nowait(tensor_id, t, to=to, timeout=timeout)
+
+    async def recv(self, tensor_id: str, *, frm: str | None, timeout: float) -> Any:
+        return await self.engine.recv(tensor_id, frm=frm, timeout=timeout)
+
+
+def _retrieve(t: asyncio.Task[Any]) -> None:
+    if not t.cancelled():
+        t.exception()
+
+
+class _PlaneBase:
+    """What both sides of an :class:`~aiokv.kv.ipc.IpcPlane` share: set in its
+    ``__init__``; helpers for messages, counters, block ids and the current stream."""
+
+    con: KVConnector
+    channel: ControlChannel
+    options: IpcOptions
+    layout: KVLayout
+    device: torch.device
+    backend: Backend
+    disabled: str | None
+    _clock: Callable[[], float]
+    _stats: IpcStatistics
+    _background: set[asyncio.Task[None]]
+    _drv: _cudrv.Driver | None
+    _dev_index: int
+    _closed: bool
+    _boot_id: str
+
+    # ------------------------------------------------------------------ helpers
+
+    def statistics(self) -> IpcStatistics:
+        return dataclasses.replace(self._stats, fallbacks=dict(self._stats.fallbacks))
+
+    def _count_fallback(self, reason: str, peer: str, detail: str = "") -> None:
+        self._stats.fallbacks[reason] = self._stats.fallbacks.get(reason, 0) + 1
+        self._log_fallback(reason, peer, detail)
+
+    def _log_fallback(self, reason: str, peer: str, detail: str = "") -> None:
+        log.warning(
+            "aiokv IPC plane: falling back to the ordinary transport with %s: %s%s",
+            peer,
+            reason,
+            f" ({detail})" if detail else "",
+        )
+
+    def _track(self, coro: Any) -> None:
+        task: asyncio.Task[None] = asyncio.ensure_future(coro)
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+
+    def _send_msg(self, tensor_id: str, msg: Mapping[str, Any], to: str, timeout: float) -> None:
+        """Start sending a control message; a failure is logged (the peer's wait for it
+        runs into its deadline), never left unretrieved."""
+        h = self.channel.send(tensor_id, msg, to=to, timeout=timeout)
+
+        async def reap() -> None:
+            try:
+                await h
+            except Exception as exc:
+                log.warning("aiokv IPC plane: sending %r to %s failed: %s", tensor_id, to, exc)
+
+        self._track(reap())
+
+    def _ids(
+        self, block_ids: torch.Tensor | Sequence[int], *, unique: bool, what: str
+    ) -> tuple[int, ...]:
+        """Block ids as a checked tuple (the connector's rules). A list or tuple of ints
+        is checked in Python: the torch calls of the connector's check cost ~80 µs per
+        request on the device host (run s11-ipc-r2), more than the copy itself."""
+        if (
+            isinstance(block_ids, torch.Tensor)
+            and block_ids.device.type == "cpu"
+            and block_ids.dtype in _INT_DTYPES
+            and block_ids.dim() == 1
+        ):
+            block_ids = block_ids.tolist()  # (a CPU tensor: checked as the list it holds)
+        if isinstance(block_ids, (list, tuple)) and all(type(i) is int for i in block_ids):
+            ids = tuple(block_ids)
+            nb = self.layout.num_blocks
+            if ids and (min(ids) < 0 or max(ids) >= nb):
+                raise ConfigError(
+                    f"{what}: block ids must be in [0, {nb}), got [{min(ids)}, {max(ids)}]"
+                )
+            if unique and len(set(ids)) != len(ids):
+                raise ConfigError(f"{what}: duplicate block ids")
+            return ids
+        return tuple(self.con._host_ids(block_ids, unique=unique, what=what).tolist())
+
+    def _raw_stream(self) -> int | None:
+        """The caller's current stream on this plane's device as a raw handle, when the
+        driver calls can be used (driver loaded, this device is the current one: the
+        kernel and events live in its context); None otherwise."""
+        if self._drv is None or not self._on_device():
+            return None
+        return int(torch._C._cuda_getCurrentRawStream(self._dev_index))
+
+    def _on_device(self) -> bool:
+        """Whether this plane's device is the current one (its context is current)."""
+        return bool(torch.cuda.current_device() == self._dev_index)

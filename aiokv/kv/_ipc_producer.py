@@ -1,0 +1,565 @@
+"""The IPC plane's producer side (:class:`_ProducerSide`, a base of
+:class:`aiokv.kv.ipc.IpcPlane`): the export and its offer, the ready events, the
+descriptor (by the engine and the doorbell ring), the lease and the release, and
+layer-wise saving. docs/ipc.md has the protocol."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import functools
+import os
+import secrets
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from .._common import _time_left
+from .._exceptions import (
+    AiokvError,
+    ConfigError,
+    RemoteProtocolError,
+    TransferAbortedError,
+    TransferTimeoutError,
+)
+from . import _doorbell, _ipc_kernel
+from ._ipc_common import (
+    NO_OFFER,
+    PREPARE_RID,
+    RING,
+    _layer_id,
+    _mark,
+    _PlaneBase,
+    _retrieve,
+    log,
+)
+from ._ipc_map import seg_bytes
+from ._ipc_wire import (
+    _PROBE_SEGMENTS,
+    LAYERS,
+    Descriptor,
+    LayerReady,
+    Offer,
+    Release,
+    decode_message,
+    probe_pattern,
+)
+
+
+@dataclass(slots=True, eq=False)
+class _IpcSave:
+    """A request being saved layer by layer over the plane (producer)."""
+
+    to: str
+    host: tuple[int, ...]
+    deadline: float
+    lease: float
+    started: float
+    rel_task: asyncio.Task[Release | None]
+    saved: set[int] = field(default_factory=set)
+    events: list[tuple[int, Any, bytes]] = field(default_factory=list)
+    pending: list[LayerReady] = field(default_factory=list)
+
+
+@dataclass(slots=True, eq=False)
+class _Export:
+    """What the producer exported to consumers (one per plane)."""
+
+    offer: Offer
+    probe: torch.Tensor
+    storages: list[torch.UntypedStorage]
+
+
+class _ProducerSide(_PlaneBase):
+    """The producer's half of a plane (its state is set in ``IpcPlane.__init__``)."""
+
+    _export: _Export | None
+    _acked: set[str]
+    _broken_to: dict[str, str]
+    _free_events: list[tuple[int, Any, bytes]]
+    _n_events: int
+    _saves: dict[str, _IpcSave]
+    _bells: dict[str, _doorbell.BellWriter | None]
+    _ring_ok: set[str]
+    _ring_only: dict[str, int]
+    _plain_saves: set[str]
+    _offering: dict[str, bool]
+
+    def _send_plain(
+        self, request_id: str, n: int, to: str, deadline: float, reason: str | None
+    ) -> None:
+        """Tell the consumer (which waits for a descriptor either way) that this request's
+        blocks come the ordinary way; count it under ``reason`` if the plane is off."""
+        self._send_msg(
+            f"{request_id}#ipc",
+            Descriptor(request_id, "chunks", n).to_wire(),
+            to,
+            _time_left(deadline),
+        )
+        if reason:
+            self._stats.fallbacks[reason] = self._stats.fallbacks.get(reason, 0) + 1
+
+    def _make_export(self) -> _Export:
+        if self._export is not None:
+            return self._export
+        tensors = self.con.caches.tensors
+        storages: list[torch.UntypedStorage] = []
+        index: dict[int, int] = {}
+        layers: list[tuple[int, int]] = []
+        for t in tensors:
+            st = t.untyped_storage()
+            key = st.data_ptr()
+            if key not in index:
+                index[key] = len(storages)
+                storages.append(st)
+            layers.append((index[key], t.data_ptr() - key))
+        seg = seg_bytes(self.layout)
+        nonce = secrets.randbits(62)
+        probe = probe_pattern(nonce, _PROBE_SEGMENTS * seg, self.device)
+        word = _ipc_kernel.word_size(*(t.data_ptr() for t in tensors))
+        offer = Offer(
+            token=secrets.randbits(62) | 1,
+            boot_id=self._boot_id,
+            pid=os.getpid(),
+            mono=self._clock(),
+            layout=self.layout.to_wire(),
+            storages=tuple(self.backend.export(s) for s in storages),
+            layers=tuple(layers),
+            word=word,
+            probe=self.backend.export(probe.untyped_storage()),
+            nonce=nonce,
+        )
+        self._export = _Export(offer, probe, storages)
+        return self._export
+
+    def _take_event(self) -> tuple[int, Any, bytes]:
+        if self._free_events:
+            return self._free_events.pop()
+        ev, handle = self.backend.new_event(self.device)
+        self._n_events += 1
+        return self._n_events - 1, ev, handle
+
+    def _record(self, ev: Any) -> None:
+        """Record ``ev`` on the caller's current stream of this plane's device."""
+        rs = self._raw_stream()
+        if rs is not None:
+            assert self._drv is not None
+            self._drv.event_record(ev.cuda_event, rs)
+        else:
+            ev.record(
+                torch.cuda.current_stream(self.device) if self.device.type == "cuda" else None
+            )
+
+    async def send_request(
+        self,
+        request_id: str,
+        block_ids: torch.Tensor | Sequence[int],
+        *,
+        to: str,
+        timeout: float | None,
+        _offer_only: bool = False,
+    ) -> None:
+        _mark(request_id, "send")
+        con = self.con
+        con._check_open()
+        con._check_rid(request_id)
+        deadline = con._deadline(timeout)
+        host = self._ids(block_ids, unique=False, what="send_request")
+        n = len(host)
+        _mark(request_id, "ids")
+        _time_left(deadline)  # (timeout=0: over before anything is taken or sent)
+        reason = self.disabled or self._broken_to.get(to)
+        if _offer_only and reason:  # no offer to make: the consumer's prepare() is False
+            self._send_plain(request_id, 0, to, deadline, None)
+            return
+        if reason or (n == 0 and not _offer_only):
+            self._send_plain(request_id, n, to, deadline, reason)
+            await con.send_request(
+                request_id, host, to=to, timeout=max(0.0, deadline - time.monotonic()), _plain=True
+            )
+            return
+        try:
+            export = self._make_export()
+        except Exception as exc:  # an allocation torch cannot share (expandable segments ...)
+            self.disabled = "export_failed"  # counted per request on the plain path
+            self._log_fallback("export_failed", to, f"{type(exc).__name__}: {exc}")
+            return await self.send_request(
+                request_id, host, to=to, timeout=timeout, _offer_only=_offer_only
+            )
+        slot, ev, ev_handle = self._take_event()
+        self._record(ev)  # on the current stream: after the KV writes queued so far
+        _mark(request_id, "recorded")
+        lease = self._clock() + max(0.0, deadline - time.monotonic())
+        offer = None
+        if to not in self._acked:
+            offer = export.offer
+            bell = self._bell_for(to)
+            if bell is not None:  # named only over the engine (authenticated)
+                offer = dataclasses.replace(offer, bell=bell.name, bell_key=bell.key)
+        desc = Descriptor(
+            rid=request_id,
+            plane="ipc",
+            n=n,
+            reply_to=str(getattr(con.engine, "address", "")),
+            token=export.offer.token,
+            src=host,
+            event=ev_handle,
+            event_slot=slot,
+            lease=lease,
+            offer=offer,
+        )
+        t0 = time.perf_counter()
+        _mark(request_id, "built")
+        tid = f"{request_id}#ipc"
+        # The ring alone carries the descriptor to a consumer whose last release said it
+        # took one from the ring, while fewer than SLOTS - 1 of them are unreleased (so
+        # none is overwritten unread); the engine's copy follows only if no release came
+        # within doorbell_backup_s. Otherwise the engine carries it too, at once.
+        ring_only = (
+            offer is None
+            and to in self._ring_ok
+            and self._ring_only.get(to, 0) < _doorbell.SLOTS - 1
+            and self._ring(desc, to, solo=True)
+        )
+        backup: asyncio.TimerHandle | None = None
+        if ring_only:
+            self._ring_only[to] = self._ring_only.get(to, 0) + 1
+            backup = asyncio.get_running_loop().call_later(
+                self.options.doorbell_backup_s, self._send_backup, tid, desc, to, lease
+            )
+        else:
+            if offer is None:
+                self._ring(desc, to, solo=False)
+            self._send_msg(tid, desc.to_wire(), to, _time_left(lease, self._clock))
+        _mark(request_id, "sent")
+        rel_task = asyncio.ensure_future(self._await_release(request_id, to, lease))
+        rel_task.add_done_callback(functools.partial(self._released, to, backup))
+        ok = await self._settle_release(
+            request_id,
+            to,
+            rel_task,
+            [(slot, ev, ev_handle)],
+            nbytes=self.layout.request_nbytes(n),
+            started=t0,
+            count_errors=False,
+        )
+        if not ok and not _offer_only:  # nothing was read: the ordinary way (from now on)
+            await con.send_request(
+                request_id, host, to=to, timeout=max(0.0, deadline - time.monotonic()), _plain=True
+            )
+
+    def _bell_for(self, to: str) -> _doorbell.BellWriter | None:
+        """The doorbell ring for consumer ``to`` (made once; None where the option is off
+        or no ring can be made here, e.g. no ``/dev/shm``)."""
+        if not self.options.doorbell:
+            return None
+        if to in self._bells:
+            return self._bells[to]
+        try:
+            bell: _doorbell.BellWriter | None = _doorbell.BellWriter()
+        except OSError as exc:
+            log.info("aiokv IPC plane: no doorbell for %s: %s", to, exc)
+            bell = None
+        self._bells[to] = bell
+        return bell
+
+    def _ring(self, desc: Descriptor, to: str, *, solo: bool) -> bool:
+        """Post the descriptor in ``to``'s doorbell ring, if it has one; whether it was."""
+        bell = self._bells.get(to)
+        if bell is not None and bell.post(desc.to_ring(solo=solo)):
+            _mark(desc.rid, "rung")
+            return True
+        return False
+
+    def _send_backup(self, tid: str, desc: Descriptor, to: str, lease: float) -> None:
+        """No release came soon after a ring-only descriptor: send it by the engine too
+        (the ring message was lost, or the consumer does not wait yet; a consumer that
+        took the ring's copy drops this one)."""
+        left = lease - self._clock()
+        if left > 0 and not self._closed:
+            self._stats.doorbell_backups += 1
+            self._send_msg(tid, desc.to_wire(), to, left)
+
+    def _released(
+        self, to: str, backup: asyncio.TimerHandle | None, t: asyncio.Task[Release | None]
+    ) -> None:
+        """The release of a request sent over the plane came (or never will): a pending
+        engine copy is not needed; the consumer's release says whether it reads the
+        ring (``reason == "ring"`` on an ok release)."""
+        if backup is not None:
+            backup.cancel()
+            self._ring_only[to] -= 1
+        rel = None if t.cancelled() or t.exception() is not None else t.result()
+        if rel is not None and rel.ok:
+            if rel.reason == RING:
+                self._ring_ok.add(to)
+            else:
+                self._ring_ok.discard(to)
+
+    async def _settle_release(
+        self,
+        request_id: str,
+        to: str,
+        rel_task: asyncio.Task[Release | None],
+        events: list[tuple[int, Any, bytes]],
+        *,
+        nbytes: int,
+        started: float,
+        count_errors: bool,
+    ) -> bool:
+        """Wait for the consumer's release of a request it reads over the plane and settle
+        it (``send_request`` and ``wait_saved`` alike): True when the blocks landed (the
+        request joins ``finished_sending()``), False when the consumer asked for the
+        ordinary path (nothing was read; the caller sends it that way). Raises
+        :class:`~aiokv.TransferTimeoutError` when no release came before lease + grace
+        and :class:`~aiokv.TransferAbortedError` when the consumer failed the request.
+
+        Cancelled, the request joins ``finished_sending()`` (and its ``events`` go back to
+        the pool) only at the release or once lease + grace are over: the consumer may
+        still be reading. ``count_errors``: whether another error while waiting (a bad
+        release) counts as a send failure -- ``wait_saved`` counts it, ``send_request``
+        never did (tests/test_ipc_settle.py pins both)."""
+        con = self.con
+        try:
+            rel = await asyncio.shield(rel_task)
+        except asyncio.CancelledError:
+            self._track(self._settle_cancelled(rel_task, events, request_id))
+            con._stats.send_failures += 1
+            raise
+        except BaseException:
+            if count_errors:
+                con._stats.send_failures += 1
+            raise
+        _mark(request_id, "released")
+        if rel is None:
+            con._stats.send_failures += 1
+            self._stats.lease_expired += 1
+            raise TransferTimeoutError(
+                f"IPC: no release of {request_id!r} from {to} before its lease ran out "
+                "(the consumer no longer reads the blocks)"
+            )
+        self._free_events.extend(events)
+        if rel.fallback:
+            reason = rel.reason or "consumer_refused"
+            self._ring_ok.discard(to)
+            self._acked.discard(to)
+            bell = self._bells.pop(to, None)
+            if bell is not None:
+                bell.close()
+            if reason != NO_OFFER:
+                self._broken_to[to] = reason
+            # else: the consumer does not know our export -- it restarted, or lost the
+            # offer -- so the next request offers it again (with a new ring) instead of
+            # sending this consumer everything the ordinary way from now on
+            self._count_fallback(reason, to)
+            return False
+        if not rel.ok:
+            con._stats.send_failures += 1
+            raise TransferAbortedError(
+                f"IPC: the consumer {to} failed request {request_id!r}: {rel.reason}"
+            )
+        if to not in self._acked:
+            self._acked.add(to)
+            bell = self._bells.get(to)
+            if bell is not None:  # the consumer opened both with the offer: names can go
+                bell.open_wake()
+                bell.unlink()
+        if request_id == PREPARE_RID:  # an offer alone: no request to count or report
+            return True
+        self._stats.requests_sent += 1
+        st = con._stats
+        st.requests_sent += 1
+        st.bytes_sent += nbytes
+        st.send_seconds += time.perf_counter() - started
+        con._finished_sending.add(request_id)
+        return True
+
+    async def _await_release(self, rid: str, frm: str, lease: float) -> Release | None:
+        """The consumer's release, or None once the lease plus the grace period is over."""
+        left = lease + self.options.grace_s - self._clock()
+        try:
+            raw = await self.channel.recv(f"{rid}#ipcrel", frm=frm, timeout=max(0.0, left))
+        except TransferTimeoutError:
+            return None
+        rel = Release.from_wire(decode_message(raw))
+        if rel.rid != rid:
+            raise RemoteProtocolError(f"IPC release for {rel.rid!r:.64} under {rid!r:.64}")
+        return rel
+
+    async def _settle_cancelled(
+        self,
+        rel_task: asyncio.Task[Release | None],
+        events: list[tuple[int, Any, bytes]],
+        rid: str,
+    ) -> None:
+        try:
+            rel = await rel_task
+        except Exception:
+            rel = None
+        if rel is not None:
+            self._free_events.extend(events)
+        # blocks are free to reuse from here on (release, or lease + grace over)
+        if rid != PREPARE_RID:
+            self.con._finished_sending.add(rid)
+
+    def _hello(self, address: str) -> None:
+        """``on_get`` of :data:`HELLO`: the consumer at ``address`` (an authenticated
+        session's address) maps our export ahead of its first request
+        (:meth:`prepare`); send it an offer-only request (the offer rides along unless
+        that consumer acknowledged it already). Every hello gets its answer, one at a
+        time per consumer: a hello while one is being answered (the consumer may ask
+        again as soon as it released the last, before we took that release) is
+        answered after it."""
+        if self._closed:
+            return
+        if address in self._offering:
+            self._offering[address] = True  # answer once more when this one is done
+            return
+        self._offering[address] = False
+
+        async def offer() -> None:
+            again = True
+            while again and not self._closed:
+                try:
+                    await self.send_request(
+                        PREPARE_RID, (), to=address, timeout=None, _offer_only=True
+                    )
+                except AiokvError as exc:
+                    log.info("aiokv IPC plane: the offer to %s did not land: %r", address, exc)
+                again = self._offering.get(address, False)
+                self._offering[address] = False
+            self._offering.pop(address, None)
+
+        self._track(offer())
+
+    # ------------------------------------------------------------------ producer, layer-wise
+
+    def owns_save(self, request_id: str) -> bool:
+        """True when the layers of ``request_id`` are being saved over IPC (not the
+        ordinary path)."""
+        return request_id in self._saves
+
+    def save_layer(
+        self,
+        request_id: str,
+        layer: int,
+        block_ids: torch.Tensor | Sequence[int],
+        *,
+        to: str,
+        timeout: float | None,
+    ) -> None:
+        """Layer-wise streaming over the plane (see :meth:`KVConnector.save_layer`).
+
+        The first layer of a request sends its descriptor (plane ``"ipc-layers"``: the
+        block ids, the lease, the offer); every layer then records an IPC event of its
+        own on the current stream and, at the end of this loop pass, sends a
+        :class:`LayerReady` naming it. The consumer copies each layer with one launch
+        once that event fired. Where the plane is off for this consumer the descriptor
+        says ``"chunks"`` and the request takes the ordinary path from its first layer.
+        """
+        con = self.con
+        con._check_open()
+        con._check_rid(request_id)
+        L = self.layout.num_layers
+        if type(layer) is not int or not 0 <= layer < L:
+            raise ConfigError(f"layer must be an int in [0, {L}), got {layer!r}")
+        if request_id in self._plain_saves:
+            con.save_layer(request_id, layer, block_ids, to=to, timeout=timeout, _plain=True)
+            return
+        host = self._ids(block_ids, unique=False, what="save_layer")
+        n = len(host)
+        sv = self._saves.get(request_id)
+        if sv is None:
+            deadline = con._deadline(timeout)
+            reason = self.disabled or self._broken_to.get(to)
+            export = None
+            if not reason and n:
+                try:
+                    export = self._make_export()
+                except Exception as exc:  # see send_request
+                    reason = self.disabled = "export_failed"  # counted just below
+                    self._log_fallback("export_failed", to, f"{type(exc).__name__}: {exc}")
+            if export is None:
+                self._send_plain(request_id, n, to, deadline, reason)
+                self._plain_saves.add(request_id)
+                con.save_layer(request_id, layer, host, to=to, timeout=timeout, _plain=True)
+                return
+            lease = self._clock() + max(0.0, deadline - time.monotonic())
+            desc = Descriptor(
+                rid=request_id,
+                plane=LAYERS,
+                n=n,
+                reply_to=str(getattr(con.engine, "address", "")),
+                token=export.offer.token,
+                src=host,
+                lease=lease,
+                offer=None if to in self._acked else export.offer,
+            )
+            self._send_msg(f"{request_id}#ipc", desc.to_wire(), to, _time_left(lease, self._clock))
+            rel_task = asyncio.ensure_future(self._await_release(request_id, to, lease))
+            rel_task.add_done_callback(_retrieve)
+            sv = _IpcSave(to, host, deadline, lease, time.perf_counter(), rel_task)
+            self._saves[request_id] = sv
+        elif sv.to != to or sv.host != host:
+            raise ConfigError(
+                f"save_layer({request_id!r}, {layer}): other block ids or peer than the "
+                "earlier layers of the request"
+            )
+        if layer in sv.saved:
+            raise ConfigError(f"layer {layer} of {request_id!r} was already saved")
+        sv.saved.add(layer)
+        slot, ev, handle = self._take_event()
+        sv.events.append((slot, ev, handle))
+        self._record(ev)  # after everything queued so far on the current stream (the layer)
+        sv.pending.append(LayerReady(request_id, layer, layer + 1, handle, slot))
+        if len(sv.pending) == 1:  # one flush per loop pass: the engine coalesces the PUTs
+            asyncio.get_running_loop().call_soon(self._flush_layers, sv)
+
+    def _flush_layers(self, sv: _IpcSave) -> None:
+        pending, sv.pending = sv.pending, []
+        left = max(0.0, sv.lease - self._clock())
+        for lr in pending:
+            try:
+                self._send_msg(_layer_id(lr.rid, lr.lo), lr.to_wire(), sv.to, left)
+            except Exception as exc:  # engine closing: the consumer's lease runs out instead
+                log.warning(
+                    "aiokv IPC plane: could not announce %r: %s", _layer_id(lr.rid, lr.lo), exc
+                )
+
+    async def wait_saved(self, request_id: str) -> None:
+        """Wait for the consumer's release of a request saved over IPC (see
+        :meth:`KVConnector.wait_saved`); the request then joins ``finished_sending()``.
+
+        As with :meth:`send_request`, the blocks are the consumer's to read until its
+        release or the lease (plus grace) is over: also when this raises (layers never
+        saved, cancellation), the request joins ``finished_sending()`` only then."""
+        con = self.con
+        sv = self._saves.pop(request_id)
+        self._flush_layers(sv)
+        L = self.layout.num_layers
+        missing = [i for i in range(L) if i not in sv.saved]
+        if missing:
+            # the consumer waits for them until the lease; what it read so far stays its
+            self._track(self._settle_cancelled(sv.rel_task, sv.events, request_id))
+            con._stats.send_failures += 1
+            raise ConfigError(
+                f"request {request_id!r}: layers {missing[:8]}{'...' if len(missing) > 8 else ''} "
+                "were never saved"
+            )
+        ok = await self._settle_release(
+            request_id,
+            sv.to,
+            sv.rel_task,
+            sv.events,
+            nbytes=self.layout.request_nbytes(len(sv.host)),
+            started=sv.started,
+            count_errors=True,
+        )
+        if not ok:  # nothing was read: every layer the ordinary way (all are written now)
+            left = max(0.0, sv.deadline - time.monotonic())
+            for i in range(L):
+                con.save_layer(request_id, i, sv.host, to=sv.to, timeout=left, _plain=True)
+            await con.wait_saved(request_id)

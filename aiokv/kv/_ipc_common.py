@@ -403,6 +403,23 @@ class _PlaneBase:
             return ids
         return tuple(self.con._host_ids(block_ids, unique=unique, what=what).tolist())
 
+    def _begin(
+        self,
+        request_id: str,
+        block_ids: torch.Tensor | Sequence[int],
+        timeout: float | None,
+        *,
+        unique: bool,
+        what: str,
+    ) -> tuple[float, tuple[int, ...]]:
+        """A request's start on either side (``what``: ``"send"`` or ``"recv"``): the
+        connector open, the request id checked, its deadline, its checked block ids."""
+        con = self.con
+        con._check_open()
+        con._check_rid(request_id)
+        deadline = con._deadline(timeout)
+        return deadline, self._ids(block_ids, unique=unique, what=f"{what}_request")
+
     def _raw_stream(self) -> int | None:
         """The caller's current stream on this plane's device as a raw handle, when the
         driver calls can be used (driver loaded, this device is the current one: the

@@ -164,10 +164,7 @@ class _ProducerSide(_PlaneBase):
     ) -> None:
         _mark(request_id, "send")
         con = self.con
-        con._check_open()
-        con._check_rid(request_id)
-        deadline = con._deadline(timeout)
-        host = self._ids(block_ids, unique=False, what="send_request")
+        deadline, host = self._begin(request_id, block_ids, timeout, unique=False, what="send")
         n = len(host)
         _mark(request_id, "ids")
         _time_left(deadline)  # (timeout=0: over before anything is taken or sent)

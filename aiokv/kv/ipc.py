@@ -346,10 +346,7 @@ class IpcPlane(_ProducerSide):
         layerwise: bool,
     ) -> str:
         con = self.con
-        con._check_open()
-        con._check_rid(request_id)
-        deadline = con._deadline(timeout)
-        host = self._ids(block_ids, unique=True, what="recv_request")
+        deadline, host = self._begin(request_id, block_ids, timeout, unique=True, what="recv")
         n = len(host)
         rung = False
         if not layerwise and any(m.bell is not None for m in self._maps.values()):

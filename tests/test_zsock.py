@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import time
 from typing import Any
 
 import pytest
@@ -242,4 +243,70 @@ async def test_direct_multipart_send_and_receive_match_pyzmq() -> None:
     finally:
         a.close(0)
         b.close(0)
+        ctx.term()
+
+
+def _costly(ms: float, got: list[int]) -> Any:
+    """An on_message that costs ``ms`` of CPU (a 1000-tensor RESERVE is ~3-7 ms here)."""
+
+    def on(fr: list[zmq.Frame]) -> None:
+        until = time.perf_counter() + ms / 1e3
+        while time.perf_counter() < until:
+            pass
+        got.append(int(fr[0].bytes))
+
+    return on
+
+
+async def test_a_run_stops_before_a_message_that_would_overrun_its_budget() -> None:
+    """Messages that cost 3 ms each against a 5 ms budget: one per run, not two (the
+    second would end at 6 ms: the run stops when the next message, costing what the
+    last one did, would end past the budget, not only once past it)."""
+    ctx: zmq.Context[Any] = zmq.Context()
+    a, b = await _pair(ctx)
+    got: list[int] = []
+    tx = LoopSocket(a)
+    rx = None
+    try:
+        for i in range(4):
+            tx.send([b"%d" % i])
+        await asyncio.sleep(0.2)
+        assert b.poll(1000, zmq.POLLIN)  # queued in b, nobody reads b yet
+        rx = LoopSocket(b, _costly(3.0, got), max_busy_s=0.005)
+        rx._ready()  # (before the loop runs anything: this is the only reader)
+        assert got == [0]
+        rx._ready()
+        assert got == [0, 1]
+    finally:
+        if rx is not None:
+            rx.close(0)
+        tx.close(0)
+        ctx.term()
+
+
+async def test_a_flood_of_costly_messages_leaves_timers_their_turn() -> None:
+    """A queue of 3 ms messages: a task sleeping 2 ms at a time sees at most a few of them
+    handled between two of its wake-ups -- one run per loop pass (the FD's event does
+    not add a second run to a pass that already has one queued), one message per run.
+    Run by run that was two runs of two messages per pass, eight or more between ticks."""
+    ctx: zmq.Context[Any] = zmq.Context()
+    a, b = await _pair(ctx)
+    got: list[int] = []
+    rx = LoopSocket(b, _costly(3.0, got), max_busy_s=0.005)
+    tx = LoopSocket(a)
+    between: list[int] = []
+    try:
+        await asyncio.sleep(0.05)
+        for i in range(80):
+            tx.send([b"%d" % i])
+        last = len(got)
+        while len(got) < 80:
+            await asyncio.sleep(0.002)
+            between.append(len(got) - last)
+            last = len(got)
+        assert got == list(range(80))
+        assert max(between) <= 4, between
+    finally:
+        rx.close(0)
+        tx.close(0)
         ctx.term()

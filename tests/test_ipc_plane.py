@@ -1102,3 +1102,47 @@ async def test_block_ids_as_tensors_are_checked_as_lists() -> None:
         for ids, match in bad:
             with pytest.raises(ConfigError, match=match):
                 plane._ids(ids, unique=True, what="x")
+
+
+class _FiresAt:
+    """Fires ``after`` seconds from now (None: never), or at its ``on_query``-th query."""
+
+    def __init__(self, after: float | None, on_query: int = 0) -> None:
+        self.at = None if after is None else time.monotonic() + after
+        self.on_query = on_query
+        self.queries = 0
+
+    def query(self) -> bool:
+        self.queries += 1
+        if self.on_query:
+            return self.queries >= self.on_query
+        return self.at is not None and time.monotonic() >= self.at
+
+
+@pytest.mark.anyio
+@pytest.mark.timeout(60)
+async def test_a_copys_end_is_waited_for_by_spinning_then_by_the_poller() -> None:
+    """``_wait_done``: an end within the first 2 ms is seen by the request's own spin, a
+    later one by the progress poller (after the spin hands over), one that never comes
+    raises ``TimeoutError`` at the timeout, and an end already there costs no wait even
+    with no time left."""
+    async with plane_pair("fa", "bfloat16", 20) as (_pl, _p, _c, _a, _b, _prod, cons):
+        plane = cons._ipc
+        assert plane is not None
+        poller = plane._poll()
+        soon = _FiresAt(None, on_query=3)
+        await plane._wait_done(soon, 5.0)
+        assert soon.queries == 3 and poller.statistics().registered == 0  # spun
+        later = _FiresAt(0.05)
+        t = time.monotonic()
+        await plane._wait_done(later, 5.0)
+        assert 0.05 <= time.monotonic() - t < 1.0
+        assert poller.statistics().registered == 1  # handed over after the spin
+        never = _FiresAt(None)
+        t = time.monotonic()
+        with pytest.raises(TimeoutError):
+            await plane._wait_done(never, 0.1)
+        assert 0.1 <= time.monotonic() - t < 1.0
+        await plane._wait_done(_FiresAt(0.0), 0.0)
+        with pytest.raises(TimeoutError):
+            await plane._wait_done(_FiresAt(None), 0.0)

@@ -239,7 +239,7 @@ class _ProducerSide(_PlaneBase):
             to,
             rel_task,
             [(slot, ev, ev_handle)],
-            nbytes=self.layout.request_nbytes(n),
+            n_blocks=n,
             started=t0,
             count_errors=False,
         )
@@ -303,7 +303,7 @@ class _ProducerSide(_PlaneBase):
         rel_task: asyncio.Task[Release | None],
         events: list[tuple[int, Any, bytes]],
         *,
-        nbytes: int,
+        n_blocks: int,
         started: float,
         count_errors: bool,
     ) -> bool:
@@ -367,11 +367,7 @@ class _ProducerSide(_PlaneBase):
         if request_id == PREPARE_RID:  # an offer alone: no request to count or report
             return True
         self._stats.requests_sent += 1
-        st = con._stats
-        st.requests_sent += 1
-        st.bytes_sent += nbytes
-        st.send_seconds += time.perf_counter() - started
-        con._finished_sending.add(request_id)
+        con._sent(request_id, 0, n_blocks, started)  # (no chunks: one copy by the plane)
         return True
 
     async def _await_release(self, rid: str, frm: str, lease: float) -> Release | None:
@@ -551,7 +547,7 @@ class _ProducerSide(_PlaneBase):
             sv.to,
             sv.rel_task,
             sv.events,
-            nbytes=self.layout.request_nbytes(len(sv.host)),
+            n_blocks=len(sv.host),
             started=sv.started,
             count_errors=True,
         )

@@ -1128,7 +1128,8 @@ class KVConnector:
         return await self._ipc.prepare(peer, timeout)
 
     def _sent(self, request_id: str, chunks: int, n_blocks: int, started: float) -> None:
-        """A request sent the ordinary way: counted, and its blocks may be freed."""
+        """A request sent (``chunks``: 0 when the IPC plane copied it): counted, and its
+        blocks may be freed."""
         st = self._stats
         st.requests_sent += 1
         st.chunks_sent += chunks
@@ -1137,7 +1138,8 @@ class KVConnector:
         self._finished_sending.add(request_id)
 
     def _received(self, request_id: str, chunks: int, n_blocks: int, started: float) -> None:
-        """A request received the ordinary way, every block in place: counted."""
+        """A request received, every block in place (``chunks``: 0 when the IPC plane
+        copied it): counted."""
         st = self._stats
         st.requests_received += 1
         st.chunks_received += chunks

@@ -1107,14 +1107,9 @@ class IpcPlane(_ProducerSide):
             torch.cuda.current_stream(dev).wait_event(sb.done)
         # off the critical path: sent after the caller (woken by our return) ran
         self._release_soon(desc, Release(desc.rid, True, reason=RING if rung else ""))
-        nbytes = self.layout.request_nbytes(desc.n)
         self._stats.requests_received += 1
-        self._stats.bytes_received += nbytes
-        st = self.con._stats
-        st.requests_received += 1
-        st.bytes_received += nbytes
-        st.recv_seconds += time.perf_counter() - t0
-        self.con._finished_receiving.add(desc.rid)
+        self._stats.bytes_received += self.layout.request_nbytes(desc.n)
+        self.con._received(desc.rid, 0, desc.n, t0)  # (no chunks: one copy by the plane)
         _mark(desc.rid, "return")
 
     async def _next_layers(

@@ -509,6 +509,18 @@ class Engine:
         self._pump_queue()
         return as_tensor(result)  # type: ignore[no-any-return]
 
+    def recv_nowait(self, tensor_id: str, *, frm: str | None = None) -> torch.Tensor | None:
+        """Collect a tensor that has landed in the receive store already, or None (no
+        waiting, nothing registered; a tensor still in flight stays where it is)."""
+        self._check_id(tensor_id)
+        self._check_open()
+        got = self._store.take(tensor_id, frm)
+        if got is None:
+            return None
+        self._collected(got[0], tensor_id)
+        self._pump_queue()
+        return as_tensor(got[1])  # type: ignore[no-any-return]
+
     async def recv_many(
         self, tensor_ids: Sequence[str], *, frm: str | None = None, timeout: float | None = None
     ) -> dict[str, torch.Tensor]:

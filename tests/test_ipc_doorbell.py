@@ -199,7 +199,7 @@ def _record(**over: Any) -> bytes:
     "over",
     [
         {"magic": 0x82},  # (a msgpack map: an older producer's record)
-        {"flags": 2},
+        {"flags": 4},  # (bit 1 says the producer can push)
         {"ev": 0},
         {"ev": 257},
         {"slot": (1 << 20) + 1},

@@ -117,6 +117,16 @@ class IpcOptions:
     several times more on the request path (:mod:`aiokv.kv._cudrv`); the launch only
     after the probe copy through it was bit-exact.
 
+    ``push``: push mode (docs/ipc.md, "Push"; give it both sides): the consumer also
+    exports its cache to the producer, and *grants* each whole request's blocks as it
+    allocates them; a producer that holds the grant when it sends copies the request
+    into the consumer's blocks itself, on its own stream right after its KV writes, so
+    the consumer only waits for that copy's end (no hop through its loop before the
+    copy). A request without a grant in time goes by pull, as without the option.
+    This lets the producer *write* the consumer's cache (pull only lets the consumer
+    read the producer's): turn it on only between processes that trust each other that
+    far.
+
     ``gpu_wait``: when the producer's ready event has not fired yet as the request
     arrives, let the consumer's copy stream wait for it on the GPU (the launch is
     queued at once) instead of polling it from the host first. Faster by one poll,
@@ -136,6 +146,7 @@ class IpcOptions:
     doorbell_spin_s: float = 0.02
     doorbell_backup_s: float = 0.05
     driver_calls: bool = True
+    push: bool = False
 
     def __post_init__(self) -> None:
         if not (isinstance(self.grace_s, (int, float)) and 0 < self.grace_s <= 600):
@@ -167,6 +178,10 @@ class IpcStatistics:
     doorbell_backups: int = 0  # producer: ring-only descriptors also sent by the engine late
     staged_launches: int = 0  # consumer: copies staged at recv_request, then launched ...
     ring_launches: int = 0  # ... of which by the ring's poll (the producer's event had fired)
+    grants: int = 0  # consumer: whole requests whose blocks it granted to the producer
+    pushed: int = 0  # producer: requests it copied into a consumer's granted blocks
+    pushes_received: int = 0  # consumer: requests the producer pushed
+    push_unsettled: int = 0  # consumer: aborted grants not known to be over in grace_s
     fallbacks: dict[str, int] = field(default_factory=dict)
 
 
@@ -302,6 +317,8 @@ class ControlChannel(Protocol):
 
     async def recv(self, tensor_id: str, *, frm: str | None, timeout: float) -> Any: ...
 
+    def recv_nowait(self, tensor_id: str, *, frm: str | None) -> Any: ...
+
 
 class EngineChannel:
     """:class:`ControlChannel` over an engine: msgpack bytes in a uint8 CPU tensor."""
@@ -317,6 +334,10 @@ class EngineChannel:
 
     async def recv(self, tensor_id: str, *, frm: str | None, timeout: float) -> Any:
         return await self.engine.recv(tensor_id, frm=frm, timeout=timeout)
+
+    def recv_nowait(self, tensor_id: str, *, frm: str | None) -> Any:
+        """The message if it has landed already, else None (push mode's grants)."""
+        return self.engine.recv_nowait(tensor_id, frm=frm)
 
 
 def _retrieve(t: asyncio.Task[Any]) -> None:

@@ -17,15 +17,12 @@ import torch
 from .._blocking import start_daemon
 from .._exceptions import AiokvError
 from . import _doorbell, _ipc_kernel
-from ._ipc_wire import _PROBE_SEGMENTS, Descriptor, Offer, probe_pattern
+from ._ipc_wire import _PROBE_SEGMENTS, ABORT_WORDS, Descriptor, Offer, PushOffer, probe_pattern
 from .layouts import KVLayout
 
 __all__ = ["ABORT_WORDS", "AbortWords", "IpcUnavailableError", "Mapper", "seg_bytes"]
 
 log = logging.getLogger("aiokv.kv.ipc")
-
-#: abort words per block (a block is allocated when the previous one is used up)
-ABORT_WORDS = 4096
 
 
 def _pid_alive(pid: int) -> bool:
@@ -84,6 +81,24 @@ class _Mapping:
     # oldest first, at most the plane's limit: a late recv_request takes its own from here
     # (and whether the producer sent it by the ring alone: solo)
     pending: dict[str, tuple[Descriptor, bool]] = field(default_factory=dict)
+    # push mode (a producer's mapping of a consumer's export): the mapped layers are the
+    # copy's destination, this side's cache its source; the consumer's abort blocks
+    # mapped so far (block number -> int32 view) and the grant-answering state
+    push: bool = False
+    aborts: dict[int, torch.Tensor] = field(default_factory=dict)
+    # push mode, a consumer's mapping of a producer's export: the producer said it has
+    # mapped our export (its last descriptor); we sent it ours; the blocks of our abort
+    # words it has shown it maps (a push with a slot in them), so grants name the rest
+    can_push: bool = False
+    push_offered: bool = False
+    told: set[int] = field(default_factory=set)
+
+
+def abort_view(t: torch.Tensor) -> torch.Tensor:
+    """A mapped abort block (bytes) as its :data:`ABORT_WORDS` int32 words."""
+    if t.numel() < 4 * ABORT_WORDS:
+        raise IpcUnavailableError("map_size", "abort block smaller than announced")
+    return t[: 4 * ABORT_WORDS].view(torch.int32)
 
 
 class AbortWords:
@@ -101,6 +116,7 @@ class AbortWords:
         self._one: torch.Tensor | None = None  # pinned int32 1: the abort words' source
         self._zeros: torch.Tensor | None = None  # pinned int32 0s: a new block's
         self._stream: Any = None
+        self.exports: dict[int, Any] = {}  # block -> its export (push mode)
 
     def prepare(self) -> None:
         """On a daemon thread, once, before the first mapping: the control stream, the
@@ -135,6 +151,22 @@ class AbortWords:
             # word whenever (if ever) that event fires
             self.blocks[block] = t
         return t
+
+    def export(self, block: int) -> Any:
+        """Block ``block``'s export (push mode: the producer's kernel reads the words)."""
+        e = self.exports.get(block)
+        if e is None:
+            e = self.exports[block] = self.backend.export(self.block(block).untyped_storage())
+        return e
+
+    def landed(self) -> Any:
+        """An event recorded on the control stream now: fired once every abort word set
+        so far is written (an always-fired stand-in on CPU)."""
+        if self.device.type != "cuda":
+            return _Landed()
+        ev = torch.cuda.Event()  # type: ignore[no-untyped-call]
+        ev.record(self.ctl())
+        return ev
 
     def ctl(self) -> Any:
         if self._stream is None:
@@ -173,6 +205,11 @@ class AbortWords:
         if self._one is None:
             self._one = torch.ones(1, dtype=torch.int32).pin_memory()
         return self._one
+
+
+class _Landed:
+    def query(self) -> bool:
+        return True
 
 
 class Mapper:
@@ -225,6 +262,82 @@ class Mapper:
             probe = self.backend.open(offer.probe, dev)
             return self._open(offer, layout, slots, storages, probe)
 
+    def map_push(self, po: PushOffer, layout: KVLayout, slots: list[int]) -> _Mapping:
+        """On a daemon thread (producer, push mode): map a consumer's export -- its cache,
+        probe, verification target and first abort block -- and verify it: the probe
+        reads back as the consumer's pattern (it is that consumer's memory), and the
+        copy kernel, launched as a push launches it, writes the pattern into the target
+        (read back here) and writes nothing with its abort word set (``slots``: this
+        side's own abort slots for those probe copies). Needs the Triton kernel."""
+        dev = self.device
+        if not self.use_triton() and dev.type == "cuda":
+            raise IpcUnavailableError("push_needs_triton")
+        if self._warming is not None:
+            with contextlib.suppress(Exception):
+                self._warming.result()
+        offer = po.offer
+        with torch.cuda.device(dev) if dev.type == "cuda" else contextlib.nullcontext():
+            storages = [self.backend.open(e, dev) for e in offer.storages]
+            probe = self.backend.open(offer.probe, dev)
+            target = self.backend.open(po.target, dev)
+            abort0 = self.backend.open(po.abort0, dev)
+            m = self._build(offer, layout, storages)
+            m.push = True
+            m.aborts[0] = abort_view(abort0)
+            self._verify_push(m, offer, slots, probe, target)
+            return m
+
+    def map_abort_block(self, e: Any) -> torch.Tensor:
+        """On a daemon thread (producer, push mode): map one more of a consumer's abort
+        blocks (as its int32 words)."""
+        dev = self.device
+        with torch.cuda.device(dev) if dev.type == "cuda" else contextlib.nullcontext():
+            return abort_view(self.backend.open(e, dev))
+
+    def _verify_push(
+        self,
+        m: _Mapping,
+        offer: Offer,
+        slots: list[int],
+        probe: torch.Tensor,
+        target: torch.Tensor,
+    ) -> None:
+        dev = self.device
+        seg = seg_bytes(self.layout)
+        nbytes = _PROBE_SEGMENTS * seg
+        if probe.numel() < nbytes or target.numel() < nbytes:
+            raise IpcUnavailableError("map_size", "probe or target smaller than announced")
+        want = probe_pattern(offer.nonce, nbytes, dev)
+        if not torch.equal(probe[:nbytes], want):  # the consumer's memory, as it said
+            raise IpcUnavailableError("verify_failed", "the consumer's probe did not read back")
+        wdt = _ipc_kernel.WORDS[m.word]
+        tgt = target[:nbytes]
+        tgt.zero_()
+        expect = want.view(_PROBE_SEGMENTS, -1).flip(0).reshape(-1)
+        swap = torch.tensor([[1, 0], [0, 1]], dtype=torch.int64, device=dev)
+        if dev.type != "cuda":  # (the CPU tests' fake: the torch copy)
+            s2, d2 = want.view(_PROBE_SEGMENTS, -1), tgt.view(_PROBE_SEGMENTS, -1)
+            _ipc_kernel.torch_pair_copy([s2], [d2], 0, swap[0], swap[1])
+            if not torch.equal(tgt, expect):
+                raise IpcUnavailableError("verify_failed", "the push probe did not land")
+            return
+        untouched = torch.zeros(nbytes, dtype=torch.uint8, device=dev)
+
+        def jit(st: torch.Tensor, dt: torch.Tensor, a: torch.Tensor, s: int) -> Any:
+            ok = _ipc_kernel.launch_pair_copy(st, dt, swap, a, s, **self._probe_geometry(m))
+            if not ok:
+                raise IpcUnavailableError("grid_too_big")
+            return ok
+
+        src = want.view(wdt)
+        compiled = self._probe_copies(m, src, (tgt.view(wdt), untouched.view(wdt)), slots[:2], jit)
+        if not torch.equal(tgt, expect):
+            raise IpcUnavailableError("verify_failed", "the push probe did not land")
+        if bool(untouched.any()):
+            raise IpcUnavailableError("verify_failed", "a launch with its abort word set wrote")
+        if self._drv is not None and compiled is not None and compiled is not True:
+            m.raw = self._try_raw(m, compiled, src, swap, expect, slots[2:])
+
     def _warm_kernel(self) -> None:
         """On a daemon thread at start: compile (not launch) the copy kernel for a
         producer of this side's own layout and allocation -- the usual pairing -- so
@@ -265,14 +378,15 @@ class Mapper:
         """The copy kernel's geometry arguments for mapping ``m`` (in ``m``'s words)."""
         seg = seg_bytes(self.layout)
         w = m.word
+        theirs, mine = m.layout.num_blocks * seg // w, self.layout.num_blocks * seg // w
         return {
             "n_pairs": n_pairs,
             "word": w,
             "n_layers": n_layers,
             "parts": parts,
             "seg_words": seg // w,
-            "src_part_stride": m.layout.num_blocks * seg // w,
-            "dst_part_stride": self.layout.num_blocks * seg // w,
+            "src_part_stride": mine if m.push else theirs,
+            "dst_part_stride": theirs if m.push else mine,
             "block_stride": seg // w,
             "base_align": m.align,
         }
@@ -287,6 +401,13 @@ class Mapper:
     ) -> _Mapping:
         """Check the mapped storages, build the mapping and verify it (``slots``: four
         abort slots for the probe copies, when the Triton kernel is used)."""
+        m = self._build(offer, layout, storages)
+        m.pid = offer.pid if _pid_alive(offer.pid) else 0  # (0: not ours to watch)
+        self._verify(m, offer, slots, probe)
+        return m
+
+    def _build(self, offer: Offer, layout: KVLayout, storages: list[torch.Tensor]) -> _Mapping:
+        """The mapping of an export's mapped storages (sizes checked; not verified)."""
         dev = self.device
         for e, s in zip(offer.storages, storages, strict=True):
             if s.numel() != e.size:
@@ -313,7 +434,6 @@ class Mapper:
         )
         m = _Mapping(offer.token, layout, storages, src_layers, table, word, stream, align)
         m.pid = offer.pid if _pid_alive(offer.pid) else 0  # (0: not ours to watch)
-        self._verify(m, offer, slots, probe)
         return m
 
     def _verify(self, m: _Mapping, offer: Offer, slots: list[int], probe: torch.Tensor) -> None:

@@ -32,15 +32,17 @@ from ._ipc_common import (
     RING,
     _layer_id,
     _mark,
-    _PlaneBase,
     _retrieve,
     log,
 )
-from ._ipc_map import seg_bytes
+from ._ipc_map import _Mapping, seg_bytes
+from ._ipc_push import PUSH_REFUSED, _PushSide
 from ._ipc_wire import (
     _PROBE_SEGMENTS,
     LAYERS,
+    PUSH,
     Descriptor,
+    Grant,
     LayerReady,
     Offer,
     Release,
@@ -73,7 +75,7 @@ class _Export:
     storages: list[torch.UntypedStorage]
 
 
-class _ProducerSide(_PlaneBase):
+class _ProducerSide(_PushSide):
     """The producer's half of a plane (its state is set in ``IpcPlane.__init__``)."""
 
     _export: _Export | None
@@ -186,6 +188,11 @@ class _ProducerSide(_PlaneBase):
             return await self.send_request(
                 request_id, host, to=to, timeout=timeout, _offer_only=_offer_only
             )
+        pm = self._push_maps.get(to) if self.options.push and n and not _offer_only else None
+        if pm is not None:
+            got = self._take_grant(request_id, to, pm, n)
+            if got is not None and await self._push(request_id, host, to, deadline, pm, *got):
+                return
         slot, ev, ev_handle = self._take_event()
         self._record(ev)  # on the current stream: after the KV writes queued so far
         _mark(request_id, "recorded")
@@ -207,9 +214,73 @@ class _ProducerSide(_PlaneBase):
             event_slot=slot,
             lease=lease,
             offer=offer,
+            can_push=pm is not None,
         )
-        t0 = time.perf_counter()
         _mark(request_id, "built")
+        ok = await self._post(request_id, desc, to, lease, [(slot, ev, ev_handle)])
+        if not ok and not _offer_only:  # nothing was read: the ordinary way (from now on)
+            await con.send_request(
+                request_id, host, to=to, timeout=max(0.0, deadline - time.monotonic()), _plain=True
+            )
+
+    async def _push(
+        self,
+        request_id: str,
+        host: tuple[int, ...],
+        to: str,
+        deadline: float,
+        pm: _Mapping,
+        g: Grant,
+        ab: torch.Tensor,
+    ) -> bool:
+        """Push mode: copy the request into the blocks of the consumer's grant ``g`` (on
+        the current stream, after the KV writes), send the descriptor naming the copy's
+        event and settle it like a pull. False when the launch failed before anything
+        was queued (the request then goes by pull, which also answers the grant)."""
+        slot, ev, ev_handle = self._take_event()
+        try:
+            buf = self._launch_push(pm, g, ab, host, ev)
+        except Exception as exc:
+            self._free_events.append((slot, ev, ev_handle))
+            log.warning("aiokv IPC plane: push of %r not launched: %r", request_id, exc)
+            return False
+        _mark(request_id, "pushed")
+        self._stats.pushed += 1
+        lease = self._clock() + max(0.0, deadline - time.monotonic())
+        con = self.con
+        desc = Descriptor(
+            rid=request_id,
+            plane=PUSH,
+            n=len(host),
+            reply_to=str(getattr(con.engine, "address", "")),
+            token=pm.token,
+            event=ev_handle,
+            event_slot=slot,
+            lease=lease,
+            gid=g.gid,
+        )
+        try:
+            ok = await self._post(request_id, desc, to, lease, [(slot, ev, ev_handle)])
+        finally:
+            self._push_done(ev, buf)
+        if not ok:  # the consumer refused the push (nothing of it is used): the ordinary way
+            await con.send_request(
+                request_id, host, to=to, timeout=max(0.0, deadline - time.monotonic()), _plain=True
+            )
+        return True
+
+    async def _post(
+        self,
+        request_id: str,
+        desc: Descriptor,
+        to: str,
+        lease: float,
+        events: list[tuple[int, Any, bytes]],
+    ) -> bool:
+        """Send a whole request's descriptor (ring and/or engine) and settle the
+        consumer's release (:meth:`_settle_release`)."""
+        t0 = time.perf_counter()
+        offer = desc.offer
         tid = f"{request_id}#ipc"
         # The ring alone carries the descriptor to a consumer whose last release said it
         # took one from the ring, while fewer than SLOTS - 1 of them are unreleased (so
@@ -234,19 +305,15 @@ class _ProducerSide(_PlaneBase):
         _mark(request_id, "sent")
         rel_task = asyncio.ensure_future(self._await_release(request_id, to, lease))
         rel_task.add_done_callback(functools.partial(self._released, to, backup))
-        ok = await self._settle_release(
+        return await self._settle_release(
             request_id,
             to,
             rel_task,
-            [(slot, ev, ev_handle)],
-            n_blocks=n,
+            events,
+            n_blocks=desc.n,
             started=t0,
             count_errors=False,
         )
-        if not ok and not _offer_only:  # nothing was read: the ordinary way (from now on)
-            await con.send_request(
-                request_id, host, to=to, timeout=max(0.0, deadline - time.monotonic()), _plain=True
-            )
 
     def _bell_for(self, to: str) -> _doorbell.BellWriter | None:
         """The doorbell ring for consumer ``to`` (made once; None where the option is off
@@ -339,6 +406,10 @@ class _ProducerSide(_PlaneBase):
                 "(the consumer no longer reads the blocks)"
             )
         self._free_events.extend(events)
+        if rel.fallback and rel.reason == PUSH_REFUSED:  # pull (and the ordinary way) goes on
+            self._push_maps.pop(to, None)
+            self._count_fallback(PUSH_REFUSED, to)
+            return False
         if rel.fallback:
             reason = rel.reason or "consumer_refused"
             self._ring_ok.discard(to)
@@ -364,6 +435,8 @@ class _ProducerSide(_PlaneBase):
             if bell is not None:  # the consumer opened both with the offer: names can go
                 bell.open_wake()
                 bell.unlink()
+        if rel.push is not None:
+            self._push_received(to, rel.push)
         if request_id == PREPARE_RID:  # an offer alone: no request to count or report
             return True
         self._stats.requests_sent += 1

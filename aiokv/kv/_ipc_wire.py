@@ -30,6 +30,8 @@ _MAX_BLOCKS_PER_REQUEST = 1 << 22
 _REFCOUNT_RE = re.compile(rb"^/torch_[0-9_]{1,64}$")
 _PROBE_SEGMENTS = 2
 _MAX_EVENT_SLOT = 1 << 20
+#: abort words per block of them (the consumer's; a grant's slot names block and word)
+ABORT_WORDS = 4096
 #: the descriptor's plane for layer-wise streaming (save_layer / recv_request(layerwise=True))
 LAYERS = "ipc-layers"
 #: A whole request's descriptor as the doorbell ring carries it (docs/ipc.md,
@@ -44,6 +46,19 @@ LAYERS = "ipc-layers"
 _RING = struct.Struct("<BBHIIQdH")
 _RING_MAGIC = 0xA1  # (no msgpack map starts with it: an older producer's record is rejected)
 _RING_SOLO = 1
+#: flag of a pull record: the producer has mapped this consumer's export (push mode)
+_RING_CAN_PUSH = 2
+#: A pushed request's record: magic, flags (bit 0: solo), the request id's length, the
+#: block count, the event slot, the consumer's export token, the grant's id, the lease,
+#: the event handle's length; then the event handle and the request id. No block ids:
+#: the producer wrote the blocks the consumer's grant named.
+_PUSH_RING = struct.Struct("<BBHIIQQdH")
+_PUSH_MAGIC = 0xA2
+#: the descriptor's plane of a request the producer pushed (after the consumer's grant)
+PUSH = "ipc-push"
+#: grant ids and abort slots are below these
+_MAX_GID = (1 << 63) - 1
+_MAX_SLOT = 1 << 40
 
 
 def encode_message(d: Mapping[str, Any]) -> torch.Tensor:
@@ -85,6 +100,28 @@ def decode_message(t: object) -> dict[str, Any]:
     if d.get("v") != WIRE_VERSION:
         raise RemoteProtocolError(f"IPC control message version {d.get('v')!r:.32}")
     return d
+
+
+def _ring_fields(le: int, n: int, slot: int, token: int, lease: float) -> None:
+    """The range checks both ring records share."""
+    if (
+        not 1 <= le <= _MAX_HANDLE
+        or n > _MAX_BLOCKS_PER_REQUEST
+        or slot > _MAX_EVENT_SLOT
+        or not 1 <= token < 1 << 63
+        or not math.isfinite(lease)
+    ):
+        raise RemoteProtocolError("IPC ring record: a field out of range")
+
+
+def _ring_rid(b: bytes, o: int, lr: int) -> str:
+    try:
+        rid = b[o : o + lr].decode()
+    except UnicodeDecodeError:
+        raise RemoteProtocolError("IPC ring record: request id not UTF-8") from None
+    if len(rid) > 4096:
+        raise RemoteProtocolError("IPC ring record: request id of over 4096 chars")
+    return rid
 
 
 def _no_ext(code: int, data: bytes) -> Any:
@@ -315,6 +352,12 @@ class Descriptor:
     the blocks come the ordinary way (the connector's chunk tensors).
     This is the one message a request needs; the coordinator's one-message control
     protocol can carry exactly these fields (docs/ipc.md).
+
+    Push mode (docs/ipc.md, "Push"): ``plane`` :data:`PUSH` says the producer copied the
+    request into the blocks of the consumer's grant ``gid`` (export ``token`` is then
+    the consumer's) and IPC event ``event`` fires once that copy is over; no ``src``.
+    ``can_push`` on a pull descriptor: the producer has mapped and verified this
+    consumer's export, so the consumer may grant it its next requests.
     """
 
     rid: str
@@ -327,10 +370,21 @@ class Descriptor:
     event_slot: int = 0
     lease: float = 0.0
     offer: Offer | None = None
+    gid: int = 0
+    can_push: bool = False
 
     def to_wire(self) -> dict[str, Any]:
         d: dict[str, Any] = {"v": WIRE_VERSION, "rid": self.rid, "plane": self.plane, "n": self.n}
-        if self.plane in ("ipc", LAYERS):
+        if self.plane == PUSH:
+            d.update(
+                reply_to=self.reply_to,
+                token=self.token,
+                event=self.event,
+                event_slot=self.event_slot,
+                lease=self.lease,
+                gid=self.gid,
+            )
+        elif self.plane in ("ipc", LAYERS):
             d.update(
                 reply_to=self.reply_to,
                 token=self.token,
@@ -340,18 +394,34 @@ class Descriptor:
                 lease=self.lease,
                 offer=self.offer.to_wire() if self.offer is not None else None,
             )
+            if self.can_push:  # (only then: a producer without push mode sends what it did)
+                d["push"] = True
         return d
 
     def to_ring(self, *, solo: bool) -> bytes:
         """The doorbell ring's record of this descriptor (whole request, no offer);
         ``solo``: the ring alone carries it (the engine's copy is only a late backup)."""
-        assert self.plane == "ipc" and self.offer is None
         rid = self.rid.encode()
+        flags = _RING_SOLO if solo else 0
+        if self.plane == PUSH:
+            head = _PUSH_RING.pack(
+                _PUSH_MAGIC,
+                flags,
+                len(rid),
+                self.n,
+                self.event_slot,
+                self.token,
+                self.gid,
+                self.lease,
+                len(self.event),
+            )
+            return b"".join((head, self.event, rid))
+        assert self.plane == "ipc" and self.offer is None
         return b"".join(
             (
                 _RING.pack(
                     _RING_MAGIC,
-                    _RING_SOLO if solo else 0,
+                    flags | (_RING_CAN_PUSH if self.can_push else 0),
                     len(rid),
                     self.n,
                     self.event_slot,
@@ -371,32 +441,21 @@ class Descriptor:
         ``reply_to`` (the ring's producer), and whether it is ``solo``. The same field
         rules as :meth:`from_wire`; the sizes add up exactly. Raises
         :class:`~aiokv.RemoteProtocolError`."""
+        if b[:1] == bytes((_PUSH_MAGIC,)):
+            return cls._from_push_ring(b, reply_to)
         if len(b) < _RING.size:
             raise RemoteProtocolError(f"IPC ring record of {len(b)} bytes")
         magic, flags, lr, n, slot, token, lease, le = _RING.unpack_from(b)
-        if magic != _RING_MAGIC or flags & ~_RING_SOLO:
+        if magic != _RING_MAGIC or flags & ~(_RING_SOLO | _RING_CAN_PUSH):
             raise RemoteProtocolError("IPC ring record: not a descriptor record")
-        if (
-            not 1 <= le <= _MAX_HANDLE
-            or n > _MAX_BLOCKS_PER_REQUEST
-            or slot > _MAX_EVENT_SLOT
-            or not 1 <= token < 1 << 63
-            or not math.isfinite(lease)
-        ):
-            raise RemoteProtocolError("IPC ring record: a field out of range")
+        _ring_fields(le, n, slot, token, lease)
         if len(b) != _RING.size + le + lr + 4 * n:
             raise RemoteProtocolError(
                 f"IPC ring record of {len(b)} bytes for {lr} + {le} bytes and {n} blocks"
             )
         o = _RING.size + le
-        try:
-            rid = b[o : o + lr].decode()
-        except UnicodeDecodeError:
-            raise RemoteProtocolError("IPC ring record: request id not UTF-8") from None
-        if len(rid) > 4096:
-            raise RemoteProtocolError("IPC ring record: request id of over 4096 chars")
         desc = cls(
-            rid=rid,
+            rid=_ring_rid(b, o, lr),
             plane="ipc",
             n=n,
             reply_to=reply_to,
@@ -405,6 +464,31 @@ class Descriptor:
             event=b[_RING.size : o],
             event_slot=slot,
             lease=lease,
+            can_push=bool(flags & _RING_CAN_PUSH),
+        )
+        return desc, bool(flags & _RING_SOLO)
+
+    @classmethod
+    def _from_push_ring(cls, b: bytes, reply_to: str) -> tuple[Descriptor, bool]:
+        if len(b) < _PUSH_RING.size:
+            raise RemoteProtocolError(f"IPC ring record of {len(b)} bytes")
+        _magic, flags, lr, n, slot, token, gid, lease, le = _PUSH_RING.unpack_from(b)
+        if flags & ~_RING_SOLO or not 1 <= gid <= _MAX_GID:
+            raise RemoteProtocolError("IPC ring record: not a push record")
+        _ring_fields(le, n, slot, token, lease)
+        if len(b) != _PUSH_RING.size + le + lr:
+            raise RemoteProtocolError(f"IPC push record of {len(b)} bytes for {lr} + {le} bytes")
+        o = _PUSH_RING.size + le
+        desc = cls(
+            rid=_ring_rid(b, o, lr),
+            plane=PUSH,
+            n=n,
+            reply_to=reply_to,
+            token=token,
+            event=b[_PUSH_RING.size : o],
+            event_slot=slot,
+            lease=lease,
+            gid=gid,
         )
         return desc, bool(flags & _RING_SOLO)
 
@@ -416,30 +500,34 @@ class Descriptor:
         if plane == "chunks":
             _exact_keys(d, "IPC descriptor", ("v", "rid", "plane", "n"))
             return cls(rid=rid, plane="chunks", n=n), None
-        if plane not in ("ipc", LAYERS):
+        if plane not in ("ipc", LAYERS, PUSH):
             raise RemoteProtocolError(f"IPC descriptor: unknown plane {plane!r:.32}")
-        _exact_keys(
-            d,
-            "IPC descriptor",
-            (
-                "v",
-                "rid",
-                "plane",
-                "n",
-                "reply_to",
-                "token",
-                "src",
-                "event",
-                "event_slot",
-                "lease",
-                "offer",
-            ),
-        )
+        common = ("v", "rid", "plane", "n", "reply_to", "token", "event", "event_slot", "lease")
+        if plane == PUSH:
+            _exact_keys(d, "IPC descriptor", (*common, "gid"))
+        else:
+            _exact_keys(d, "IPC descriptor", (*common, "src", "offer", "push"))
         reply_to = _str(d, "reply_to", 256)
         try:
             parse_address(reply_to)
         except ConfigError:
             raise RemoteProtocolError(f"IPC descriptor: bad reply_to {reply_to!r:.64}") from None
+        if plane == PUSH:
+            desc = cls(
+                rid=rid,
+                plane=PUSH,
+                n=n,
+                reply_to=reply_to,
+                token=_int(d, "token", 1, (1 << 63) - 1),
+                event=_bytes(d, "event", 1, _MAX_HANDLE),
+                event_slot=_int(d, "event_slot", 0, _MAX_EVENT_SLOT),
+                lease=_float(d, "lease"),
+                gid=_int(d, "gid", 1, _MAX_GID),
+            )
+            return desc, None
+        can_push = d.get("push", False)
+        if can_push is not False and can_push is not True:
+            raise RemoteProtocolError("IPC descriptor: push must be a boolean")
         src_b = _bytes(d, "src", 0, 4 * _MAX_BLOCKS_PER_REQUEST)
         if len(src_b) != 4 * n:
             raise RemoteProtocolError(
@@ -466,6 +554,7 @@ class Descriptor:
                 event_slot=_int(d, "event_slot", 0, 0 if plane == LAYERS else _MAX_EVENT_SLOT),
                 lease=_float(d, "lease"),
                 offer=offer,
+                can_push=can_push and plane == "ipc",
             ),
             layout,
         )
@@ -478,31 +567,135 @@ class Release:
     ``ok``: the blocks landed (the producer may free its blocks). ``fallback``: IPC
     did not work for this request and nothing was read; send it the ordinary way.
     Otherwise the request failed on the consumer and nothing reads the blocks any
-    more either. ``reason``: for the log.
+    more either. ``reason``: for the log. ``push``: the consumer's export for push
+    mode (sent once, with an ok release, by a consumer with ``IpcOptions(push=True)``).
     """
 
     rid: str
     ok: bool
     fallback: bool = False
     reason: str = ""
+    push: PushOffer | None = None
 
     def to_wire(self) -> dict[str, Any]:
-        return {
+        d = {
             "v": WIRE_VERSION,
             "rid": self.rid,
             "ok": self.ok,
             "fallback": self.fallback,
             "reason": self.reason[:_MAX_REASON],
         }
+        if self.push is not None:
+            d["push"] = self.push.to_wire()
+        return d
 
     @classmethod
     def from_wire(cls, d: Mapping[str, Any]) -> Release:
-        _exact_keys(d, "IPC release", ("v", "rid", "ok", "fallback", "reason"))
+        _exact_keys(d, "IPC release", ("v", "rid", "ok", "fallback", "reason", "push"))
         ok, fb = d.get("ok"), d.get("fallback")
         if not isinstance(ok, bool) or not isinstance(fb, bool) or (ok and fb):
             raise RemoteProtocolError("IPC release: ok/fallback must be booleans, not both true")
+        push = None
+        if "push" in d:
+            if not ok:
+                raise RemoteProtocolError("IPC release: a push offer only with an ok release")
+            push = PushOffer.from_wire(d["push"])
         return cls(
-            rid=_str(d, "rid", 4096), ok=ok, fallback=fb, reason=_str(d, "reason", _MAX_REASON)
+            rid=_str(d, "rid", 4096),
+            ok=ok,
+            fallback=fb,
+            reason=_str(d, "reason", _MAX_REASON),
+            push=push,
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class PushOffer:
+    """The consumer's export for push mode (docs/ipc.md, "Push"): its cache as an
+    :class:`Offer` (``probe`` filled with :func:`probe_pattern` ``(nonce)``), a zeroed
+    ``target`` of two segments the producer's verification writes the probe into (and
+    reads back), and its first block of abort words."""
+
+    offer: Offer
+    target: StorageExport
+    abort0: StorageExport
+
+    def to_wire(self) -> dict[str, Any]:
+        return {
+            "offer": self.offer.to_wire(),
+            "target": self.target.to_wire(),
+            "abort0": self.abort0.to_wire(),
+        }
+
+    @classmethod
+    def from_wire(cls, d: object) -> PushOffer:
+        if not isinstance(d, dict):
+            raise RemoteProtocolError("IPC push offer must be a map")
+        _exact_keys(d, "IPC push offer", ("offer", "target", "abort0"))
+        offer, layout = Offer.from_wire(d.get("offer"))
+        if offer.bell:
+            raise RemoteProtocolError("IPC push offer: no doorbell in this direction")
+        target = StorageExport.from_wire(d.get("target"))
+        if target.size < _PROBE_SEGMENTS * layout.segment_numel() * layout.itemsize:
+            raise RemoteProtocolError("IPC push offer: target smaller than two segments")
+        abort0 = StorageExport.from_wire(d.get("abort0"))
+        if abort0.size < 4 * ABORT_WORDS:
+            raise RemoteProtocolError("IPC push offer: abort block too small")
+        return cls(offer, target, abort0)
+
+
+@dataclass(frozen=True, slots=True)
+class Grant:
+    """Consumer → producer, tensor id ``f"{rid}#ipcgrant"`` (push mode): the consumer
+    allocated blocks ``dst`` for request ``rid`` and lets the producer write them until
+    ``until`` (``time.monotonic()`` of the host), with the kernel checking abort word
+    ``slot`` (global number: word ``slot % ABORT_WORDS`` of block ``slot // ABORT_WORDS``;
+    ``abort`` exports that block when the producer may not have it). ``gid`` names the
+    grant (the producer's descriptor repeats it)."""
+
+    rid: str
+    gid: int
+    dst: tuple[int, ...]
+    slot: int
+    until: float
+    abort: StorageExport | None = None
+
+    def to_wire(self) -> dict[str, Any]:
+        d: dict[str, Any] = {
+            "v": WIRE_VERSION,
+            "rid": self.rid,
+            "gid": self.gid,
+            "dst": struct.pack(f"<{len(self.dst)}I", *self.dst),
+            "slot": self.slot,
+            "until": self.until,
+        }
+        if self.abort is not None:
+            d["abort"] = self.abort.to_wire()
+        return d
+
+    @classmethod
+    def from_wire(cls, d: Mapping[str, Any]) -> Grant:
+        """Parse and check (untrusted): the ids' range is the producer's to check
+        against the consumer's layout."""
+        _exact_keys(d, "IPC grant", ("v", "rid", "gid", "dst", "slot", "until", "abort"))
+        dst_b = _bytes(d, "dst", 4, 4 * _MAX_BLOCKS_PER_REQUEST)
+        if len(dst_b) % 4:
+            raise RemoteProtocolError("IPC grant: block ids not a whole number of u32")
+        dst = struct.unpack(f"<{len(dst_b) // 4}I", dst_b)
+        if len(set(dst)) != len(dst):
+            raise RemoteProtocolError("IPC grant: duplicate destination blocks")
+        abort = None
+        if "abort" in d:
+            abort = StorageExport.from_wire(d["abort"])
+            if abort.size < 4 * ABORT_WORDS:
+                raise RemoteProtocolError("IPC grant: abort block too small")
+        return cls(
+            rid=_str(d, "rid", 4096),
+            gid=_int(d, "gid", 1, _MAX_GID),
+            dst=dst,
+            slot=_int(d, "slot", 0, _MAX_SLOT - 1),
+            until=_float(d, "until"),
+            abort=abort,
         )
 
 

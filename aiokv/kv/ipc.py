@@ -101,6 +101,7 @@ from ._ipc_map import (
 from ._ipc_producer import _Export, _IpcSave, _ProducerSide
 from ._ipc_wire import (
     LAYERS,
+    PUSH,
     Descriptor,
     LayerReady,
     Offer,
@@ -285,6 +286,7 @@ class IpcPlane(_ProducerSide):
         # consumers an offer-only request is going to -> whether another hello came
         self._offering: dict[str, bool] = {}
         self._preparing: dict[str, asyncio.Future[bool]] = {}  # producer -> prepare()
+        self._init_push()
         if not self.disabled and connector._pull is not None:
             # consumers may ask for the offer ahead of their first request (prepare)
             with contextlib.suppress(AiokvError):
@@ -345,10 +347,13 @@ class IpcPlane(_ProducerSide):
         timeout: float | None,
         layerwise: bool,
     ) -> str:
-        con = self.con
         deadline, host = self._begin(request_id, block_ids, timeout, unique=True, what="recv")
         n = len(host)
         rung = False
+        if self.options.push and not layerwise and n and frm is not None:
+            pm = self._push_source(frm)
+            if pm is not None:  # push mode: grant the blocks, wait for the producer's copy
+                return await self._recv_granted(request_id, host, frm, deadline, pm)
         if not layerwise and any(m.bell is not None for m in self._maps.values()):
             staged = self._stage(request_id, host, frm, deadline)
             if staged is None:
@@ -372,7 +377,30 @@ class IpcPlane(_ProducerSide):
             )
             _mark(request_id, "desc")
             desc, plout = Descriptor.from_wire(decode_message(raw))
+        return await self._after_desc(
+            request_id, host, desc, plout, frm, deadline, layerwise=layerwise, rung=rung
+        )
+
+    async def _after_desc(
+        self,
+        request_id: str,
+        host: tuple[int, ...],
+        desc: Descriptor,
+        plout: KVLayout | None,
+        frm: str | None,
+        deadline: float,
+        *,
+        layerwise: bool,
+        rung: bool,
+    ) -> str:
+        """A request's descriptor is here (not staged): check it against the request and
+        copy by the plane it names, or take the ordinary path."""
+        con = self.con
+        n = len(host)
         _mark(request_id, "decoded")
+        if desc.plane == PUSH:  # never granted here
+            self._release(desc, Release(request_id, False, reason="push without a grant"))
+            raise RemoteProtocolError(f"IPC: {request_id!r} pushed without a grant")
         if desc.rid != request_id:
             raise RemoteProtocolError(f"IPC descriptor for {desc.rid!r:.64} under {request_id!r}")
         L = self.layout.num_layers
@@ -428,6 +456,7 @@ class IpcPlane(_ProducerSide):
             drop_layers()
             raise
         _mark(request_id, "mapped")
+        m.can_push = desc.can_push
         if n == 0:  # an offer alone (prepare): mapped and verified, nothing to copy
             self._release(desc, Release(request_id, True))
             return "ipc"
@@ -577,7 +606,7 @@ class IpcPlane(_ProducerSide):
             except RemoteProtocolError:
                 b.rejected += 1
                 continue
-            if desc.token != m.token:
+            if desc.token != (m.token if desc.plane != PUSH else self._push_token()):
                 continue
             rid = desc.rid
             w = self._bell_wait.get(rid)
@@ -1106,7 +1135,8 @@ class IpcPlane(_ProducerSide):
             # a stream switched by other code during our awaits): order the caller after it
             torch.cuda.current_stream(dev).wait_event(sb.done)
         # off the critical path: sent after the caller (woken by our return) ran
-        self._release_soon(desc, Release(desc.rid, True, reason=RING if rung else ""))
+        rel = Release(desc.rid, True, reason=RING if rung else "", push=self._offer_push(m))
+        self._release_soon(desc, rel)
         self._stats.requests_received += 1
         self._stats.bytes_received += self.layout.request_nbytes(desc.n)
         self.con._received(desc.rid, 0, desc.n, t0)  # (no chunks: one copy by the plane)

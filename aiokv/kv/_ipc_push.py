@@ -1,0 +1,457 @@
+"""The IPC plane's push mode (``IpcOptions(push=True)``; docs/ipc.md, "Push"), both
+sides, a base of :class:`aiokv.kv.ipc.IpcPlane`.
+
+A consumer that pulled a first request from a producer sends it, with that request's
+ok release, its own export (:class:`PushOffer`); the producer maps and verifies it and
+says so in its next descriptors (``can_push``). From then on the consumer *grants*
+each whole request's blocks as it allocates them (:class:`Grant`: destination ids, an
+abort slot of its own, a deadline), and a producer that holds the grant when it sends
+launches the copy itself, on its current stream right after its KV writes, records an
+IPC event after it and sends a :data:`PUSH` descriptor naming that event. The consumer
+returns once the event fired. A request without a grant in time goes by pull.
+
+Rules (docs/design.md, "Push mode's rules"): the producer launches only for a grant it
+took before it answered the request, not past the grant's deadline, with ids checked
+against the consumer's layout; every grant that ends without its push (a pull answer,
+cancellation, a deadline) has its abort word set and never reused, so a stale grant
+copies nothing; an aborted grant is settled -- its blocks may be reused -- once the
+word has landed and the producer's answer came (a push: its copy's end), or the
+producer is gone, or ``grace_s`` passed (then only a copy launched before the word
+landed could still write, and its descriptor would have come right after its launch).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import secrets
+import struct
+import time
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from .._blocking import in_daemon
+from .._common import _time_left
+from .._exceptions import AiokvTimeoutError, RemoteProtocolError, TransferTimeoutError
+from . import _ipc_kernel
+from ._ipc_common import _mark, _PlaneBase, check_same_host, log
+from ._ipc_map import ABORT_WORDS, AbortWords, IpcUnavailableError, Mapper, _Mapping, _pid_alive
+from ._ipc_map import seg_bytes as _seg_bytes
+from ._ipc_wire import PUSH, Descriptor, Grant, PushOffer, Release, decode_message
+from .layouts import check_compatible, layout_from_wire
+
+if TYPE_CHECKING:
+    from ._ipc_producer import _Export
+    from .layouts import KVLayout
+
+#: a fallback release's reason when the consumer refused a pushed request (a descriptor
+#: for another grant): the producer stops pushing to it and sends this one by pull's
+#: fallback, the ordinary way
+PUSH_REFUSED = "push_refused"
+#: how soon before a grant's deadline the producer stops using it (the consumer must not
+#: be past its deadline when the copy starts)
+_GRANT_MARGIN_S = 0.005
+
+
+@dataclass(slots=True, eq=False)
+class _PushBuf:
+    """The producer's ids buffers of one pushed request (pinned host, device)."""
+
+    cap: int
+    pin: torch.Tensor
+    dev: torch.Tensor
+    mv: memoryview
+
+
+class _PushSide(_PlaneBase):
+    """Push mode's two halves (state set in ``IpcPlane.__init__`` via
+    :meth:`_init_push`)."""
+
+    _maps: dict[int, _Mapping]
+    _words: AbortWords
+    _mapper: Mapper
+    _prepared: asyncio.Future[None] | None
+    _export: _Export | None
+
+    if TYPE_CHECKING:  # (IpcPlane and its producer side provide these)
+
+        def _make_export(self) -> _Export: ...
+        def _record(self, ev: Any) -> None: ...
+        def _event(self, m: _Mapping, slot: int, handle: bytes) -> Any: ...
+        def _release(self, desc: Descriptor, rel: Release) -> None: ...
+        def _release_soon(self, desc: Descriptor, rel: Release) -> None: ...
+        def _bell_take(self, rid: str, frm: str | None) -> tuple[Descriptor, bool] | None: ...
+        async def _recv_desc(
+            self, rid: str, frm: str | None, deadline: float, staged: Any = None
+        ) -> tuple[Descriptor, KVLayout | None, bool]: ...
+        async def _after_desc(
+            self,
+            request_id: str,
+            host: tuple[int, ...],
+            desc: Descriptor,
+            plout: KVLayout | None,
+            frm: str | None,
+            deadline: float,
+            *,
+            layerwise: bool,
+            rung: bool,
+        ) -> str: ...
+
+    def _init_push(self) -> None:
+        # producer: consumer address -> its verified export; mappings being made;
+        # consumers whose export failed (reason); the consumer's abort blocks being mapped
+        self._push_maps: dict[str, _Mapping] = {}
+        self._push_opening: set[str] = set()
+        self._push_failed: dict[str, str] = {}
+        self._abort_opening: set[tuple[int, int]] = set()
+        self._push_bufs: list[_PushBuf] = []
+        self._push_draining: list[tuple[Any, _PushBuf]] = []
+        # consumer: our push offer (made once) and the buffers it names
+        self._push_offer: PushOffer | None = None
+        self._push_keep: list[torch.Tensor] = []
+
+    # ================================================================== consumer
+
+    def _offer_push(self, m: _Mapping) -> PushOffer | None:
+        """Our export for push mode, to send with an ok release to the producer of ``m``
+        (once per mapping), or None (push off, sent already, or it cannot be made)."""
+        if not self.options.push or m.push_offered or self.disabled:
+            return None
+        m.push_offered = True
+        if self._push_offer is None:
+            try:
+                ex = self._make_export()
+                seg = _seg_bytes(self.layout)
+                target = torch.zeros(2 * seg, dtype=torch.uint8, device=self.device)
+                if self.device.type == "cuda":
+                    torch.cuda.current_stream(self.device).synchronize()  # zeroed before use
+                self._push_keep.append(target)
+                self._push_offer = PushOffer(
+                    ex.offer,
+                    self.backend.export(target.untyped_storage()),
+                    self._words.export(0),
+                )
+            except Exception as exc:
+                log.warning("aiokv IPC plane: no push offer (%s: %s)", type(exc).__name__, exc)
+                return None
+        return self._push_offer
+
+    def _push_token(self) -> int:
+        """Our push export's token (a pushed descriptor names it), 0 before there is one."""
+        return self._push_offer.offer.token if self._push_offer is not None else 0
+
+    def _push_source(self, frm: str) -> _Mapping | None:
+        """The verified mapping of producer ``frm`` when it said it can push to us."""
+        for m in self._maps.values():
+            if m.reply_to == frm and m.can_push and not m.broken:
+                return m
+        return None
+
+    async def _recv_granted(
+        self, rid: str, host: tuple[int, ...], frm: str, deadline: float, m: _Mapping
+    ) -> str:
+        """A whole request in push mode: grant its blocks to producer ``frm``, then wait
+        for the producer's answer -- a push (wait for its copy's end) or any other
+        descriptor (the grant is void; the request goes on as that descriptor says)."""
+        _mark(rid, "grant")
+        g = self._words.slot()
+        blk = g // ABORT_WORDS
+        gid = secrets.randbits(62) | 1
+        grant = Grant(
+            rid,
+            gid,
+            host,
+            g,
+            deadline,
+            None if blk in m.told else self._words.export(blk),
+        )
+        self._stats.grants += 1
+        self._send_msg(f"{rid}#ipcgrant", grant.to_wire(), m.reply_to, _time_left(deadline))
+        _mark(rid, "granted")
+        try:
+            desc, plout, rung = await self._recv_desc(rid, frm, deadline, None)
+        except BaseException as exc:
+            await self._grant_aborted(m, g, gid, rid, frm, None, exc)
+            raise
+        if desc.plane != PUSH:  # answered by pull (or the ordinary way): the grant is void
+            self._words.set(g)
+            if desc.plane == "ipc" or desc.plane == "chunks":
+                m.can_push = m.can_push and desc.can_push
+            return await self._after_desc(
+                rid, host, desc, plout, frm, deadline, layerwise=False, rung=rung
+            )
+        if (
+            desc.rid != rid
+            or desc.gid != gid
+            or desc.n != len(host)
+            or self._push_offer is None
+            or desc.token != self._push_offer.offer.token
+        ):
+            # another grant's push (that grant's word was set when it ended: it wrote
+            # nothing), or nonsense: this grant is void too; the ordinary way
+            self._words.set(g)
+            m.can_push = False
+            self._release(desc, Release(rid, False, fallback=True, reason=PUSH_REFUSED))
+            self._count_fallback(PUSH_REFUSED, frm, "a push descriptor not for this grant")
+            await self.con.recv_request(
+                rid, host, frm=frm, timeout=max(0.0, deadline - time.monotonic()), _plain=True
+            )
+            return "engine"
+        t0 = time.perf_counter()
+        until = min(deadline, time.monotonic() + desc.lease - self._clock())
+        try:
+            ev = self._event(m, desc.event_slot, desc.event)
+            await self._wait_pushed(ev, until)
+        except BaseException as exc:
+            await self._grant_aborted(m, g, gid, rid, frm, desc, exc)
+            raise
+        _mark(rid, "done")
+        m.told.add(blk)
+        self._words.free.append(g)  # (never set; the copy that read it is over)
+        self._release_soon(desc, Release(rid, True, reason="ring" if rung else ""))
+        self._stats.pushes_received += 1
+        self._stats.requests_received += 1
+        self._stats.bytes_received += self.layout.request_nbytes(desc.n)
+        self.con._received(rid, 0, desc.n, t0)
+        _mark(rid, "return")
+        return "ipc"
+
+    async def _wait_pushed(self, ev: Any, until: float) -> None:
+        """Poll the producer's completion event from the loop until it fired (the first
+        millisecond every pass, then every millisecond), or time out at ``until``."""
+        spin_until = time.monotonic() + 0.002
+        while not bool(ev.query()):
+            now = time.monotonic()
+            if now >= until:
+                raise TransferTimeoutError("IPC: the producer's push did not end in time")
+            await asyncio.sleep(0 if now < spin_until else min(0.001, until - now))
+
+    async def _grant_aborted(
+        self,
+        m: _Mapping,
+        g: int,
+        gid: int,
+        rid: str,
+        frm: str,
+        desc: Descriptor | None,
+        exc: BaseException,
+    ) -> None:
+        """A granted request failed (cancelled, deadline, error): set the grant's abort
+        word and settle the grant before the caller may reuse the blocks -- the word
+        landed, and the producer's push (``desc``, or one that comes within the grace
+        period) ended, or its answer says it never pushed, or it is gone. Raises
+        :class:`TransferTimeoutError` for a timeout; the caller re-raises the rest."""
+        self._words.set(g)  # never reused: a stale grant copies nothing
+        self._stats.aborted += 1
+        landed = self._words.landed()
+        end = time.monotonic() + self.options.grace_s
+        settled = False
+        while time.monotonic() < end:
+            if desc is None:
+                desc = self._answer_nowait(rid, frm)
+            if bool(landed.query()):
+                if desc is not None and (desc.plane != PUSH or desc.gid != gid):
+                    settled = True  # it answered without using this grant
+                elif desc is not None:
+                    try:
+                        settled = bool(self._event(m, desc.event_slot, desc.event).query())
+                    except IpcUnavailableError:
+                        settled = False
+                if settled or (m.pid and not _pid_alive(m.pid)):
+                    settled = True
+                    break
+            await asyncio.sleep(0.001)
+        if not settled:
+            if desc is not None:  # pushed, and its copy did not end in time
+                self._stats.push_unsettled += 1
+                log.warning(
+                    "aiokv IPC plane: the push of %r did not end within the grace period "
+                    "after its abort (its abort word is set)",
+                    rid,
+                )
+        self.con._drop(rid, [f"{rid}#ipc"], frm, time.monotonic() + 60.0, late=desc is None)
+        if desc is not None:
+            reason = "cancelled" if isinstance(exc, asyncio.CancelledError) else "failed"
+            self._release(desc, Release(rid, False, reason=reason))
+        self.con._stats.recv_failures += 1
+        if isinstance(exc, (AiokvTimeoutError, asyncio.TimeoutError, TimeoutError)) and not (
+            isinstance(exc, TransferTimeoutError)
+        ):
+            raise TransferTimeoutError(f"IPC push of {rid!r} did not end within its deadline")
+
+    def _answer_nowait(self, rid: str, frm: str) -> Descriptor | None:
+        """The producer's descriptor for ``rid`` if it is here already (ring or engine)."""
+        got = self._bell_take(rid, frm)
+        if got is not None:
+            return got[0]
+        raw = self.channel.recv_nowait(f"{rid}#ipc", frm=frm)
+        if raw is None:
+            return None
+        try:
+            return Descriptor.from_wire(decode_message(raw))[0]
+        except RemoteProtocolError:
+            return None
+
+    # ================================================================== producer
+
+    def _push_received(self, to: str, po: PushOffer) -> None:
+        """A consumer's ok release carried its push offer: map and verify it in the
+        background (once per consumer at a time; a later offer replaces the mapping)."""
+        if not self.options.push or self.disabled or to in self._push_opening or self._closed:
+            return
+        old = self._push_maps.get(to)
+        if old is not None and old.token == po.offer.token:
+            return
+        self._push_opening.add(to)
+        self._track(self._open_push(to, po))
+
+    async def _open_push(self, to: str, po: PushOffer) -> None:
+        try:
+            try:
+                check_same_host(po.offer, my_boot_id=self._boot_id, now=self._clock())
+                layout = layout_from_wire(po.offer.layout)
+                check_compatible(layout, self.layout)
+                if self.device.type == "cuda":
+                    if self._prepared is None:
+                        self._prepared = in_daemon(self._words.prepare, "aiokv-ipc-prep")
+                    await asyncio.shield(self._prepared)
+                slots = [self._words.slot() for _ in range(4)] if self._mapper.use_triton() else []
+                m = await in_daemon(
+                    functools.partial(self._mapper.map_push, po, layout, slots), "aiokv-ipc-push"
+                )
+                self._words.free += slots[0::2]
+            except IpcUnavailableError as exc:
+                self._push_failed[to] = exc.reason
+                self._count_fallback("push:" + exc.reason, to, str(exc))
+                return
+            except Exception as exc:
+                self._push_failed[to] = "map_failed"
+                self._count_fallback("push:map_failed", to, f"{type(exc).__name__}: {exc}")
+                return
+        finally:
+            self._push_opening.discard(to)
+        if self._closed:
+            return
+        m.reply_to = to
+        L = self.layout.num_layers
+        m.tables[(0, L)] = (self.con.caches.ptr_table(range(L)), m.src_table)
+        self._push_maps[to] = m
+        self._push_failed.pop(to, None)
+        log.info("aiokv IPC plane: pushing to %s from now on (export %x verified)", to, m.token)
+
+    def _take_grant(self, rid: str, to: str, pm: _Mapping, n: int) -> tuple[Grant, Any] | None:
+        """The consumer's grant for ``rid`` if it has landed and can be used now, with the
+        mapped abort block of its slot; else None (the request goes by pull, and a grant
+        still on its way is dropped when it lands)."""
+        tid = f"{rid}#ipcgrant"
+        raw = self.channel.recv_nowait(tid, frm=to)
+        if raw is None:
+            self.con._drop(rid, [tid], to, 0.0, late=False)
+            return None
+        try:
+            g = Grant.from_wire(decode_message(raw))
+        except RemoteProtocolError as exc:
+            log.warning("aiokv IPC plane: a bad grant from %s: %s", to, exc)
+            return None
+        if (
+            g.rid != rid
+            or len(g.dst) != n
+            or max(g.dst) >= pm.layout.num_blocks
+            or g.until - _GRANT_MARGIN_S <= self._clock()
+        ):
+            _mark(rid, "grant:check")
+            return None
+        blk = g.slot // ABORT_WORDS
+        ab = pm.aborts.get(blk)
+        if ab is None:
+            if g.abort is not None and (pm.token, blk) not in self._abort_opening:
+                self._abort_opening.add((pm.token, blk))
+                self._track(self._map_abort(pm, blk, g.abort))
+            _mark(rid, "grant:block")
+            return None
+        return g, ab
+
+    async def _map_abort(self, pm: _Mapping, blk: int, e: Any) -> None:
+        try:
+            pm.aborts[blk] = await in_daemon(
+                functools.partial(self._mapper.map_abort_block, e), "aiokv-ipc-abort"
+            )
+        except Exception as exc:
+            log.warning("aiokv IPC plane: a consumer's abort block did not map: %r", exc)
+        finally:
+            self._abort_opening.discard((pm.token, blk))
+
+    def _push_buf(self, n: int) -> _PushBuf:
+        self._push_draining = [(ev, b) for ev, b in self._push_draining if not self._recycle(ev, b)]
+        for i, b in enumerate(self._push_bufs):
+            if b.cap >= 2 * n:
+                return self._push_bufs.pop(i)
+        cap = max(64, 1 << max(0, 2 * n - 1).bit_length())
+        cuda = self.device.type == "cuda"
+        pin = torch.empty(cap, dtype=torch.int64, pin_memory=cuda)
+        dev = torch.empty(cap, dtype=torch.int64, device=self.device) if cuda else pin
+        from ..transport.tcp import tensor_buffer
+
+        return _PushBuf(cap, pin, dev, tensor_buffer(pin))
+
+    def _recycle(self, ev: Any, b: _PushBuf) -> bool:
+        """Back to the pool once the copy that read ``b`` is over (``ev`` fired)."""
+        if bool(ev.query()):
+            self._push_bufs.append(b)
+            return True
+        return False
+
+    def _launch_push(
+        self, pm: _Mapping, g: Grant, ab: torch.Tensor, host: tuple[int, ...], ev: Any
+    ) -> _PushBuf:
+        """Enqueue the copy of ``host`` (ours) into ``g.dst`` (the consumer's) on the
+        current stream -- after the KV writes queued so far -- and record ``ev`` after
+        it. The kernel reads the grant's abort word first and copies nothing once it is
+        set."""
+        n = len(host)
+        L = self.layout.num_layers
+        buf = self._push_buf(n)
+        struct.pack_into(f"<{2 * n}q", buf.mv, 0, *host, *g.dst)
+        word = g.slot % ABORT_WORDS
+        if self.device.type != "cuda":  # (the CPU tests' fake: the torch copy)
+            if int(ab[word]) == 0:
+                ids = buf.pin[: 2 * n].view(2, n)
+                _ipc_kernel.torch_pair_copy(
+                    self.con.caches.raw(pm.word),
+                    pm.src_layers,
+                    self.layout.block_dim,
+                    ids[0],
+                    ids[1],
+                )
+            self._record(ev)
+            return buf
+        own, theirs = pm.tables[(0, L)]
+        geo = self._mapper.geometry(pm, n_pairs=n, n_layers=L, parts=self.layout.kv_parts)
+        rs = self._raw_stream() if pm.raw is not None else None
+        if rs is not None:
+            assert self._drv is not None and pm.raw is not None
+            self._drv.memcpy_htod_async(buf.dev.data_ptr(), buf.pin.data_ptr(), 16 * n, rs)
+            programs, args = _ipc_kernel.pair_copy_args(
+                own.data_ptr(),
+                theirs.data_ptr(),
+                buf.dev.data_ptr(),
+                ab.data_ptr(),
+                self.device,
+                word,
+                **geo,
+            )
+            pm.raw.launch(programs, rs, args)
+        else:
+            with torch.cuda.device(self.device):
+                buf.dev.copy_(buf.pin, non_blocking=True)
+                if not _ipc_kernel.launch_pair_copy(own, theirs, buf.dev, ab, word, **geo):
+                    raise IpcUnavailableError("grid_too_big")
+        self._record(ev)
+        return buf
+
+    def _push_done(self, ev: Any, buf: _PushBuf) -> None:
+        """A pushed request is settled: its ids buffers serve again once the copy ended."""
+        if not self._recycle(ev, buf):
+            self._push_draining.append((ev, buf))

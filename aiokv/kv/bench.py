@@ -316,7 +316,7 @@ async def _consumer(a: dict[str, Any], chan: _Chan) -> dict[str, Any]:
                     asyncio.ensure_future(con.recv_request(f"i{it}r{r}", tables[r]))
                     for r in range(w.requests)
                 ]
-                await asyncio.sleep(0)
+                await asyncio.sleep(0.005 if a["push"] else 0)  # (push: grants land first)
                 t0 = time.perf_counter()
                 chan.send("cmd", "aiokv", it)
                 await asyncio.gather(*tasks)
@@ -435,7 +435,7 @@ def _ipc_options(a: dict[str, Any]) -> Any:
     from .ipc import IpcOptions
 
     # both processes are this benchmark's own children on one host
-    return IpcOptions(trust_unauthenticated=True)
+    return IpcOptions(trust_unauthenticated=True, push=a["push"])
 
 
 def _raw_setup(a: dict[str, Any], rank: int) -> Any:
@@ -576,6 +576,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         default=0.0,
         help="latency requests: the producer sends this long after the consumer waits",
     )
+    ap.add_argument(
+        "--push",
+        action="store_true",
+        help="ipc: push mode (the consumer grants its blocks, the producer copies); give "
+        "--latency-gap-ms so that the grants land before the producer sends",
+    )
     ap.add_argument("--seed", type=int, default=1234)
     ap.add_argument("--timeout", type=float, default=120.0)
     ap.add_argument("--loop", choices=["uvloop", "asyncio"], default=None)
@@ -640,7 +646,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         "raw": raw_kind,
         "gpus": gpus,
         "trace": bool(args.trace),
+        "push": bool(args.push),
     }
+    if args.push and args.transport != "ipc":
+        ap.error("--push needs --transport ipc")
     if args.trace:
         os.environ["AIOKV_IPC_TRACE"] = "1"  # read by aiokv.kv.ipc at import, in the children
     ctx = mp.get_context("spawn")

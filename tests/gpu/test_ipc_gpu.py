@@ -30,7 +30,11 @@ ROOT = WORKER.parent.parent.parent
 
 
 def run_pair(
-    scenario: str, tmp_path: Path, timeout: float = 240, env: dict[str, str] | None = None
+    scenario: str,
+    tmp_path: Path,
+    timeout: float = 240,
+    env: dict[str, str] | None = None,
+    worker: Path = WORKER,
 ) -> dict[str, dict[str, Any] | None]:
     e = dict(os.environ)
     e["PYTHONPATH"] = os.pathsep.join([str(ROOT), e.get("PYTHONPATH", "")])
@@ -38,7 +42,7 @@ def run_pair(
     e.update(env or {})
     procs = {
         role: subprocess.Popen(
-            [sys.executable, str(WORKER), role, scenario, str(tmp_path)],
+            [sys.executable, str(worker), role, scenario, str(tmp_path)],
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
             text=True,

@@ -1047,6 +1047,7 @@ class IpcPlane(_ProducerSide):
         launched copy is settled, an unlaunched one released) and re-raise."""
         m, desc = st.m, st.desc
         assert desc is not None
+        m.can_push = desc.can_push
         until = min(deadline, time.monotonic() + desc.lease - self._clock())
         if not st.launched:
             try:

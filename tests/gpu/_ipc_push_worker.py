@@ -57,6 +57,7 @@ def pstats(con: KVConnector) -> dict[str, Any]:
         "pushes_received": s.pushes_received,
         "push_unsettled": s.push_unsettled,
         "push_raw": con._ipc is not None
+        and bool(con._ipc._push_maps)
         and all(m.raw is not None for m in con._ipc._push_maps.values()),
     }
 
@@ -227,8 +228,9 @@ async def push_kill_consumer(role: str, d: str) -> dict[str, Any]:
             out["send_s"] = time.monotonic() - t0
             torch.cuda.synchronize()
             x = torch.ones(1 << 20, device=dev)
+            raw = big.view(torch.uint8)
             out["healthy"] = float(x.sum()) == float(1 << 20) and bool(
-                torch.equal(big[0].clone(), big[0])
+                torch.equal(raw[0].clone(), raw[0])
             )
             out.update(pstats(con))
             await con.aclose()

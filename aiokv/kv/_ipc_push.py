@@ -142,19 +142,23 @@ class _PushSide(_PlaneBase):
         """Our push export's token (a pushed descriptor names it), 0 before there is one."""
         return self._push_offer.offer.token if self._push_offer is not None else 0
 
-    def _push_source(self, frm: str) -> _Mapping | None:
-        """The verified mapping of producer ``frm`` when it said it can push to us."""
-        for m in self._maps.values():
-            if m.reply_to == frm and m.can_push and not m.broken:
-                return m
-        return None
+    def _push_source(self, frm: str | None) -> _Mapping | None:
+        """The verified mapping of producer ``frm`` when it said it can push to us (with
+        ``frm`` None: the one producer that can, if exactly one can)."""
+        ms = [
+            m
+            for m in self._maps.values()
+            if m.can_push and not m.broken and (frm is None or m.reply_to == frm)
+        ]
+        return ms[0] if len(ms) == 1 else None
 
     async def _recv_granted(
-        self, rid: str, host: tuple[int, ...], frm: str, deadline: float, m: _Mapping
+        self, rid: str, host: tuple[int, ...], frm: str | None, deadline: float, m: _Mapping
     ) -> str:
-        """A whole request in push mode: grant its blocks to producer ``frm``, then wait
-        for the producer's answer -- a push (wait for its copy's end) or any other
-        descriptor (the grant is void; the request goes on as that descriptor says)."""
+        """A whole request in push mode: grant its blocks to the producer of ``m``, then
+        wait for the answer (from ``frm``, or anyone when None) -- a push (wait for its
+        copy's end) or any other descriptor (the grant is void; the request goes on as
+        that descriptor says)."""
         _mark(rid, "grant")
         g = self._words.slot()
         blk = g // ABORT_WORDS
@@ -194,7 +198,7 @@ class _PushSide(_PlaneBase):
             self._words.set(g)
             m.can_push = False
             self._release(desc, Release(rid, False, fallback=True, reason=PUSH_REFUSED))
-            self._count_fallback(PUSH_REFUSED, frm, "a push descriptor not for this grant")
+            self._count_fallback(PUSH_REFUSED, m.reply_to, "a push descriptor not for this grant")
             await self.con.recv_request(
                 rid, host, frm=frm, timeout=max(0.0, deadline - time.monotonic()), _plain=True
             )
@@ -234,7 +238,7 @@ class _PushSide(_PlaneBase):
         g: int,
         gid: int,
         rid: str,
-        frm: str,
+        frm: str | None,
         desc: Descriptor | None,
         exc: BaseException,
     ) -> None:
@@ -281,7 +285,7 @@ class _PushSide(_PlaneBase):
         ):
             raise TransferTimeoutError(f"IPC push of {rid!r} did not end within its deadline")
 
-    def _answer_nowait(self, rid: str, frm: str) -> Descriptor | None:
+    def _answer_nowait(self, rid: str, frm: str | None) -> Descriptor | None:
         """The producer's descriptor for ``rid`` if it is here already (ring or engine)."""
         got = self._bell_take(rid, frm)
         if got is not None:

@@ -350,7 +350,7 @@ class IpcPlane(_ProducerSide):
         deadline, host = self._begin(request_id, block_ids, timeout, unique=True, what="recv")
         n = len(host)
         rung = False
-        if self.options.push and not layerwise and n and frm is not None:
+        if self.options.push and not layerwise and n:
             pm = self._push_source(frm)
             if pm is not None:  # push mode: grant the blocks, wait for the producer's copy
                 return await self._recv_granted(request_id, host, frm, deadline, pm)

@@ -149,9 +149,10 @@ async def push_matrix(role: str, d: str) -> dict[str, Any]:
 
 async def push_cancel(role: str, d: str) -> dict[str, Any]:
     """``k1``: the consumer cancels a granted request before the producer sends; the
-    producer later takes the (stale) grant and pushes: the kernel must write nothing.
+    producer then takes the (stale) grant and pushes: the kernel must write nothing.
     ``k2``: the push is launched behind ~2 s of GPU sleep and the consumer cancels while
-    it waits: nothing may be written then either, also after the sleep."""
+    it waits for it: nothing may be written then either, also after the sleep. (Marks
+    in DIR order the two processes.)"""
     dev = device(role)
     torch.cuda.set_device(dev)
     out: dict[str, Any] = {}
@@ -162,13 +163,14 @@ async def push_cancel(role: str, d: str) -> dict[str, Any]:
             _, caches = fill(BIG, dev, 5)
             con = KVConnector(eng, BIG, caches, ipc=POPTS)
             await handshake(con, role, peer, "k")
-            for rid, wait, cycles in (("k1", 2.0, 0), ("k2", GRANT_LANDS_S, SLEEP_2S)):
-                await asyncio.sleep(wait)
+            for rid, mark, cycles in (("k1", "k1_cancelled", 0), ("k2", "k2_granted", SLEEP_2S)):
+                await _wait_for(d, mark)
+                await asyncio.sleep(GRANT_LANDS_S)
                 if cycles:
                     torch.cuda._sleep(cycles)
                 t0 = time.monotonic()
                 try:
-                    await con.send_request(rid, src, to=peer, timeout=4)
+                    await con.send_request(rid, src, to=peer, timeout=2)
                     out[rid] = "ok"
                 except Exception as exc:
                     out[rid] = type(exc).__name__
@@ -180,9 +182,12 @@ async def push_cancel(role: str, d: str) -> dict[str, Any]:
             big = zeroed(BIG, dev)
             con = KVConnector(eng, BIG, list(big.unbind(0)), ipc=POPTS)
             await handshake(con, role, peer, "k")
-            for rid, before, later in (("k1", 0.5, 3.0), ("k2", 0.6, 3.0)):
+            for rid, before, later in (("k1", 0.3, 2.0), ("k2", 0.8, 3.0)):
                 dst = list(range(128, 192))
                 task = asyncio.ensure_future(con.recv_request(rid, dst, frm=peer, timeout=30))
+                await asyncio.sleep(0.05)
+                if rid == "k2":
+                    _publish(d, "k2_granted", "1")
                 await asyncio.sleep(before)
                 out[rid + "_done_before_cancel"] = task.done()
                 task.cancel()
@@ -194,6 +199,8 @@ async def push_cancel(role: str, d: str) -> dict[str, Any]:
                     out[rid] = "cancelled"
                 out[rid + "_cancel_s"] = time.monotonic() - t0
                 out[rid + "_untouched_at_return"] = not bool(blocks(big, BIG, dst).any())
+                if rid == "k1":
+                    _publish(d, "k1_cancelled", "1")
                 await asyncio.sleep(later)
                 torch.cuda.synchronize()
                 out[rid + "_untouched_later"] = not bool(blocks(big, BIG, dst).any())

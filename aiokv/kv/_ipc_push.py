@@ -417,6 +417,7 @@ class _PushSide(_PlaneBase):
         n = len(host)
         L = self.layout.num_layers
         buf = self._push_buf(n)
+        _mark(g.rid, "push:buf")
         struct.pack_into(f"<{2 * n}q", buf.mv, 0, *host, *g.dst)
         word = g.slot % ABORT_WORDS
         if self.device.type != "cuda":  # (the CPU tests' fake: the torch copy)
@@ -437,6 +438,7 @@ class _PushSide(_PlaneBase):
         if rs is not None:
             assert self._drv is not None and pm.raw is not None
             self._drv.memcpy_htod_async(buf.dev.data_ptr(), buf.pin.data_ptr(), 16 * n, rs)
+            _mark(g.rid, "push:uploaded")
             programs, args = _ipc_kernel.pair_copy_args(
                 own.data_ptr(),
                 theirs.data_ptr(),
@@ -446,7 +448,9 @@ class _PushSide(_PlaneBase):
                 word,
                 **geo,
             )
+            _mark(g.rid, "push:args")
             pm.raw.launch(programs, rs, args)
+            _mark(g.rid, "push:launched")
         else:
             with torch.cuda.device(self.device):
                 buf.dev.copy_(buf.pin, non_blocking=True)

@@ -132,7 +132,7 @@ async def first_request(prod: Any, cons: Any, a: Any, b: Any) -> None:
 
 
 @asynccontextmanager
-async def staged_pair() -> AsyncIterator[Any]:
+async def staged_pair(opts: Any = None) -> AsyncIterator[Any]:
     """Two engines and IPC connectors (FlashAttention, bf16, 24 blocks) whose first
     request mapped the producer's export and ring, with the consumer's driver path
     faked; closed afterwards. Yields a namespace: layout ``pl``, caches ``p``/``c``,
@@ -141,7 +141,7 @@ async def staged_pair() -> AsyncIterator[Any]:
     pl = make_layout("fa", "bfloat16", 24)
     p, c = filled(pl, 1), filled(pl, 2)
     async with pair(pl, pl) as (a, b):
-        prod, cons = connectors(a, b, pl, p, pl, c)
+        prod, cons = connectors(a, b, pl, p, pl, c, **({"opts": opts} if opts else {}))
         plane = cons._ipc
         await first_request(prod, cons, a, b)
         drv, raw = fake_driver(plane)

@@ -190,7 +190,7 @@ class _ProducerSide(_PushSide):
             )
         pm = self._push_maps.get(to) if self.options.push and n and not _offer_only else None
         if pm is not None:
-            got = self._take_grant(request_id, to, pm, n)
+            got = self._take_grant(request_id, to, pm, n, deadline)
             _mark(request_id, "grant:taken")
             if got is not None and await self._push(request_id, host, to, deadline, pm, *got):
                 return

@@ -83,6 +83,9 @@ class _PushSide(_PlaneBase):
         def _release(self, desc: Descriptor, rel: Release) -> None: ...
         def _release_soon(self, desc: Descriptor, rel: Release) -> None: ...
         def _bell_take(self, rid: str, frm: str | None) -> tuple[Descriptor, bool] | None: ...
+        def _desc_nowait(
+            self, rid: str, frm: str | None, deadline: float
+        ) -> tuple[Descriptor, KVLayout | None, bool] | None: ...
         async def _recv_desc(
             self, rid: str, frm: str | None, deadline: float, staged: Any = None
         ) -> tuple[Descriptor, KVLayout | None, bool]: ...
@@ -159,6 +162,11 @@ class _PushSide(_PlaneBase):
         wait for the answer (from ``frm``, or anyone when None) -- a push (wait for its
         copy's end) or any other descriptor (the grant is void; the request goes on as
         that descriptor says)."""
+        early = self._desc_nowait(rid, frm, deadline)
+        if early is not None:  # answered already (we come late): no grant
+            return await self._after_desc(
+                rid, host, early[0], early[1], frm, deadline, layerwise=False, rung=early[2]
+            )
         _mark(rid, "grant")
         g = self._words.slot()
         blk = g // ABORT_WORDS
@@ -345,14 +353,17 @@ class _PushSide(_PlaneBase):
         self._push_failed.pop(to, None)
         log.info("aiokv IPC plane: pushing to %s from now on (export %x verified)", to, m.token)
 
-    def _take_grant(self, rid: str, to: str, pm: _Mapping, n: int) -> tuple[Grant, Any] | None:
+    def _take_grant(
+        self, rid: str, to: str, pm: _Mapping, n: int, deadline: float
+    ) -> tuple[Grant, Any] | None:
         """The consumer's grant for ``rid`` if it has landed and can be used now, with the
         mapped abort block of its slot; else None (the request goes by pull, and a grant
-        still on its way is dropped when it lands)."""
+        still on its way is collected and dropped as it lands, until ``deadline``: it is
+        void, and kept it would wait for a later request of the same id)."""
         tid = f"{rid}#ipcgrant"
         raw = self.channel.recv_nowait(tid, frm=to)
         if raw is None:
-            self.con._drop(rid, [tid], to, 0.0, late=False)
+            self.con._drop(rid, [tid], to, deadline)
             return None
         try:
             g = Grant.from_wire(decode_message(raw))

@@ -510,6 +510,23 @@ class IpcPlane(_ProducerSide):
             _mark(rid, "desc")
             return *Descriptor.from_wire(d), False
 
+    def _desc_nowait(
+        self, rid: str, frm: str | None, deadline: float
+    ) -> tuple[Descriptor, KVLayout | None, bool] | None:
+        """The request's descriptor if it is here already (ring or engine), as
+        :meth:`_recv_desc` returns it; None if not yet."""
+        got = self._bell_take(rid, frm)
+        if got is not None:
+            return self._rung(rid, *got, frm, deadline), None, True
+        raw = self.channel.recv_nowait(f"{rid}#ipc", frm=frm)
+        if raw is None:
+            return None
+        d = decode_message(raw)
+        if rid in self._taken and self._taken[rid] == d.get("lease"):
+            return None  # a late engine copy of a descriptor the ring gave: dropped
+        _mark(rid, "desc")
+        return *Descriptor.from_wire(d), False
+
     def _rung(
         self, rid: str, desc: Descriptor, solo: bool, frm: str | None, deadline: float
     ) -> Descriptor:

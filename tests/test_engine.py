@@ -55,6 +55,23 @@ async def test_put_put_async_send_many_recv_many() -> None:
 
 
 @pytest.mark.timeout(30)
+async def test_recv_nowait_takes_only_what_has_landed() -> None:
+    async with engines(cfg(), cfg(), cfg()) as (a, b, c):
+        assert b.recv_nowait("x") is None  # nothing: no waiting, nothing registered
+        t = torch.arange(10)
+        await a.send("x", t, to=b.address)
+        assert b.recv_nowait("x", frm=c.address) is None  # another sender's only
+        assert same_bytes(b.recv_nowait("x", frm=a.address), t)
+        assert b.recv_nowait("x") is None  # collected once
+        await a.send("x", t, to=b.address)  # the id is free again
+        assert same_bytes(await b.recv("x", timeout=5), t)
+        with pytest.raises(aiokv.ConfigError):
+            b.recv_nowait("")
+    with pytest.raises(aiokv.AiokvError):
+        b.recv_nowait("x")  # closed
+
+
+@pytest.mark.timeout(30)
 async def test_get_and_not_published() -> None:
     async with engines(cfg(), cfg()) as (prod, cons):
         t = random_tensor(10_000, torch.bfloat16, 1, 5)

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import os
 import struct
 import time
 from typing import Any
@@ -44,6 +45,10 @@ ADDR = "127.0.0.1:5555"
 # --------------------------------------------------------------------------- messages
 
 
+def _in_shm(name: str) -> bool:
+    return os.path.exists(os.path.join("/dev/shm", name))
+
+
 def _export(size: int = 1 << 16) -> StorageExport:
     return StorageExport(b"h" * 64, size, 0, b"", 0, b"")
 
@@ -67,6 +72,43 @@ def test_grant_round_trip(
 ) -> None:
     g = Grant(rid, gid, tuple(dst), slot, until, _export() if abort else None)
     assert Grant.from_wire(_wire(g.to_wire())) == g
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    rid=st.text(min_size=1, max_size=40),
+    gid=st.integers(1, (1 << 63) - 1),
+    dst=st.lists(st.integers(0, (1 << 32) - 1), min_size=1, max_size=64, unique=True),
+    slot=st.integers(0, (1 << 40) - 1),
+    until=st.floats(allow_nan=False, allow_infinity=False),
+)
+def test_grant_ring_record_round_trip(
+    rid: str, gid: int, dst: list[int], slot: int, until: float
+) -> None:
+    g = Grant(rid, gid, tuple(dst), slot, until)
+    assert Grant.from_ring(g.to_ring()) == g
+
+
+def test_grant_ring_record_checked() -> None:
+    b = Grant("r", 5, (1, 2), 3, 10.0).to_ring()
+    for bad in (
+        b[:-1],
+        b + b"x",
+        b"\xa2" + b[1:],  # not a grant
+        b[:1] + b"\x01" + b[2:],  # an unknown flag
+        b[:-4] + struct.pack("<I", 1),  # one block twice
+    ):
+        with pytest.raises(RemoteProtocolError):
+            Grant.from_ring(bad)
+
+
+@settings(max_examples=300, deadline=None)
+@given(b=st.binary(max_size=120))
+def test_grant_ring_garbage_raises_only_the_protocol_error(b: bytes) -> None:
+    try:
+        Grant.from_ring(bytes([0xA3]) + b)
+    except RemoteProtocolError:
+        pass
 
 
 @pytest.mark.parametrize(
@@ -177,10 +219,12 @@ async def _offer() -> tuple[PushOffer, Any]:
     pl = make_layout("fa", "bfloat16", 8)
     async with pair(pl, pl) as (a, b):
         prod, cons = connectors(a, b, pl, filled(pl, 1), pl, filled(pl, 2), opts=PUSH_OPTS)
-        m: Any = type("M", (), {"push_offered": False})()
+        m: Any = type("M", (), {"push_offered": False, "grant_bell": None})()
         po = cons._ipc._offer_push(m)
         assert po is not None and m.push_offered
+        assert po.bell == m.grant_bell.name and po.bell_key == m.grant_bell.key
         assert cons._ipc._offer_push(m) is None  # once per mapping
+        m.grant_bell.close()
         await prod.aclose()
         await cons.aclose()
         return po, pl
@@ -246,6 +290,11 @@ async def test_granted_requests_are_pushed(name_producer: bool) -> None:
             assert landed(pl, p, src, c, dst)
         ps, cs = prod._ipc.statistics(), cons._ipc.statistics()
         assert ps.pushed == 3 and cs.grants == 3 and cs.pushes_received == 3
+        # the first grant named its abort block (by the engine), the next two came by
+        # the grants ring (whose name is gone from /dev/shm since the producer opened it)
+        (m,) = cons._ipc._maps.values()
+        assert m.grant_bell is not None and m.grant_bell._seq == 2
+        assert not _in_shm(m.grant_bell.name)
         assert cs.requests_received == 5 and ps.requests_sent == 5
         assert not ps.fallbacks and not cs.fallbacks
         assert prod.finished_sending() >= {"r0", "r1", "r2"}
@@ -444,5 +493,41 @@ async def test_a_consumer_that_comes_after_the_answer_grants_nothing() -> None:
         await send
         assert landed(pl, p, [4, 5], c, [6, 7])
         assert cons._ipc.statistics().grants == 0 and prod._ipc.statistics().pushed == 0
+        await prod.aclose()
+        await cons.aclose()
+
+
+@pytest.mark.anyio
+@pytest.mark.timeout(60)
+async def test_the_grants_ring_rejects_garbage_and_void_grants() -> None:
+    """A record that does not decode is rejected (counted) and the request pulled; a
+    grant arriving by the ring for a request already answered by pull is dropped, not
+    kept for a later request of the same id."""
+    pl = make_layout("fa", "bfloat16", 24)
+    p, c = filled(pl, 1), filled(pl, 2)
+    async with pair(pl, pl) as (a, b):
+        prod, cons = connectors(a, b, pl, p, pl, c, opts=PUSH_OPTS)
+        await _handshake(prod, cons, a, b)
+        t = await _granted(cons, "r0", [2], a.address)  # (tells the abort block)
+        await prod.send_request("r0", [3], to=b.address, timeout=10)
+        assert await t == "ipc"
+        (m,) = cons._ipc._maps.values()
+        assert m.grant_bell is not None
+        m.grant_bell.post(b"\xa3 not a grant")
+        # a pull answer first, then its grant by the ring (the consumer's grant is late)
+        send = asyncio.create_task(prod.send_request("r1", [4], to=b.address, timeout=10))
+        await asyncio.sleep(0.05)
+        pm = prod._ipc._push_maps[b.address]
+        assert "r1" in pm.pulled
+        m.grant_bell.post(Grant("r1", 9, (5,), 12345, time.monotonic() + 30).to_ring())
+        assert await cons.recv_request("r1", [6], frm=a.address, timeout=10) == "ipc"
+        await send
+        t = await _granted(cons, "r2", [7], a.address)  # the producer reads the ring again
+        await prod.send_request("r2", [8], to=b.address, timeout=10)
+        assert await t == "ipc"
+        assert prod._ipc.statistics().doorbell_rejected == 1
+        assert "r1" not in pm.grants and "r1" not in pm.pulled
+        assert prod._ipc.statistics().pushed == 2 and landed(pl, p, [8], c, [7])
+        assert landed(pl, p, [4], c, [6])
         await prod.aclose()
         await cons.aclose()

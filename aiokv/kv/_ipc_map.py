@@ -92,6 +92,13 @@ class _Mapping:
     can_push: bool = False
     push_offered: bool = False
     told: set[int] = field(default_factory=set)
+    grant_bell: _doorbell.BellWriter | None = None  # our grants' ring to this producer
+    grant_bell_unlinked: bool = False
+    # push mode, the producer's side: grants read from the consumer's ring and not used
+    # yet (request id -> grant), and request ids it answered by pull whose grant may
+    # still come by the ring (void: dropped when it does); both oldest first, bounded
+    grants: dict[str, Any] = field(default_factory=dict)
+    pulled: dict[str, None] = field(default_factory=dict)
 
 
 def abort_view(t: torch.Tensor) -> torch.Tensor:

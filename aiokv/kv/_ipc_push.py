@@ -23,6 +23,7 @@ landed could still write, and its descriptor would have come right after its lau
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import functools
 import secrets
 import struct
@@ -35,7 +36,7 @@ import torch
 from .._blocking import in_daemon
 from .._common import _time_left
 from .._exceptions import AiokvTimeoutError, RemoteProtocolError, TransferTimeoutError
-from . import _ipc_kernel
+from . import _doorbell, _ipc_kernel
 from ._ipc_common import _mark, _PlaneBase, check_same_host, log
 from ._ipc_map import ABORT_WORDS, AbortWords, IpcUnavailableError, Mapper, _Mapping, _pid_alive
 from ._ipc_map import seg_bytes as _seg_bytes
@@ -50,6 +51,8 @@ if TYPE_CHECKING:
 #: for another grant): the producer stops pushing to it and sends this one by pull's
 #: fallback, the ordinary way
 PUSH_REFUSED = "push_refused"
+#: grants read ahead, and request ids answered by pull, a producer keeps per consumer
+_MAX_HELD = 4096
 #: how soon before a grant's deadline the producer stops using it (the consumer must not
 #: be past its deadline when the copy starts)
 _GRANT_MARGIN_S = 0.005
@@ -123,6 +126,18 @@ class _PushSide(_PlaneBase):
         if not self.options.push or m.push_offered or self.disabled:
             return None
         m.push_offered = True
+        base = self._push_base()
+        if base is None or not self.options.doorbell:
+            return base
+        try:  # our grants' ring to this producer (named only in this offer)
+            m.grant_bell = _doorbell.BellWriter()
+        except OSError as exc:
+            log.info("aiokv IPC plane: grants go by the engine alone: %s", exc)
+            return base
+        return dataclasses.replace(base, bell=m.grant_bell.name, bell_key=m.grant_bell.key)
+
+    def _push_base(self) -> PushOffer | None:
+        """Our export for push mode without a grants ring (made once), or None."""
         if self._push_offer is None:
             try:
                 ex = self._make_export()
@@ -171,16 +186,15 @@ class _PushSide(_PlaneBase):
         g = self._words.slot()
         blk = g // ABORT_WORDS
         gid = secrets.randbits(62) | 1
-        grant = Grant(
-            rid,
-            gid,
-            host,
-            g,
-            deadline,
-            None if blk in m.told else self._words.export(blk),
-        )
+        told = blk in m.told
+        grant = Grant(rid, gid, host, g, deadline, None if told else self._words.export(blk))
         self._stats.grants += 1
-        self._send_msg(f"{rid}#ipcgrant", grant.to_wire(), m.reply_to, _time_left(deadline))
+        bell = m.grant_bell
+        if bell is not None and m.can_push and not m.grant_bell_unlinked:
+            bell.unlink()  # the producer opened it before it said it can push
+            m.grant_bell_unlinked = True
+        if not (told and bell is not None and bell.post(grant.to_ring())):
+            self._send_msg(f"{rid}#ipcgrant", grant.to_wire(), m.reply_to, _time_left(deadline))
         _mark(rid, "granted")
         try:
             desc, plout, rung = await self._recv_desc(rid, frm, deadline, None)
@@ -347,6 +361,12 @@ class _PushSide(_PlaneBase):
         if self._closed:
             return
         m.reply_to = to
+        if po.bell and self.options.doorbell:
+            try:  # the consumer's grants ring (it unlinks the name once we push)
+                m.bell = _doorbell.BellReader(po.bell, po.bell_key)
+                m.bell.close_wake()  # (polled when a request is sent: no wake-ups)
+            except (OSError, ValueError) as exc:
+                log.info("aiokv IPC plane: grants from %s come by the engine: %s", to, exc)
         L = self.layout.num_layers
         m.tables[(0, L)] = (self.con.caches.ptr_table(range(L)), m.src_table)
         self._push_maps[to] = m
@@ -360,16 +380,22 @@ class _PushSide(_PlaneBase):
         mapped abort block of its slot; else None (the request goes by pull, and a grant
         still on its way is collected and dropped as it lands, until ``deadline``: it is
         void, and kept it would wait for a later request of the same id)."""
-        tid = f"{rid}#ipcgrant"
-        raw = self.channel.recv_nowait(tid, frm=to)
-        if raw is None:
-            self.con._drop(rid, [tid], to, deadline)
-            return None
-        try:
-            g = Grant.from_wire(decode_message(raw))
-        except RemoteProtocolError as exc:
-            log.warning("aiokv IPC plane: a bad grant from %s: %s", to, exc)
-            return None
+        g = self._ring_grant(pm, rid)
+        if g is None:
+            tid = f"{rid}#ipcgrant"
+            raw = self.channel.recv_nowait(tid, frm=to)
+            if raw is None:
+                self.con._drop(rid, [tid], to, deadline)
+                if pm.bell is not None:  # one by the ring, later, is void too
+                    pm.pulled[rid] = None
+                    if len(pm.pulled) > _MAX_HELD:
+                        del pm.pulled[next(iter(pm.pulled))]
+                return None
+            try:
+                g = Grant.from_wire(decode_message(raw))
+            except RemoteProtocolError as exc:
+                log.warning("aiokv IPC plane: a bad grant from %s: %s", to, exc)
+                return None
         if (
             g.rid != rid
             or len(g.dst) != n
@@ -387,6 +413,32 @@ class _PushSide(_PlaneBase):
             _mark(rid, "grant:block")
             return None
         return g, ab
+
+    def _ring_grant(self, pm: _Mapping, rid: str) -> Grant | None:
+        """Read the consumer's grants ring (if it has one) and take ``rid``'s grant. A
+        record that does not decode is rejected (counted); a grant for a request this
+        side answered by pull already is void and dropped."""
+        b = pm.bell
+        if b is None:
+            return None
+        before = b.rejected
+        for payload in b.poll():
+            try:
+                g = Grant.from_ring(payload)
+            except RemoteProtocolError:
+                b.rejected += 1
+                continue
+            if g.rid in pm.pulled:  # answered by pull before it came
+                del pm.pulled[g.rid]
+                continue
+            pm.grants.pop(g.rid, None)
+            pm.grants[g.rid] = g
+            if len(pm.grants) > _MAX_HELD:
+                del pm.grants[next(iter(pm.grants))]
+        if b.rejected != before:
+            self._stats.doorbell_rejected += b.rejected - before
+        got: Grant | None = pm.grants.pop(rid, None)
+        return got
 
     async def _map_abort(self, pm: _Mapping, blk: int, e: Any) -> None:
         try:

@@ -54,6 +54,11 @@ _RING_CAN_PUSH = 2
 #: the producer wrote the blocks the consumer's grant named.
 _PUSH_RING = struct.Struct("<BBHIIQQdH")
 _PUSH_MAGIC = 0xA2
+#: A grant as the consumer's grants ring carries it: magic, flags (none yet), the
+#: request id's length, the block count, the grant id, the abort slot, the deadline;
+#: then the request id and the destination block ids (u32 each).
+_GRANT_RING = struct.Struct("<BBHIQQd")
+_GRANT_MAGIC = 0xA3
 #: the descriptor's plane of a request the producer pushed (after the consumer's grant)
 PUSH = "ipc-push"
 #: grant ids and abort slots are below these
@@ -619,9 +624,13 @@ class PushOffer:
     offer: Offer
     target: StorageExport
     abort0: StorageExport
+    bell: str = ""  # the grants' doorbell ring (consumer -> this producer), or none
+    bell_key: bytes = b""
 
     def to_wire(self) -> dict[str, Any]:
+        bell = {"bell": self.bell, "bell_key": self.bell_key} if self.bell else {}
         return {
+            **bell,
             "offer": self.offer.to_wire(),
             "target": self.target.to_wire(),
             "abort0": self.abort0.to_wire(),
@@ -631,7 +640,13 @@ class PushOffer:
     def from_wire(cls, d: object) -> PushOffer:
         if not isinstance(d, dict):
             raise RemoteProtocolError("IPC push offer must be a map")
-        _exact_keys(d, "IPC push offer", ("offer", "target", "abort0"))
+        _exact_keys(d, "IPC push offer", ("offer", "target", "abort0", "bell", "bell_key"))
+        bell, bell_key = "", b""
+        if "bell" in d or "bell_key" in d:
+            bell = _str(d, "bell", 64)
+            bell_key = _bytes(d, "bell_key", _doorbell.KEY_BYTES, _doorbell.KEY_BYTES)
+            if not _doorbell.valid_name(bell):
+                raise RemoteProtocolError("IPC push offer: not a doorbell name")
         offer, layout = Offer.from_wire(d.get("offer"))
         if offer.bell:
             raise RemoteProtocolError("IPC push offer: no doorbell in this direction")
@@ -641,7 +656,7 @@ class PushOffer:
         abort0 = StorageExport.from_wire(d.get("abort0"))
         if abort0.size < 4 * ABORT_WORDS:
             raise RemoteProtocolError("IPC push offer: abort block too small")
-        return cls(offer, target, abort0)
+        return cls(offer, target, abort0, bell, bell_key)
 
 
 @dataclass(frozen=True, slots=True)
@@ -672,6 +687,38 @@ class Grant:
         if self.abort is not None:
             d["abort"] = self.abort.to_wire()
         return d
+
+    def to_ring(self) -> bytes:
+        """The grants' doorbell record (no abort export: such a grant goes by the engine)."""
+        assert self.abort is None
+        rid = self.rid.encode()
+        n = len(self.dst)
+        head = _GRANT_RING.pack(_GRANT_MAGIC, 0, len(rid), n, self.gid, self.slot, self.until)
+        return b"".join((head, rid, struct.pack(f"<{n}I", *self.dst)))
+
+    @classmethod
+    def from_ring(cls, b: bytes) -> Grant:
+        """A grant ring record (untrusted): the field rules of :meth:`from_wire`, sizes
+        that add up exactly. Raises :class:`~aiokv.RemoteProtocolError`."""
+        if len(b) < _GRANT_RING.size:
+            raise RemoteProtocolError(f"IPC grant record of {len(b)} bytes")
+        magic, flags, lr, n, gid, slot, until = _GRANT_RING.unpack_from(b)
+        if (
+            magic != _GRANT_MAGIC
+            or flags
+            or not 1 <= n <= _MAX_BLOCKS_PER_REQUEST
+            or not 1 <= gid <= _MAX_GID
+            or slot >= _MAX_SLOT
+            or not math.isfinite(until)
+        ):
+            raise RemoteProtocolError("IPC grant record: a field out of range")
+        if len(b) != _GRANT_RING.size + lr + 4 * n:
+            raise RemoteProtocolError(f"IPC grant record of {len(b)} bytes for {n} blocks")
+        rid = _ring_rid(b, _GRANT_RING.size, lr)
+        dst = struct.unpack_from(f"<{n}I", b, _GRANT_RING.size + lr)
+        if len(set(dst)) != n:
+            raise RemoteProtocolError("IPC grant: duplicate destination blocks")
+        return cls(rid, gid, dst, slot, until)
 
     @classmethod
     def from_wire(cls, d: Mapping[str, Any]) -> Grant:

@@ -591,7 +591,11 @@ class IpcPlane(_ProducerSide):
         self._bell_poll(m)
 
     def _bell_drop(self, m: _Mapping) -> None:
-        """Stop reading ``m``'s ring (and watching its wake FIFO)."""
+        """Stop reading ``m``'s ring (and watching its wake FIFO), and close our grants'
+        ring to its producer."""
+        gb, m.grant_bell = m.grant_bell, None
+        if gb is not None:
+            gb.close()
         b, m.bell = m.bell, None
         if b is None:
             return
@@ -1416,6 +1420,10 @@ class IpcPlane(_ProducerSide):
             if bell is not None:
                 bell.close()
         self._bells.clear()
+        for pm in self._push_maps.values():  # (the consumers' grants rings we read)
+            if pm.bell is not None:
+                pm.bell.close()
+        self._push_maps.clear()
         self._maps.clear()
         if self._poller is not None:
             await self._poller.stop()

@@ -285,6 +285,8 @@ async def test_granted_requests_are_pushed(name_producer: bool) -> None:
         for i in range(3):
             src, dst = [5 + i, 9, 13 + i], [10 + i, 4, 20 - i]
             t = await _granted(cons, f"r{i}", dst, a.address if name_producer else None)
+            # r1 and r2 came by the grants ring, read as they came (woken by its FIFO)
+            assert (f"r{i}" in prod._ipc._push_maps[b.address].grants) is (i > 0)
             await prod.send_request(f"r{i}", src, to=b.address, timeout=10)
             assert await t == "ipc"
             assert landed(pl, p, src, c, dst)

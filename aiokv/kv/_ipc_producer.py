@@ -408,7 +408,9 @@ class _ProducerSide(_PushSide):
             )
         self._free_events.extend(events)
         if rel.fallback and rel.reason == PUSH_REFUSED:  # pull (and the ordinary way) goes on
-            self._push_maps.pop(to, None)
+            pm = self._push_maps.pop(to, None)
+            if pm is not None:
+                self._close_push(pm)
             self._count_fallback(PUSH_REFUSED, to)
             return False
         if rel.fallback:

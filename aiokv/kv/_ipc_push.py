@@ -23,6 +23,7 @@ landed could still write, and its descriptor would have come right after its lau
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import functools
 import secrets
@@ -191,7 +192,8 @@ class _PushSide(_PlaneBase):
         self._stats.grants += 1
         bell = m.grant_bell
         if bell is not None and m.can_push and not m.grant_bell_unlinked:
-            bell.unlink()  # the producer opened it before it said it can push
+            bell.open_wake()  # the producer opened both ends before it said it can push:
+            bell.unlink()  # each grant wakes it; the names can go
             m.grant_bell_unlinked = True
         if not (told and bell is not None and bell.post(grant.to_ring())):
             self._send_msg(f"{rid}#ipcgrant", grant.to_wire(), m.reply_to, _time_left(deadline))
@@ -364,11 +366,16 @@ class _PushSide(_PlaneBase):
         if po.bell and self.options.doorbell:
             try:  # the consumer's grants ring (it unlinks the name once we push)
                 m.bell = _doorbell.BellReader(po.bell, po.bell_key)
-                m.bell.close_wake()  # (polled when a request is sent: no wake-ups)
             except (OSError, ValueError) as exc:
                 log.info("aiokv IPC plane: grants from %s come by the engine: %s", to, exc)
+            else:  # read as grants arrive (woken by its FIFO), not when a request is sent
+                if m.bell.wake_fd >= 0:
+                    asyncio.get_running_loop().add_reader(m.bell.wake_fd, self._grants_woken, m)
         L = self.layout.num_layers
         m.tables[(0, L)] = (self.con.caches.ptr_table(range(L)), m.src_table)
+        old = self._push_maps.get(to)
+        if old is not None:
+            self._close_push(old)
         self._push_maps[to] = m
         self._push_failed.pop(to, None)
         log.info("aiokv IPC plane: pushing to %s from now on (export %x verified)", to, m.token)
@@ -415,12 +422,46 @@ class _PushSide(_PlaneBase):
         return g, ab
 
     def _ring_grant(self, pm: _Mapping, rid: str) -> Grant | None:
-        """Read the consumer's grants ring (if it has one) and take ``rid``'s grant. A
-        record that does not decode is rejected (counted); a grant for a request this
-        side answered by pull already is void and dropped."""
+        """``rid``'s grant from the consumer's grants ring, if it has one: read as it came
+        (:meth:`_grants_woken`), or now."""
+        got: Grant | None = pm.grants.pop(rid, None)
+        if got is None and pm.bell is not None:
+            self._read_grants(pm)
+            got = pm.grants.pop(rid, None)
+        return got
+
+    def _grants_woken(self, pm: _Mapping) -> None:
+        """The consumer posted a grant (its wake FIFO): read the ring now, off the path of
+        the request that will use it."""
         b = pm.bell
         if b is None:
-            return None
+            return
+        if not b.drain_wake():  # the consumer closed it: read when a request is sent
+            self._unwatch_grants(pm)
+        self._read_grants(pm)
+
+    def _close_push(self, pm: _Mapping) -> None:
+        """A push mapping is no longer used: stop reading its grants ring (the mapping
+        itself goes with its last reference: nothing of ours runs on it any more once
+        the requests that pushed through it settled)."""
+        self._unwatch_grants(pm)
+        if pm.bell is not None:
+            pm.bell.close()
+            pm.bell = None
+
+    def _unwatch_grants(self, pm: _Mapping) -> None:
+        b = pm.bell
+        if b is not None and b.wake_fd >= 0:
+            with contextlib.suppress(Exception):  # (no loop any more at interpreter exit)
+                asyncio.get_running_loop().remove_reader(b.wake_fd)
+            b.close_wake()
+
+    def _read_grants(self, pm: _Mapping) -> None:
+        """Take the grants in the consumer's ring into ``pm.grants``. A record that does
+        not decode is rejected (counted); a grant for a request this side answered by
+        pull already is void and dropped."""
+        b = pm.bell
+        assert b is not None
         before = b.rejected
         for payload in b.poll():
             try:
@@ -437,8 +478,6 @@ class _PushSide(_PlaneBase):
                 del pm.grants[next(iter(pm.grants))]
         if b.rejected != before:
             self._stats.doorbell_rejected += b.rejected - before
-        got: Grant | None = pm.grants.pop(rid, None)
-        return got
 
     async def _map_abort(self, pm: _Mapping, blk: int, e: Any) -> None:
         try:

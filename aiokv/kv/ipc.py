@@ -1421,8 +1421,7 @@ class IpcPlane(_ProducerSide):
                 bell.close()
         self._bells.clear()
         for pm in self._push_maps.values():  # (the consumers' grants rings we read)
-            if pm.bell is not None:
-                pm.bell.close()
+            self._close_push(pm)
         self._push_maps.clear()
         self._maps.clear()
         if self._poller is not None:

@@ -233,6 +233,14 @@ async def _producer(a: dict[str, Any], chan: _Chan) -> dict[str, Any]:
                 if cmd == "aiokv":
                     it = msg[2]
                     await asyncio.gather(*(one(f"i{it}r{r}", tables[r]) for r in range(w.requests)))
+                    if it == -1 and a["push"] and con._ipc is not None:
+                        # the warm-up's releases carried the consumer's export: wait for
+                        # its mapping (off the loop, seconds), so that the timed
+                        # iterations after the next one find the consumer granting
+                        for _ in range(600):
+                            if con._ipc._push_maps or con._ipc._push_failed:
+                                break
+                            await asyncio.sleep(0.05)
                 elif cmd == "raw":
                     if a["raw"] == "nccl":
                         await asyncio.to_thread(_nccl_raw, pg, raw_src, w.requests, 0)

@@ -16,6 +16,8 @@ import dataclasses
 import os
 import struct
 import time
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 from typing import Any
 
 import pytest
@@ -266,6 +268,24 @@ async def _handshake(prod: Any, cons: Any, a: Any, b: Any, *, wait: bool = True)
             await asyncio.sleep(0.01)
 
 
+@asynccontextmanager
+async def push_pair(*, producer_push: bool = True) -> AsyncIterator[tuple[Any, ...]]:
+    """Two engines and push-mode connectors (FlashAttention, bf16, 24 blocks) past the
+    handshake (``producer_push`` False: the producer's side without push mode, so no
+    handshake to wait for); closed afterwards. Yields ``(layout, producer caches,
+    consumer caches, a, b, producer, consumer)``."""
+    pl = make_layout("fa", "bfloat16", 24)
+    p, c = filled(pl, 1), filled(pl, 2)
+    async with pair(pl, pl) as (a, b):
+        prod, cons = connectors(a, b, pl, p, pl, c, opts=PUSH_OPTS)
+        if not producer_push:
+            prod._ipc.options = OPTS
+        await _handshake(prod, cons, a, b, wait=producer_push)
+        yield pl, p, c, a, b, prod, cons
+        await prod.aclose()
+        await cons.aclose()
+
+
 async def _granted(cons: Any, rid: str, dst: list[int], frm: Any, **kw: Any) -> asyncio.Task[Any]:
     """Start a consumer's request and let its grant land at the producer."""
     t = asyncio.create_task(cons.recv_request(rid, dst, frm=frm, timeout=kw.get("timeout", 10)))
@@ -277,11 +297,7 @@ async def _granted(cons: Any, rid: str, dst: list[int], frm: Any, **kw: Any) -> 
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("name_producer", [True, False])
 async def test_granted_requests_are_pushed(name_producer: bool) -> None:
-    pl = make_layout("fa", "bfloat16", 24)
-    p, c = filled(pl, 1), filled(pl, 2)
-    async with pair(pl, pl) as (a, b):
-        prod, cons = connectors(a, b, pl, p, pl, c, opts=PUSH_OPTS)
-        await _handshake(prod, cons, a, b)
+    async with push_pair() as (pl, p, c, a, b, prod, cons):
         for i in range(3):
             src, dst = [5 + i, 9, 13 + i], [10 + i, 4, 20 - i]
             t = await _granted(cons, f"r{i}", dst, a.address if name_producer else None)
@@ -301,8 +317,6 @@ async def test_granted_requests_are_pushed(name_producer: bool) -> None:
         assert not ps.fallbacks and not cs.fallbacks
         assert prod.finished_sending() >= {"r0", "r1", "r2"}
         assert cons.finished_receiving() >= {"r0", "r1", "r2"}
-        await prod.aclose()
-        await cons.aclose()
 
 
 @pytest.mark.anyio
@@ -336,11 +350,7 @@ async def test_staged_pull_also_learns_that_the_producer_can_push() -> None:
 async def test_a_late_grant_is_void_and_its_word_set() -> None:
     """The producer sends before the grant landed: it answers by pull (the data is
     right) and the grant, landing later or never, can copy nothing (its word is set)."""
-    pl = make_layout("fa", "bfloat16", 24)
-    p, c = filled(pl, 1), filled(pl, 2)
-    async with pair(pl, pl) as (a, b):
-        prod, cons = connectors(a, b, pl, p, pl, c, opts=PUSH_OPTS)
-        await _handshake(prod, cons, a, b)
+    async with push_pair() as (pl, p, c, a, b, prod, cons):
         words = cons._ipc._words
         nxt = words.free[-1] if words.free else words._next
         recv = asyncio.create_task(cons.recv_request("r1", [11, 12], frm=a.address, timeout=10))
@@ -353,18 +363,12 @@ async def test_a_late_grant_is_void_and_its_word_set() -> None:
         assert prod._ipc.statistics().pushed == 0 and cons._ipc.statistics().grants == 1
         await asyncio.sleep(0.1)  # the late grant landed and was dropped, not kept
         assert prod._ipc.channel.recv_nowait("r1#ipcgrant", frm=b.address) is None
-        await prod.aclose()
-        await cons.aclose()
 
 
 @pytest.mark.anyio
 @pytest.mark.timeout(60)
 async def test_a_cancelled_grant_copies_nothing_when_the_producer_takes_it() -> None:
-    pl = make_layout("fa", "bfloat16", 24)
-    p, c = filled(pl, 1), filled(pl, 2)
-    async with pair(pl, pl) as (a, b):
-        prod, cons = connectors(a, b, pl, p, pl, c, opts=PUSH_OPTS)
-        await _handshake(prod, cons, a, b)
+    async with push_pair() as (pl, _p, c, a, b, prod, cons):
         before = [x.clone() for x in c]
         t = await _granted(cons, "k1", [14, 15, 16], a.address)
         t.cancel()
@@ -382,8 +386,6 @@ async def test_a_cancelled_grant_copies_nothing_when_the_producer_takes_it() -> 
         )
         assert cons._ipc.statistics().aborted == 1
         assert "k1" not in cons.finished_receiving()
-        await prod.aclose()
-        await cons.aclose()
 
 
 def torch_equal(x: Any, y: Any) -> bool:
@@ -398,11 +400,7 @@ async def test_a_push_for_another_grant_is_refused_and_the_request_still_lands()
     """A producer pushing under another grant id (a stale grant of the same request
     id, or a faulty peer): the consumer refuses it, the producer stops pushing to it and
     sends the request the ordinary way."""
-    pl = make_layout("fa", "bfloat16", 24)
-    p, c = filled(pl, 1), filled(pl, 2)
-    async with pair(pl, pl) as (a, b):
-        prod, cons = connectors(a, b, pl, p, pl, c, opts=PUSH_OPTS)
-        await _handshake(prod, cons, a, b)
+    async with push_pair() as (pl, p, c, a, b, prod, cons):
         take = prod._ipc._take_grant
 
         def other_gid(*args: Any) -> Any:
@@ -425,19 +423,13 @@ async def test_a_push_for_another_grant_is_refused_and_the_request_still_lands()
         await prod.send_request("r2", [7], to=b.address, timeout=10)
         assert await recv == "ipc" and landed(pl, p, [7], c, [19])
         assert cons._ipc.statistics().grants == 1  # it stopped granting at the refusal
-        await prod.aclose()
-        await cons.aclose()
 
 
 @pytest.mark.anyio
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("bad", ["out_of_range", "other_rid", "expired", "count"])
 async def test_a_grant_the_producer_cannot_use_is_answered_by_pull(bad: str) -> None:
-    pl = make_layout("fa", "bfloat16", 24)
-    p, c = filled(pl, 1), filled(pl, 2)
-    async with pair(pl, pl) as (a, b):
-        prod, cons = connectors(a, b, pl, p, pl, c, opts=PUSH_OPTS)
-        await _handshake(prod, cons, a, b)
+    async with push_pair() as (pl, p, c, a, b, prod, cons):
         send = cons._ipc._send_msg
 
         def tamper(tid: str, msg: Any, to: str, timeout: float) -> None:
@@ -459,44 +451,29 @@ async def test_a_grant_the_producer_cannot_use_is_answered_by_pull(bad: str) -> 
         assert await t == "ipc"
         assert landed(pl, p, [8, 9], c, [20, 21])
         assert prod._ipc.statistics().pushed == 0
-        await prod.aclose()
-        await cons.aclose()
 
 
 @pytest.mark.anyio
 @pytest.mark.timeout(60)
 async def test_no_grants_to_a_producer_without_push_mode() -> None:
-    pl = make_layout("fa", "bfloat16", 24)
-    p, c = filled(pl, 1), filled(pl, 2)
-    async with pair(pl, pl) as (a, b):
-        prod, cons = connectors(a, b, pl, p, pl, c, opts=PUSH_OPTS)
-        prod._ipc.options = OPTS  # (the producer's side without push mode)
-        await _handshake(prod, cons, a, b, wait=False)
+    async with push_pair(producer_push=False) as (pl, p, c, a, b, prod, cons):
         await asyncio.sleep(0.1)
         t = await _granted(cons, "r1", [22], a.address)
         await prod.send_request("r1", [10], to=b.address, timeout=10)
         assert await t == "ipc" and landed(pl, p, [10], c, [22])
         assert not prod._ipc._push_maps and cons._ipc.statistics().grants == 0
-        await prod.aclose()
-        await cons.aclose()
 
 
 @pytest.mark.anyio
 @pytest.mark.timeout(60)
 async def test_a_consumer_that_comes_after_the_answer_grants_nothing() -> None:
-    pl = make_layout("fa", "bfloat16", 24)
-    p, c = filled(pl, 1), filled(pl, 2)
-    async with pair(pl, pl) as (a, b):
-        prod, cons = connectors(a, b, pl, p, pl, c, opts=PUSH_OPTS)
-        await _handshake(prod, cons, a, b)
+    async with push_pair() as (pl, p, c, a, b, prod, cons):
         send = asyncio.create_task(prod.send_request("r1", [4, 5], to=b.address, timeout=10))
         await asyncio.sleep(0.05)  # the (pull) descriptor is here before the request
         assert await cons.recv_request("r1", [6, 7], frm=a.address, timeout=10) == "ipc"
         await send
         assert landed(pl, p, [4, 5], c, [6, 7])
         assert cons._ipc.statistics().grants == 0 and prod._ipc.statistics().pushed == 0
-        await prod.aclose()
-        await cons.aclose()
 
 
 @pytest.mark.anyio
@@ -505,11 +482,7 @@ async def test_the_grants_ring_rejects_garbage_and_void_grants() -> None:
     """A record that does not decode is rejected (counted) and the request pulled; a
     grant arriving by the ring for a request already answered by pull is dropped, not
     kept for a later request of the same id."""
-    pl = make_layout("fa", "bfloat16", 24)
-    p, c = filled(pl, 1), filled(pl, 2)
-    async with pair(pl, pl) as (a, b):
-        prod, cons = connectors(a, b, pl, p, pl, c, opts=PUSH_OPTS)
-        await _handshake(prod, cons, a, b)
+    async with push_pair() as (pl, p, c, a, b, prod, cons):
         t = await _granted(cons, "r0", [2], a.address)  # (tells the abort block)
         await prod.send_request("r0", [3], to=b.address, timeout=10)
         assert await t == "ipc"
@@ -531,5 +504,55 @@ async def test_the_grants_ring_rejects_garbage_and_void_grants() -> None:
         assert "r1" not in pm.grants and "r1" not in pm.pulled
         assert prod._ipc.statistics().pushed == 2 and landed(pl, p, [8], c, [7])
         assert landed(pl, p, [4], c, [6])
-        await prod.aclose()
-        await cons.aclose()
+
+
+@pytest.mark.anyio
+@pytest.mark.timeout(60)
+async def test_a_restarted_consumer_offers_its_new_export() -> None:
+    """A consumer that restarts (a fresh plane on the same engine) answers the next
+    descriptor with a ``no_offer`` fallback: the producer drops its mapping of the old
+    export too (stale), and after the handshake pushes into the new one."""
+    from test_ipc_plane import FakeBackend
+
+    from aiokv.kv.ipc import IpcPlane
+
+    async with push_pair() as (pl, p, c, a, b, prod, cons):
+        old = cons._ipc
+        old_token = prod._ipc._push_maps[b.address].token
+        cons._ipc = IpcPlane(cons, old.options, backend=FakeBackend())  # the restart
+        t = await _granted(cons, "n1", [9], a.address)  # no mapping here: no grant
+        await prod.send_request("n1", [5], to=b.address, timeout=10)
+        assert await t == "engine" and landed(pl, p, [5], c, [9])
+        assert b.address not in prod._ipc._push_maps  # the old export is not pushed to
+        await _handshake(prod, cons, a, b)
+        assert prod._ipc._push_maps[b.address].token != old_token
+        t = await _granted(cons, "n2", [10, 11], a.address)
+        await prod.send_request("n2", [6, 7], to=b.address, timeout=10)
+        assert await t == "ipc" and landed(pl, p, [6, 7], c, [10, 11])
+        assert cons._ipc.statistics().pushes_received == 1
+        assert cons._ipc.statistics().fallbacks == {"no_offer": 1}
+        await old.aclose()
+
+
+@pytest.mark.anyio
+@pytest.mark.timeout(60)
+async def test_a_push_nobody_granted_is_refused_and_the_request_lands() -> None:
+    """A later request of the same id that granted nothing receives a push under the
+    earlier, cancelled request's grant (the producer kept it): that copy wrote nothing
+    (its abort word is set); the consumer refuses it and the request comes the ordinary
+    way (it failed with a protocol error before)."""
+    async with push_pair() as (pl, p, c, a, b, prod, cons):
+        before = [x.clone() for x in c]
+        t = await _granted(cons, "s1", [12, 13], a.address)
+        t.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await t
+        (m,) = cons._ipc._maps.values()
+        m.can_push = False  # (this consumer grants nothing for the next one)
+        t = await _granted(cons, "s1", [14, 15], a.address)
+        await prod.send_request("s1", [2, 3], to=b.address, timeout=10)
+        assert await t == "engine" and landed(pl, p, [2, 3], c, [14, 15])
+        assert torch_equal(blocks(before[0], pl, [12, 13]), blocks(c[0], pl, [12, 13]))
+        assert prod._ipc.statistics().pushed == 1
+        assert cons._ipc.statistics().fallbacks == {PUSH_REFUSED: 1}
+        assert b.address not in prod._ipc._push_maps

@@ -415,6 +415,9 @@ class _ProducerSide(_PushSide):
             return False
         if rel.fallback:
             reason = rel.reason or "consumer_refused"
+            pm = self._push_maps.pop(to, None)  # (a consumer that lost our offer restarted:
+            if pm is not None:  # its export we map is stale too; it offers its new one)
+                self._close_push(pm)
             self._ring_ok.discard(to)
             self._acked.discard(to)
             bell = self._bells.pop(to, None)

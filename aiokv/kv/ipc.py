@@ -99,6 +99,7 @@ from ._ipc_map import (
     _pid_alive,
 )
 from ._ipc_producer import _Export, _IpcSave, _ProducerSide
+from ._ipc_push import PUSH_REFUSED
 from ._ipc_wire import (
     LAYERS,
     PUSH,
@@ -398,9 +399,6 @@ class IpcPlane(_ProducerSide):
         con = self.con
         n = len(host)
         _mark(request_id, "decoded")
-        if desc.plane == PUSH:  # never granted here
-            self._release(desc, Release(request_id, False, reason="push without a grant"))
-            raise RemoteProtocolError(f"IPC: {request_id!r} pushed without a grant")
         if desc.rid != request_id:
             raise RemoteProtocolError(f"IPC descriptor for {desc.rid!r:.64} under {request_id!r}")
         L = self.layout.num_layers
@@ -441,6 +439,17 @@ class IpcPlane(_ProducerSide):
             )
 
         if desc.plane == "chunks":
+            await plain()
+            return "engine"
+        if desc.plane == PUSH:
+            # a push this request did not grant: a stale grant of an earlier request of
+            # the same id (its abort word was set: it copied nothing), or a faulty peer.
+            # Refused: the producer stops pushing to us and sends the ordinary way
+            self._release(desc, Release(request_id, False, fallback=True, reason=PUSH_REFUSED))
+            self._count_fallback(PUSH_REFUSED, desc.reply_to, "a push without a grant")
+            for m in self._maps.values():
+                if m.reply_to == desc.reply_to:
+                    m.can_push = False
             await plain()
             return "engine"
         try:

@@ -280,10 +280,12 @@ async def push_pair(*, producer_push: bool = True) -> AsyncIterator[tuple[Any, .
         prod, cons = connectors(a, b, pl, p, pl, c, opts=PUSH_OPTS)
         if not producer_push:
             prod._ipc.options = OPTS
-        await _handshake(prod, cons, a, b, wait=producer_push)
-        yield pl, p, c, a, b, prod, cons
-        await prod.aclose()
-        await cons.aclose()
+        try:
+            await _handshake(prod, cons, a, b, wait=producer_push)
+            yield pl, p, c, a, b, prod, cons
+        finally:  # (also after a failed assertion: a ring left in /dev/shm fails others)
+            await prod.aclose()
+            await cons.aclose()
 
 
 async def _granted(cons: Any, rid: str, dst: list[int], frm: Any, **kw: Any) -> asyncio.Task[Any]:

@@ -26,7 +26,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from test_ipc_plane import OPTS, connectors, landed, pair
 
-from aiokv import RemoteProtocolError, TransferTimeoutError
+from aiokv import RemoteProtocolError, TransferAbortedError, TransferTimeoutError
 from aiokv.kv._ipc_map import ABORT_WORDS
 from aiokv.kv._ipc_push import PUSH_REFUSED
 from aiokv.kv._ipc_wire import (
@@ -558,3 +558,33 @@ async def test_a_push_nobody_granted_is_refused_and_the_request_lands() -> None:
         assert prod._ipc.statistics().pushed == 1
         assert cons._ipc.statistics().fallbacks == {PUSH_REFUSED: 1}
         assert b.address not in prod._ipc._push_maps
+
+
+@pytest.mark.anyio
+@pytest.mark.timeout(60)
+async def test_a_push_that_never_ends_is_counted_unsettled_after_the_grace() -> None:
+    """The consumer is cancelled while the producer's push has not ended (its event
+    never fires here): it sets the grant's word, waits ``grace_s`` for the event, then
+    gives up (``push_unsettled``, logged) and tells the producer the request failed."""
+    from test_ipc_plane import FakeEvent
+
+    async with push_pair() as (_pl, _p, _c, a, b, prod, cons):
+        t = await _granted(cons, "u1", [16], a.address)
+        FakeEvent.fire_after = None  # the producer's event, recorded after its launch
+        try:
+            send = asyncio.create_task(prod.send_request("u1", [1], to=b.address, timeout=10))
+            await asyncio.sleep(0.1)  # the consumer has the descriptor, polls the event
+            assert not t.done()
+            t.cancel()
+            t0 = time.monotonic()
+            with pytest.raises(asyncio.CancelledError):
+                await t
+            took = time.monotonic() - t0
+        finally:
+            FakeEvent.fire_after = 0.0
+        assert PUSH_OPTS.grace_s - 0.05 <= took < PUSH_OPTS.grace_s + 0.5
+        st = cons._ipc.statistics()
+        assert st.push_unsettled == 1 and st.aborted == 1 and st.pushes_received == 0
+        with pytest.raises(TransferAbortedError):
+            await send
+        assert "u1" not in cons.finished_receiving()

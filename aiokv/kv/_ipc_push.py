@@ -1,4 +1,4 @@
-"""The IPC plane's push mode (``IpcOptions(push=True)``; docs/ipc.md, "Push"), both
+"""The IPC plane's push mode (``IpcOptions(push=True)``; docs/ipc.md, "Push mode"), both
 sides, a base of :class:`aiokv.kv.ipc.IpcPlane`.
 
 A consumer that pulled a first request from a producer sends it, with that request's
@@ -10,7 +10,7 @@ launches the copy itself, on its current stream right after its KV writes, recor
 IPC event after it and sends a :data:`PUSH` descriptor naming that event. The consumer
 returns once the event fired. A request without a grant in time goes by pull.
 
-Rules (docs/design.md, "Push mode's rules"): the producer launches only for a grant it
+Rules (docs/ipc.md, "Push mode"; docs/design.md, "Push after a grant"): the producer launches only for a grant it
 took before it answered the request, not past the grant's deadline, with ids checked
 against the consumer's layout; every grant that ends without its push (a pull answer,
 cancellation, a deadline) has its abort word set and never reused, so a stale grant
@@ -48,9 +48,9 @@ if TYPE_CHECKING:
     from ._ipc_producer import _Export
     from .layouts import KVLayout
 
-#: a fallback release's reason when the consumer refused a pushed request (a descriptor
-#: for another grant): the producer stops pushing to it and sends this one by pull's
-#: fallback, the ordinary way
+#: a fallback release's reason when the consumer refused a pushed request (under another
+#: grant, or with none): the producer stops pushing to it and sends this one the
+#: ordinary way
 PUSH_REFUSED = "push_refused"
 #: grants read ahead, and request ids answered by pull, a producer keeps per consumer
 _MAX_HELD = 4096

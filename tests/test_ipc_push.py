@@ -588,3 +588,24 @@ async def test_a_push_that_never_ends_is_counted_unsettled_after_the_grace() -> 
         with pytest.raises(TransferAbortedError):
             await send
         assert "u1" not in cons.finished_receiving()
+
+
+@pytest.mark.anyio
+@pytest.mark.timeout(60)
+async def test_a_cancelled_grant_settles_at_a_pull_answer_and_fails_it() -> None:
+    """Cancelled while the producer answers by pull: the grant is settled by that
+    answer (no copy will come under it), before the grace period, and the producer
+    hears at once that the request failed (not at its lease)."""
+    async with push_pair() as (_pl, _p, _c, a, b, prod, cons):
+        prod._ipc._take_grant = lambda *args: None  # (this producer answers by pull)
+        t = await _granted(cons, "v1", [17], a.address)
+        t.cancel()
+        t0 = time.monotonic()
+        send = asyncio.create_task(prod.send_request("v1", [3], to=b.address, timeout=10))
+        with pytest.raises(asyncio.CancelledError):
+            await t
+        assert time.monotonic() - t0 < PUSH_OPTS.grace_s
+        with pytest.raises(TransferAbortedError):
+            await send
+        assert time.monotonic() - t0 < 2.0  # the release, not the lease (10 s)
+        assert cons._ipc.statistics().push_unsettled == 0

@@ -299,8 +299,9 @@ class _PushSide(_PlaneBase):
                     "after its abort (its abort word is set)",
                     rid,
                 )
-        self.con._drop(rid, [f"{rid}#ipc"], frm, time.monotonic() + 60.0, late=desc is None)
-        if desc is not None:
+        # the answer's engine copy (or the answer itself, still to come) is dropped
+        self.con._drop(rid, [f"{rid}#ipc"], frm, time.monotonic() + 60.0)
+        if desc is not None and desc.plane != "chunks":  # (the plane's: it waits for this)
             reason = "cancelled" if isinstance(exc, asyncio.CancelledError) else "failed"
             self._release(desc, Release(rid, False, reason=reason))
         self.con._stats.recv_failures += 1

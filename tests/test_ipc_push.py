@@ -609,3 +609,31 @@ async def test_a_cancelled_grant_settles_at_a_pull_answer_and_fails_it() -> None
             await send
         assert time.monotonic() - t0 < 2.0  # the release, not the lease (10 s)
         assert cons._ipc.statistics().push_unsettled == 0
+
+
+@pytest.mark.anyio
+@pytest.mark.timeout(60)
+async def test_prepare_also_hands_the_producer_our_export() -> None:
+    """``prepare()`` (the offer-only request) carries the consumer's push offer on its
+    release: the producer maps it ahead, so the first request already says it can push
+    and the second is pushed."""
+    pl = make_layout("fa", "bfloat16", 24)
+    p, c = filled(pl, 1), filled(pl, 2)
+    async with pair(pl, pl) as (a, b):
+        prod, cons = connectors(a, b, pl, p, pl, c, opts=PUSH_OPTS)
+        try:
+            assert await cons.prepare(a.address, timeout=10)
+            for _ in range(200):
+                if b.address in prod._ipc._push_maps:
+                    break
+                await asyncio.sleep(0.01)
+            assert b.address in prod._ipc._push_maps
+            for i, (src, dst) in enumerate((([1], [2]), ([3], [4]))):
+                t = await _granted(cons, f"r{i}", dst, a.address)
+                await prod.send_request(f"r{i}", src, to=b.address, timeout=10)
+                assert await t == "ipc" and landed(pl, p, src, c, dst)
+            st = cons._ipc.statistics()
+            assert st.grants == 1 and st.pushes_received == 1 and st.requests_received == 2
+        finally:
+            await prod.aclose()
+            await cons.aclose()

@@ -467,7 +467,7 @@ class IpcPlane(_ProducerSide):
         _mark(request_id, "mapped")
         m.can_push = desc.can_push
         if n == 0:  # an offer alone (prepare): mapped and verified, nothing to copy
-            self._release(desc, Release(request_id, True))
+            self._release(desc, Release(request_id, True, push=self._offer_push(m)))
             return "ipc"
         await self._pull(m, desc, host, deadline, frm, rung=rung)
         return "ipc"

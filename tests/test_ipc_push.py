@@ -69,26 +69,13 @@ def _wire(d: dict[str, Any]) -> dict[str, Any]:
     until=st.floats(allow_nan=False, allow_infinity=False),
     abort=st.booleans(),
 )
-def test_grant_round_trip(
+def test_grant_round_trip_by_engine_and_ring(
     rid: str, gid: int, dst: list[int], slot: int, until: float, abort: bool
 ) -> None:
     g = Grant(rid, gid, tuple(dst), slot, until, _export() if abort else None)
     assert Grant.from_wire(_wire(g.to_wire())) == g
-
-
-@settings(max_examples=200, deadline=None)
-@given(
-    rid=st.text(min_size=1, max_size=40),
-    gid=st.integers(1, (1 << 63) - 1),
-    dst=st.lists(st.integers(0, (1 << 32) - 1), min_size=1, max_size=64, unique=True),
-    slot=st.integers(0, (1 << 40) - 1),
-    until=st.floats(allow_nan=False, allow_infinity=False),
-)
-def test_grant_ring_record_round_trip(
-    rid: str, gid: int, dst: list[int], slot: int, until: float
-) -> None:
-    g = Grant(rid, gid, tuple(dst), slot, until)
-    assert Grant.from_ring(g.to_ring()) == g
+    if not abort:  # (a grant naming an abort block goes by the engine only)
+        assert Grant.from_ring(g.to_ring()) == g
 
 
 def test_grant_ring_record_checked() -> None:

@@ -169,6 +169,17 @@ def _float(d: Mapping[str, Any], k: str) -> float:
     return float(v)
 
 
+def _bell_fields(d: Mapping[str, Any], what: str) -> tuple[str, bytes]:
+    """A doorbell ring's ``bell`` (name) and ``bell_key`` of an offer: both or neither."""
+    if "bell" not in d and "bell_key" not in d:
+        return "", b""
+    bell = _str(d, "bell", 64)
+    bell_key = _bytes(d, "bell_key", _doorbell.KEY_BYTES, _doorbell.KEY_BYTES)
+    if not _doorbell.valid_name(bell):
+        raise RemoteProtocolError(f"{what}: not a doorbell name")
+    return bell, bell_key
+
+
 def _exact_keys(d: Mapping[str, Any], what: str, keys: Sequence[str]) -> None:
     extra = set(d) - set(keys)
     if extra:
@@ -284,12 +295,7 @@ class Offer:
                 "bell_key",
             ),
         )
-        bell, bell_key = "", b""
-        if "bell" in d or "bell_key" in d:
-            bell = _str(d, "bell", 64)
-            bell_key = _bytes(d, "bell_key", _doorbell.KEY_BYTES, _doorbell.KEY_BYTES)
-            if not _doorbell.valid_name(bell):
-                raise RemoteProtocolError("IPC offer: not a doorbell name")
+        bell, bell_key = _bell_fields(d, "IPC offer")
         try:
             layout = layout_from_wire(d.get("layout"))
         except ConfigError as exc:
@@ -641,12 +647,7 @@ class PushOffer:
         if not isinstance(d, dict):
             raise RemoteProtocolError("IPC push offer must be a map")
         _exact_keys(d, "IPC push offer", ("offer", "target", "abort0", "bell", "bell_key"))
-        bell, bell_key = "", b""
-        if "bell" in d or "bell_key" in d:
-            bell = _str(d, "bell", 64)
-            bell_key = _bytes(d, "bell_key", _doorbell.KEY_BYTES, _doorbell.KEY_BYTES)
-            if not _doorbell.valid_name(bell):
-                raise RemoteProtocolError("IPC push offer: not a doorbell name")
+        bell, bell_key = _bell_fields(d, "IPC push offer")
         offer, layout = Offer.from_wire(d.get("offer"))
         if offer.bell:
             raise RemoteProtocolError("IPC push offer: no doorbell in this direction")

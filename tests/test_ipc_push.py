@@ -624,3 +624,77 @@ async def test_prepare_also_hands_the_producer_our_export() -> None:
         finally:
             await prod.aclose()
             await cons.aclose()
+
+
+def test_revoke_records_round_trip_and_are_checked() -> None:
+    from aiokv.kv._ipc_wire import REVOKE, REVOKED, parse_revoke, revoke_record
+
+    for magic in (REVOKE, REVOKED):
+        b = revoke_record(magic, "r-7", 99)
+        assert parse_revoke(b, magic) == ("r-7", 99)
+        other = REVOKED if magic == REVOKE else REVOKE
+        for bad in (b[:-1], b + b"x", bytes((other,)) + b[1:], b[:4] + bytes(8) + b[12:]):
+            with pytest.raises(RemoteProtocolError):
+                parse_revoke(bad, magic)
+
+
+@settings(max_examples=300, deadline=None)
+@given(b=st.binary(max_size=80))
+def test_revoke_garbage_raises_only_the_protocol_error(b: bytes) -> None:
+    from aiokv.kv._ipc_wire import REVOKE, parse_revoke
+
+    try:
+        parse_revoke(bytes((REVOKE,)) + b, REVOKE)
+    except RemoteProtocolError:
+        pass
+
+
+@pytest.mark.anyio
+@pytest.mark.timeout(60)
+async def test_a_grant_revoked_by_the_ring_settles_at_once() -> None:
+    """A ring grant whose request is cancelled before the producer sends: once its word
+    landed the consumer revokes it by the ring; the producer, holding it untaken, drops
+    it and says so, and the cancellation returns at that answer, not after grace_s. The
+    producer's later send then has no grant: it is pulled (no push)."""
+    async with push_pair() as (_pl, _p, _c, a, b, prod, cons):
+        t = await _granted(cons, "r0", [2], a.address)  # (tells the abort block)
+        await prod.send_request("r0", [3], to=b.address, timeout=10)
+        assert await t == "ipc"
+        pm = prod._ipc._push_maps[b.address]
+        t = await _granted(cons, "k2", [18, 19], a.address)
+        assert "k2" in pm.grants  # by the ring, read as it came
+        t.cancel()
+        t0 = time.monotonic()
+        with pytest.raises(asyncio.CancelledError):
+            await t
+        assert time.monotonic() - t0 < PUSH_OPTS.grace_s / 2
+        assert "k2" not in pm.grants
+        with pytest.raises(TransferTimeoutError):  # pulled; the consumer is gone
+            await prod.send_request("k2", [5, 6], to=b.address, timeout=0.5)
+        assert prod._ipc.statistics().pushed == 1
+        (m,) = cons._ipc._maps.values()
+        assert not m.revoked and cons._ipc.statistics().push_unsettled == 0
+
+
+@pytest.mark.anyio
+@pytest.mark.timeout(60)
+async def test_a_revoke_for_a_taken_grant_gets_no_answer() -> None:
+    """Revoking a grant the producer took already (its push is on its way) is not
+    answered: the consumer settles by that push's end, as without the revoke."""
+    async with push_pair() as (_pl, _p, _c, a, b, prod, cons):
+        t = await _granted(cons, "r0", [2], a.address)
+        await prod.send_request("r0", [3], to=b.address, timeout=10)
+        assert await t == "ipc"
+        pm = prod._ipc._push_maps[b.address]
+        t = await _granted(cons, "k3", [20], a.address)
+        g, _ = prod._ipc._take_grant("k3", b.address, pm, 1, time.monotonic() + 5)
+        from aiokv.kv._ipc_wire import REVOKE, revoke_record
+
+        (m,) = cons._ipc._maps.values()
+        assert m.grant_bell is not None
+        m.grant_bell.post(revoke_record(REVOKE, "k3", g.gid))
+        await asyncio.sleep(0.05)
+        assert not m.revoked  # nothing answered: the grant was taken
+        t.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await t

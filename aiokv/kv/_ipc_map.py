@@ -99,6 +99,9 @@ class _Mapping:
     # still come by the ring (void: dropped when it does); both oldest first, bounded
     grants: dict[str, Any] = field(default_factory=dict)
     pulled: dict[str, None] = field(default_factory=dict)
+    # push mode, the consumer's side: grants the producer answered it never used (a
+    # revoke's answer: grant id -> request id), oldest first, bounded
+    revoked: dict[int, str] = field(default_factory=dict)
 
 
 def abort_view(t: torch.Tensor) -> torch.Tensor:

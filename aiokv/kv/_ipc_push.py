@@ -41,7 +41,18 @@ from . import _doorbell, _ipc_kernel
 from ._ipc_common import _mark, _PlaneBase, check_same_host, log
 from ._ipc_map import ABORT_WORDS, AbortWords, IpcUnavailableError, Mapper, _Mapping, _pid_alive
 from ._ipc_map import seg_bytes as _seg_bytes
-from ._ipc_wire import PUSH, Descriptor, Grant, PushOffer, Release, decode_message
+from ._ipc_wire import (
+    PUSH,
+    REVOKE,
+    REVOKED,
+    Descriptor,
+    Grant,
+    PushOffer,
+    Release,
+    decode_message,
+    parse_revoke,
+    revoke_record,
+)
 from .layouts import check_compatible, layout_from_wire
 
 if TYPE_CHECKING:
@@ -53,7 +64,9 @@ if TYPE_CHECKING:
 #: ordinary way
 PUSH_REFUSED = "push_refused"
 #: grants read ahead, and request ids answered by pull, a producer keeps per consumer
+#: (and revoke answers a consumer keeps per producer)
 _MAX_HELD = 4096
+_REVOKE_B = bytes((REVOKE,))
 #: how soon before a grant's deadline the producer stops using it (the consumer must not
 #: be past its deadline when the copy starts)
 _GRANT_MARGIN_S = 0.005
@@ -78,6 +91,7 @@ class _PushSide(_PlaneBase):
     _mapper: Mapper
     _prepared: asyncio.Future[None] | None
     _export: _Export | None
+    _bells: dict[str, _doorbell.BellWriter | None]
 
     if TYPE_CHECKING:  # (IpcPlane and its producer side provide these)
 
@@ -195,13 +209,14 @@ class _PushSide(_PlaneBase):
             bell.open_wake()  # the producer opened both ends before it said it can push:
             bell.unlink()  # each grant wakes it; the names can go
             m.grant_bell_unlinked = True
-        if not (told and bell is not None and bell.post(grant.to_ring())):
+        by_ring = told and bell is not None and bell.post(grant.to_ring())
+        if not by_ring:
             self._send_msg(f"{rid}#ipcgrant", grant.to_wire(), m.reply_to, _time_left(deadline))
         _mark(rid, "granted")
         try:
             desc, plout, rung = await self._recv_desc(rid, frm, deadline, None)
         except BaseException as exc:
-            await self._grant_aborted(m, g, gid, rid, frm, None, exc)
+            await self._grant_aborted(m, g, gid, rid, frm, None, exc, by_ring=by_ring)
             raise
         if desc.plane != PUSH:  # answered by pull (or the ordinary way): the grant is void
             self._words.set(g)
@@ -265,21 +280,35 @@ class _PushSide(_PlaneBase):
         frm: str | None,
         desc: Descriptor | None,
         exc: BaseException,
+        *,
+        by_ring: bool = False,
     ) -> None:
         """A granted request failed (cancelled, deadline, error): set the grant's abort
         word and settle the grant before the caller may reuse the blocks -- the word
         landed, and the producer's push (``desc``, or one that comes within the grace
-        period) ended, or its answer says it never pushed, or it is gone. Raises
+        period) ended, or its answer says it never pushed (a descriptor, or -- for a
+        grant sent by the ring and revoked there once the word landed -- its answer that
+        it had not taken the grant and never will), or it is gone. Raises
         :class:`TransferTimeoutError` for a timeout; the caller re-raises the rest."""
         self._words.set(g)  # never reused: a stale grant copies nothing
         self._stats.aborted += 1
         landed = self._words.landed()
         end = time.monotonic() + self.options.grace_s
         settled = False
+        revoke = by_ring and desc is None
         while time.monotonic() < end:
             if desc is None:
                 desc = self._answer_nowait(rid, frm)
             if bool(landed.query()):
+                if revoke and desc is None and m.grant_bell is not None:
+                    # (after the word landed: a launch after the producer read this
+                    # copies nothing, and it answers only for a grant it never took)
+                    m.grant_bell.post(revoke_record(REVOKE, rid, gid))
+                revoke = False
+                if m.revoked.get(gid) == rid:
+                    del m.revoked[gid]
+                    settled = True  # the producer never took it, and never will
+                    break
                 if desc is not None and (desc.plane != PUSH or desc.gid != gid):
                     settled = True  # it answered without using this grant
                 elif desc is not None:
@@ -466,6 +495,9 @@ class _PushSide(_PlaneBase):
         before = b.rejected
         for payload in b.poll():
             try:
+                if payload[:1] == _REVOKE_B:
+                    self._revoke(pm, *parse_revoke(payload, REVOKE))
+                    continue
                 g = Grant.from_ring(payload)
             except RemoteProtocolError:
                 b.rejected += 1
@@ -479,6 +511,19 @@ class _PushSide(_PlaneBase):
                 del pm.grants[next(iter(pm.grants))]
         if b.rejected != before:
             self._stats.doorbell_rejected += b.rejected - before
+
+    def _revoke(self, pm: _Mapping, rid: str, gid: int) -> None:
+        """The consumer revoked grant ``gid`` of ``rid`` (its request ended; its abort word
+        landed). If the grant is here untaken, it is dropped -- no request takes it now
+        -- and the consumer told so by the descriptor ring; otherwise it was taken and
+        answered (a push or a pull descriptor), or came by the engine: no answer."""
+        g = pm.grants.get(rid)
+        if g is None or g.gid != gid:
+            return
+        del pm.grants[rid]
+        bell = self._bells.get(pm.reply_to)
+        if bell is not None:
+            bell.post(revoke_record(REVOKED, rid, gid))
 
     async def _map_abort(self, pm: _Mapping, blk: int, e: Any) -> None:
         try:

@@ -59,6 +59,12 @@ _PUSH_MAGIC = 0xA2
 #: then the request id and the destination block ids (u32 each).
 _GRANT_RING = struct.Struct("<BBHIQQd")
 _GRANT_MAGIC = 0xA3
+#: A cancelled grant's revoke (consumer -> producer, grants ring) and the producer's
+#: answer that it never used it (producer -> consumer, descriptor ring): magic, flags
+#: (none), the request id's length, the grant id; then the request id.
+_REVOKE_RING = struct.Struct("<BBHQ")
+REVOKE = 0xA4
+REVOKED = 0xA5
 #: the descriptor's plane of a request the producer pushed (after the consumer's grant)
 PUSH = "ipc-push"
 #: grant ids and abort slots are below these
@@ -784,6 +790,25 @@ class LayerReady:
             event=_bytes(d, "event", 1, _MAX_HANDLE),
             event_slot=_int(d, "event_slot", 0, _MAX_EVENT_SLOT),
         )
+
+
+def revoke_record(magic: int, rid: str, gid: int) -> bytes:
+    """A :data:`REVOKE` or :data:`REVOKED` ring record for grant ``gid`` of ``rid``."""
+    r = rid.encode()
+    return _REVOKE_RING.pack(magic, 0, len(r), gid) + r
+
+
+def parse_revoke(b: bytes, magic: int) -> tuple[str, int]:
+    """``(rid, gid)`` of a :data:`REVOKE` / :data:`REVOKED` record (untrusted). Raises
+    :class:`~aiokv.RemoteProtocolError`."""
+    if len(b) < _REVOKE_RING.size:
+        raise RemoteProtocolError(f"IPC revoke record of {len(b)} bytes")
+    m, flags, lr, gid = _REVOKE_RING.unpack_from(b)
+    if m != magic or flags or not 1 <= gid <= _MAX_GID:
+        raise RemoteProtocolError("IPC revoke record: a field out of range")
+    if len(b) != _REVOKE_RING.size + lr:
+        raise RemoteProtocolError(f"IPC revoke record of {len(b)} bytes for {lr}")
+    return _ring_rid(b, _REVOKE_RING.size, lr), gid
 
 
 def probe_pattern(nonce: int, nbytes: int, device: torch.device | str) -> torch.Tensor:

@@ -103,6 +103,7 @@ from ._ipc_push import PUSH_REFUSED
 from ._ipc_wire import (
     LAYERS,
     PUSH,
+    REVOKED,
     Descriptor,
     LayerReady,
     Offer,
@@ -110,6 +111,7 @@ from ._ipc_wire import (
     StorageExport,
     decode_message,
     encode_message,
+    parse_revoke,
     probe_pattern,
 )
 from .layouts import KVLayout, check_compatible
@@ -151,6 +153,7 @@ _MAX_TAKEN = 4096
 #: safety net with one
 _BELL_POLL_S = 0.001
 _BELL_POLL_WAKE_S = 0.01
+_REVOKED_B = bytes((REVOKED,))
 #: a mapping whose producer process is gone (it is unmapped; requests fall back)
 PRODUCER_GONE = "producer_gone"
 #: the export's mapping did not finish before the request's deadline
@@ -632,6 +635,12 @@ class IpcPlane(_ProducerSide):
             return
         for payload in msgs:
             try:
+                if payload[:1] == _REVOKED_B:  # push mode: a revoked grant never taken
+                    rid, gid = parse_revoke(payload, REVOKED)
+                    m.revoked[gid] = rid
+                    if len(m.revoked) > _MAX_PENDING:
+                        del m.revoked[next(iter(m.revoked))]
+                    continue
                 desc, solo = Descriptor.from_ring(payload, m.reply_to)
             except RemoteProtocolError:
                 b.rejected += 1

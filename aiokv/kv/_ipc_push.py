@@ -15,9 +15,11 @@ took before it answered the request, not past the grant's deadline, with ids che
 against the consumer's layout; every grant that ends without its push (a pull answer,
 cancellation, a deadline) has its abort word set and never reused, so a stale grant
 copies nothing; an aborted grant is settled -- its blocks may be reused -- once the
-word has landed and the producer's answer came (a push: its copy's end), or the
-producer is gone, or ``grace_s`` passed (then only a copy launched before the word
-landed could still write, and its descriptor would have come right after its launch).
+word has landed and the producer's answer came (a push: its copy's end; for a grant
+sent by the ring and revoked there, the producer's word that it dropped it untaken),
+or the producer is gone, or ``grace_s`` passed (then only a copy launched before the
+word landed could still write, and its descriptor would have come right after its
+launch).
 """
 
 from __future__ import annotations

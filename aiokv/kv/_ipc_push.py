@@ -159,9 +159,9 @@ class _PushSide(_PlaneBase):
             try:
                 ex = self._make_export()
                 seg = _seg_bytes(self.layout)
-                target = torch.zeros(2 * seg, dtype=torch.uint8, device=self.device)
-                if self.device.type == "cuda":
-                    torch.cuda.current_stream(self.device).synchronize()  # zeroed before use
+                # the producer zeroes it before its probe writes it: no fill here (a
+                # kernel's first launch, and a wait for it, on the loop)
+                target = torch.empty(2 * seg, dtype=torch.uint8, device=self.device)
                 self._push_keep.append(target)
                 self._push_offer = PushOffer(
                     ex.offer,

@@ -628,10 +628,10 @@ class Release:
 
 @dataclass(frozen=True, slots=True)
 class PushOffer:
-    """The consumer's export for push mode (docs/ipc.md, "Push"): its cache as an
-    :class:`Offer` (``probe`` filled with :func:`probe_pattern` ``(nonce)``), a zeroed
-    ``target`` of two segments the producer's verification writes the probe into (and
-    reads back), and its first block of abort words."""
+    """The consumer's export for push mode (docs/ipc.md, "Push mode"): its cache as an
+    :class:`Offer` (``probe`` filled with :func:`probe_pattern` ``(nonce)``), a
+    ``target`` of two segments the producer's verification zeroes, writes the probe
+    into and reads back, and its first block of abort words."""
 
     offer: Offer
     target: StorageExport

@@ -103,6 +103,7 @@ class _PushSide(_PlaneBase):
         def _release(self, desc: Descriptor, rel: Release) -> None: ...
         def _release_soon(self, desc: Descriptor, rel: Release) -> None: ...
         def _bell_take(self, rid: str, frm: str | None) -> tuple[Descriptor, bool] | None: ...
+        async def _wait_ready(self, ev: Any, until: float, what: str = ...) -> None: ...
         def _desc_nowait(
             self, rid: str, frm: str | None, deadline: float
         ) -> tuple[Descriptor, KVLayout | None, bool] | None: ...
@@ -248,7 +249,7 @@ class _PushSide(_PlaneBase):
         until = min(deadline, time.monotonic() + desc.lease - self._clock())
         try:
             ev = self._event(m, desc.event_slot, desc.event)
-            await self._wait_pushed(ev, until)
+            await self._wait_ready(ev, until, "the producer's push did not end")
         except BaseException as exc:
             await self._grant_aborted(m, g, gid, rid, frm, desc, exc)
             raise
@@ -262,16 +263,6 @@ class _PushSide(_PlaneBase):
         self.con._received(rid, 0, desc.n, t0)
         _mark(rid, "return")
         return "ipc"
-
-    async def _wait_pushed(self, ev: Any, until: float) -> None:
-        """Poll the producer's completion event from the loop until it fired (the first
-        millisecond every pass, then every millisecond), or time out at ``until``."""
-        spin_until = time.monotonic() + 0.002
-        while not bool(ev.query()):
-            now = time.monotonic()
-            if now >= until:
-                raise TransferTimeoutError("IPC: the producer's push did not end in time")
-            await asyncio.sleep(0 if now < spin_until else min(0.001, until - now))
 
     async def _grant_aborted(
         self,

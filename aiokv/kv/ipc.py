@@ -1376,9 +1376,12 @@ class IpcPlane(_ProducerSide):
                 return
             await asyncio.sleep(0)
 
-    async def _wait_ready(self, ev: Any, until: float) -> None:
-        """Poll the producer's event from the loop until it fired, or raise
-        :class:`~aiokv.TransferTimeoutError` at ``until`` (``time.monotonic``).
+    async def _wait_ready(
+        self, ev: Any, until: float, what: str = "the producer's ready event did not fire"
+    ) -> None:
+        """Poll the producer's event (its ready event; push mode: its copy's completion)
+        from the loop until it fired, or raise :class:`~aiokv.TransferTimeoutError`
+        ("IPC: ``what`` in time") at ``until`` (``time.monotonic``).
 
         Spins (``sleep(0)``: other tasks run between polls) for the first
         ``_READY_SPIN_S``, then sleeps 1 ms between polls: on an idle loop any shorter
@@ -1389,7 +1392,7 @@ class IpcPlane(_ProducerSide):
         while not bool(ev.query()):
             now = time.monotonic()
             if now >= until:
-                raise TransferTimeoutError("IPC: the producer's ready event did not fire in time")
+                raise TransferTimeoutError(f"IPC: {what} in time")
             if now < spin_until:
                 await asyncio.sleep(0)
             else:

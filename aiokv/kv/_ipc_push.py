@@ -219,7 +219,7 @@ class _PushSide(_PlaneBase):
         try:
             desc, plout, rung = await self._recv_desc(rid, frm, deadline, None)
         except BaseException as exc:
-            await self._grant_aborted(m, g, gid, rid, frm, None, exc, by_ring=by_ring)
+            await self._grant_aborted(m, g, gid, rid, frm, deadline, None, exc, by_ring=by_ring)
             raise
         if desc.plane != PUSH:  # answered by pull (or the ordinary way): the grant is void
             self._words.set(g)
@@ -251,7 +251,7 @@ class _PushSide(_PlaneBase):
             ev = self._event(m, desc.event_slot, desc.event)
             await self._wait_ready(ev, until, "the producer's push did not end")
         except BaseException as exc:
-            await self._grant_aborted(m, g, gid, rid, frm, desc, exc)
+            await self._grant_aborted(m, g, gid, rid, frm, deadline, desc, exc)
             raise
         _mark(rid, "done")
         m.told.add(blk)
@@ -271,6 +271,7 @@ class _PushSide(_PlaneBase):
         gid: int,
         rid: str,
         frm: str | None,
+        deadline: float,
         desc: Descriptor | None,
         exc: BaseException,
         *,
@@ -289,9 +290,13 @@ class _PushSide(_PlaneBase):
         end = time.monotonic() + self.options.grace_s
         settled = False
         revoke = by_ring and desc is None
+        rung = False  # (the answer came by the ring: its engine copy is dropped already)
         while time.monotonic() < end:
             if desc is None:
-                desc = self._answer_nowait(rid, frm)
+                with contextlib.suppress(RemoteProtocolError):  # (a bad answer: none)
+                    got = self._desc_nowait(rid, frm, deadline)
+                    if got is not None:
+                        desc, _, rung = got
             if bool(landed.query()):
                 if revoke and desc is None and m.grant_bell is not None:
                     # (after the word landed: a launch after the producer read this
@@ -321,8 +326,8 @@ class _PushSide(_PlaneBase):
                     "after its abort (its abort word is set)",
                     rid,
                 )
-        # the answer's engine copy (or the answer itself, still to come) is dropped
-        self.con._drop(rid, [f"{rid}#ipc"], frm, time.monotonic() + 60.0)
+        if not rung:  # the answer's engine copy, or the answer itself, still to come
+            self.con._drop(rid, [f"{rid}#ipc"], frm, time.monotonic() + 60.0)
         if desc is not None and desc.plane != "chunks":  # (the plane's: it waits for this)
             reason = "cancelled" if isinstance(exc, asyncio.CancelledError) else "failed"
             self._release(desc, Release(rid, False, reason=reason))
@@ -331,19 +336,6 @@ class _PushSide(_PlaneBase):
             isinstance(exc, TransferTimeoutError)
         ):
             raise TransferTimeoutError(f"IPC push of {rid!r} did not end within its deadline")
-
-    def _answer_nowait(self, rid: str, frm: str | None) -> Descriptor | None:
-        """The producer's descriptor for ``rid`` if it is here already (ring or engine)."""
-        got = self._bell_take(rid, frm)
-        if got is not None:
-            return got[0]
-        raw = self.channel.recv_nowait(f"{rid}#ipc", frm=frm)
-        if raw is None:
-            return None
-        try:
-            return Descriptor.from_wire(decode_message(raw))[0]
-        except RemoteProtocolError:
-            return None
 
     # ================================================================== producer
 

@@ -516,11 +516,9 @@ class IpcPlane(_ProducerSide):
                 else:
                     eng.cancel()
                 return self._rung(rid, *got, frm, deadline), None, True
-            d = decode_message(eng.result())
-            if rid in self._taken and self._taken[rid] == d.get("lease"):
-                continue  # a late engine copy of a descriptor the ring gave: not this one
-            _mark(rid, "desc")
-            return *Descriptor.from_wire(d), False
+            taken = self._from_engine(rid, eng.result())
+            if taken is not None:
+                return taken
 
     def _desc_nowait(
         self, rid: str, frm: str | None, deadline: float
@@ -531,11 +529,15 @@ class IpcPlane(_ProducerSide):
         if got is not None:
             return self._rung(rid, *got, frm, deadline), None, True
         raw = self.channel.recv_nowait(f"{rid}#ipc", frm=frm)
-        if raw is None:
-            return None
+        return None if raw is None else self._from_engine(rid, raw)
+
+    def _from_engine(self, rid: str, raw: Any) -> tuple[Descriptor, KVLayout | None, bool] | None:
+        """A descriptor the engine delivered for ``rid``, decoded, as :meth:`_recv_desc`
+        returns it; None for a late engine copy of one the ring gave (``_taken``: it was
+        collected, and is dropped)."""
         d = decode_message(raw)
         if rid in self._taken and self._taken[rid] == d.get("lease"):
-            return None  # a late engine copy of a descriptor the ring gave: dropped
+            return None
         _mark(rid, "desc")
         return *Descriptor.from_wire(d), False
 

@@ -236,15 +236,11 @@ class _PushSide(_PlaneBase):
             or desc.token != self._push_offer.offer.token
         ):
             # another grant's push (that grant's word was set when it ended: it wrote
-            # nothing), or nonsense: this grant is void too; the ordinary way
+            # nothing), or nonsense: this grant is void too
             self._words.set(g)
-            m.can_push = False
-            self._release(desc, Release(rid, False, fallback=True, reason=PUSH_REFUSED))
-            self._count_fallback(PUSH_REFUSED, m.reply_to, "a push descriptor not for this grant")
-            await self.con.recv_request(
-                rid, host, frm=frm, timeout=max(0.0, deadline - time.monotonic()), _plain=True
+            return await self._refuse_push(
+                desc, rid, host, frm, deadline, m.reply_to, "a push descriptor not for this grant"
             )
-            return "engine"
         t0 = time.perf_counter()
         until = min(deadline, time.monotonic() + desc.lease - self._clock())
         try:
@@ -263,6 +259,29 @@ class _PushSide(_PlaneBase):
         self.con._received(rid, 0, desc.n, t0)
         _mark(rid, "return")
         return "ipc"
+
+    async def _refuse_push(
+        self,
+        desc: Descriptor,
+        rid: str,
+        host: tuple[int, ...],
+        frm: str | None,
+        deadline: float,
+        peer: str,
+        detail: str,
+    ) -> str:
+        """Refuse a push that is not for a grant of this request (``push_refused``): the
+        producer at ``peer`` is granted nothing more (and stops pushing to us), and the
+        request comes the ordinary way."""
+        self._release(desc, Release(rid, False, fallback=True, reason=PUSH_REFUSED))
+        self._count_fallback(PUSH_REFUSED, peer, detail)
+        for m in self._maps.values():
+            if m.reply_to == peer:
+                m.can_push = False
+        await self.con.recv_request(
+            rid, host, frm=frm, timeout=max(0.0, deadline - time.monotonic()), _plain=True
+        )
+        return "engine"
 
     async def _grant_aborted(
         self,

@@ -99,7 +99,6 @@ from ._ipc_map import (
     _pid_alive,
 )
 from ._ipc_producer import _Export, _IpcSave, _ProducerSide
-from ._ipc_push import PUSH_REFUSED
 from ._ipc_wire import (
     LAYERS,
     PUSH,
@@ -446,15 +445,10 @@ class IpcPlane(_ProducerSide):
             return "engine"
         if desc.plane == PUSH:
             # a push this request did not grant: a stale grant of an earlier request of
-            # the same id (its abort word was set: it copied nothing), or a faulty peer.
-            # Refused: the producer stops pushing to us and sends the ordinary way
-            self._release(desc, Release(request_id, False, fallback=True, reason=PUSH_REFUSED))
-            self._count_fallback(PUSH_REFUSED, desc.reply_to, "a push without a grant")
-            for m in self._maps.values():
-                if m.reply_to == desc.reply_to:
-                    m.can_push = False
-            await plain()
-            return "engine"
+            # the same id (its abort word was set: it copied nothing), or a faulty peer
+            return await self._refuse_push(
+                desc, request_id, host, frm, deadline, desc.reply_to, "a push without a grant"
+            )
         try:
             m = await self._mapping(desc, plout, deadline)
         except IpcUnavailableError as exc:

@@ -441,6 +441,18 @@ class _PlaneBase:
         deadline = con._deadline(timeout)
         return deadline, self._ids(block_ids, unique=unique, what=f"{what}_request")
 
+    def _ids_buffers(self, n: int) -> tuple[int, torch.Tensor, torch.Tensor, memoryview]:
+        """New buffers for ``n`` block pairs' ids (``2 n`` int64, rounded up to a power of
+        two, at least 64): ``(capacity, pinned host buffer, its device twin -- the host
+        one itself on CPU --, a memoryview of the host one for struct.pack_into)``."""
+        from ..transport.tcp import tensor_buffer
+
+        cap = max(64, 1 << max(0, 2 * n - 1).bit_length())
+        cuda = self.device.type == "cuda"
+        pin = torch.empty(cap, dtype=torch.int64, pin_memory=cuda)
+        dev = torch.empty(cap, dtype=torch.int64, device=self.device) if cuda else pin
+        return cap, pin, dev, tensor_buffer(pin)
+
     def _raw_stream(self) -> int | None:
         """The caller's current stream on this plane's device as a raw handle, when the
         driver calls can be used (driver loaded, this device is the current one: the

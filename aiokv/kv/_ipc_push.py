@@ -544,13 +544,7 @@ class _PushSide(_PlaneBase):
         for i, b in enumerate(self._push_bufs):
             if b.cap >= 2 * n:
                 return self._push_bufs.pop(i)
-        cap = max(64, 1 << max(0, 2 * n - 1).bit_length())
-        cuda = self.device.type == "cuda"
-        pin = torch.empty(cap, dtype=torch.int64, pin_memory=cuda)
-        dev = torch.empty(cap, dtype=torch.int64, device=self.device) if cuda else pin
-        from ..transport.tcp import tensor_buffer
-
-        return _PushBuf(cap, pin, dev, tensor_buffer(pin))
+        return _PushBuf(*self._ids_buffers(n))
 
     def _recycle(self, ev: Any, b: _PushBuf) -> bool:
         """Back to the pool once the copy that read ``b`` is over (``ev`` fired)."""

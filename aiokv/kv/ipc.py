@@ -800,19 +800,14 @@ class IpcPlane(_ProducerSide):
         if sb is not None and sb.cap >= 2 * n:
             return sb
         dev = self.device
-        cap = max(64, 1 << max(0, 2 * n - 1).bit_length())
-        cuda = dev.type == "cuda"
-        pin = torch.empty(cap, dtype=torch.int64, pin_memory=cuda)
-        dbuf = torch.empty(cap, dtype=torch.int64, device=dev) if cuda else pin
+        cap, pin, dbuf, mv = self._ids_buffers(n)
         done = order = None
-        if cuda:
+        if dev.type == "cuda":
             done = torch.cuda.Event()  # type: ignore[no-untyped-call]
             order = torch.cuda.Event()  # type: ignore[no-untyped-call]
             done.record(torch.cuda.current_stream(dev))  # created now (the driver records it)
             self._draining = [d for d in self._draining if not d.done.query()]
-        from ..transport.tcp import tensor_buffer
-
-        sb = _SlotBufs(cap, pin, dbuf, done, order, tensor_buffer(pin))
+        sb = _SlotBufs(cap, pin, dbuf, done, order, mv)
         self._slotbufs[slot] = sb
         return sb
 

@@ -478,11 +478,9 @@ class Engine:
 
     async def _recv(self, tensor_id: str, frm: str | None, t: float) -> torch.Tensor:
         self._check_open()
-        got = self._store.take(tensor_id, frm)
-        if got is not None:  # landed already (a collector behind its stream): no future
-            self._collected(got[0], tensor_id)
-            self._pump_queue()
-            return as_tensor(got[1])  # type: ignore[no-any-return]
+        landed = self._take_landed(tensor_id, frm)
+        if landed is not None:  # landed already (a collector behind its stream): no future
+            return landed
         fut = self._store.wait_future(tensor_id, frm, looked=True)
         try:
             # Not ``wait_for(shield(fut))``: on Python <= 3.11 it returns the result
@@ -514,6 +512,11 @@ class Engine:
         waiting, nothing registered; a tensor still in flight stays where it is)."""
         self._check_id(tensor_id)
         self._check_open()
+        return self._take_landed(tensor_id, frm)
+
+    def _take_landed(self, tensor_id: str, frm: str | None) -> torch.Tensor | None:
+        """Collect ``tensor_id`` from the store if it has landed (counted, the admission
+        queue pumped), else None."""
         got = self._store.take(tensor_id, frm)
         if got is None:
             return None

@@ -6,7 +6,10 @@
 # then the rest of the one-GPU suite with what is left of a ~570 s budget.
 #   device: TAG=s17a bash benchmarks/gpu_s17.sh   (carry .whl .whl2)
 # env: ROUNDS (1), WLS ("short long"), LAT_N (150), GAP_MS (1), SKIP_PUSH_TESTS,
-#      SKIP_TESTS, TRACE (1), MPS (1)
+#      SKIP_TESTS, TRACE (1), MPS (1), MODES ("pull push"),
+#      OLD (a directory holding an older tree's aiokv/, e.g. build/old from
+#      `git archive REV aiokv | tar -x -C build/old`; carry it: each bench run is then
+#      repeated with it, interleaved, labelled old-pull / old-push)
 set -uo pipefail
 HERE="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 . "$HERE/_device_env.sh"
@@ -32,12 +35,20 @@ for l in sys.stdin:
     print("   ", {k: t[k] for k in t})'
 one() {  # $1 label, $2 workload, then extra flags
   lab=$1; w=$2; shift 2
-  timeout "${BENCH_TIMEOUT:-90}" python3 $BENCH --workload "$w" "$@" 2>>"$OUT/$TAG-err.txt" | tail -1 | sed "s/^{/{\"tree\": \"$lab\", /"
+  (cd "${RUN_DIR:-.}" && timeout "${BENCH_TIMEOUT:-90}" python3 $BENCH --workload "$w" "$@") 2>>"$OUT/$TAG-err.txt" | tail -1 | sed "s/^{/{\"tree\": \"$lab\", /"
+}
+both() {  # this tree, then (with OLD) the old one
+  one "$@"
+  if [ -n "${OLD:-}" ]; then
+    lab=$1; shift
+    RUN_DIR="$OLD" PYTHONPATH="/tmp/site:$PWD/$OLD" one "old-$lab" "$@"
+  fi
 }
 for i in $(seq "${ROUNDS:-1}"); do
   for w in ${WLS:-short long}; do
-    one pull "$w"
-    one push "$w" --push
+    for mode in ${MODES:-pull push}; do
+      if [ "$mode" = push ]; then both push "$w" --push; else both pull "$w"; fi
+    done
   done
 done | tee "$OUT/$TAG-ipc.jsonl" | python3 -c "$show"
 tail -5 "$OUT/$TAG-err.txt" 2>/dev/null

@@ -6,7 +6,8 @@
 # then the rest of the one-GPU suite with what is left of a ~570 s budget.
 #   device: TAG=s17a bash benchmarks/gpu_s17.sh   (carry .whl .whl2)
 # env: ROUNDS (1), WLS ("short long"), LAT_N (150), GAP_MS (1), SKIP_PUSH_TESTS,
-#      SKIP_TESTS, TRACE (1), MPS (1), MODES ("pull push"),
+#      SKIP_TESTS, TRACE (1), MPS (1), MODES ("pull push"), LEAD_US (--gpu-lead-us:
+#      the latency from the producer's GPU ready too, p50_ready_ms),
 #      OLD (a directory holding an older tree's aiokv/, e.g. build/old from
 #      `git archive REV aiokv | tar -x -C build/old`; carry it: each bench run is then
 #      repeated with it, interleaved, labelled old-pull / old-push)
@@ -28,10 +29,11 @@ if [ "${MPS:-1}" = 1 ]; then
 fi
 BENCH="-m aiokv.kv.bench --transport ipc --json --iters 3 --latency-n ${LAT_N:-150} --latency-gap-ms ${GAP_MS:-1}"
 [ "${TRACE:-1}" = 1 ] && BENCH="$BENCH --trace"
+[ -n "${LEAD_US:-}" ] && BENCH="$BENCH --gpu-lead-us $LEAD_US"
 show='import json,sys
 for l in sys.stdin:
     d=json.loads(l); t=d.get("trace_ms") or {}; s=d.get("ipc") or {}
-    print(d.get("tree"), d.get("workload"), "p50", d["p50_ms"], "ret", d.get("p50_return_ms"), "p99", d["p99_ms"], "GB/s", d["aiokv_gbps"], "ratio", d["ratio"], "ok", d["ok"], "pushed", s.get("pushes_received"), "grants", s.get("grants"), "fb", s.get("fallbacks"), d.get("error", ""))
+    print(d.get("tree"), d.get("workload"), "p50", d["p50_ms"], "ret", d.get("p50_return_ms"), "ready", d.get("p50_ready_ms"), d.get("p50_ready_return_ms"), "p99", d["p99_ms"], "GB/s", d["aiokv_gbps"], "ratio", d["ratio"], "ok", d["ok"], "pushed", s.get("pushes_received"), "grants", s.get("grants"), "fb", s.get("fallbacks"), d.get("error", ""))
     print("   ", {k: t[k] for k in t})'
 one() {  # $1 label, $2 workload, then extra flags
   lab=$1; w=$2; shift 2

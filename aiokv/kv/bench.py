@@ -39,6 +39,16 @@ checks it and costs ~0.04-0.07 ms under MPS on the device host).
 ``--latency-gap-ms``: the producer waits that long after the consumer posted its
 ``recv_request`` before it sends (a decode server waiting for a prefill; on IPC the
 consumer is then past its doorbell spin).
+``--gpu-lead-us`` (GPU): the producer calls ``send_request`` while its stream still
+has that much work queued before the request's KV counts as written (a GPU
+busy-wait, standing in for the end of the prefill's forward), as a serving engine
+does that does not wait for its forward before handing the request over: the
+plane's host work then overlaps the GPU's. ``p50_ready_ms``: from the moment the
+GPU finished that work -- "the producer ready" -- to the blocks in place on the
+consumer (after its synchronisation; ``p50_ready_return_ms`` to its return). That
+moment is taken as the host clock just before the work was queued plus its GPU
+duration (CUDA events): never later than the real one, so these figures are upper
+bounds.
 
 Output (``--json``): one JSON line with ``workload, transport, aiokv_gbps,
 raw_gbps, ratio, ok, p50_ms, p99_ms`` and details. GB/s are 1e9 bytes/s;
@@ -217,6 +227,10 @@ async def _producer(a: dict[str, Any], chan: _Chan) -> dict[str, Any]:
             ipc=_ipc_options(a),
         )
         sem = asyncio.Semaphore(a["concurrency"])
+        lead = lead_cycles = None
+        if a["gpu_lead_us"]:
+            lead = tuple(torch.cuda.Event(enable_timing=True) for _ in range(2))  # type: ignore[no-untyped-call]
+            lead_cycles = int(a["gpu_lead_us"] * _cycles_per_us(torch))
 
         async def one(rid: str, ids: list[int]) -> None:
             async with sem:
@@ -251,8 +265,18 @@ async def _producer(a: dict[str, Any], chan: _Chan) -> dict[str, Any]:
                     if a["latency_gap_s"]:
                         await asyncio.sleep(a["latency_gap_s"])
                     t = time.perf_counter()
+                    if lead is not None:
+                        lead[0].record()
+                        torch.cuda._sleep(lead_cycles)  # type: ignore[no-untyped-call]
+                        lead[1].record()
                     await con.send_request(f"lat{msg[2]}", tables[0][:n_blocks], to=to)
-                    chan.send("t", t)
+                    t_ready = None
+                    if lead is not None:
+                        # (it fired before the copy could end: a pass or none)
+                        while not lead[1].query():  # type: ignore[no-untyped-call]
+                            await asyncio.sleep(0)
+                        t_ready = t + lead[0].elapsed_time(lead[1]) / 1e3
+                    chan.send("t", t, t_ready)
                     continue
                 chan.send("ack")
         finally:
@@ -263,6 +287,18 @@ async def _producer(a: dict[str, Any], chan: _Chan) -> dict[str, Any]:
         await con.aclose()
     _raw_teardown(pg)
     return out
+
+
+def _cycles_per_us(torch: Any) -> float:
+    """GPU clock cycles per µs of ``torch.cuda._sleep`` (its busy-wait), measured."""
+    ev = [torch.cuda.Event(enable_timing=True) for _ in range(2)]
+    torch.cuda._sleep(1000)  # (loaded and launched once before it is timed)
+    cycles = 20_000_000
+    ev[0].record()
+    torch.cuda._sleep(cycles)
+    ev[1].record()
+    ev[1].synchronize()  # (once, before any request: nothing else waits on this loop)
+    return float(cycles / (ev[0].elapsed_time(ev[1]) * 1e3))
 
 
 async def _consumer(a: dict[str, Any], chan: _Chan) -> dict[str, Any]:
@@ -354,6 +390,7 @@ async def _consumer(a: dict[str, Any], chan: _Chan) -> dict[str, Any]:
             n_blocks = min(w.blocks_per_request, max(1, 256 // w.block_size))
             res["latency_tokens"] = n_blocks * w.block_size
             starts: list[float] = []
+            readies: list[float] = []
             for i in range(a["latency_warmup"] + a["latency_n"]):
                 task = asyncio.ensure_future(con.recv_request(f"lat{i}", tables[0][:n_blocks]))
                 await asyncio.sleep(0)
@@ -362,14 +399,17 @@ async def _consumer(a: dict[str, Any], chan: _Chan) -> dict[str, Any]:
                 t_ret = time.perf_counter()
                 _sync(device)
                 t_end = time.perf_counter()
-                (_, t_start) = await chan.recv("t")
+                (_, t_start, t_ready) = await chan.recv("t")
                 if i >= a["latency_warmup"]:
                     starts.append(t_start)
+                    if t_ready is not None:
+                        readies.append(t_ready)
                     res["lat_end"].append(t_end)
                     res["lat_ret"].append(t_ret)
             big.zero_()
             res["ok"] = res["ok"] and not check([0], n_blocks)  # sanity: the check can fail
             res["lat_start"] = starts
+            res["lat_ready"] = readies
             chan.send("cmd", "stop")
         finally:
             if pull is not None:
@@ -585,6 +625,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         help="latency requests: the producer sends this long after the consumer waits",
     )
     ap.add_argument(
+        "--gpu-lead-us",
+        type=float,
+        default=0.0,
+        help="GPU, latency requests: the producer sends with this much GPU work still "
+        "queued before its KV is ready; adds p50_ready_ms (from the GPU ready)",
+    )
+    ap.add_argument(
         "--push",
         action="store_true",
         help="ipc: push mode (the consumer grants its blocks, the producer copies); give "
@@ -603,6 +650,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         ap.error("--iters, --latency-n and --concurrency must be >= 1")
     if not 0 <= args.latency_gap_ms <= 10_000:
         ap.error("--latency-gap-ms must be in [0, 10000]")
+    if not 0 <= args.gpu_lead_us <= 1_000_000:
+        ap.error("--gpu-lead-us must be in [0, 1000000]")
+    if args.gpu_lead_us and args.transport == "tcp":
+        ap.error("--gpu-lead-us needs a GPU transport (ipc, nccl)")
     loop = args.loop
     if loop is None:
         try:
@@ -647,6 +698,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "latency_n": args.latency_n,
         "latency_warmup": args.latency_warmup,
         "latency_gap_s": args.latency_gap_ms / 1e3,
+        "gpu_lead_us": args.gpu_lead_us,
         "seed": args.seed,
         "timeout": args.timeout,
         "loop": loop,
@@ -717,6 +769,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         t_raw = statistics.median(c["raw_s"])
         lat = [(e - s) * 1e3 for s, e in zip(c["lat_start"], c["lat_end"])]
         ret = [(e - s) * 1e3 for s, e in zip(c["lat_start"], c["lat_ret"])]
+        if c["lat_ready"]:  # --gpu-lead-us: from the GPU's ready (an upper bound)
+            ready = [(e - s) * 1e3 for s, e in zip(c["lat_ready"], c["lat_end"], strict=True)]
+            ready_ret = [(e - s) * 1e3 for s, e in zip(c["lat_ready"], c["lat_ret"], strict=True)]
+            rec.update(
+                gpu_lead_us=args.gpu_lead_us,
+                p50_ready_ms=round(_pct(ready, 50), 4),
+                p99_ready_ms=round(_pct(ready, 99), 4),
+                p50_ready_return_ms=round(_pct(ready_ret, 50), 4),
+            )
         if args.trace:
             rec["trace_ms"] = _trace_summary(
                 got["producer"][1].get("trace", []),

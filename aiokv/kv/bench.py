@@ -391,6 +391,7 @@ async def _consumer(a: dict[str, Any], chan: _Chan) -> dict[str, Any]:
             res["latency_tokens"] = n_blocks * w.block_size
             starts: list[float] = []
             readies: list[float] = []
+            marks: list[tuple[str, str, float]] = []  # (--gpu-lead-us: for the trace)
             for i in range(a["latency_warmup"] + a["latency_n"]):
                 task = asyncio.ensure_future(con.recv_request(f"lat{i}", tables[0][:n_blocks]))
                 await asyncio.sleep(0)
@@ -404,6 +405,9 @@ async def _consumer(a: dict[str, Any], chan: _Chan) -> dict[str, Any]:
                     starts.append(t_start)
                     if t_ready is not None:
                         readies.append(t_ready)
+                        marks.extend(
+                            [(f"lat{i}", "call", t_start), (f"lat{i}", "gpu-ready", t_ready)]
+                        )
                     res["lat_end"].append(t_end)
                     res["lat_ret"].append(t_ret)
             big.zero_()
@@ -415,7 +419,7 @@ async def _consumer(a: dict[str, Any], chan: _Chan) -> dict[str, Any]:
             if pull is not None:
                 pull.close(linger=0)
         res["connector"] = asdict(con.statistics())
-        res["trace"] = _take_trace(a)
+        res["trace"] = _take_trace(a) + (marks if a.get("trace") else [])
         await con.aclose()
     _raw_teardown(pg)
     res["bytes"] = total
@@ -462,7 +466,9 @@ def _trace_summary(
     """Median time of each stamped stage after the producer's call (ms), both processes,
     over the latency requests (``lat<i>``; a stage some requests skip is the median of
     those that have it: :func:`_trace_counts`); ``end`` is the consumer's clock stop
-    (blocks in place, device synchronised)."""
+    (blocks in place, device synchronised) after the producer's call as the bench
+    clocks it (with ``--gpu-lead-us``: ``call`` is that clock's start and ``gpu-ready``
+    the GPU's ready as estimated, both after the plane's ``send`` stamp)."""
     by = _by_request(prod, cons)
     rows: dict[str, list[float]] = {}
     for st in by.values():

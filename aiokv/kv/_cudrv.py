@@ -7,10 +7,7 @@ after the process sat idle), against a few µs for the driver call underneath
 on handles torch created and owns:
 
 * ``cuEventRecord`` -- the producer's ready event, the consumer's completion event;
-* ``cuMemcpyHtoDAsync`` -- a request's block ids into the slot's device buffer,
-  where the kernel cannot read them in place: ``cuMemHostGetDevicePointer`` gives the
-  device address of a pinned host buffer (with unified addressing, the same address),
-  and the kernel then reads the ids from there -- no upload call per request;
+* ``cuMemcpyHtoDAsync`` -- a request's block ids into the slot's device buffer;
 * ``cuLaunchKernel`` -- the Triton copy kernel's compiled function (see
   :class:`aiokv.kv._ipc_kernel.RawLaunch`).
 
@@ -57,8 +54,6 @@ class Driver:
             c.c_void_p,
         ]
         lib.cuLaunchKernel.restype = c.c_int
-        lib.cuMemHostGetDevicePointer_v2.argtypes = [c.POINTER(c.c_uint64), c.c_void_p, c.c_uint]
-        lib.cuMemHostGetDevicePointer_v2.restype = c.c_int
         lib.cuGetErrorName.argtypes = [c.c_int, c.POINTER(c.c_char_p)]
         lib.cuGetErrorName.restype = c.c_int
         self.event_record_raw = lib.cuEventRecord
@@ -74,14 +69,6 @@ class Driver:
 
     def event_record(self, event: int, stream: int) -> None:
         self.check(self.event_record_raw(event, stream), "cuEventRecord")
-
-    def host_device_pointer(self, host: int) -> int:
-        """The device address of pinned host memory at ``host`` (the current context's
-        mapping of it), for a kernel that reads it in place."""
-        out = ctypes.c_uint64()
-        rc = self._lib.cuMemHostGetDevicePointer_v2(ctypes.byref(out), host, 0)
-        self.check(rc, "cuMemHostGetDevicePointer")
-        return int(out.value)
 
     def memcpy_htod_async(self, dst: int, src: int, nbytes: int, stream: int) -> None:
         self.check(self.memcpy_htod_raw(dst, src, nbytes, stream), "cuMemcpyHtoDAsync")

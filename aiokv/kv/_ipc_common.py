@@ -24,7 +24,6 @@ from .._exceptions import (
 from . import _cudrv
 from ._ipc_map import (
     IpcUnavailableError,
-    Mapper,
 )
 from ._ipc_wire import (
     Offer,
@@ -346,21 +345,6 @@ def _retrieve(t: asyncio.Task[Any]) -> None:
         t.exception()
 
 
-@dataclass(slots=True, eq=False)
-class _IdsBuf:
-    """Reusable buffers for a request's block ids (``2 n`` int64: the source ids, then
-    the destination ids) as the copy kernel reads them."""
-
-    cap: int  # int64 elements of each buffer (2 n ids fit)
-    pin: torch.Tensor  # pinned host (CPU caches: the only buffer)
-    dev: torch.Tensor  # the device twin the ids are uploaded to where not read in place
-    mv: memoryview  # of pin, for struct.pack_into
-    #: where a raw (driver) launch's kernel reads the ids: ``pin``'s device address when
-    #: the kernel reads them in place (``zero_copy``: no upload), else ``dev``'s
-    at: int
-    zero_copy: bool
-
-
 class _PlaneBase:
     """What both sides of an :class:`~aiokv.kv.ipc.IpcPlane` share: set in its
     ``__init__``; helpers for messages, counters, block ids and the current stream."""
@@ -376,7 +360,6 @@ class _PlaneBase:
     _stats: IpcStatistics
     _background: set[asyncio.Task[None]]
     _drv: _cudrv.Driver | None
-    _mapper: Mapper
     _dev_index: int
     _closed: bool
     _boot_id: str
@@ -458,22 +441,17 @@ class _PlaneBase:
         deadline = con._deadline(timeout)
         return deadline, self._ids(block_ids, unique=unique, what=f"{what}_request")
 
-    def _ids_buffers(self, n: int) -> _IdsBuf:
+    def _ids_buffers(self, n: int) -> tuple[int, torch.Tensor, torch.Tensor, memoryview]:
         """New buffers for ``n`` block pairs' ids (``2 n`` int64, rounded up to a power of
-        two, at least 64). The kernel of a raw launch reads them in place from the
-        pinned buffer where the first verified raw launch did so (``Mapper.zero_copy_ids``;
-        docs/ipc.md, "Ids read in place"): one driver call fewer per request."""
+        two, at least 64): ``(capacity, pinned host buffer, its device twin -- the host
+        one itself on CPU --, a memoryview of the host one for struct.pack_into)``."""
         from ..transport.tcp import tensor_buffer
 
         cap = max(64, 1 << max(0, 2 * n - 1).bit_length())
         cuda = self.device.type == "cuda"
         pin = torch.empty(cap, dtype=torch.int64, pin_memory=cuda)
         dev = torch.empty(cap, dtype=torch.int64, device=self.device) if cuda else pin
-        at, zero_copy = dev.data_ptr(), False
-        if self._drv is not None and self._mapper.zero_copy_ids:
-            with contextlib.suppress(_cudrv.CudaDriverError):
-                at, zero_copy = self._drv.host_device_pointer(pin.data_ptr()), True
-        return _IdsBuf(cap, pin, dev, tensor_buffer(pin), at, zero_copy)
+        return cap, pin, dev, tensor_buffer(pin)
 
     def _raw_stream(self) -> int | None:
         """The caller's current stream on this plane's device as a raw handle, when the

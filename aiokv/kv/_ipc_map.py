@@ -16,7 +16,7 @@ import torch
 
 from .._blocking import start_daemon
 from .._exceptions import AiokvError
-from . import _cudrv, _doorbell, _ipc_kernel
+from . import _doorbell, _ipc_kernel
 from ._ipc_wire import _PROBE_SEGMENTS, ABORT_WORDS, Descriptor, Offer, PushOffer, probe_pattern
 from .layouts import KVLayout
 
@@ -246,9 +246,6 @@ class Mapper:
         self.options = options
         self._drv = drv
         self.words = words
-        #: whether raw launches read their ids in place from pinned host memory (None:
-        #: not probed yet; set by the first verification of a raw launch, :meth:`_try_raw`)
-        self.zero_copy_ids: bool | None = None
         # the copy kernel compiled ahead for this side's own geometry, off the loop (the
         # first mapping's verification otherwise compiles it: seconds in a fresh process)
         self._warming = (
@@ -535,47 +532,30 @@ class Mapper:
     ) -> _ipc_kernel.RawLaunch | None:
         """The verified kernel through :class:`~aiokv.kv._ipc_kernel.RawLaunch`: the same
         probe copy (bit-exact) and abort check (writes nothing) through the driver, or
-        None (any error or difference: requests then launch through Triton).
-
-        The first time, the probe's kernel reads its ids in place from pinned host
-        memory (:attr:`zero_copy_ids`: the plane's raw launches then need no upload
-        call per request); if that cannot be set up or differs, from a device buffer,
-        as every later probe then does."""
+        None (any error or difference: requests then launch through Triton)."""
         dev = self.device
         seg = seg_bytes(self.layout)
         assert self._drv is not None
         try:
             rl = _ipc_kernel.RawLaunch(compiled, self._drv)
-            ways: list[tuple[bool, int]] = []
-            host = swap.cpu().pin_memory()  # (alive until the probe synchronised)
-            if self.zero_copy_ids is not False:
-                with contextlib.suppress(_cudrv.CudaDriverError):
-                    ways.append((True, self._drv.host_device_pointer(host.data_ptr())))
-            if not self.zero_copy_ids:
-                ways.append((False, swap.data_ptr()))
-            for zero_copy, ids in ways:
-                outs = [torch.zeros(_PROBE_SEGMENTS * seg, dtype=torch.uint8, device=dev)
-                        for _ in range(2)]  # fmt: skip
+            outs = [torch.zeros(_PROBE_SEGMENTS * seg, dtype=torch.uint8, device=dev)
+                    for _ in range(2)]  # fmt: skip
 
-                def raw(
-                    st: torch.Tensor, dt: torch.Tensor, a: torch.Tensor, s: int, ids: int = ids
-                ) -> None:
-                    programs, args = _ipc_kernel.pair_copy_args(
-                        st.data_ptr(), dt.data_ptr(), ids, a.data_ptr(), dev, s,
-                        **self._probe_geometry(m),
-                    )  # fmt: skip
-                    rl.launch(programs, m.stream.cuda_stream, args)
+            def raw(st: torch.Tensor, dt: torch.Tensor, a: torch.Tensor, s: int) -> None:
+                programs, args = _ipc_kernel.pair_copy_args(
+                    st.data_ptr(), dt.data_ptr(), swap.data_ptr(), a.data_ptr(), dev, s,
+                    **self._probe_geometry(m),
+                )  # fmt: skip
+                rl.launch(programs, m.stream.cuda_stream, args)
 
-                self._probe_copies(m, src, outs, slots, raw)
-                if torch.equal(outs[0], want) and not bool(outs[1].any()):
-                    self.zero_copy_ids = zero_copy
-                    return rl
-                if zero_copy:
-                    log.info("aiokv IPC plane: ids read in place differed; they are uploaded")
+            self._probe_copies(m, src, outs, slots, raw)
+            ok = torch.equal(outs[0], want) and not bool(outs[1].any())
         except Exception as exc:  # a Triton whose kernels this cannot launch
             log.info(
                 "aiokv IPC plane: copies launch through Triton (%s: %s)", type(exc).__name__, exc
             )
             return None
-        log.warning("aiokv IPC plane: the driver launch of the copy differed; Triton launches")
-        return None
+        if not ok:
+            log.warning("aiokv IPC plane: the driver launch of the copy differed; Triton launches")
+            return None
+        return rl

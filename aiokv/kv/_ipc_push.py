@@ -31,6 +31,7 @@ import functools
 import secrets
 import struct
 import time
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -39,7 +40,7 @@ from .._blocking import in_daemon
 from .._common import _time_left
 from .._exceptions import AiokvTimeoutError, RemoteProtocolError, TransferTimeoutError
 from . import _doorbell, _ipc_kernel
-from ._ipc_common import _IdsBuf, _mark, _PlaneBase, check_same_host, log
+from ._ipc_common import _mark, _PlaneBase, check_same_host, log
 from ._ipc_map import ABORT_WORDS, AbortWords, IpcUnavailableError, Mapper, _Mapping, _pid_alive
 from ._ipc_map import seg_bytes as _seg_bytes
 from ._ipc_wire import (
@@ -71,6 +72,16 @@ _REVOKE_B = bytes((REVOKE,))
 #: how soon before a grant's deadline the producer stops using it (the consumer must not
 #: be past its deadline when the copy starts)
 _GRANT_MARGIN_S = 0.005
+
+
+@dataclass(slots=True, eq=False)
+class _PushBuf:
+    """The producer's ids buffers of one pushed request (pinned host, device)."""
+
+    cap: int
+    pin: torch.Tensor
+    dev: torch.Tensor
+    mv: memoryview
 
 
 class _PushSide(_PlaneBase):
@@ -119,8 +130,8 @@ class _PushSide(_PlaneBase):
         self._push_opening: set[str] = set()
         self._push_failed: dict[str, str] = {}
         self._abort_opening: set[tuple[int, int]] = set()
-        self._push_bufs: list[_IdsBuf] = []
-        self._push_draining: list[tuple[Any, _IdsBuf]] = []
+        self._push_bufs: list[_PushBuf] = []
+        self._push_draining: list[tuple[Any, _PushBuf]] = []
         # consumer: our push offer (made once) and the buffers it names
         self._push_offer: PushOffer | None = None
         self._push_keep: list[torch.Tensor] = []
@@ -528,14 +539,14 @@ class _PushSide(_PlaneBase):
         finally:
             self._abort_opening.discard((pm.token, blk))
 
-    def _push_buf(self, n: int) -> _IdsBuf:
+    def _push_buf(self, n: int) -> _PushBuf:
         self._push_draining = [(ev, b) for ev, b in self._push_draining if not self._recycle(ev, b)]
         for i, b in enumerate(self._push_bufs):
             if b.cap >= 2 * n:
                 return self._push_bufs.pop(i)
-        return self._ids_buffers(n)
+        return _PushBuf(*self._ids_buffers(n))
 
-    def _recycle(self, ev: Any, b: _IdsBuf) -> bool:
+    def _recycle(self, ev: Any, b: _PushBuf) -> bool:
         """Back to the pool once the copy that read ``b`` is over (``ev`` fired)."""
         if bool(ev.query()):
             self._push_bufs.append(b)
@@ -544,7 +555,7 @@ class _PushSide(_PlaneBase):
 
     def _launch_push(
         self, pm: _Mapping, g: Grant, ab: torch.Tensor, host: tuple[int, ...], ev: Any
-    ) -> _IdsBuf:
+    ) -> _PushBuf:
         """Enqueue the copy of ``host`` (ours) into ``g.dst`` (the consumer's) on the
         current stream -- after the KV writes queued so far -- and record ``ev`` after
         it. The kernel reads the grant's abort word first and copies nothing once it is
@@ -572,13 +583,12 @@ class _PushSide(_PlaneBase):
         rs = self._raw_stream() if pm.raw is not None else None
         if rs is not None:
             assert self._drv is not None and pm.raw is not None
-            if not buf.zero_copy:
-                self._drv.memcpy_htod_async(buf.dev.data_ptr(), buf.pin.data_ptr(), 16 * n, rs)
+            self._drv.memcpy_htod_async(buf.dev.data_ptr(), buf.pin.data_ptr(), 16 * n, rs)
             _mark(g.rid, "push:uploaded")
             programs, args = _ipc_kernel.pair_copy_args(
                 own.data_ptr(),
                 theirs.data_ptr(),
-                buf.at,
+                buf.dev.data_ptr(),
                 ab.data_ptr(),
                 self.device,
                 word,
@@ -595,7 +605,7 @@ class _PushSide(_PlaneBase):
         self._record(ev)
         return buf
 
-    def _push_done(self, ev: Any, buf: _IdsBuf) -> None:
+    def _push_done(self, ev: Any, buf: _PushBuf) -> None:
         """A pushed request is settled: its ids buffers serve again once the copy ended."""
         if not self._recycle(ev, buf):
             self._push_draining.append((ev, buf))

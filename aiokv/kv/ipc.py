@@ -81,7 +81,6 @@ from ._ipc_common import (
     EngineChannel,
     IpcOptions,
     IpcStatistics,
-    _IdsBuf,
     _layer_id,
     _mark,
     _on,
@@ -161,11 +160,15 @@ MAP_TIMEOUT = "map_timeout"
 
 
 @dataclass(slots=True, eq=False)
-class _SlotBufs(_IdsBuf):
+class _SlotBufs:
     """Per abort slot (consumer): the ids buffers and the two events its launches use."""
 
-    done: Any = None  # recorded after each launch of the slot's request
-    order: Any = None  # the caller's stream, recorded before the ids' upload
+    cap: int  # int64 elements of each buffer (2 n ids fit)
+    pin: torch.Tensor  # pinned host (CPU caches: the only buffer)
+    dev: torch.Tensor  # device copy the kernel reads
+    done: Any  # recorded after each launch of the slot's request
+    order: Any  # the caller's stream, recorded before the ids' upload
+    mv: memoryview  # of pin, for struct.pack_into
     streams: list[Any] = field(default_factory=list)  # dev was record_stream'ed on these
 
 
@@ -797,14 +800,14 @@ class IpcPlane(_ProducerSide):
         if sb is not None and sb.cap >= 2 * n:
             return sb
         dev = self.device
-        b = self._ids_buffers(n)
+        cap, pin, dbuf, mv = self._ids_buffers(n)
         done = order = None
         if dev.type == "cuda":
             done = torch.cuda.Event()  # type: ignore[no-untyped-call]
             order = torch.cuda.Event()  # type: ignore[no-untyped-call]
             done.record(torch.cuda.current_stream(dev))  # created now (the driver records it)
             self._draining = [d for d in self._draining if not d.done.query()]
-        sb = _SlotBufs(b.cap, b.pin, b.dev, b.mv, b.at, b.zero_copy, done, order)
+        sb = _SlotBufs(cap, pin, dbuf, done, order, mv)
         self._slotbufs[slot] = sb
         return sb
 
@@ -859,7 +862,7 @@ class IpcPlane(_ProducerSide):
         g = self._words.slot()
         ab, slot = self._words.word(g)
         sb = self._slot_bufs(g, n)
-        programs, args = self._raw_args(m, sb.at, ab, slot, n, 0, self.layout.num_layers)
+        programs, args = self._raw_args(m, sb.dev, ab, slot, n, 0, self.layout.num_layers)
         if not 0 < programs <= _ipc_kernel.MAX_PROGRAMS:
             self._words.free.append(g)
             return None
@@ -930,8 +933,7 @@ class IpcPlane(_ProducerSide):
         assert drv is not None and m.raw is not None and sb.done is not None and desc is not None
         struct.pack_into(f"<{n}q", sb.mv, 0, *desc.src)
         st.t0 = time.perf_counter()
-        if not sb.zero_copy:
-            drv.memcpy_htod_async(sb.dev.data_ptr(), sb.pin.data_ptr(), 16 * n, st.rs)
+        drv.memcpy_htod_async(sb.dev.data_ptr(), sb.pin.data_ptr(), 16 * n, st.rs)
         _mark(st.rid, "staged")
         st.launched = True
         m.inflight += 1
@@ -1227,10 +1229,9 @@ class IpcPlane(_ProducerSide):
             struct.pack_into(f"<{2 * n}q", sb.mv, 0, *src, *dst)
         if self.device.type != "cuda":
             return sb.pin[: 2 * n].view(2, n)
-        if raw:  # ``stream`` is a raw handle; exactly the ids' bytes (unless read in place)
+        if raw:  # ``stream`` is a raw handle; exactly the ids' bytes
             assert self._drv is not None
-            if not sb.zero_copy:
-                self._drv.memcpy_htod_async(sb.dev.data_ptr(), sb.pin.data_ptr(), 16 * n, stream)
+            self._drv.memcpy_htod_async(sb.dev.data_ptr(), sb.pin.data_ptr(), 16 * n, stream)
             return sb.dev
         if own:
             assert sb.order is not None
@@ -1262,7 +1263,7 @@ class IpcPlane(_ProducerSide):
     def _raw_args(
         self,
         m: _Mapping,
-        ids: int,
+        ids: torch.Tensor,
         ab: torch.Tensor,
         slot: int,
         n: int,
@@ -1270,13 +1271,12 @@ class IpcPlane(_ProducerSide):
         hi: int,
     ) -> tuple[int, tuple[int, ...]]:
         """``(programs, arguments)`` of the raw launch copying layers ``[lo, hi)`` of
-        ``n`` block pairs whose ids the kernel reads at (device) address ``ids``, abort
-        word ``ab[slot]``."""
+        ``n`` block pairs whose ids are in ``ids``, abort word ``ab[slot]``."""
         st, dt = self._tables(m, lo, hi)
         return _ipc_kernel.pair_copy_args(
             st.data_ptr(),
             dt.data_ptr(),
-            ids,
+            ids.data_ptr(),
             ab.data_ptr(),
             self.device,
             slot,
@@ -1308,7 +1308,7 @@ class IpcPlane(_ProducerSide):
         whole = lo == 0 and hi == lay.num_layers
         if raw:  # ``stream`` is a raw handle; m.raw verified at mapping time
             assert m.raw is not None and self._drv is not None and sb.done is not None
-            programs, args = self._raw_args(m, sb.at, ab, slot, n, lo, hi)
+            programs, args = self._raw_args(m, ids, ab, slot, n, lo, hi)
             if programs > _ipc_kernel.MAX_PROGRAMS:
                 raise ConfigError("IPC: request too large for one launch")
             if programs:

@@ -138,8 +138,6 @@ def stats(con: KVConnector) -> dict[str, Any]:
         "ring_launches": s.ring_launches,
         "staged_launches": s.staged_launches,
         "raw": con._ipc is not None and any(m.raw is not None for m in con._ipc._maps.values()),
-        # raw launches read their ids in place (pinned host memory), no upload per request
-        "in_place": con._ipc is not None and bool(con._ipc._mapper.zero_copy_ids),
     }
 
 

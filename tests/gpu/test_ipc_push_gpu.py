@@ -35,7 +35,6 @@ def test_pushed_requests_bit_exact_on_every_layout(tmp_path: Path) -> None:
     for combo in p["combos"]:
         assert combo["pushed"] >= 3 and not combo["fallbacks"], combo
         assert combo["push_raw"], combo  # launched through the driver (verified)
-        assert combo["in_place"], combo  # its ids read from pinned host memory
 
 
 def test_a_cancelled_grant_writes_nothing(tmp_path: Path) -> None:

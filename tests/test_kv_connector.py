@@ -488,3 +488,22 @@ async def test_a_deadline_already_over_is_a_timeout_not_a_config_error() -> None
             await prod.send_request("z2", [1], to=b.address, timeout=0)
         await prod.aclose()
         await cons.aclose()
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize(
+    "args",
+    [
+        ["--transport", "tcp", "--gpu-lead-us", "500"],  # no GPU stream to lead
+        ["--transport", "ipc", "--gpu-lead-us", "-1"],
+        ["--transport", "ipc", "--gpu-lead-us", "2000000"],
+    ],
+)
+def test_bench_refuses_a_gpu_lead_it_cannot_use(
+    args: list[str], capsys: pytest.CaptureFixture[str]
+) -> None:
+    from aiokv.kv import bench
+
+    with pytest.raises(SystemExit) as e:
+        bench.main(args)
+    assert e.value.code == 2 and "--gpu-lead-us" in capsys.readouterr().err

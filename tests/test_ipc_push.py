@@ -30,6 +30,7 @@ from aiokv import RemoteProtocolError, TransferAbortedError, TransferTimeoutErro
 from aiokv.kv._ipc_map import ABORT_WORDS
 from aiokv.kv._ipc_push import PUSH_REFUSED
 from aiokv.kv._ipc_wire import (
+    LAYERS,
     PUSH,
     Descriptor,
     Grant,
@@ -201,6 +202,9 @@ def test_a_pull_descriptor_says_whether_the_producer_can_push(can_push: bool) ->
     assert Descriptor.from_wire(_wire(w))[0].can_push is False
     with pytest.raises(RemoteProtocolError):
         Descriptor.from_wire(_wire({**w, "push": 1}))
+    # a layer-wise pull says it too (its events come per layer; none here)
+    lw = Descriptor("r", LAYERS, 2, ADDR, 9, (4, 5), lease=3.0, can_push=can_push)
+    assert Descriptor.from_wire(_wire(lw.to_wire()))[0].can_push is can_push
 
 
 async def _offer() -> tuple[PushOffer, Any]:

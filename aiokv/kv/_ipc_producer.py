@@ -52,18 +52,36 @@ from ._ipc_wire import (
 
 
 @dataclass(slots=True, eq=False)
+class _PushSave:
+    """A request saved layer by layer in push mode: the consumer's grant taken at its
+    first saved layer, the ids buffer filled and uploaded then, the stream of the
+    latest launch (a raw handle), and the error of a launch that failed after the
+    first (the request then fails)."""
+
+    pm: _Mapping
+    grant: Grant
+    ab: torch.Tensor
+    buf: Any
+    stream: int | None
+    error: BaseException | None = None
+
+
+@dataclass(slots=True, eq=False)
 class _IpcSave:
-    """A request being saved layer by layer over the plane (producer)."""
+    """A request being saved layer by layer over the plane (producer): pulled by the
+    consumer layer by layer (``rel_task`` waits for its release), or pushed (``push``;
+    its descriptor and release come at ``wait_saved``)."""
 
     to: str
     host: tuple[int, ...]
     deadline: float
     lease: float
     started: float
-    rel_task: asyncio.Task[Release | None]
+    rel_task: asyncio.Task[Release | None] | None
     saved: set[int] = field(default_factory=set)
     events: list[tuple[int, Any, bytes]] = field(default_factory=list)
     pending: list[LayerReady] = field(default_factory=list)
+    push: _PushSave | None = None
 
 
 @dataclass(slots=True, eq=False)
@@ -560,6 +578,11 @@ class _ProducerSide(_PushSide):
                 con.save_layer(request_id, layer, host, to=to, timeout=timeout, _plain=True)
                 return
             lease = self._clock() + max(0.0, deadline - time.monotonic())
+            pm = self._push_maps.get(to) if self.options.push else None
+            sv = self._push_first(request_id, layer, host, to, deadline, lease, pm)
+            if sv is not None:
+                self._saves[request_id] = sv
+                return
             desc = Descriptor(
                 rid=request_id,
                 plane=LAYERS,
@@ -569,6 +592,7 @@ class _ProducerSide(_PushSide):
                 src=host,
                 lease=lease,
                 offer=None if to in self._acked else export.offer,
+                can_push=pm is not None,
             )
             self._send_msg(f"{request_id}#ipc", desc.to_wire(), to, _time_left(lease, self._clock))
             rel_task = asyncio.ensure_future(self._await_release(request_id, to, lease))
@@ -582,6 +606,9 @@ class _ProducerSide(_PushSide):
             )
         if layer in sv.saved:
             raise ConfigError(f"layer {layer} of {request_id!r} was already saved")
+        if sv.push is not None:
+            self._push_next(sv, sv.push, request_id, layer)
+            return
         sv.saved.add(layer)
         slot, ev, handle = self._take_event()
         sv.events.append((slot, ev, handle))
@@ -589,6 +616,76 @@ class _ProducerSide(_PushSide):
         sv.pending.append(LayerReady(request_id, layer, layer + 1, handle, slot))
         if len(sv.pending) == 1:  # one flush per loop pass: the engine coalesces the PUTs
             asyncio.get_running_loop().call_soon(self._flush_layers, sv)
+
+    def _push_first(
+        self,
+        request_id: str,
+        layer: int,
+        host: tuple[int, ...],
+        to: str,
+        deadline: float,
+        lease: float,
+        pm: _Mapping | None,
+    ) -> _IpcSave | None:
+        """The first saved layer of a request whose consumer granted its blocks (push
+        mode, ``pm`` its verified export): take the grant and push this layer -- no
+        descriptor yet, no message per layer. None (the request is pulled layer by
+        layer, which answers the grant) without a usable grant, or when this first
+        launch failed before anything was queued."""
+        if pm is None or not host:
+            return None
+        got = self._take_grant(request_id, to, pm, len(host), deadline)
+        _mark(request_id, "grant:taken")
+        if got is None:
+            return None
+        g, ab = got
+        ps = _PushSave(pm, g, ab, None, None)
+        try:
+            self._join_push_stream(ps)
+            ps.buf = self._launch_push(pm, g, ab, host, None, lo=layer, hi=layer + 1)
+        except Exception as exc:
+            log.warning("aiokv IPC plane: push of %r not launched: %r", request_id, exc)
+            return None
+        sv = _IpcSave(to, host, deadline, lease, time.perf_counter(), None, push=ps)
+        sv.saved.add(layer)
+        return sv
+
+    def _push_next(self, sv: _IpcSave, ps: _PushSave, request_id: str, layer: int) -> None:
+        """Push one more layer of a request in push mode, on the current stream after
+        the layer's writes (joined first to the stream of the layers before, if it is
+        another: the ids' upload and those launches come before this one and before
+        the completion event). A launch that fails fails the request: the layers
+        before it may be in the consumer's blocks, so it cannot go by pull any more
+        (the consumer's deadline ends it, by the abort rules)."""
+        if ps.error is not None:
+            raise ps.error
+        try:
+            self._join_push_stream(ps)
+            self._launch_push(
+                ps.pm, ps.grant, ps.ab, sv.host, None, buf=ps.buf, lo=layer, hi=layer + 1
+            )
+        except Exception as exc:
+            ps.error = exc
+            raise
+        sv.saved.add(layer)
+
+    def _join_push_stream(self, ps: _PushSave) -> None:
+        """Order the current stream after the stream a pushed request's earlier layers
+        were launched on, when it is another one (a torch event; serving engines save
+        every layer from one stream, so this is rare)."""
+        if self.device.type != "cuda":
+            return
+        now = self._raw_stream() if ps.pm.raw is not None else None
+        if now is None:
+            now = int(torch.cuda.current_stream(self.device).cuda_stream)
+        if now == ps.stream:
+            return
+        if ps.stream is not None:
+            joined = torch.cuda.Event()  # type: ignore[no-untyped-call]
+            old = torch.cuda.ExternalStream(ps.stream, device=self.device)  # type: ignore[no-untyped-call]
+            joined.record(old)
+            torch.cuda.current_stream(self.device).wait_event(joined)
+        ps.stream = now
 
     def _flush_layers(self, sv: _IpcSave) -> None:
         pending, sv.pending = sv.pending, []
@@ -610,9 +707,12 @@ class _ProducerSide(_PushSide):
         saved, cancellation), the request joins ``finished_sending()`` only then."""
         con = self.con
         sv = self._saves.pop(request_id)
+        if sv.push is not None:
+            return await self._push_saved(request_id, sv, sv.push)
         self._flush_layers(sv)
         L = self.layout.num_layers
         missing = [i for i in range(L) if i not in sv.saved]
+        assert sv.rel_task is not None
         if missing:
             # the consumer waits for them until the lease; what it read so far stays its
             self._track(self._settle_cancelled(sv.rel_task, sv.events, request_id))
@@ -635,3 +735,70 @@ class _ProducerSide(_PushSide):
             for i in range(L):
                 con.save_layer(request_id, i, sv.host, to=sv.to, timeout=left, _plain=True)
             await con.wait_saved(request_id)
+
+    async def _push_saved(self, request_id: str, sv: _IpcSave, ps: _PushSave) -> None:
+        """:meth:`wait_saved` of a request pushed layer by layer: record the IPC event
+        after its last launch, send the push descriptor naming it and settle it like a
+        whole push. With a layer never saved (or a launch that failed) nothing is sent:
+        the consumer's deadline ends its grant (docs/ipc.md, "Push mode"), and the
+        request joins ``finished_sending()`` once the launches made have ended."""
+        con = self.con
+        L = self.layout.num_layers
+        missing = [i for i in range(L) if i not in sv.saved]
+        slot, ev, handle = self._take_event()
+        try:
+            self._join_push_stream(ps)
+            self._record(ev)  # after every launch of the request
+        except Exception as exc:  # (CUDA failing: the launches before may have run)
+            ps.error = ps.error or exc
+        if missing or ps.error is not None:
+            self._track(self._push_abandoned(request_id, sv, ps, (slot, ev, handle)))
+            con._stats.send_failures += 1
+            if ps.error is not None:
+                raise ps.error
+            raise ConfigError(
+                f"request {request_id!r}: layers {missing[:8]}{'...' if len(missing) > 8 else ''} "
+                "were never saved"
+            )
+        _mark(request_id, "pushed")
+        self._stats.pushed += 1
+        desc = Descriptor(
+            rid=request_id,
+            plane=PUSH,
+            n=len(sv.host),
+            reply_to=str(getattr(con.engine, "address", "")),
+            token=ps.pm.token,
+            event=handle,
+            event_slot=slot,
+            lease=sv.lease,
+            gid=ps.grant.gid,
+        )
+        try:
+            ok = await self._post(request_id, desc, sv.to, sv.lease, [(slot, ev, handle)])
+        finally:
+            self._push_done(ev, ps.buf)
+        if not ok:  # the consumer refused the push: every layer the ordinary way
+            left = max(0.0, sv.deadline - time.monotonic())
+            for i in range(L):
+                con.save_layer(request_id, i, sv.host, to=sv.to, timeout=left, _plain=True)
+            await con.wait_saved(request_id)
+
+    async def _push_abandoned(
+        self, request_id: str, sv: _IpcSave, ps: _PushSave, event: tuple[int, Any, bytes]
+    ) -> None:
+        """A layer-wise push that sends no descriptor: once its launches ended (the event
+        recorded after them fired, or the lease and grace passed) its ids buffer and
+        event serve again and the request joins ``finished_sending()`` (after the lease
+        and grace at the latest, as a pulled request: our stream orders any later write
+        of these blocks after the launches anyway)."""
+        until = time.monotonic() + max(0.0, sv.lease - self._clock()) + self.options.grace_s
+        ev = event[1]
+        while not bool(ev.query()):
+            if time.monotonic() >= until:
+                break
+            await asyncio.sleep(0.001)
+        else:  # (never fired in time: the buffer and the event are not reused)
+            if ps.buf is not None:
+                self._push_done(ev, ps.buf)
+            self._free_events.append(event)
+        self.con._finished_sending.add(request_id)

@@ -44,6 +44,7 @@ from ._ipc_common import _mark, _PlaneBase, check_same_host, log
 from ._ipc_map import ABORT_WORDS, AbortWords, IpcUnavailableError, Mapper, _Mapping, _pid_alive
 from ._ipc_map import seg_bytes as _seg_bytes
 from ._ipc_wire import (
+    LAYERS,
     PUSH,
     REVOKE,
     REVOKED,
@@ -99,6 +100,7 @@ class _PushSide(_PlaneBase):
 
         def _make_export(self) -> _Export: ...
         def _record(self, ev: Any) -> None: ...
+        def _tables(self, m: _Mapping, lo: int, hi: int) -> tuple[torch.Tensor, torch.Tensor]: ...
         def _event(self, m: _Mapping, slot: int, handle: bytes) -> Any: ...
         def _release(self, desc: Descriptor, rel: Release) -> None: ...
         def _release_soon(self, desc: Descriptor, rel: Release) -> None: ...
@@ -189,16 +191,23 @@ class _PushSide(_PlaneBase):
         return ms[0] if len(ms) == 1 else None
 
     async def _recv_granted(
-        self, rid: str, host: tuple[int, ...], frm: str | None, deadline: float, m: _Mapping
+        self,
+        rid: str,
+        host: tuple[int, ...],
+        frm: str | None,
+        deadline: float,
+        m: _Mapping,
+        *,
+        layerwise: bool,
     ) -> str:
-        """A whole request in push mode: grant its blocks to the producer of ``m``, then
-        wait for the answer (from ``frm``, or anyone when None) -- a push (wait for its
-        copy's end) or any other descriptor (the grant is void; the request goes on as
-        that descriptor says)."""
+        """A request in push mode (whole, or saved layer by layer: ``layerwise``): grant
+        its blocks to the producer of ``m``, then wait for the answer (from ``frm``, or
+        anyone when None) -- a push (wait for its copy's end) or any other descriptor
+        (the grant is void; the request goes on as that descriptor says)."""
         early = self._desc_nowait(rid, frm, deadline)
         if early is not None:  # answered already (we come late): no grant
             return await self._after_desc(
-                rid, host, early[0], early[1], frm, deadline, layerwise=False, rung=early[2]
+                rid, host, early[0], early[1], frm, deadline, layerwise=layerwise, rung=early[2]
             )
         _mark(rid, "grant")
         g = self._words.slot()
@@ -223,10 +232,10 @@ class _PushSide(_PlaneBase):
             raise
         if desc.plane != PUSH:  # answered by pull (or the ordinary way): the grant is void
             self._words.set(g)
-            if desc.plane == "ipc" or desc.plane == "chunks":
+            if desc.plane in ("ipc", "chunks", LAYERS):
                 m.can_push = m.can_push and desc.can_push
             return await self._after_desc(
-                rid, host, desc, plout, frm, deadline, layerwise=False, rung=rung
+                rid, host, desc, plout, frm, deadline, layerwise=layerwise, rung=rung
             )
         if (
             desc.rid != rid
@@ -239,7 +248,14 @@ class _PushSide(_PlaneBase):
             # nothing), or nonsense: this grant is void too
             self._words.set(g)
             return await self._refuse_push(
-                desc, rid, host, frm, deadline, m.reply_to, "a push descriptor not for this grant"
+                desc,
+                rid,
+                host,
+                frm,
+                deadline,
+                m.reply_to,
+                "a push descriptor not for this grant",
+                layerwise=layerwise,
             )
         t0 = time.perf_counter()
         until = min(deadline, time.monotonic() + desc.lease - self._clock())
@@ -269,17 +285,24 @@ class _PushSide(_PlaneBase):
         deadline: float,
         peer: str,
         detail: str,
+        *,
+        layerwise: bool = False,
     ) -> str:
         """Refuse a push that is not for a grant of this request (``push_refused``): the
         producer at ``peer`` is granted nothing more (and stops pushing to us), and the
-        request comes the ordinary way."""
+        request comes the ordinary way (``layerwise``: as the producer saves its layers)."""
         self._release(desc, Release(rid, False, fallback=True, reason=PUSH_REFUSED))
         self._count_fallback(PUSH_REFUSED, peer, detail)
         for m in self._maps.values():
             if m.reply_to == peer:
                 m.can_push = False
         await self.con.recv_request(
-            rid, host, frm=frm, timeout=max(0.0, deadline - time.monotonic()), _plain=True
+            rid,
+            host,
+            frm=frm,
+            timeout=max(0.0, deadline - time.monotonic()),
+            layerwise=layerwise,
+            _plain=True,
         )
         return "engine"
 
@@ -405,8 +428,6 @@ class _PushSide(_PlaneBase):
             else:  # read as grants arrive (woken by its FIFO), not when a request is sent
                 if m.bell.wake_fd >= 0:
                     asyncio.get_running_loop().add_reader(m.bell.wake_fd, self._grants_woken, m)
-        L = self.layout.num_layers
-        m.tables[(0, L)] = (self.con.caches.ptr_table(range(L)), m.src_table)
         old = self._push_maps.get(to)
         if old is not None:
             self._close_push(old)
@@ -554,37 +575,53 @@ class _PushSide(_PlaneBase):
         return False
 
     def _launch_push(
-        self, pm: _Mapping, g: Grant, ab: torch.Tensor, host: tuple[int, ...], ev: Any
+        self,
+        pm: _Mapping,
+        g: Grant,
+        ab: torch.Tensor,
+        host: tuple[int, ...],
+        ev: Any,
+        *,
+        buf: _PushBuf | None = None,
+        lo: int = 0,
+        hi: int | None = None,
     ) -> _PushBuf:
-        """Enqueue the copy of ``host`` (ours) into ``g.dst`` (the consumer's) on the
-        current stream -- after the KV writes queued so far -- and record ``ev`` after
-        it. The kernel reads the grant's abort word first and copies nothing once it is
-        set."""
+        """Enqueue the copy of ``host`` (ours) into ``g.dst`` (the consumer's), layers
+        ``[lo, hi)`` (all by default), on the current stream -- after the KV writes
+        queued so far -- and record ``ev`` after it (None: no record). The kernel reads
+        the grant's abort word first and copies nothing once it is set. ``buf``: the
+        ids buffer an earlier launch of the same request filled and uploaded on this
+        stream (layer-wise push); else one is taken and filled here."""
         n = len(host)
         L = self.layout.num_layers
-        buf = self._push_buf(n)
-        _mark(g.rid, "push:buf")
-        struct.pack_into(f"<{2 * n}q", buf.mv, 0, *host, *g.dst)
+        hi = L if hi is None else hi
+        fresh = buf is None
+        if buf is None:
+            buf = self._push_buf(n)
+            _mark(g.rid, "push:buf")
+            struct.pack_into(f"<{2 * n}q", buf.mv, 0, *host, *g.dst)
         word = g.slot % ABORT_WORDS
         if self.device.type != "cuda":  # (the CPU tests' fake: the torch copy)
             if int(ab[word]) == 0:
                 ids = buf.pin[: 2 * n].view(2, n)
                 _ipc_kernel.torch_pair_copy(
-                    self.con.caches.raw(pm.word),
-                    pm.src_layers,
+                    self.con.caches.raw(pm.word)[lo:hi],
+                    pm.src_layers[lo:hi],
                     self.layout.block_dim,
                     ids[0],
                     ids[1],
                 )
-            self._record(ev)
+            if ev is not None:
+                self._record(ev)
             return buf
-        own, theirs = pm.tables[(0, L)]
-        geo = self._mapper.geometry(pm, n_pairs=n, n_layers=L, parts=self.layout.kv_parts)
+        theirs, own = self._tables(pm, lo, hi)  # (pull's orientation: source, ours)
+        geo = self._mapper.geometry(pm, n_pairs=n, n_layers=hi - lo, parts=self.layout.kv_parts)
         rs = self._raw_stream() if pm.raw is not None else None
         if rs is not None:
             assert self._drv is not None and pm.raw is not None
-            self._drv.memcpy_htod_async(buf.dev.data_ptr(), buf.pin.data_ptr(), 16 * n, rs)
-            _mark(g.rid, "push:uploaded")
+            if fresh:
+                self._drv.memcpy_htod_async(buf.dev.data_ptr(), buf.pin.data_ptr(), 16 * n, rs)
+                _mark(g.rid, "push:uploaded")
             programs, args = _ipc_kernel.pair_copy_args(
                 own.data_ptr(),
                 theirs.data_ptr(),
@@ -599,10 +636,12 @@ class _PushSide(_PlaneBase):
             _mark(g.rid, "push:launched")
         else:
             with torch.cuda.device(self.device):
-                buf.dev.copy_(buf.pin, non_blocking=True)
+                if fresh:
+                    buf.dev.copy_(buf.pin, non_blocking=True)
                 if not _ipc_kernel.launch_pair_copy(own, theirs, buf.dev, ab, word, **geo):
                     raise IpcUnavailableError("grid_too_big")
-        self._record(ev)
+        if ev is not None:
+            self._record(ev)
         return buf
 
     def _push_done(self, ev: Any, buf: _PushBuf) -> None:

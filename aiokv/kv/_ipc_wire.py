@@ -373,8 +373,9 @@ class Descriptor:
     Push mode (docs/ipc.md, "Push"): ``plane`` :data:`PUSH` says the producer copied the
     request into the blocks of the consumer's grant ``gid`` (export ``token`` is then
     the consumer's) and IPC event ``event`` fires once that copy is over; no ``src``.
-    ``can_push`` on a pull descriptor: the producer has mapped and verified this
-    consumer's export, so the consumer may grant it its next requests.
+    ``can_push`` on a pull descriptor (whole or layer-wise): the producer has mapped
+    and verified this consumer's export, so the consumer may grant it its next
+    requests.
     """
 
     rid: str
@@ -571,7 +572,7 @@ class Descriptor:
                 event_slot=_int(d, "event_slot", 0, 0 if plane == LAYERS else _MAX_EVENT_SLOT),
                 lease=_float(d, "lease"),
                 offer=offer,
-                can_push=can_push and plane == "ipc",
+                can_push=can_push and plane in ("ipc", LAYERS),
             ),
             layout,
         )

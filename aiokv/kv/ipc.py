@@ -353,10 +353,12 @@ class IpcPlane(_ProducerSide):
         deadline, host = self._begin(request_id, block_ids, timeout, unique=True, what="recv")
         n = len(host)
         rung = False
-        if self.options.push and not layerwise and n:
+        if self.options.push and n:
             pm = self._push_source(frm)
             if pm is not None:  # push mode: grant the blocks, wait for the producer's copy
-                return await self._recv_granted(request_id, host, frm, deadline, pm)
+                return await self._recv_granted(
+                    request_id, host, frm, deadline, pm, layerwise=layerwise
+                )
         if not layerwise and any(m.bell is not None for m in self._maps.values()):
             staged = self._stage(request_id, host, frm, deadline)
             if staged is None:
@@ -418,7 +420,8 @@ class IpcPlane(_ProducerSide):
                 f"{n} were allocated here",
                 code="kv_size_mismatch",
             )
-        if desc.plane != "chunks" and (desc.plane == LAYERS) != layerwise:
+        # (a push says nothing of how the producer saved it: all layers are in place)
+        if desc.plane not in ("chunks", PUSH) and (desc.plane == LAYERS) != layerwise:
             self._release(desc, Release(request_id, False, reason="mode mismatch"))
             drop_layers()
             raise LayoutMismatchError(
@@ -447,7 +450,14 @@ class IpcPlane(_ProducerSide):
             # a push this request did not grant: a stale grant of an earlier request of
             # the same id (its abort word was set: it copied nothing), or a faulty peer
             return await self._refuse_push(
-                desc, request_id, host, frm, deadline, desc.reply_to, "a push without a grant"
+                desc,
+                request_id,
+                host,
+                frm,
+                deadline,
+                desc.reply_to,
+                "a push without a grant",
+                layerwise=layerwise,
             )
         try:
             m = await self._mapping(desc, plout, deadline)

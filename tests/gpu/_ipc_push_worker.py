@@ -78,7 +78,25 @@ async def handshake(con: KVConnector, role: str, peer: str, tag: str) -> None:
         await con.recv_request(f"{tag}h1", [1], frm=peer, timeout=60)
 
 
-async def push_matrix(role: str, d: str) -> dict[str, Any]:
+async def send(con: KVConnector, rid: str, src: list[int], peer: str, layerwise: bool) -> None:
+    """The whole request, or (``layerwise``) every layer saved -- the producer's forward
+    would write each one just before -- and the wait for the consumer's release."""
+    if not layerwise:
+        await con.send_request(rid, src, to=peer, timeout=30)
+        return
+    for li in range(con.layout.num_layers):
+        con.save_layer(rid, li, src, to=peer, timeout=30)
+        await asyncio.sleep(0)
+    await con.wait_saved(rid)
+
+
+async def push_layers_matrix(role: str, d: str) -> dict[str, Any]:
+    """:func:`push_matrix` with the requests saved layer by layer (``save_layer``) and
+    received with ``layerwise=True``: one push launch per layer, one descriptor."""
+    return await push_matrix(role, d, layerwise=True)
+
+
+async def push_matrix(role: str, d: str, *, layerwise: bool = False) -> dict[str, Any]:
     """Every layout with several dtypes: pushed requests bit-exact, neighbours untouched,
     and (first combo) the push ordered after the producer's own stream."""
     dev = device(role)
@@ -96,7 +114,7 @@ async def push_matrix(role: str, d: str) -> dict[str, Any]:
                 await handshake(con, role, peer, tag)
                 for r, n in enumerate(LENGTHS):
                     await asyncio.sleep(GRANT_LANDS_S)
-                    await con.send_request(f"{tag}r{r}", ids(n, PB, seed + r), to=peer, timeout=30)
+                    await send(con, f"{tag}r{r}", ids(n, PB, seed + r), peer, layerwise)
                 if ci == 0:
                     await asyncio.sleep(GRANT_LANDS_S)
                     # the copy must follow the producer's stream: ~0.5 s of GPU sleep, then
@@ -104,7 +122,7 @@ async def push_matrix(role: str, d: str) -> dict[str, Any]:
                     torch.cuda._sleep(1_000_000_000)
                     g = torch.Generator(device=dev).manual_seed(seed + 77)
                     big.view(torch.uint8).random_(0, 256, generator=g)
-                    await con.send_request(f"{tag}ord", ids(5, PB, seed + 9), to=peer, timeout=30)
+                    await send(con, f"{tag}ord", ids(5, PB, seed + 9), peer, layerwise)
                 out["combos"].append({"kind": kind, "dtype": dtype, **pstats(con)})
                 await con.aclose()
             else:
@@ -118,7 +136,9 @@ async def push_matrix(role: str, d: str) -> dict[str, Any]:
                 touched: set[int] = {0, 1}
                 for r, n in enumerate(LENGTHS):
                     dst = [b for b in ids(n + 2, CB, seed + 50 + r) if b > 1][:n]
-                    await con.recv_request(f"{tag}r{r}", dst, frm=peer, timeout=30)
+                    await con.recv_request(
+                        f"{tag}r{r}", dst, frm=peer, timeout=30, layerwise=layerwise
+                    )
                     ok = ok and torch.equal(
                         blocks(src_big, plays, ids(n, PB, seed + r)), blocks(big, lay, dst)
                     )
@@ -126,7 +146,9 @@ async def push_matrix(role: str, d: str) -> dict[str, Any]:
                 ordered = None
                 if ci == 0:
                     dst = [b for b in range(CB) if b not in touched][:5]
-                    await con.recv_request(f"{tag}ord", dst, frm=peer, timeout=30)
+                    await con.recv_request(
+                        f"{tag}ord", dst, frm=peer, timeout=30, layerwise=layerwise
+                    )
                     src2, _ = fill(plays, dev, seed + 77)
                     ordered = torch.equal(
                         blocks(src2, plays, ids(5, PB, seed + 9)), blocks(big, lay, dst)
@@ -259,6 +281,7 @@ def main() -> None:
     role, scenario, d = sys.argv[1:4]
     fn = {
         "push_matrix": push_matrix,
+        "push_layers_matrix": push_layers_matrix,
         "push_cancel": push_cancel,
         "push_kill_consumer": push_kill_consumer,
     }[scenario]

@@ -441,6 +441,25 @@ class _PlaneBase:
         deadline = con._deadline(timeout)
         return deadline, self._ids(block_ids, unique=unique, what=f"{what}_request")
 
+    async def _recv_plain(
+        self,
+        rid: str,
+        host: tuple[int, ...],
+        frm: str | None,
+        deadline: float,
+        layerwise: bool,
+    ) -> None:
+        """The request the ordinary way (the connector's engine path), in what is left
+        of its deadline."""
+        await self.con.recv_request(
+            rid,
+            host,
+            frm=frm,
+            timeout=max(0.0, deadline - time.monotonic()),
+            layerwise=layerwise,
+            _plain=True,
+        )
+
     def _ids_buffers(self, n: int) -> tuple[int, torch.Tensor, torch.Tensor, memoryview]:
         """New buffers for ``n`` block pairs' ids (``2 n`` int64, rounded up to a power of
         two, at least 64): ``(capacity, pinned host buffer, its device twin -- the host

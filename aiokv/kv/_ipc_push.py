@@ -296,14 +296,7 @@ class _PushSide(_PlaneBase):
         for m in self._maps.values():
             if m.reply_to == peer:
                 m.can_push = False
-        await self.con.recv_request(
-            rid,
-            host,
-            frm=frm,
-            timeout=max(0.0, deadline - time.monotonic()),
-            layerwise=layerwise,
-            _plain=True,
-        )
+        await self._recv_plain(rid, host, frm, deadline, layerwise)
         return "engine"
 
     async def _grant_aborted(

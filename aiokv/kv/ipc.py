@@ -433,18 +433,8 @@ class IpcPlane(_ProducerSide):
                 code="kv_mode_mismatch",
             )
 
-        async def plain() -> None:
-            await con.recv_request(
-                request_id,
-                host,
-                frm=frm,
-                timeout=max(0.0, deadline - time.monotonic()),
-                layerwise=layerwise,
-                _plain=True,
-            )
-
         if desc.plane == "chunks":
-            await plain()
+            await self._recv_plain(request_id, host, frm, deadline, layerwise)
             return "engine"
         if desc.plane == PUSH:
             # a push this request did not grant: a stale grant of an earlier request of
@@ -465,7 +455,7 @@ class IpcPlane(_ProducerSide):
             self._count_fallback(exc.reason, desc.reply_to, str(exc))
             self._release(desc, Release(request_id, False, fallback=True, reason=exc.reason))
             drop_layers()
-            await plain()
+            await self._recv_plain(request_id, host, frm, deadline, layerwise)
             return "engine"
         except LayoutMismatchError:
             self._release(desc, Release(request_id, False, reason="layout mismatch"))

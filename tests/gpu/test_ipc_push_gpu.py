@@ -22,8 +22,12 @@ pytestmark = [pytest.mark.gpu, pytest.mark.timeout(300)]
 WORKER = Path(__file__).with_name("_ipc_push_worker.py")
 
 
-def test_pushed_requests_bit_exact_on_every_layout(tmp_path: Path) -> None:
-    r = run_pair("push_matrix", tmp_path, worker=WORKER)
+@pytest.mark.parametrize("scenario", ["push_matrix", "push_layers_matrix"])
+def test_pushed_requests_bit_exact_on_every_layout(scenario: str, tmp_path: Path) -> None:
+    """Whole requests (``send_request``), and requests saved layer by layer
+    (``push_layers_matrix``: the producer pushes each layer as it is saved, after its
+    writes on the producer's stream, and sends one descriptor)."""
+    r = run_pair(scenario, tmp_path, worker=WORKER)
     c, p = r["consumer"], r["producer"]
     assert c is not None and p is not None
     assert len(c["combos"]) == 16
@@ -35,23 +39,6 @@ def test_pushed_requests_bit_exact_on_every_layout(tmp_path: Path) -> None:
     for combo in p["combos"]:
         assert combo["pushed"] >= 3 and not combo["fallbacks"], combo
         assert combo["push_raw"], combo  # launched through the driver (verified)
-
-
-def test_layerwise_pushes_bit_exact_on_every_layout(tmp_path: Path) -> None:
-    """Requests saved layer by layer: the producer pushes each layer as it is saved
-    (after its writes on the producer's stream) and sends one descriptor."""
-    r = run_pair("push_layers_matrix", tmp_path, worker=WORKER)
-    c, p = r["consumer"], r["producer"]
-    assert c is not None and p is not None
-    assert len(c["combos"]) == 16
-    for combo in c["combos"]:
-        assert combo["ok"] and combo["untouched"], combo
-        assert combo["pushes_received"] == 3 + (combo["ordered"] is not None), combo
-        assert combo["grants"] == combo["pushes_received"] and not combo["fallbacks"], combo
-    assert c["combos"][0]["ordered"] is True  # each layer's push followed its stream
-    for combo in p["combos"]:
-        assert combo["pushed"] >= 3 and not combo["fallbacks"], combo
-        assert combo["push_raw"], combo
 
 
 def test_a_cancelled_grant_writes_nothing(tmp_path: Path) -> None:

@@ -490,6 +490,21 @@ async def test_a_deadline_already_over_is_a_timeout_not_a_config_error() -> None
         await cons.aclose()
 
 
+@pytest.mark.timeout(120)
+def test_bench_layerwise_latency_requests_tcp() -> None:
+    """``--layerwise``: the latency requests go layer by layer (here over the engine)."""
+    env = {**os.environ, "PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    r = subprocess.run(
+        [sys.executable, "-m", "aiokv.kv.bench", "--transport", "tcp", "--workload", "tiny",
+         "--json", "--iters", "1", "--latency-n", "5", "--layerwise"],
+        capture_output=True, text=True, timeout=110, env=env, cwd=ROOT,
+    )  # fmt: skip
+    assert r.returncode == 0, r.stdout + r.stderr
+    rec = json.loads(r.stdout.strip().splitlines()[-1])
+    assert rec["ok"] is True and rec["latency_layerwise"] is True and rec["latency_n"] == 5
+    assert rec["p50_ms"] > 0
+
+
 @pytest.mark.timeout(30)
 @pytest.mark.parametrize(
     "args",

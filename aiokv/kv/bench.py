@@ -49,6 +49,10 @@ consumer (after its synchronisation; ``p50_ready_return_ms`` to its return). Tha
 moment is taken as the host clock just before the work was queued plus its GPU
 duration (CUDA events): never later than the real one, so these figures are upper
 bounds.
+``--layerwise``: the latency requests are saved layer by layer (``save_layer`` per
+layer, then ``wait_saved``; the consumer waits with ``layerwise=True``), each layer
+after its share of the GPU lead when one is given, so that the last layer's save comes
+at the ready.
 
 Output (``--json``): one JSON line with ``workload, transport, aiokv_gbps,
 raw_gbps, ratio, ok, p50_ms, p99_ms`` and details. GB/s are 1e9 bytes/s;
@@ -265,11 +269,15 @@ async def _producer(a: dict[str, Any], chan: _Chan) -> dict[str, Any]:
                     if a["latency_gap_s"]:
                         await asyncio.sleep(a["latency_gap_s"])
                     t = time.perf_counter()
-                    if lead is not None:
-                        lead[0].record()
-                        torch.cuda._sleep(lead_cycles)  # type: ignore[no-untyped-call]
-                        lead[1].record()
-                    await con.send_request(f"lat{msg[2]}", tables[0][:n_blocks], to=to)
+                    rid, ids = f"lat{msg[2]}", tables[0][:n_blocks]
+                    if a["layerwise"]:  # each layer saved after its share of the lead
+                        await _save_layers(con, rid, ids, to, lead, lead_cycles)
+                    else:
+                        if lead is not None:
+                            lead[0].record()
+                            torch.cuda._sleep(lead_cycles)  # type: ignore[no-untyped-call]
+                            lead[1].record()
+                        await con.send_request(rid, ids, to=to)
                     t_ready = None
                     if lead is not None:
                         # (it fired before the copy could end: a pass or none)
@@ -287,6 +295,26 @@ async def _producer(a: dict[str, Any], chan: _Chan) -> dict[str, Any]:
         await con.aclose()
     _raw_teardown(pg)
     return out
+
+
+async def _save_layers(
+    con: Any, rid: str, ids: list[int], to: str, lead: Any, lead_cycles: int | None
+) -> None:
+    """A latency request saved layer by layer, as a forward would: each layer after
+    its share of the GPU lead (``--gpu-lead-us``, spread over the layers; the ready
+    event after the last share), all queued at once, then ``wait_saved``."""
+    import torch
+
+    L = con.layout.num_layers
+    if lead is not None:
+        lead[0].record()
+    for li in range(L):
+        if lead is not None:
+            torch.cuda._sleep(max(1, (lead_cycles or 0) // L))  # type: ignore[no-untyped-call]
+            if li == L - 1:
+                lead[1].record()
+        con.save_layer(rid, li, ids, to=to)
+    await con.wait_saved(rid)
 
 
 def _cycles_per_us(torch: Any) -> float:
@@ -393,7 +421,9 @@ async def _consumer(a: dict[str, Any], chan: _Chan) -> dict[str, Any]:
             readies: list[float] = []
             marks: list[tuple[str, str, float]] = []  # (--gpu-lead-us: for the trace)
             for i in range(a["latency_warmup"] + a["latency_n"]):
-                task = asyncio.ensure_future(con.recv_request(f"lat{i}", tables[0][:n_blocks]))
+                task = asyncio.ensure_future(
+                    con.recv_request(f"lat{i}", tables[0][:n_blocks], layerwise=a["layerwise"])
+                )
                 await asyncio.sleep(0)
                 chan.send("cmd", "lat", i, n_blocks)
                 await task
@@ -638,6 +668,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         "queued before its KV is ready; adds p50_ready_ms (from the GPU ready)",
     )
     ap.add_argument(
+        "--layerwise",
+        action="store_true",
+        help="latency requests: saved layer by layer (save_layer, recv_request(layerwise="
+        "True)); with --gpu-lead-us each layer after its share of the lead",
+    )
+    ap.add_argument(
         "--push",
         action="store_true",
         help="ipc: push mode (the consumer grants its blocks, the producer copies); give "
@@ -705,6 +741,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "latency_warmup": args.latency_warmup,
         "latency_gap_s": args.latency_gap_ms / 1e3,
         "gpu_lead_us": args.gpu_lead_us,
+        "layerwise": bool(args.layerwise),
         "seed": args.seed,
         "timeout": args.timeout,
         "loop": loop,
@@ -801,6 +838,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             p99_ms=round(_pct(lat, 99), 4),
             p50_return_ms=round(_pct(ret, 50), 4),
             latency_tokens=c["latency_tokens"],
+            latency_layerwise=bool(args.layerwise),
             latency_n=len(lat),
             bytes=total,
             requests=w.requests,

@@ -7,7 +7,8 @@
 #   device: TAG=s17a bash benchmarks/gpu_s17.sh   (carry .whl .whl2)
 # env: ROUNDS (1), WLS ("short long"), LAT_N (150), GAP_MS (1), SKIP_PUSH_TESTS,
 #      SKIP_TESTS, TRACE (1), MPS (1), MODES ("pull push"), LEAD_US (--gpu-lead-us:
-#      the latency from the producer's GPU ready too, p50_ready_ms),
+#      the latency from the producer's GPU ready too, p50_ready_ms), LAYERWISE=1
+#      (--layerwise: latency requests saved layer by layer; give LEAD_US=3200),
 #      OLD (a directory holding an older tree's aiokv/, e.g. build/old from
 #      `git archive REV aiokv | tar -x -C build/old`; carry it: each bench run is then
 #      repeated with it, interleaved, labelled old-pull / old-push)
@@ -30,6 +31,7 @@ fi
 BENCH="-m aiokv.kv.bench --transport ipc --json --iters 3 --latency-n ${LAT_N:-150} --latency-gap-ms ${GAP_MS:-1}"
 [ "${TRACE:-1}" = 1 ] && BENCH="$BENCH --trace"
 [ -n "${LEAD_US:-}" ] && BENCH="$BENCH --gpu-lead-us $LEAD_US"
+[ "${LAYERWISE:-0}" = 1 ] && BENCH="$BENCH --layerwise"
 show='import json,sys
 for l in sys.stdin:
     d=json.loads(l); t=d.get("trace_ms") or {}; s=d.get("ipc") or {}

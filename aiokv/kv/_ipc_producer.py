@@ -36,7 +36,7 @@ from ._ipc_common import (
     log,
 )
 from ._ipc_map import _Mapping, seg_bytes
-from ._ipc_push import PUSH_REFUSED, _PushSide
+from ._ipc_push import PUSH_REFUSED, _PushBuf, _PushSide
 from ._ipc_wire import (
     _PROBE_SEGMENTS,
     LAYERS,
@@ -61,7 +61,7 @@ class _PushSave:
     pm: _Mapping
     grant: Grant
     ab: torch.Tensor
-    buf: Any
+    buf: _PushBuf | None
     stream: int | None
     error: BaseException | None = None
 
@@ -776,7 +776,8 @@ class _ProducerSide(_PushSide):
         try:
             ok = await self._post(request_id, desc, sv.to, sv.lease, [(slot, ev, handle)])
         finally:
-            self._push_done(ev, ps.buf)
+            if ps.buf is not None:  # (set by the first layer's launch)
+                self._push_done(ev, ps.buf)
         if not ok:  # the consumer refused the push: every layer the ordinary way
             left = max(0.0, sv.deadline - time.monotonic())
             for i in range(L):
@@ -795,9 +796,9 @@ class _ProducerSide(_PushSide):
         ev = event[1]
         while not bool(ev.query()):
             if time.monotonic() >= until:
-                break
+                break  # (never fired in time: the buffer and the event are not reused)
             await asyncio.sleep(0.001)
-        else:  # (never fired in time: the buffer and the event are not reused)
+        else:  # fired: the launches are over
             if ps.buf is not None:
                 self._push_done(ev, ps.buf)
             self._free_events.append(event)

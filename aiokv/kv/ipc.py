@@ -114,6 +114,7 @@ from ._ipc_wire import (
     probe_pattern,
 )
 from .layouts import KVLayout, check_compatible
+from .ops import _to_device
 
 if TYPE_CHECKING:
     from .connector import KVConnector
@@ -1255,7 +1256,10 @@ class IpcPlane(_ProducerSide):
             else:
                 src = [x.data_ptr() for x in m.src_layers[lo:hi]]
                 dst = [x.data_ptr() for x in self.con.caches.tensors[lo:hi]]
-                both = torch.tensor([src, dst], dtype=torch.int64).to(self.device)
+                # from pinned memory, not blocking: a copy from pageable memory first
+                # waits for the stream's queued work -- a producer's forward, when a
+                # layer-wise push makes its first layer's table
+                both = _to_device(torch.tensor([src, dst], dtype=torch.int64), self.device)
                 t = (both[0].clone(), both[1].clone())  # two allocations, both aligned
             m.tables[(lo, hi)] = t
         return t

@@ -12,6 +12,7 @@ sides; a push is taken whichever way each side saved or waited for it.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import time
 from typing import Any
 
@@ -22,6 +23,7 @@ from test_ipc_plane import landed
 from test_ipc_push import _granted, push_pair
 
 from aiokv import ConfigError, TransferTimeoutError
+from aiokv.kv._ipc_push import PUSH_REFUSED
 
 
 def _layerwise(cons: Any, rid: str, dst: list[int], frm: str, timeout: float = 10) -> Any:
@@ -145,3 +147,29 @@ async def test_a_push_is_taken_whichever_way_each_side_saved_or_waited(
         assert await t == "ipc"
         assert landed(pl, p, src, c, dst)
         assert cons._ipc.statistics().pushes_received == 1
+
+
+@pytest.mark.anyio
+@pytest.mark.timeout(60)
+async def test_a_refused_layerwise_push_comes_the_ordinary_way_layer_by_layer() -> None:
+    """A layer-wise push under another grant id (a faulty peer): the consumer refuses
+    it and waits for the request the ordinary way *layer by layer*; the producer, told
+    so at ``wait_saved``, sends every layer that way."""
+    async with push_pair() as (pl, p, c, a, b, prod, cons):
+        take = prod._ipc._take_grant
+
+        def other_gid(*args: Any) -> Any:
+            got = take(*args)
+            return (
+                None if got is None else (dataclasses.replace(got[0], gid=got[0].gid ^ 2), got[1])
+            )
+
+        prod._ipc._take_grant = other_gid
+        src, dst = [5, 6], [17, 18]
+        t = _layerwise(cons, "f", dst, a.address)
+        await asyncio.sleep(0.05)
+        await save_all(prod, "f", src, b.address, list(range(pl.num_layers)))
+        assert await t == "engine"
+        assert landed(pl, p, src, c, dst)
+        assert cons._ipc.statistics().fallbacks == {PUSH_REFUSED: 1}
+        assert prod._ipc.statistics().fallbacks == {PUSH_REFUSED: 1}

@@ -258,35 +258,54 @@ class _ProducerSide(_PushSide):
         was queued (the request then goes by pull, which also answers the grant)."""
         slot, ev, ev_handle = self._take_event()
         try:
-            buf = self._launch_push(pm, g, ab, host, ev)
+            rs = self._raw_stream() if pm.raw is not None else None
+            buf = self._launch_push(pm, g, ab, host, ev, rs)
         except Exception as exc:
             self._free_events.append((slot, ev, ev_handle))
             log.warning("aiokv IPC plane: push of %r not launched: %r", request_id, exc)
             return False
+        lease = self._clock() + max(0.0, deadline - time.monotonic())
+        event = (slot, ev, ev_handle)
+        if not await self._post_push(request_id, len(host), to, lease, pm, g, event, buf):
+            # the consumer refused the push (nothing of it is used): the ordinary way
+            await self.con.send_request(
+                request_id, host, to=to, timeout=max(0.0, deadline - time.monotonic()), _plain=True
+            )
+        return True
+
+    async def _post_push(
+        self,
+        request_id: str,
+        n: int,
+        to: str,
+        lease: float,
+        pm: _Mapping,
+        g: Grant,
+        event: tuple[int, Any, bytes],
+        buf: _PushBuf | None,
+    ) -> bool:
+        """Send the push descriptor of grant ``g`` naming ``event`` (recorded after the
+        request's launches) and settle it like a pull (:meth:`_post`); the ids buffer
+        ``buf`` serves again once the copy ended. False: the consumer refused it."""
         _mark(request_id, "pushed")
         self._stats.pushed += 1
-        lease = self._clock() + max(0.0, deadline - time.monotonic())
-        con = self.con
+        slot, ev, handle = event
         desc = Descriptor(
             rid=request_id,
             plane=PUSH,
-            n=len(host),
-            reply_to=str(getattr(con.engine, "address", "")),
+            n=n,
+            reply_to=str(getattr(self.con.engine, "address", "")),
             token=pm.token,
-            event=ev_handle,
+            event=handle,
             event_slot=slot,
             lease=lease,
             gid=g.gid,
         )
         try:
-            ok = await self._post(request_id, desc, to, lease, [(slot, ev, ev_handle)])
+            return await self._post(request_id, desc, to, lease, [event])
         finally:
-            self._push_done(ev, buf)
-        if not ok:  # the consumer refused the push (nothing of it is used): the ordinary way
-            await con.send_request(
-                request_id, host, to=to, timeout=max(0.0, deadline - time.monotonic()), _plain=True
-            )
-        return True
+            if buf is not None:
+                self._push_done(ev, buf)
 
     async def _post(
         self,
@@ -641,8 +660,8 @@ class _ProducerSide(_PushSide):
         g, ab = got
         ps = _PushSave(pm, g, ab, None, None)
         try:
-            self._join_push_stream(ps)
-            ps.buf = self._launch_push(pm, g, ab, host, None, lo=layer, hi=layer + 1)
+            rs = self._join_push_stream(ps)
+            ps.buf = self._launch_push(pm, g, ab, host, None, rs, lo=layer, hi=layer + 1)
         except Exception as exc:
             log.warning("aiokv IPC plane: push of %r not launched: %r", request_id, exc)
             return None
@@ -660,32 +679,33 @@ class _ProducerSide(_PushSide):
         if ps.error is not None:
             raise ps.error
         try:
-            self._join_push_stream(ps)
+            rs = self._join_push_stream(ps)
             self._launch_push(
-                ps.pm, ps.grant, ps.ab, sv.host, None, buf=ps.buf, lo=layer, hi=layer + 1
+                ps.pm, ps.grant, ps.ab, sv.host, None, rs, buf=ps.buf, lo=layer, hi=layer + 1
             )
         except Exception as exc:
             ps.error = exc
             raise
         sv.saved.add(layer)
 
-    def _join_push_stream(self, ps: _PushSave) -> None:
+    def _join_push_stream(self, ps: _PushSave) -> int | None:
         """Order the current stream after the stream a pushed request's earlier layers
         were launched on, when it is another one (a torch event; serving engines save
-        every layer from one stream, so this is rare)."""
+        every layer from one stream, so this is rare). Returns the current stream as
+        :meth:`_launch_push` takes it (a raw handle for the driver's launch, or None)."""
         if self.device.type != "cuda":
-            return
-        now = self._raw_stream() if ps.pm.raw is not None else None
-        if now is None:
-            now = int(torch.cuda.current_stream(self.device).cuda_stream)
+            return None
+        rs = self._raw_stream() if ps.pm.raw is not None else None
+        now = rs if rs is not None else int(torch.cuda.current_stream(self.device).cuda_stream)
         if now == ps.stream:
-            return
+            return rs
         if ps.stream is not None:
             joined = torch.cuda.Event()  # type: ignore[no-untyped-call]
             old = torch.cuda.ExternalStream(ps.stream, device=self.device)  # type: ignore[no-untyped-call]
             joined.record(old)
             torch.cuda.current_stream(self.device).wait_event(joined)
         ps.stream = now
+        return rs
 
     def _flush_layers(self, sv: _IpcSave) -> None:
         pending, sv.pending = sv.pending, []
@@ -760,25 +780,10 @@ class _ProducerSide(_PushSide):
                 f"request {request_id!r}: layers {missing[:8]}{'...' if len(missing) > 8 else ''} "
                 "were never saved"
             )
-        _mark(request_id, "pushed")
-        self._stats.pushed += 1
-        desc = Descriptor(
-            rid=request_id,
-            plane=PUSH,
-            n=len(sv.host),
-            reply_to=str(getattr(con.engine, "address", "")),
-            token=ps.pm.token,
-            event=handle,
-            event_slot=slot,
-            lease=sv.lease,
-            gid=ps.grant.gid,
-        )
-        try:
-            ok = await self._post(request_id, desc, sv.to, sv.lease, [(slot, ev, handle)])
-        finally:
-            if ps.buf is not None:  # (set by the first layer's launch)
-                self._push_done(ev, ps.buf)
-        if not ok:  # the consumer refused the push: every layer the ordinary way
+        event = (slot, ev, handle)
+        if not await self._post_push(
+            request_id, len(sv.host), sv.to, sv.lease, ps.pm, ps.grant, event, ps.buf
+        ):  # the consumer refused the push: every layer the ordinary way
             left = max(0.0, sv.deadline - time.monotonic())
             for i in range(L):
                 con.save_layer(request_id, i, sv.host, to=sv.to, timeout=left, _plain=True)

@@ -574,6 +574,7 @@ class _PushSide(_PlaneBase):
         ab: torch.Tensor,
         host: tuple[int, ...],
         ev: Any,
+        rs: int | None,
         *,
         buf: _PushBuf | None = None,
         lo: int = 0,
@@ -582,9 +583,11 @@ class _PushSide(_PlaneBase):
         """Enqueue the copy of ``host`` (ours) into ``g.dst`` (the consumer's), layers
         ``[lo, hi)`` (all by default), on the current stream -- after the KV writes
         queued so far -- and record ``ev`` after it (None: no record). The kernel reads
-        the grant's abort word first and copies nothing once it is set. ``buf``: the
-        ids buffer an earlier launch of the same request filled and uploaded on this
-        stream (layer-wise push); else one is taken and filled here."""
+        the grant's abort word first and copies nothing once it is set. ``rs``: the
+        current stream as a raw handle for the driver's launch (None: torch's and
+        Triton's calls). ``buf``: the ids buffer an earlier launch of the same request
+        filled and uploaded on this stream (layer-wise push); else one is taken and
+        filled here."""
         n = len(host)
         L = self.layout.num_layers
         hi = L if hi is None else hi
@@ -609,7 +612,6 @@ class _PushSide(_PlaneBase):
             return buf
         theirs, own = self._tables(pm, lo, hi)  # (pull's orientation: source, ours)
         geo = self._mapper.geometry(pm, n_pairs=n, n_layers=hi - lo, parts=self.layout.kv_parts)
-        rs = self._raw_stream() if pm.raw is not None else None
         if rs is not None:
             assert self._drv is not None and pm.raw is not None
             if fresh:

@@ -279,6 +279,17 @@ async def push_pair(*, producer_push: bool = True) -> AsyncIterator[tuple[Any, .
             await cons.aclose()
 
 
+def push_under_other_gids(prod: Any) -> None:
+    """Make ``prod`` push under another grant id than the one it took (a faulty peer)."""
+    take = prod._ipc._take_grant
+
+    def other_gid(*args: Any) -> Any:
+        got = take(*args)
+        return None if got is None else (dataclasses.replace(got[0], gid=got[0].gid ^ 2), got[1])
+
+    prod._ipc._take_grant = other_gid
+
+
 async def _granted(cons: Any, rid: str, dst: list[int], frm: Any, **kw: Any) -> asyncio.Task[Any]:
     """Start a consumer's request and let its grant land at the producer."""
     t = asyncio.create_task(cons.recv_request(rid, dst, frm=frm, timeout=kw.get("timeout", 10)))
@@ -394,15 +405,7 @@ async def test_a_push_for_another_grant_is_refused_and_the_request_still_lands()
     id, or a faulty peer): the consumer refuses it, the producer stops pushing to it and
     sends the request the ordinary way."""
     async with push_pair() as (pl, p, c, a, b, prod, cons):
-        take = prod._ipc._take_grant
-
-        def other_gid(*args: Any) -> Any:
-            got = take(*args)
-            return (
-                None if got is None else (dataclasses.replace(got[0], gid=got[0].gid ^ 2), got[1])
-            )
-
-        prod._ipc._take_grant = other_gid
+        push_under_other_gids(prod)
         t = await _granted(cons, "r1", [17, 18], a.address)
         await prod.send_request("r1", [5, 6], to=b.address, timeout=10)
         assert await t == "engine"

@@ -12,7 +12,6 @@ sides; a push is taken whichever way each side saved or waited for it.
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import time
 from typing import Any
 
@@ -20,7 +19,7 @@ import pytest
 from _kvutil import blocks
 from test_ipc_layers import layer_landed, save_all
 from test_ipc_plane import landed
-from test_ipc_push import _granted, push_pair
+from test_ipc_push import _granted, push_pair, push_under_other_gids
 
 from aiokv import ConfigError, TransferTimeoutError
 from aiokv.kv._ipc_push import PUSH_REFUSED
@@ -156,15 +155,7 @@ async def test_a_refused_layerwise_push_comes_the_ordinary_way_layer_by_layer() 
     it and waits for the request the ordinary way *layer by layer*; the producer, told
     so at ``wait_saved``, sends every layer that way."""
     async with push_pair() as (pl, p, c, a, b, prod, cons):
-        take = prod._ipc._take_grant
-
-        def other_gid(*args: Any) -> Any:
-            got = take(*args)
-            return (
-                None if got is None else (dataclasses.replace(got[0], gid=got[0].gid ^ 2), got[1])
-            )
-
-        prod._ipc._take_grant = other_gid
+        push_under_other_gids(prod)
         src, dst = [5, 6], [17, 18]
         t = _layerwise(cons, "f", dst, a.address)
         await asyncio.sleep(0.05)

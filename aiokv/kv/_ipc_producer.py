@@ -290,11 +290,12 @@ class _ProducerSide(_PushSide):
         _mark(request_id, "pushed")
         self._stats.pushed += 1
         slot, ev, handle = event
+        con = self.con
         desc = Descriptor(
             rid=request_id,
             plane=PUSH,
             n=n,
-            reply_to=str(getattr(self.con.engine, "address", "")),
+            reply_to=str(getattr(con.engine, "address", "")),
             token=pm.token,
             event=handle,
             event_slot=slot,

@@ -9,9 +9,7 @@ on handles torch created and owns:
 * ``cuEventRecord`` -- the producer's ready event, the consumer's completion event;
 * ``cuMemcpyHtoDAsync`` -- a request's block ids into the slot's device buffer;
 * ``cuLaunchKernel`` -- the Triton copy kernel's compiled function (see
-  :class:`aiokv.kv._ipc_kernel.RawLaunch`);
-* ``cuStreamCreate``/``cuStreamWaitEvent``/``cuLaunchHostFunc``/``cuStreamDestroy``
-  -- the event waker's (:mod:`aiokv.kv._gpuwake`).
+  :class:`aiokv.kv._ipc_kernel.RawLaunch`).
 
 Streams are torch's (``torch._C._cuda_getCurrentRawStream``), so ordering is the
 caller's current stream exactly as with torch's own calls. ``libcuda.so.1`` is the
@@ -58,19 +56,6 @@ class Driver:
         lib.cuLaunchKernel.restype = c.c_int
         lib.cuGetErrorName.argtypes = [c.c_int, c.POINTER(c.c_char_p)]
         lib.cuGetErrorName.restype = c.c_int
-        # the event waker's (aiokv.kv._gpuwake); a driver without them has no waker
-        try:
-            lib.cuStreamCreate.argtypes = [c.POINTER(c.c_void_p), c.c_uint]
-            lib.cuStreamCreate.restype = c.c_int
-            lib.cuStreamDestroy_v2.argtypes = [c.c_void_p]
-            lib.cuStreamDestroy_v2.restype = c.c_int
-            lib.cuStreamWaitEvent.argtypes = [c.c_void_p, c.c_void_p, c.c_uint]
-            lib.cuStreamWaitEvent.restype = c.c_int
-            lib.cuLaunchHostFunc.argtypes = [c.c_void_p, c.c_void_p, c.c_void_p]
-            lib.cuLaunchHostFunc.restype = c.c_int
-            self.has_host_func = True
-        except AttributeError:
-            self.has_host_func = False
         self.event_record_raw = lib.cuEventRecord
         self.memcpy_htod_raw = lib.cuMemcpyHtoDAsync_v2
         self.launch_raw = lib.cuLaunchKernel
@@ -87,23 +72,6 @@ class Driver:
 
     def memcpy_htod_async(self, dst: int, src: int, nbytes: int, stream: int) -> None:
         self.check(self.memcpy_htod_raw(dst, src, nbytes, stream), "cuMemcpyHtoDAsync")
-
-    def stream_create(self) -> int:
-        """A new non-blocking stream (``CU_STREAM_NON_BLOCKING``) on the current context."""
-        s = ctypes.c_void_p()
-        self.check(self._lib.cuStreamCreate(ctypes.byref(s), 1), "cuStreamCreate")
-        return int(s.value or 0)
-
-    def stream_destroy(self, stream: int) -> None:
-        """Destroy ``stream`` (work still queued on it runs first; errors are ignored:
-        this only returns resources)."""
-        self._lib.cuStreamDestroy_v2(stream)
-
-    def stream_wait_event(self, stream: int, event: int) -> None:
-        self.check(self._lib.cuStreamWaitEvent(stream, event, 0), "cuStreamWaitEvent")
-
-    def launch_host_func(self, stream: int, fn: int, arg: int) -> None:
-        self.check(self._lib.cuLaunchHostFunc(stream, fn, arg), "cuLaunchHostFunc")
 
 
 @functools.lru_cache(maxsize=1)

@@ -182,7 +182,6 @@ class IpcStatistics:
     pushed: int = 0  # producer: requests it copied into a consumer's granted blocks
     pushes_received: int = 0  # consumer: requests the producer pushed
     push_unsettled: int = 0  # consumer: aborted grants not known to be over in grace_s
-    event_wakes: int = 0  # consumer: event waits past the spin ended by the waker (_gpuwake)
     fallbacks: dict[str, int] = field(default_factory=dict)
 
 

@@ -69,7 +69,7 @@ from .._exceptions import (
     TransferAbortedError,
     TransferTimeoutError,
 )
-from . import _cudrv, _doorbell, _gpuwake, _ipc_kernel
+from . import _cudrv, _doorbell, _ipc_kernel
 from ._ipc_common import (
     HELLO,
     NO_OFFER,
@@ -274,8 +274,6 @@ class IpcPlane(_ProducerSide):
             if backend is None and options.driver_calls and self.device.type == "cuda"
             else None
         )
-        # waits that outlast the spin end by a host function's wake-up, not a 1 ms poll
-        self._waker = _gpuwake.EventWaker.create(self._drv)
         self._dev_index = self.device.index if self.device.index is not None else 0
         # slot buffers whose ids' upload may still be queued (not launched, retired):
         # freed once their event fired
@@ -1369,11 +1367,7 @@ class IpcPlane(_ProducerSide):
         while not bool(done.query()):
             now = time.monotonic()
             if now >= spin_until:
-                woke = await self._wake_on(done, at - now)
-                if woke is None:
-                    await _await_shielded(self._poll().wait(done), at - now)
-                elif not woke:
-                    raise TimeoutError
+                await _await_shielded(self._poll().wait(done), at - now)
                 return
             await asyncio.sleep(0)
 
@@ -1396,30 +1390,8 @@ class IpcPlane(_ProducerSide):
                 raise TransferTimeoutError(f"IPC: {what} in time")
             if now < spin_until:
                 await asyncio.sleep(0)
-                continue
-            woke = await self._wake_on(ev, until - now)
-            if woke is None:  # no waker here: a query per millisecond
+            else:
                 await asyncio.sleep(min(0.001, until - now))
-            elif not woke:
-                raise TransferTimeoutError(f"IPC: {what} in time")
-
-    async def _wake_on(self, ev: Any, timeout: float) -> bool | None:
-        """Wait for a CUDA event through the event waker (:mod:`aiokv.kv._gpuwake`):
-        True once it fired, False after ``timeout``; None where there is no waker (no
-        driver, a stand-in event) or it failed (then it is off for this plane, with a
-        log line)."""
-        w = self._waker
-        if w is None or not isinstance(ev, torch.cuda.Event):
-            return None
-        try:
-            woke = await w.wait(int(ev.cuda_event), ev.query, timeout)
-        except _cudrv.CudaDriverError as exc:
-            self._waker = None
-            w.close()
-            log.warning("aiokv IPC plane: event waker off (%s); polling events instead", exc)
-            return None
-        self._stats.event_wakes += woke
-        return woke
 
     async def _settle(self, m: _Mapping, done: Any) -> bool:
         """After an abort: wait (bounded by the grace period) until the launch is over.
@@ -1471,9 +1443,6 @@ class IpcPlane(_ProducerSide):
         if self._poller is not None:
             await self._poller.stop()
             self._poller = None
-        if self._waker is not None:
-            self._waker.close()
-            self._waker = None
 
 
 class _Fired:

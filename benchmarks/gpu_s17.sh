@@ -35,7 +35,7 @@ BENCH="-m aiokv.kv.bench --transport ipc --json --iters 3 --latency-n ${LAT_N:-1
 show='import json,sys
 for l in sys.stdin:
     d=json.loads(l); t=d.get("trace_ms") or {}; s=d.get("ipc") or {}
-    print(d.get("tree"), d.get("workload"), "p50", d["p50_ms"], "ret", d.get("p50_return_ms"), "ready", d.get("p50_ready_ms"), d.get("p50_ready_return_ms"), "p99", d["p99_ms"], "GB/s", d["aiokv_gbps"], "ratio", d["ratio"], "ok", d["ok"], "pushed", s.get("pushes_received"), "grants", s.get("grants"), "fb", s.get("fallbacks"), d.get("error", ""))
+    print(d.get("tree"), d.get("workload"), "p50", d["p50_ms"], "ret", d.get("p50_return_ms"), "ready", d.get("p50_ready_ms"), d.get("p50_ready_return_ms"), "p99", d["p99_ms"], "GB/s", d["aiokv_gbps"], "ratio", d["ratio"], "ok", d["ok"], "pushed", s.get("pushes_received"), "grants", s.get("grants"), "fb", s.get("fallbacks"), "wakes", s.get("event_wakes"), d.get("error", ""))
     print("   ", {k: t[k] for k in t})'
 one() {  # $1 label, $2 workload, then extra flags
   lab=$1; w=$2; shift 2

@@ -583,6 +583,7 @@ class _ProducerSide(_PushSide):
         n = len(host)
         sv = self._saves.get(request_id)
         if sv is None:
+            _mark(request_id, "send")  # (the request's first layer)
             deadline = con._deadline(timeout)
             reason = self.disabled or self._broken_to.get(to)
             export = None

@@ -305,6 +305,8 @@ async def _save_layers(
     event after the last share), all queued at once, then ``wait_saved``."""
     import torch
 
+    from ._ipc_common import _mark
+
     L = con.layout.num_layers
     if lead is not None:
         lead[0].record()
@@ -314,6 +316,7 @@ async def _save_layers(
             if li == L - 1:
                 lead[1].record()
         con.save_layer(rid, li, ids, to=to)
+    _mark(rid, "queued")  # (--trace: every layer's save made, host side)
     await con.wait_saved(rid)
 
 

@@ -1,0 +1,134 @@
+"""Sleeps shorter than a millisecond, for the loop: a ``timerfd`` it watches.
+
+asyncio's timers end in ``epoll_wait``, whose timeout CPython rounds *up* to whole
+milliseconds (uvloop's libuv timers have millisecond resolution too), so on an idle
+loop ``asyncio.sleep(0.0002)`` takes a millisecond. A wait that polls a CUDA event
+past its spin therefore noticed the event 0.5 ms late on average (0.63 ms median
+measured in run s19c, docs/benchmarks.md "Session 19") -- for every request whose
+producer's GPU work ends more than the spin after the consumer began to wait, which
+is every request of a producer that sends as soon as its forward is queued.
+
+:func:`fine_sleep` arms a ``timerfd`` (``CLOCK_MONOTONIC``, nanosecond resolution,
+the kernel's timer slack aside) and waits for it to turn readable through
+``loop.add_reader``: the loop sleeps in ``epoll_wait`` as before and wakes within
+tens of µs of the delay. A sleep costs a few system calls (about 10 µs of CPU).
+The descriptors are pooled per loop; where ``timerfd`` is missing (not Linux) it is
+``asyncio.sleep``.
+
+Why not a CUDA host function that wakes the loop through a pipe (tried in session 19,
+reverted): its stream must wait on the event -- for the IPC plane, a peer's event
+that never fires when the peer dies, which then blocks every device-wide synchronize
+of the consumer -- and the driver ran it only ~0.4 ms after the event anyway.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import ctypes
+import ctypes.util
+import os
+import weakref
+from typing import Any
+
+__all__ = ["fine_sleep"]
+
+_CLOCK_MONOTONIC = 1
+_TFD_NONBLOCK = os.O_NONBLOCK
+_TFD_CLOEXEC = os.O_CLOEXEC
+
+
+class _Itimerspec(ctypes.Structure):
+    _fields_ = [
+        ("it_interval_sec", ctypes.c_long),
+        ("it_interval_nsec", ctypes.c_long),
+        ("it_value_sec", ctypes.c_long),
+        ("it_value_nsec", ctypes.c_long),
+    ]
+
+
+def _libc() -> Any:
+    try:
+        lib = ctypes.CDLL(ctypes.util.find_library("c") or None, use_errno=True)
+        lib.timerfd_create.argtypes = [ctypes.c_int, ctypes.c_int]
+        lib.timerfd_create.restype = ctypes.c_int
+        lib.timerfd_settime.argtypes = [
+            ctypes.c_int,
+            ctypes.c_int,
+            ctypes.POINTER(_Itimerspec),
+            ctypes.c_void_p,
+        ]
+        lib.timerfd_settime.restype = ctypes.c_int
+        return lib
+    except (OSError, AttributeError):
+        return None
+
+
+_LIBC = _libc()
+# free timer descriptors per loop (a descriptor serves one sleep at a time)
+_POOLS: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, list[int]] = (
+    weakref.WeakKeyDictionary()
+)
+
+
+def _take(loop: asyncio.AbstractEventLoop) -> int | None:
+    pool = _POOLS.get(loop)
+    if pool:
+        return pool.pop()
+    if _LIBC is None:
+        return None
+    fd = int(_LIBC.timerfd_create(_CLOCK_MONOTONIC, _TFD_NONBLOCK | _TFD_CLOEXEC))
+    if fd < 0:
+        return None
+    if pool is None:
+        pool = _POOLS.setdefault(loop, [])
+        weakref.finalize(loop, _close_all, pool)
+    return fd
+
+
+def _close_all(pool: list[int]) -> None:
+    for fd in pool:
+        os.close(fd)
+    pool.clear()
+
+
+def _arm(fd: int, delay: float) -> bool:
+    ns = max(1000, int(delay * 1e9))  # (zero would disarm it)
+    spec = _Itimerspec(0, 0, ns // 1_000_000_000, ns % 1_000_000_000)
+    return int(_LIBC.timerfd_settime(fd, 0, ctypes.byref(spec), None)) == 0
+
+
+async def fine_sleep(delay: float) -> None:
+    """Sleep ``delay`` seconds with µs resolution (see the module docstring); a
+    checkpoint like ``asyncio.sleep`` (cancellable, never returns at once for a
+    positive delay)."""
+    if delay <= 0:
+        await asyncio.sleep(0)
+        return
+    loop = asyncio.get_running_loop()
+    fd = _take(loop)
+    if fd is None or not _arm(fd, delay):
+        if fd is not None:
+            os.close(fd)
+        await asyncio.sleep(delay)
+        return
+    fut: asyncio.Future[None] = loop.create_future()
+
+    def fired() -> None:
+        if not fut.done():
+            fut.set_result(None)
+
+    loop.add_reader(fd, fired)
+    try:
+        await fut
+    finally:
+        loop.remove_reader(fd)
+        try:
+            os.read(fd, 8)  # (the expiry count; none yet after a cancellation)
+        except BlockingIOError:  # not expired (cancelled): disarm before it serves again
+            _disarm(fd)
+        _POOLS.setdefault(loop, []).append(fd)
+
+
+def _disarm(fd: int) -> None:
+    spec = _Itimerspec(0, 0, 0, 0)
+    _LIBC.timerfd_settime(fd, 0, ctypes.byref(spec), None)

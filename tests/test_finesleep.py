@@ -1,0 +1,120 @@
+"""``aiokv._finesleep.fine_sleep`` (a timerfd the loop watches), and the IPC plane's
+event waits past their spin that use it: an event is noticed within a fraction of a
+millisecond, where the loop's own sleeps (whole milliseconds) noticed it ~1 ms late."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import statistics
+import time
+from typing import Any
+
+import pytest
+from test_ipc_push import push_pair
+
+from aiokv import _finesleep
+from aiokv._finesleep import fine_sleep
+from aiokv.kv import ipc as ipc_mod
+
+
+def _fds() -> int:
+    return len(os.listdir("/proc/self/fd"))
+
+
+@pytest.mark.anyio
+@pytest.mark.timeout(30)
+async def test_a_fine_sleep_is_short_and_never_early() -> None:
+    took = []
+    for _ in range(40):
+        t = time.perf_counter()
+        await fine_sleep(0.0003)
+        took.append(time.perf_counter() - t)
+    assert min(took) >= 0.0003  # (the timer's clock is perf_counter's: CLOCK_MONOTONIC)
+    # asyncio's own sleep(0.0003) takes 1 ms here (epoll's timeout in whole ms)
+    assert statistics.median(took) < 0.0008, sorted(took)
+
+
+@pytest.mark.anyio
+@pytest.mark.timeout(30)
+async def test_cancelled_and_concurrent_sleeps_leak_nothing() -> None:
+    await fine_sleep(0.0001)  # (the pool's first descriptor)
+    fds = _fds()
+    for _ in range(3):
+        t = asyncio.ensure_future(fine_sleep(5.0))
+        await asyncio.sleep(0.001)
+        t.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await t
+    # a cancelled sleep's timer was disarmed: the descriptor's next sleep is its own
+    t0 = time.perf_counter()
+    await fine_sleep(0.02)
+    assert time.perf_counter() - t0 >= 0.02
+    order: list[int] = []
+
+    async def one(i: int) -> None:
+        await fine_sleep(0.001 * (1 + i))
+        order.append(i)
+
+    await asyncio.gather(*(one(i) for i in reversed(range(8))))
+    assert order == list(range(8))
+    pool = _finesleep._POOLS[asyncio.get_running_loop()]
+    assert len(pool) == 8 and _fds() == fds + 7  # pooled, one per concurrent sleep
+    assert await asyncio.wait_for(fine_sleep(0), 1) is None  # (a checkpoint)
+
+
+@pytest.mark.anyio
+@pytest.mark.timeout(30)
+async def test_without_timerfd_it_is_the_loops_sleep(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(_finesleep, "_LIBC", None)
+    monkeypatch.setattr(_finesleep, "_POOLS", type(_finesleep._POOLS)())
+    slept: list[float] = []
+    real = asyncio.sleep
+
+    async def fake(d: float) -> None:
+        slept.append(d)
+        await real(0)
+
+    monkeypatch.setattr(_finesleep.asyncio, "sleep", fake)
+    await fine_sleep(0.0002)
+    assert slept == [0.0002]
+
+
+class _FiresAt:
+    """A stand-in CUDA event that fires at a given ``perf_counter`` time."""
+
+    def __init__(self, at: float) -> None:
+        self.at = at
+
+    def query(self) -> bool:
+        return time.perf_counter() >= self.at
+
+
+@pytest.mark.anyio
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("wait", ["_wait_ready", "_wait_done"])
+async def test_an_event_after_the_spin_is_noticed_within_a_fraction_of_a_ms(wait: str) -> None:
+    """The event fires after the spin ran out -- 0.1 ms after (``_wait_ready``: a
+    1 ms sleep then noticed it ~0.9 ms late), 5 ms after (``_wait_done``: the progress
+    poller, by then sleeping up to 2 ms between queries) -- and is noticed within
+    ~0.2 ms (fine sleeps)."""
+    after = 0.0001 if wait == "_wait_ready" else 0.005
+    async with push_pair() as (*_, _prod, cons):
+        plane: Any = cons._ipc
+        late = []
+        for _ in range(7):
+            t0 = time.perf_counter()
+            ev = _FiresAt(t0 + ipc_mod._READY_SPIN_S + after)
+            if wait == "_wait_ready":
+                await plane._wait_ready(ev, time.monotonic() + 5)
+            else:
+                await plane._wait_done(ev, 5.0)
+            late.append(time.perf_counter() - ev.at)
+        assert statistics.median(late) < 0.0006, sorted(late)
+        # and a deadline still ends the wait
+        with pytest.raises((TimeoutError, ipc_mod.TransferTimeoutError)):
+            never = _FiresAt(time.perf_counter() + 60)
+            if wait == "_wait_ready":
+                await plane._wait_ready(never, time.monotonic() + 0.01)
+            else:
+                await plane._wait_done(never, 0.01)

@@ -24,13 +24,17 @@ of the consumer -- and the driver ran it only ~0.4 ms after the event anyway.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import ctypes
 import ctypes.util
 import os
 import weakref
+from collections.abc import Callable
 from typing import Any
 
-__all__ = ["fine_sleep"]
+from ._common import _await_shielded
+
+__all__ = ["FinePoll", "fine_sleep"]
 
 _CLOCK_MONOTONIC = 1
 _TFD_NONBLOCK = os.O_NONBLOCK
@@ -132,3 +136,67 @@ async def fine_sleep(delay: float) -> None:
 def _disarm(fd: int) -> None:
     spec = _Itimerspec(0, 0, 0, 0)
     _LIBC.timerfd_settime(fd, 0, ctypes.byref(spec), None)
+
+
+class FinePoll:
+    """Waits for conditions (a CUDA event's ``query``) by asking them every
+    ``interval_s`` from ONE task, whatever the number of waits: each tick is one
+    :func:`fine_sleep` and one query per wait, so N requests waiting cost one loop
+    wake-up per tick, not N. A wait that gives up (timeout, cancellation) leaves
+    nothing registered -- an event that never fires (a dead peer's) is not queried
+    after its wait ended -- and the task ends when no wait is left."""
+
+    def __init__(self, interval_s: float) -> None:
+        self.interval_s = interval_s
+        self._waits: dict[asyncio.Future[None], Callable[[], Any]] = {}
+        self._task: asyncio.Task[None] | None = None
+        self.ticks = 0
+
+    @property
+    def waiting(self) -> int:
+        return len(self._waits)
+
+    async def wait(self, query: Callable[[], Any], timeout: float) -> bool:
+        """True once ``query()`` was true at a tick, False after ``timeout`` seconds;
+        an exception ``query`` raises is raised here."""
+        loop = asyncio.get_running_loop()
+        fut: asyncio.Future[None] = loop.create_future()
+        self._waits[fut] = query
+        if self._task is None:
+            self._task = loop.create_task(self._run(), name="aiokv-fine-poll")
+        try:
+            await _await_shielded(fut, timeout)
+            return True
+        except TimeoutError:
+            return False
+        finally:
+            self._waits.pop(fut, None)
+            if not fut.done():
+                fut.cancel()
+
+    async def _run(self) -> None:
+        try:
+            while self._waits:
+                await fine_sleep(self.interval_s)
+                self.ticks += 1
+                for fut, query in list(self._waits.items()):
+                    if fut.done():
+                        continue
+                    try:
+                        fired = bool(query())
+                    except Exception as exc:  # (a sticky CUDA error)
+                        fut.set_exception(exc)
+                        continue
+                    if fired:
+                        fut.set_result(None)
+        finally:
+            if self._task is asyncio.current_task():
+                self._task = None
+
+    async def aclose(self) -> None:
+        """Stop the task (waits still registered end at their own timeouts)."""
+        task, self._task = self._task, None
+        if task is not None:
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task

@@ -1,10 +1,12 @@
-"""``aiokv._finesleep.fine_sleep`` (a timerfd the loop watches), and the IPC plane's
-event waits past their spin that use it: an event is noticed within a fraction of a
-millisecond, where the loop's own sleeps (whole milliseconds) noticed it ~1 ms late."""
+"""``aiokv._finesleep``: ``fine_sleep`` (a timerfd the loop watches) and ``FinePoll``
+(one ticking task for many waits), and the IPC plane's event waits past their spin
+that use them: an event is noticed within a fraction of a millisecond, where the
+loop's own sleeps (whole milliseconds) noticed it ~1 ms late."""
 
 from __future__ import annotations
 
 import asyncio
+import gc
 import os
 import statistics
 import time
@@ -14,8 +16,21 @@ import pytest
 from test_ipc_push import push_pair
 
 from aiokv import TransferTimeoutError, _finesleep
-from aiokv._finesleep import fine_sleep
+from aiokv._finesleep import FinePoll, fine_sleep
+from aiokv.kv import IpcOptions
 from aiokv.kv import ipc as ipc_mod
+
+
+@pytest.fixture(
+    params=[
+        pytest.param(("asyncio", {}), id="asyncio"),
+        pytest.param(("asyncio", {"use_uvloop": True}), id="uvloop"),
+    ]
+)
+def anyio_backend(request: pytest.FixtureRequest) -> Any:
+    """asyncio without its debug mode (the suite's default): debug mode records a
+    traceback for every future and task, which these timings would measure."""
+    return request.param
 
 
 def _fds() -> int:
@@ -39,6 +54,7 @@ async def test_a_fine_sleep_is_short_and_never_early() -> None:
 @pytest.mark.timeout(30)
 async def test_cancelled_and_concurrent_sleeps_leak_nothing() -> None:
     await fine_sleep(0.0001)  # (the pool's first descriptor)
+    gc.collect()  # (an earlier test's loop, collected mid-test, would close its pool)
     fds = _fds()
     for _ in range(3):
         t = asyncio.ensure_future(fine_sleep(5.0))
@@ -118,3 +134,55 @@ async def test_an_event_after_the_spin_is_noticed_within_a_fraction_of_a_ms(wait
                 await plane._wait_ready(never, time.monotonic() + 0.01)
             else:
                 await plane._wait_done(never, 0.01)
+
+
+@pytest.mark.anyio
+@pytest.mark.timeout(30)
+async def test_many_waits_share_one_tick() -> None:
+    fp = FinePoll(0.0005)
+    t0 = time.perf_counter()
+    ats = [t0 + 0.02 + 0.002 * i for i in range(20)]
+    got = await asyncio.gather(*(fp.wait(_FiresAt(at).query, 5.0) for at in ats))
+    took = time.perf_counter() - t0
+    assert got == [True] * 20 and fp.waiting == 0
+    # one tick per interval for all twenty waits (at most), not one per wait
+    assert fp.ticks <= took / 0.0005 + 2, (fp.ticks, took)
+    await asyncio.sleep(0.01)
+    assert fp._task is None  # nothing waits: the task ended
+
+
+@pytest.mark.anyio
+@pytest.mark.timeout(30)
+async def test_a_wait_that_gives_up_leaves_nothing_registered() -> None:
+    fp = FinePoll(0.0002)
+    asked = 0
+
+    def never() -> bool:
+        nonlocal asked
+        asked += 1
+        return False
+
+    assert await fp.wait(never, 0.01) is False  # a dead peer's event
+    n = asked
+    t = asyncio.ensure_future(fp.wait(never, 10.0))
+    await asyncio.sleep(0.005)
+    t.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await t
+    n = asked
+    await asyncio.sleep(0.01)
+    assert asked == n and fp.waiting == 0  # not asked any more
+
+    def broken() -> bool:
+        raise RuntimeError("CUDA error: an illegal memory access")
+
+    with pytest.raises(RuntimeError, match="illegal"):
+        await fp.wait(broken, 5.0)
+    await fp.aclose()
+
+
+@pytest.mark.parametrize("bad", [0, -1, 0.02, "0.001", None])
+def test_event_poll_s_is_checked(bad: Any) -> None:
+    with pytest.raises(Exception, match="event_poll_s"):
+        IpcOptions(event_poll_s=bad)
+    assert IpcOptions(event_poll_s=0.001).event_poll_s == 0.001

@@ -136,6 +136,15 @@ class IpcOptions:
     next first launch of a kernel under lazy module loading (runs s10-ipc-r1, r3,
     r4; docs/ipc.md). Off by default; consider it only where the producer's death
     also ends the consumer.
+
+    ``event_poll_s``: a consumer's wait for a CUDA event (the producer's ready event,
+    a push's end, its own copy's end) queries it on every loop pass for 2 ms, then
+    every ``event_poll_s`` -- one timer for all the plane's waits
+    (:class:`aiokv._finesleep.FinePoll`; the loop's own timers end on whole
+    milliseconds). Shorter notices an event sooner (on average half of it after the
+    event) at more CPU while requests wait: measured ~25% of one core of a 2-core CI
+    machine at 0.2 ms, ~4% with the loop's 1 ms timer (docs/benchmarks.md,
+    "Session 19").
     """
 
     trust_unauthenticated: bool = False
@@ -147,6 +156,7 @@ class IpcOptions:
     doorbell_backup_s: float = 0.05
     driver_calls: bool = True
     push: bool = False
+    event_poll_s: float = 0.0002
 
     def __post_init__(self) -> None:
         if not (isinstance(self.grace_s, (int, float)) and 0 < self.grace_s <= 600):
@@ -157,6 +167,9 @@ class IpcOptions:
         b = self.doorbell_backup_s
         if not (isinstance(b, (int, float)) and 0 < b <= 60):
             raise ConfigError(f"doorbell_backup_s must be in (0, 60], got {b!r}")
+        e = self.event_poll_s
+        if not (isinstance(e, (int, float)) and 0 < e <= 0.01):
+            raise ConfigError(f"event_poll_s must be in (0, 0.01], got {e!r}")
 
 
 @dataclass(slots=True)

@@ -69,7 +69,7 @@ from .._exceptions import (
     TransferAbortedError,
     TransferTimeoutError,
 )
-from .._finesleep import fine_sleep
+from .._finesleep import FinePoll
 from . import _cudrv, _doorbell, _ipc_kernel
 from ._ipc_common import (
     HELLO,
@@ -144,9 +144,6 @@ __all__ = [
 #: how long the consumer polls a producer's event without sleeping (a forward pass
 #: that ends within it is noticed within microseconds)
 _READY_SPIN_S = 0.002
-#: ... and then between queries (a timerfd sleep: the loop's own timers end whole
-#: milliseconds later, on average 0.5 ms after the event; :mod:`aiokv._finesleep`)
-_READY_POLL_S = 0.0002
 #: ring messages a consumer keeps per producer for requests that do not wait yet (the
 #: producer has at most SLOTS - 1 ring-only descriptors unreleased, so this is slack)
 _MAX_PENDING = 2 * _doorbell.SLOTS
@@ -271,6 +268,8 @@ class IpcPlane(_ProducerSide):
         self._slotbufs: dict[int, _SlotBufs] = {}
         self._deferred: list[tuple[Descriptor, Release]] = []  # ok releases, sent soon
         self._poller: Any = None
+        # event waits past their spin: one timer for all (options.event_poll_s)
+        self._fine = FinePoll(options.event_poll_s)
         # the driver for the per-request CUDA calls (options.driver_calls, real CUDA)
         self._opening: dict[int, asyncio.Future[_Mapping]] = {}  # exports being mapped
         self._drv = (
@@ -1364,9 +1363,9 @@ class IpcPlane(_ProducerSide):
         """Wait for a request's copy to end: queried from this task on every loop pass
         for the first ``_READY_SPIN_S`` (a copy is µs to a few ms; this notices its end
         a pass after it, where the poller's future wakes the task three passes after
-        the poller saw it), then every ``_READY_POLL_S`` (:func:`fine_sleep`: the
-        poller's sleeps end on the loop's millisecond timers). Raises ``TimeoutError``
-        after ``timeout``."""
+        the poller saw it), then every ``options.event_poll_s`` with the plane's other
+        waits (:class:`~aiokv._finesleep.FinePoll`: the progress poller's sleeps end on
+        the loop's millisecond timers). Raises ``TimeoutError`` after ``timeout``."""
         now = time.monotonic()
         at, spin_until = now + timeout, now + min(timeout, _READY_SPIN_S)
         while not bool(done.query()):
@@ -1375,8 +1374,8 @@ class IpcPlane(_ProducerSide):
                 raise TimeoutError
             if now < spin_until:
                 await asyncio.sleep(0)
-            else:
-                await fine_sleep(min(_READY_POLL_S, at - now))
+            elif not await self._fine.wait(done.query, at - now):
+                raise TimeoutError
 
     async def _wait_ready(
         self, ev: Any, until: float, what: str = "the producer's ready event did not fire"
@@ -1386,9 +1385,9 @@ class IpcPlane(_ProducerSide):
         ("IPC: ``what`` in time") at ``until`` (``time.monotonic``).
 
         Spins (``sleep(0)``: other tasks run between polls) for the first
-        ``_READY_SPIN_S``, then sleeps ``_READY_POLL_S`` between polls with
-        :func:`~aiokv._finesleep.fine_sleep` (a timerfd: the loop's own sleeps end on
-        whole milliseconds, which noticed an event 0.5 ms late on average; run s19c).
+        ``_READY_SPIN_S``, then every ``options.event_poll_s`` with the plane's other
+        waits (:class:`~aiokv._finesleep.FinePoll`, a timerfd: the loop's own sleeps end
+        on whole milliseconds, which noticed an event 0.5 ms late on average; run s19c).
         Nothing stays registered afterwards (a dead producer's event never fires)."""
         spin_until = time.monotonic() + _READY_SPIN_S
         while not bool(ev.query()):
@@ -1397,8 +1396,8 @@ class IpcPlane(_ProducerSide):
                 raise TransferTimeoutError(f"IPC: {what} in time")
             if now < spin_until:
                 await asyncio.sleep(0)
-            else:
-                await fine_sleep(min(_READY_POLL_S, until - now))
+            elif not await self._fine.wait(ev.query, until - now):
+                raise TransferTimeoutError(f"IPC: {what} in time")
 
     async def _settle(self, m: _Mapping, done: Any) -> bool:
         """After an abort: wait (bounded by the grace period) until the launch is over.
@@ -1450,6 +1449,7 @@ class IpcPlane(_ProducerSide):
         if self._poller is not None:
             await self._poller.stop()
             self._poller = None
+        await self._fine.aclose()
 
 
 class _Fired:

@@ -8,12 +8,12 @@ measured in run s19c, docs/benchmarks.md "Session 19") -- for every request whos
 producer's GPU work ends more than the spin after the consumer began to wait, which
 is every request of a producer that sends as soon as its forward is queued.
 
-:func:`fine_sleep` arms a ``timerfd`` (``CLOCK_MONOTONIC``, nanosecond resolution,
-the kernel's timer slack aside) and waits for it to turn readable through
-``loop.add_reader``: the loop sleeps in ``epoll_wait`` as before and wakes within
-tens of µs of the delay. A sleep costs a few system calls (about 10 µs of CPU).
-The descriptors are pooled per loop; where ``timerfd`` is missing (not Linux) it is
-``asyncio.sleep``.
+:class:`TimerFd` arms a ``timerfd`` (``CLOCK_MONOTONIC``, nanosecond resolution, the
+kernel's timer slack aside) and waits for it to turn readable through
+``loop.add_reader``: the loop sleeps in ``epoll_wait`` as before and wakes within tens
+of µs of the delay. :class:`FinePoll` asks every waiting condition at each tick of one
+such timer, from one task. Where ``timerfd`` is missing (not Linux) the tick is
+``asyncio.sleep``'s.
 
 Why not a CUDA host function that wakes the loop through a pipe (tried in session 19,
 reverted): its stream must wait on the event -- for the IPC plane, a peer's event
@@ -28,13 +28,12 @@ import contextlib
 import ctypes
 import ctypes.util
 import os
-import weakref
 from collections.abc import Callable
 from typing import Any
 
 from ._common import _await_shielded
 
-__all__ = ["FinePoll", "fine_sleep"]
+__all__ = ["FinePoll", "TimerFd"]
 
 _CLOCK_MONOTONIC = 1
 _TFD_NONBLOCK = os.O_NONBLOCK
@@ -68,80 +67,62 @@ def _libc() -> Any:
 
 
 _LIBC = _libc()
-# free timer descriptors per loop (a descriptor serves one sleep at a time)
-_POOLS: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, list[int]] = (
-    weakref.WeakKeyDictionary()
-)
 
 
-def _take(loop: asyncio.AbstractEventLoop) -> int | None:
-    pool = _POOLS.get(loop)
-    if pool:
-        return pool.pop()
-    if _LIBC is None:
-        return None
-    fd = int(_LIBC.timerfd_create(_CLOCK_MONOTONIC, _TFD_NONBLOCK | _TFD_CLOEXEC))
-    if fd < 0:
-        return None
-    if pool is None:
-        pool = _POOLS.setdefault(loop, [])
-        weakref.finalize(loop, _close_all, pool)
-    return fd
+class TimerFd:
+    """One ``timerfd`` the loop watches: :meth:`sleep` with µs resolution, one sleep at
+    a time (see the module docstring). :meth:`open` gives None where there is no
+    ``timerfd``; :meth:`close` when done."""
 
+    def __init__(self, fd: int, loop: asyncio.AbstractEventLoop) -> None:
+        self._fd = fd
+        self._loop = loop
+        self._fut: asyncio.Future[None] | None = None
+        loop.add_reader(fd, self._fired)
 
-def _close_all(pool: list[int]) -> None:
-    for fd in pool:
-        os.close(fd)
-    pool.clear()
+    @classmethod
+    def open(cls, loop: asyncio.AbstractEventLoop) -> TimerFd | None:
+        if _LIBC is None:
+            return None
+        fd = int(_LIBC.timerfd_create(_CLOCK_MONOTONIC, _TFD_NONBLOCK | _TFD_CLOEXEC))
+        return cls(fd, loop) if fd >= 0 else None
 
-
-def _arm(fd: int, delay: float) -> bool:
-    ns = max(1000, int(delay * 1e9))  # (zero would disarm it)
-    spec = _Itimerspec(0, 0, ns // 1_000_000_000, ns % 1_000_000_000)
-    return int(_LIBC.timerfd_settime(fd, 0, ctypes.byref(spec), None)) == 0
-
-
-async def fine_sleep(delay: float) -> None:
-    """Sleep ``delay`` seconds with µs resolution (see the module docstring); a
-    checkpoint like ``asyncio.sleep`` (cancellable, never returns at once for a
-    positive delay)."""
-    if delay <= 0:
-        await asyncio.sleep(0)
-        return
-    loop = asyncio.get_running_loop()
-    fd = _take(loop)
-    if fd is None or not _arm(fd, delay):
-        if fd is not None:
-            os.close(fd)
-        await asyncio.sleep(delay)
-        return
-    fut: asyncio.Future[None] = loop.create_future()
-
-    def fired() -> None:
-        if not fut.done():
+    def _fired(self) -> None:
+        try:
+            os.read(self._fd, 8)  # (the expiry count)
+        except BlockingIOError:
+            return
+        fut = self._fut
+        if fut is not None and not fut.done():
             fut.set_result(None)
 
-    loop.add_reader(fd, fired)
-    try:
-        await fut
-    finally:
-        loop.remove_reader(fd)
+    def _set(self, ns: int) -> None:
+        spec = _Itimerspec(0, 0, ns // 1_000_000_000, ns % 1_000_000_000)
+        if int(_LIBC.timerfd_settime(self._fd, 0, ctypes.byref(spec), None)) != 0:
+            raise OSError(ctypes.get_errno(), "timerfd_settime failed")
+
+    async def sleep(self, delay: float) -> None:
+        """Sleep ``delay`` seconds (> 0); cancellable."""
+        self._set(max(1000, int(delay * 1e9)))  # (zero would disarm it)
+        fut = self._fut = self._loop.create_future()
         try:
-            os.read(fd, 8)  # (the expiry count; none yet after a cancellation)
-        except BlockingIOError:  # not expired (cancelled): disarm before it serves again
-            _disarm(fd)
-        _POOLS.setdefault(loop, []).append(fd)
+            await fut
+        finally:
+            self._fut = None
+            if not fut.done():  # cancelled: disarm, and drop an expiry not read yet
+                self._set(0)
+                with contextlib.suppress(BlockingIOError):
+                    os.read(self._fd, 8)
 
-
-def _disarm(fd: int) -> None:
-    spec = _Itimerspec(0, 0, 0, 0)
-    _LIBC.timerfd_settime(fd, 0, ctypes.byref(spec), None)
+    def close(self) -> None:
+        self._loop.remove_reader(self._fd)
+        os.close(self._fd)
 
 
 class FinePoll:
     """Waits for conditions (a CUDA event's ``query``) by asking them every
     ``interval_s`` from ONE task, whatever the number of waits: each tick is one
-    :func:`fine_sleep` and one query per wait, so N requests waiting cost one loop
+    :class:`TimerFd` sleep and one query per wait, so N requests waiting cost one loop
     wake-up per tick, not N. A wait that gives up (timeout, cancellation) leaves
     nothing registered -- an event that never fires (a dead peer's) is not queried
     after its wait ended -- and the task ends when no wait is left."""
@@ -175,9 +156,13 @@ class FinePoll:
                 fut.cancel()
 
     async def _run(self) -> None:
+        timer = TimerFd.open(asyncio.get_running_loop())
         try:
             while self._waits:
-                await fine_sleep(self.interval_s)
+                if timer is not None:
+                    await timer.sleep(self.interval_s)
+                else:  # (no timerfd: the loop's own timer, whole milliseconds)
+                    await asyncio.sleep(self.interval_s)
                 self.ticks += 1
                 for fut, query in list(self._waits.items()):
                     if fut.done():
@@ -190,6 +175,8 @@ class FinePoll:
                     if fired:
                         fut.set_result(None)
         finally:
+            if timer is not None:
+                timer.close()
             if self._task is asyncio.current_task():
                 self._task = None
 

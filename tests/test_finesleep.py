@@ -1,4 +1,4 @@
-"""``aiokv._finesleep``: ``fine_sleep`` (a timerfd the loop watches) and ``FinePoll``
+"""``aiokv._finesleep``: ``TimerFd`` (a timerfd the loop watches) and ``FinePoll``
 (one ticking task for many waits), and the IPC plane's event waits past their spin
 that use them: an event is noticed within a fraction of a millisecond, where the
 loop's own sleeps (whole milliseconds) noticed it ~1 ms late."""
@@ -6,6 +6,7 @@ loop's own sleeps (whole milliseconds) noticed it ~1 ms late."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import gc
 import os
 import statistics
@@ -16,7 +17,7 @@ import pytest
 from test_ipc_push import push_pair
 
 from aiokv import TransferTimeoutError, _finesleep
-from aiokv._finesleep import FinePoll, fine_sleep
+from aiokv._finesleep import FinePoll, TimerFd
 from aiokv.kv import IpcOptions
 from aiokv.kv import ipc as ipc_mod
 
@@ -39,12 +40,15 @@ def _fds() -> int:
 
 @pytest.mark.anyio
 @pytest.mark.timeout(30)
-async def test_a_fine_sleep_is_short_and_never_early() -> None:
+async def test_a_timerfd_sleep_is_short_and_never_early() -> None:
+    timer = TimerFd.open(asyncio.get_running_loop())
+    assert timer is not None
     took = []
     for _ in range(40):
         t = time.perf_counter()
-        await fine_sleep(0.0003)
+        await timer.sleep(0.0003)
         took.append(time.perf_counter() - t)
+    timer.close()
     assert min(took) >= 0.0003  # (the timer's clock is perf_counter's: CLOCK_MONOTONIC)
     # asyncio's own sleep(0.0003) takes 1 ms here (epoll's timeout in whole ms)
     assert statistics.median(took) < 0.0008, sorted(took)
@@ -52,48 +56,47 @@ async def test_a_fine_sleep_is_short_and_never_early() -> None:
 
 @pytest.mark.anyio
 @pytest.mark.timeout(30)
-async def test_cancelled_and_concurrent_sleeps_leak_nothing() -> None:
-    await fine_sleep(0.0001)  # (the pool's first descriptor)
-    gc.collect()  # (an earlier test's loop, collected mid-test, would close its pool)
+async def test_a_cancelled_sleep_leaves_no_expiry_behind() -> None:
+    gc.collect()
     fds = _fds()
-    for _ in range(3):
-        t = asyncio.ensure_future(fine_sleep(5.0))
+    timer = TimerFd.open(asyncio.get_running_loop())
+    assert timer is not None
+    for delay in (5.0, 0.0005):  # (cancelled before, and maybe just after, it expired)
+        t = asyncio.ensure_future(timer.sleep(delay))
         await asyncio.sleep(0.001)
         t.cancel()
-        with pytest.raises(asyncio.CancelledError):
+        with contextlib.suppress(asyncio.CancelledError):
             await t
-    # a cancelled sleep's timer was disarmed: the descriptor's next sleep is its own
+    # the next sleep is its own: not ended by an earlier one's expiry
     t0 = time.perf_counter()
-    await fine_sleep(0.02)
+    await timer.sleep(0.02)
     assert time.perf_counter() - t0 >= 0.02
-    order: list[int] = []
-
-    async def one(i: int) -> None:
-        await fine_sleep(0.001 * (1 + i))
-        order.append(i)
-
-    await asyncio.gather(*(one(i) for i in reversed(range(8))))
-    assert order == list(range(8))
-    pool = _finesleep._POOLS[asyncio.get_running_loop()]
-    assert len(pool) == 8 and _fds() == fds + 7  # pooled, one per concurrent sleep
-    assert await asyncio.wait_for(fine_sleep(0), 1) is None  # (a checkpoint)
+    timer.close()
+    assert _fds() == fds
 
 
 @pytest.mark.anyio
 @pytest.mark.timeout(30)
-async def test_without_timerfd_it_is_the_loops_sleep(monkeypatch: pytest.MonkeyPatch) -> None:
+async def test_without_timerfd_the_ticks_are_the_loops(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(_finesleep, "_LIBC", None)
-    monkeypatch.setattr(_finesleep, "_POOLS", type(_finesleep._POOLS)())
-    slept: list[float] = []
-    real = asyncio.sleep
+    assert TimerFd.open(asyncio.get_running_loop()) is None
+    fp = FinePoll(0.0002)
+    at = time.perf_counter() + 0.01
+    assert await fp.wait(lambda: time.perf_counter() >= at, 5.0)
+    assert fp.ticks >= 1
 
-    async def fake(d: float) -> None:
-        slept.append(d)
-        await real(0)
 
-    monkeypatch.setattr(_finesleep.asyncio, "sleep", fake)
-    await fine_sleep(0.0002)
-    assert slept == [0.0002]
+@pytest.mark.anyio
+@pytest.mark.timeout(30)
+async def test_the_poll_task_closes_its_timer_when_nothing_waits() -> None:
+    gc.collect()
+    fds = _fds()
+    fp = FinePoll(0.0002)
+    for _ in range(3):
+        at = time.perf_counter() + 0.003
+        assert await fp.wait(lambda at=at: time.perf_counter() >= at, 5.0)
+        await asyncio.sleep(0.01)
+        assert fp._task is None and _fds() == fds
 
 
 class _FiresAt:

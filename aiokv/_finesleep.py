@@ -160,7 +160,11 @@ class FinePoll:
         try:
             while self._waits:
                 if timer is not None:
-                    await timer.sleep(self.interval_s)
+                    try:
+                        await timer.sleep(self.interval_s)
+                    except OSError:  # (the timer failed: the loop's own from now on)
+                        timer.close()
+                        timer = None
                 else:  # (no timerfd: the loop's own timer, whole milliseconds)
                     await asyncio.sleep(self.interval_s)
                 self.ticks += 1

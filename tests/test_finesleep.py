@@ -191,3 +191,29 @@ def test_event_poll_s_is_checked(bad: Any) -> None:
     with pytest.raises(Exception, match="event_poll_s"):
         IpcOptions(event_poll_s=bad)
     assert IpcOptions(event_poll_s=0.001).event_poll_s == 0.001
+
+
+@pytest.mark.anyio
+@pytest.mark.timeout(30)
+async def test_a_timer_that_fails_hands_the_ticks_to_the_loop(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    calls = 0
+    real = TimerFd._set
+
+    def flaky(self: TimerFd, ns: int) -> None:
+        nonlocal calls
+        calls += 1
+        if calls == 3:
+            raise OSError(22, "timerfd_settime failed")
+        real(self, ns)
+
+    monkeypatch.setattr(TimerFd, "_set", flaky)
+    gc.collect()
+    fds = _fds()
+    fp = FinePoll(0.0002)
+    at = time.perf_counter() + 0.02
+    assert await fp.wait(lambda: time.perf_counter() >= at, 5.0)
+    assert calls == 3 and fp.ticks >= 3
+    await asyncio.sleep(0.01)
+    assert fp._task is None and _fds() == fds

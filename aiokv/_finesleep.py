@@ -184,10 +184,15 @@ class FinePoll:
             if self._task is asyncio.current_task():
                 self._task = None
 
-    async def aclose(self) -> None:
-        """Stop the task (waits still registered end at their own timeouts)."""
+    async def aclose(self, error: BaseException | None = None) -> None:
+        """Stop the task; waits still registered fail with ``error`` (None: they end
+        at their own timeouts). A later wait starts the task again."""
         task, self._task = self._task, None
         if task is not None:
             task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await task
+        if error is not None:
+            for fut in self._waits:
+                if not fut.done():
+                    fut.set_exception(error)

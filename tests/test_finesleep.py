@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 from test_ipc_push import push_pair
 
-from aiokv import TransferTimeoutError, _finesleep
+from aiokv import EngineClosedError, TransferTimeoutError, _finesleep
 from aiokv._finesleep import FinePoll, TimerFd
 from aiokv.kv import IpcOptions
 from aiokv.kv import ipc as ipc_mod
@@ -217,3 +217,16 @@ async def test_a_timer_that_fails_hands_the_ticks_to_the_loop(
     assert calls == 3 and fp.ticks >= 3
     await asyncio.sleep(0.01)
     assert fp._task is None and _fds() == fds
+
+
+@pytest.mark.anyio
+@pytest.mark.timeout(30)
+async def test_closing_fails_the_waits_left() -> None:
+    fp = FinePoll(0.0002)
+    t = asyncio.ensure_future(fp.wait(lambda: False, 10.0))
+    await asyncio.sleep(0.005)
+    await fp.aclose(EngineClosedError("closed"))
+    t0 = time.monotonic()
+    with pytest.raises(EngineClosedError):
+        await t
+    assert time.monotonic() - t0 < 1.0 and fp.waiting == 0

@@ -63,6 +63,7 @@ from .._exceptions import (
     AiokvError,
     AiokvTimeoutError,
     ConfigError,
+    EngineClosedError,
     LayoutMismatchError,
     NotPublishedError,
     RemoteProtocolError,
@@ -1449,7 +1450,7 @@ class IpcPlane(_ProducerSide):
         if self._poller is not None:
             await self._poller.stop()
             self._poller = None
-        await self._fine.aclose()
+        await self._fine.aclose(EngineClosedError("the IPC plane closed during the wait"))
 
 
 class _Fired:

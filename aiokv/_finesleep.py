@@ -80,6 +80,11 @@ class TimerFd:
         self._fut: asyncio.Future[None] | None = None
         loop.add_reader(fd, self._fired)
 
+    @staticmethod
+    def available() -> bool:
+        """Whether this platform has ``timerfd`` (Linux)."""
+        return _LIBC is not None
+
     @classmethod
     def open(cls, loop: asyncio.AbstractEventLoop) -> TimerFd | None:
         if _LIBC is None:

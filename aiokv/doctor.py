@@ -68,6 +68,13 @@ def doctor(out: TextIO | None = None) -> int:
                         cells.append(" yes" if ok else "  no")
                 say(f"  cuda:{i}   " + "".join(cells))
 
+    from ._finesleep import TimerFd
+
+    if TimerFd.available():
+        say("event waits  timerfd: waits past their spin query every 0.2 ms (event_poll_s)")
+    else:
+        say("event waits  no timerfd: waits past their spin query on the loop's 1 ms timer")
+
     if gpus:
         from .kv.ipc import doctor_report
 

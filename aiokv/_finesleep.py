@@ -5,8 +5,9 @@ milliseconds (uvloop's libuv timers have millisecond resolution too), so on an i
 loop ``asyncio.sleep(0.0002)`` takes a millisecond. A wait that polls a CUDA event
 past its spin therefore noticed the event 0.5 ms late on average (0.63 ms median
 measured in run s19c, docs/benchmarks.md "Session 19") -- for every request whose
-producer's GPU work ends more than the spin after the consumer began to wait, which
-is every request of a producer that sends as soon as its forward is queued.
+producer's GPU work ends more than the spin after the consumer began to wait: every
+pushed request of a producer that sends as soon as its forward is queued (the
+consumer grants, so waits, before the producer sends).
 
 :class:`TimerFd` arms a ``timerfd`` (``CLOCK_MONOTONIC``, nanosecond resolution, the
 kernel's timer slack aside) and waits for it to turn readable through

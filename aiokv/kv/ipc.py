@@ -1360,45 +1360,40 @@ class IpcPlane(_ProducerSide):
             self._poller = ProgressPoller()
         return self._poller
 
-    async def _wait_done(self, done: Any, timeout: float) -> None:
-        """Wait for a request's copy to end: queried from this task on every loop pass
-        for the first ``_READY_SPIN_S`` (a copy is µs to a few ms; this notices its end
-        a pass after it, where the poller's future wakes the task three passes after
-        the poller saw it), then every ``options.event_poll_s`` with the plane's other
-        waits (:class:`~aiokv._finesleep.FinePoll`: the progress poller's sleeps end on
-        the loop's millisecond timers). Raises ``TimeoutError`` after ``timeout``."""
-        now = time.monotonic()
-        at, spin_until = now + timeout, now + min(timeout, _READY_SPIN_S)
-        while not bool(done.query()):
-            now = time.monotonic()
-            if now >= at:
-                raise TimeoutError
-            if now < spin_until:
-                await asyncio.sleep(0)
-            elif not await self._fine.wait(done.query, at - now):
-                raise TimeoutError
+    async def _event_fired(self, ev: Any, until: float) -> bool:
+        """True once CUDA event ``ev`` fired, False at ``until`` (``time.monotonic``).
 
-    async def _wait_ready(
-        self, ev: Any, until: float, what: str = "the producer's ready event did not fire"
-    ) -> None:
-        """Poll the producer's event (its ready event; push mode: its copy's completion)
-        from the loop until it fired, or raise :class:`~aiokv.TransferTimeoutError`
-        ("IPC: ``what`` in time") at ``until`` (``time.monotonic``).
-
-        Spins (``sleep(0)``: other tasks run between polls) for the first
-        ``_READY_SPIN_S``, then every ``options.event_poll_s`` with the plane's other
-        waits (:class:`~aiokv._finesleep.FinePoll`, a timerfd: the loop's own sleeps end
-        on whole milliseconds, which noticed an event 0.5 ms late on average; run s19c).
+        Queried from this task on every loop pass (``sleep(0)``: other tasks run
+        between queries) for the first ``_READY_SPIN_S`` -- a copy or the end of a
+        forward within it is noticed a pass after it -- then every
+        ``options.event_poll_s`` with the plane's other waits
+        (:class:`~aiokv._finesleep.FinePoll`, a timerfd: the loop's own sleeps end on
+        whole milliseconds, which noticed an event 0.5 ms late on average; run s19c).
         Nothing stays registered afterwards (a dead producer's event never fires)."""
         spin_until = time.monotonic() + _READY_SPIN_S
         while not bool(ev.query()):
             now = time.monotonic()
             if now >= until:
-                raise TransferTimeoutError(f"IPC: {what} in time")
-            if now < spin_until:
-                await asyncio.sleep(0)
-            elif not await self._fine.wait(ev.query, until - now):
-                raise TransferTimeoutError(f"IPC: {what} in time")
+                return False
+            if now >= spin_until:
+                return await self._fine.wait(ev.query, until - now)
+            await asyncio.sleep(0)
+        return True
+
+    async def _wait_done(self, done: Any, timeout: float) -> None:
+        """Wait for a request's copy to end (:meth:`_event_fired`); ``TimeoutError``
+        after ``timeout``."""
+        if not await self._event_fired(done, time.monotonic() + timeout):
+            raise TimeoutError
+
+    async def _wait_ready(
+        self, ev: Any, until: float, what: str = "the producer's ready event did not fire"
+    ) -> None:
+        """Wait for the producer's event (its ready event; push mode: its copy's
+        completion; :meth:`_event_fired`), or raise :class:`~aiokv.TransferTimeoutError`
+        ("IPC: ``what`` in time") at ``until`` (``time.monotonic``)."""
+        if not await self._event_fired(ev, until):
+            raise TransferTimeoutError(f"IPC: {what} in time")
 
     async def _settle(self, m: _Mapping, done: Any) -> bool:
         """After an abort: wait (bounded by the grace period) until the launch is over.

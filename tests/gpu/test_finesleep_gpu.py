@@ -44,9 +44,9 @@ def test_an_event_after_the_spin_is_noticed_within_a_fraction_of_a_ms() -> None:
     torch.cuda.init()
 
     async def plane_wait(ev: torch.cuda.Event) -> None:
-        # (the plane's own method; of the instance it uses only the shared poll)
+        # (the plane's own wait; of the instance it uses only the shared poll)
         plane = types.SimpleNamespace(_fine=FinePoll(IpcOptions().event_poll_s))
-        await IpcPlane._wait_ready(plane, ev, time.monotonic() + 5)  # type: ignore[arg-type]
+        assert await IpcPlane._event_fired(plane, ev, time.monotonic() + 5)  # type: ignore[arg-type]
 
     async def each_ms(ev: torch.cuda.Event) -> None:  # the plane before fine sleeps
         while not ev.query():

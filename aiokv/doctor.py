@@ -69,9 +69,11 @@ def doctor(out: TextIO | None = None) -> int:
                 say(f"  cuda:{i}   " + "".join(cells))
 
     from ._finesleep import TimerFd
+    from .kv import IpcOptions
 
     if TimerFd.available():
-        say("event waits  timerfd: waits past their spin query every 0.2 ms (event_poll_s)")
+        ms = IpcOptions().event_poll_s * 1e3
+        say(f"event waits  timerfd: waits past their spin query every {ms:g} ms (event_poll_s)")
     else:
         say("event waits  no timerfd: waits past their spin query on the loop's 1 ms timer")
 

@@ -43,10 +43,10 @@ from ._ipc_wire import (
     PUSH,
     Descriptor,
     Grant,
-    LayerReady,
     Offer,
     Release,
     decode_message,
+    layer_messages,
     probe_pattern,
 )
 
@@ -80,7 +80,7 @@ class _IpcSave:
     rel_task: asyncio.Task[Release | None] | None
     saved: set[int] = field(default_factory=set)
     events: list[tuple[int, Any, bytes]] = field(default_factory=list)
-    pending: list[LayerReady] = field(default_factory=list)
+    pending: list[tuple[int, bytes, int]] = field(default_factory=list)  # (layer, event, slot)
     push: _PushSave | None = None
 
 
@@ -565,9 +565,10 @@ class _ProducerSide(_PushSide):
 
         The first layer of a request sends its descriptor (plane ``"ipc-layers"``: the
         block ids, the lease, the offer); every layer then records an IPC event of its
-        own on the current stream and, at the end of this loop pass, sends a
-        :class:`LayerReady` naming it. The consumer copies each layer with one launch
-        once that event fired. Where the plane is off for this consumer the descriptor
+        own on the current stream; at the end of the loop pass the layers saved in it
+        are announced, one :class:`LayerReady` per run of consecutive layers, each
+        layer with its own event. The consumer copies each layer with one launch once
+        its event fired. Where the plane is off for this consumer the descriptor
         says ``"chunks"`` and the request takes the ordinary path from its first layer.
         """
         con = self.con
@@ -634,9 +635,9 @@ class _ProducerSide(_PushSide):
         slot, ev, handle = self._take_event()
         sv.events.append((slot, ev, handle))
         self._record(ev)  # after everything queued so far on the current stream (the layer)
-        sv.pending.append(LayerReady(request_id, layer, layer + 1, handle, slot))
-        if len(sv.pending) == 1:  # one flush per loop pass: the engine coalesces the PUTs
-            asyncio.get_running_loop().call_soon(self._flush_layers, sv)
+        sv.pending.append((layer, handle, slot))
+        if len(sv.pending) == 1:  # one flush per loop pass: a message per run of layers
+            asyncio.get_running_loop().call_soon(self._flush_layers, request_id, sv)
 
     def _push_first(
         self,
@@ -709,10 +710,10 @@ class _ProducerSide(_PushSide):
         ps.stream = now
         return rs
 
-    def _flush_layers(self, sv: _IpcSave) -> None:
+    def _flush_layers(self, request_id: str, sv: _IpcSave) -> None:
         pending, sv.pending = sv.pending, []
         left = max(0.0, sv.lease - self._clock())
-        for lr in pending:
+        for lr in layer_messages(request_id, pending):
             try:
                 self._send_msg(_layer_id(lr.rid, lr.lo), lr.to_wire(), sv.to, left)
             except Exception as exc:  # engine closing: the consumer's lease runs out instead
@@ -731,7 +732,7 @@ class _ProducerSide(_PushSide):
         sv = self._saves.pop(request_id)
         if sv.push is not None:
             return await self._push_saved(request_id, sv, sv.push)
-        self._flush_layers(sv)
+        self._flush_layers(request_id, sv)
         L = self.layout.num_layers
         missing = [i for i in range(L) if i not in sv.saved]
         assert sv.rel_task is not None

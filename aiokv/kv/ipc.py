@@ -22,8 +22,10 @@ See ``docs/ipc.md`` for the design, the wire messages and the safety rules; in s
   with a log line and a counter. Never silently.
 
 * **Layer-wise.** ``save_layer`` records an event per layer and announces it
-  (:class:`LayerReady`); the consumer copies each layer with one launch once its
-  event fired, all under the request's one abort word and one release.
+  (:class:`LayerReady`: one message per run of consecutive layers saved in one loop
+  pass, each layer with its own event); the consumer copies each layer with one
+  launch once its event fired, all under the request's one abort word and one
+  release.
 
 Control messages travel as small uint8 CPU tensors carrying msgpack through the
 engine's public ``send_nowait``/``recv`` (tensor ids ``"{rid}#ipc"``,
@@ -51,6 +53,7 @@ import secrets
 import struct
 import sys
 import time
+from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -1009,6 +1012,8 @@ class IpcPlane(_ProducerSide):
             stream = m.stream if own or dev.type != "cuda" else torch.cuda.current_stream(dev)
         L = lay.num_layers
         nxt = 0  # layers [0, nxt) are launched
+        got = 0  # layers [0, got) were announced; marks: those of [nxt, got)
+        marks: deque[tuple[int, bytes, int]] = deque()
         launched = False
         awaited = False  # since `stream` was taken (other code may switch streams meanwhile)
         m.inflight += 1
@@ -1018,8 +1023,12 @@ class IpcPlane(_ProducerSide):
             while nxt < L:
                 if layerwise:
                     awaited = True
-                    lr = await self._next_layers(m, desc, nxt, frm, until)
-                    hi, ready = lr.hi, self._layer_event(m, lr)
+                    if not marks:  # (then nxt == got)
+                        lr = await self._next_layers(m, desc, got, frm, until)
+                        marks.extend(lr.marks)
+                        got = lr.hi
+                    hi, handle, eslot = marks.popleft()
+                    ready = self._layer_event(m, eslot, handle)
                 else:
                     hi, ready = L, first
                 _mark(desc.rid, f"ready?{nxt}")
@@ -1056,8 +1065,8 @@ class IpcPlane(_ProducerSide):
             await self._wait_done(done, until - time.monotonic())
             _mark(desc.rid, "done")
         except BaseException as exc:
-            if layerwise and nxt < L:  # the producer's later layer messages: dropped
-                con._drop(desc.rid, [_layer_id(desc.rid, i) for i in range(nxt, L)], frm, deadline)
+            if layerwise and got < L:  # the producer's later layer messages: dropped
+                con._drop(desc.rid, [_layer_id(desc.rid, i) for i in range(got, L)], frm, deadline)
             if not launched:
                 self._copy_ended(m)
                 # nothing was launched with the slot: it may serve again, with new buffers
@@ -1181,7 +1190,7 @@ class IpcPlane(_ProducerSide):
     async def _next_layers(
         self, m: _Mapping, desc: Descriptor, lo: int, frm: str | None, until: float
     ) -> LayerReady:
-        """The producer's message for the chunk of layers starting at ``lo`` (validated)."""
+        """The producer's message for the layers starting at ``lo`` (validated)."""
         raw = await self.channel.recv(
             _layer_id(desc.rid, lo), frm=frm, timeout=max(0.0, until - time.monotonic())
         )
@@ -1194,9 +1203,9 @@ class IpcPlane(_ProducerSide):
             )
         return lr
 
-    def _layer_event(self, m: _Mapping, lr: LayerReady) -> Any:
+    def _layer_event(self, m: _Mapping, slot: int, handle: bytes) -> Any:
         try:
-            return self._event(m, lr.event_slot, lr.event)
+            return self._event(m, slot, handle)
         except IpcUnavailableError as exc:  # mid-stream: no fallback once layers were read
             raise TransferAbortedError(f"IPC: {exc}") from None
 

@@ -5,7 +5,9 @@
 # latency from the GPU ready with a 0.5 ms lead (session 18's regime: must not
 # regress); (3) the one-GPU suite (tests/gpu/test_finesleep_gpu.py included).
 #   device: TAG=s20a bash benchmarks/gpu_s20.sh   (carry .whl .whl2; with OLD=build/old
-#   carried too, every bench run is repeated with that tree, interleaved)
+#   carried too, every bench run is repeated with that tree, interleaved; run s20a had
+#   build/old = `git archive 648158a aiokv`, session 19's final tree, so that the
+#   layer-wise pull rows compare one LayerReady per layer with one per run)
 set -uo pipefail
 HERE="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 TAG="${TAG:-s20a}"

@@ -492,7 +492,8 @@ async def test_a_deadline_already_over_is_a_timeout_not_a_config_error() -> None
 
 @pytest.mark.timeout(120)
 def test_bench_layerwise_latency_requests_tcp() -> None:
-    """``--layerwise``: the latency requests go layer by layer (here over the engine)."""
+    """``--layerwise``: the throughput and the latency requests go layer by layer (here
+    over the engine), and land bit-exact."""
     env = {**os.environ, "PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", "")}
     r = subprocess.run(
         [sys.executable, "-m", "aiokv.kv.bench", "--transport", "tcp", "--workload", "tiny",
@@ -502,6 +503,7 @@ def test_bench_layerwise_latency_requests_tcp() -> None:
     assert r.returncode == 0, r.stdout + r.stderr
     rec = json.loads(r.stdout.strip().splitlines()[-1])
     assert rec["ok"] is True and rec["latency_layerwise"] is True and rec["latency_n"] == 5
+    assert rec["throughput_layerwise"] is True and rec["aiokv_gbps"] > 0
     assert rec["p50_ms"] > 0
 
 

@@ -49,10 +49,12 @@ consumer (after its synchronisation; ``p50_ready_return_ms`` to its return). Tha
 moment is taken as the host clock just before the work was queued plus its GPU
 duration (CUDA events): never later than the real one, so these figures are upper
 bounds.
-``--layerwise``: the latency requests are saved layer by layer (``save_layer`` per
-layer, then ``wait_saved``; the consumer waits with ``layerwise=True``), each layer
-after its share of the GPU lead when one is given, so that the last layer's save comes
-at the ready.
+``--layerwise``: every request is saved layer by layer (``save_layer`` per layer,
+then ``wait_saved``; the consumer waits with ``layerwise=True``): in the throughput
+phase all of a request's layers in one loop pass, as a forward saves them (session 20
+on; before, only the latency requests went layer by layer); the latency requests each
+layer after its share of the GPU lead when one is given, so that the last layer's save
+comes at the ready.
 
 Output (``--json``): one JSON line with ``workload, transport, aiokv_gbps,
 raw_gbps, ratio, ok, p50_ms, p99_ms`` and details. GB/s are 1e9 bytes/s;
@@ -238,7 +240,12 @@ async def _producer(a: dict[str, Any], chan: _Chan) -> dict[str, Any]:
 
         async def one(rid: str, ids: list[int]) -> None:
             async with sem:
-                await con.send_request(rid, ids, to=to)
+                if a["layerwise"]:  # all layers saved in one pass, as a forward does
+                    for li in range(layout.num_layers):
+                        con.save_layer(rid, li, ids, to=to)
+                    await con.wait_saved(rid)
+                else:
+                    await con.send_request(rid, ids, to=to)
 
         raw_src = torch.empty(req_bytes, dtype=torch.uint8, device=device).random_(0, 256)
         push = _zmq_push(raw_ep) if a["raw"] == "zmq" else None
@@ -388,7 +395,9 @@ async def _consumer(a: dict[str, Any], chan: _Chan) -> dict[str, Any]:
                 big.zero_()
                 _sync(device)
                 tasks = [
-                    asyncio.ensure_future(con.recv_request(f"i{it}r{r}", tables[r]))
+                    asyncio.ensure_future(
+                        con.recv_request(f"i{it}r{r}", tables[r], layerwise=a["layerwise"])
+                    )
                     for r in range(w.requests)
                 ]
                 await asyncio.sleep(0.005 if a["push"] else 0)  # (push: grants land first)
@@ -673,8 +682,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument(
         "--layerwise",
         action="store_true",
-        help="latency requests: saved layer by layer (save_layer, recv_request(layerwise="
-        "True)); with --gpu-lead-us each layer after its share of the lead",
+        help="every request saved layer by layer (save_layer, recv_request(layerwise="
+        "True)): throughput requests all layers in one pass; latency requests with "
+        "--gpu-lead-us each layer after its share of the lead",
     )
     ap.add_argument(
         "--push",
@@ -842,6 +852,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             p50_return_ms=round(_pct(ret, 50), 4),
             latency_tokens=c["latency_tokens"],
             latency_layerwise=bool(args.layerwise),
+            throughput_layerwise=bool(args.layerwise),
             latency_n=len(lat),
             bytes=total,
             requests=w.requests,

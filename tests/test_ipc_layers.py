@@ -125,6 +125,46 @@ async def test_layer_copied_only_after_its_event() -> None:
 
 @pytest.mark.anyio
 @pytest.mark.timeout(60)
+async def test_layers_already_written_are_copied_in_one_launch() -> None:
+    """A consumer that comes after the producer's forward (every layer's event fired)
+    copies the request in ONE launch, not one per layer: on one H200 the per-layer
+    launches made layer-wise throughput 25 GB/s against 150 for whole requests (run
+    s20c). While a later layer is not written yet, layers still go one by one."""
+    pl = layout()
+    p, c = filled(pl, 1), filled(pl, 2)
+    async with pair(pl, pl) as (a, b):
+        prod, cons = connectors(a, b, pl, p, pl, c)
+        await move(prod, cons, a, b, "w", [1], [1])
+        plane: Any = cons._ipc
+        launch = plane._launch
+        chunks: list[tuple[int, int]] = []
+
+        def spy(*args: Any, **kw: Any) -> Any:
+            chunks.append((args[7], args[8]))
+            return launch(*args, **kw)
+
+        plane._launch = spy
+        for rid, src, dst, late in [("all", [3, 4], [7, 8], 0.0), ("tail", [5, 6], [9, 10], 0.3)]:
+            for li in range(L):
+                FakeEvent.fire_after = late if li == L - 1 else 0.0
+                try:
+                    prod.save_layer(rid, li, src, to=b.address)
+                finally:
+                    FakeEvent.fire_after = 0.0
+            await asyncio.sleep(0.05)  # the message is with the consumer before it asks
+            recv = asyncio.create_task(
+                cons.recv_request(rid, dst, frm=a.address, timeout=10, layerwise=True)
+            )
+            await prod.wait_saved(rid)
+            await recv
+            assert landed(pl, p, src, c, dst)
+        assert chunks == [(0, L), *((i, i + 1) for i in range(L))], chunks
+        await prod.aclose()
+        await cons.aclose()
+
+
+@pytest.mark.anyio
+@pytest.mark.timeout(60)
 async def test_cancel_mid_stream_copies_nothing_more() -> None:
     """The consumer cancelled after two layers: the later layers are never written (even
     once their events fire), the producer learns it failed, and the layer messages it

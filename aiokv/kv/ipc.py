@@ -1029,6 +1029,11 @@ class IpcPlane(_ProducerSide):
                         got = lr.hi
                     hi, handle, eslot = marks.popleft()
                     ready = self._layer_event(m, eslot, handle)
+                    if marks and got == L and self._all_fired(m, marks):
+                        # every later layer is written already (the consumer came
+                        # after the producer's forward): one launch for all of them
+                        hi = L
+                        marks.clear()
                 else:
                     hi, ready = L, first
                 _mark(desc.rid, f"ready?{nxt}")
@@ -1202,6 +1207,11 @@ class IpcPlane(_ProducerSide):
                 f"layer {lo}"
             )
         return lr
+
+    def _all_fired(self, m: _Mapping, marks: deque[tuple[int, bytes, int]]) -> bool:
+        """Whether the events of all ``marks`` fired (the last first: while a
+        forward still runs it has not, and one query says so)."""
+        return all(bool(self._layer_event(m, sl, h).query()) for _, h, sl in reversed(marks))
 
     def _layer_event(self, m: _Mapping, slot: int, handle: bytes) -> Any:
         try:

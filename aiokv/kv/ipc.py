@@ -24,12 +24,12 @@ See ``docs/ipc.md`` for the design, the wire messages and the safety rules; in s
 * **Layer-wise.** ``save_layer`` records an event per layer and announces it
   (:class:`LayerReady`: one message per run of consecutive layers saved in one loop
   pass, each layer with its own event); the consumer copies each layer with one
-  launch once its event fired, all under the request's one abort word and one
-  release.
+  launch once its event fired -- or, finding every later layer written already, all
+  of them in one launch -- under the request's one abort word and one release.
 
 Control messages travel as small uint8 CPU tensors carrying msgpack through the
 engine's public ``send_nowait``/``recv`` (tensor ids ``"{rid}#ipc"``,
-``"{rid}#ipcL{layer}"`` and ``"{rid}#ipcrel"``); every received field is checked
+``"{rid}#ipcL{first layer}"`` and ``"{rid}#ipcrel"``); every received field is checked
 before use. A request's descriptor also goes through a shared-memory *doorbell*
 ring (:mod:`aiokv.kv._doorbell`, named with its MAC key in the offer) that a waiting
 consumer polls: it arrives ~0.35 ms sooner on the device host; the engine's copy

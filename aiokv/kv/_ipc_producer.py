@@ -769,10 +769,7 @@ class _ProducerSide(_PushSide):
             count_errors=True,
         )
         if not ok:  # nothing was read: every layer the ordinary way (all are written now)
-            left = max(0.0, sv.deadline - time.monotonic())
-            for i in range(L):
-                con.save_layer(request_id, i, sv.host, to=sv.to, timeout=left, _plain=True)
-            await con.wait_saved(request_id)
+            await self._save_plain(request_id, sv)
 
     async def _push_saved(self, request_id: str, sv: _IpcSave, ps: _PushSave) -> None:
         """:meth:`wait_saved` of a request pushed layer by layer: record the IPC event
@@ -802,10 +799,16 @@ class _ProducerSide(_PushSide):
         if not await self._post_push(
             request_id, len(sv.host), sv.to, sv.lease, ps.pm, ps.grant, event, ps.buf
         ):  # the consumer refused the push: every layer the ordinary way
-            left = max(0.0, sv.deadline - time.monotonic())
-            for i in range(L):
-                con.save_layer(request_id, i, sv.host, to=sv.to, timeout=left, _plain=True)
-            await con.wait_saved(request_id)
+            await self._save_plain(request_id, sv)
+
+    async def _save_plain(self, request_id: str, sv: _IpcSave) -> None:
+        """Every layer of ``sv`` the ordinary way (the connector's engine path; all
+        are written by now), in what is left of its deadline, and wait for them."""
+        con = self.con
+        left = max(0.0, sv.deadline - time.monotonic())
+        for i in range(self.layout.num_layers):
+            con.save_layer(request_id, i, sv.host, to=sv.to, timeout=left, _plain=True)
+        await con.wait_saved(request_id)
 
     async def _push_abandoned(
         self, request_id: str, sv: _IpcSave, ps: _PushSave, event: tuple[int, Any, bytes]

@@ -241,9 +241,7 @@ async def _producer(a: dict[str, Any], chan: _Chan) -> dict[str, Any]:
         async def one(rid: str, ids: list[int]) -> None:
             async with sem:
                 if a["layerwise"]:  # all layers saved in one pass, as a forward does
-                    for li in range(layout.num_layers):
-                        con.save_layer(rid, li, ids, to=to)
-                    await con.wait_saved(rid)
+                    await _save_layers(con, rid, ids, to, None, None)
                 else:
                     await con.send_request(rid, ids, to=to)
 
@@ -307,9 +305,9 @@ async def _producer(a: dict[str, Any], chan: _Chan) -> dict[str, Any]:
 async def _save_layers(
     con: Any, rid: str, ids: list[int], to: str, lead: Any, lead_cycles: int | None
 ) -> None:
-    """A latency request saved layer by layer, as a forward would: each layer after
-    its share of the GPU lead (``--gpu-lead-us``, spread over the layers; the ready
-    event after the last share), all queued at once, then ``wait_saved``."""
+    """A request saved layer by layer, as a forward would: all layers in one loop pass
+    (a latency request with ``--gpu-lead-us``: each after its share of the lead, spread
+    over the layers, the ready event after the last share), then ``wait_saved``."""
     import torch
 
     from ._ipc_common import _mark

@@ -9,12 +9,12 @@ producer's GPU work ends more than the spin after the consumer began to wait: ev
 pushed request of a producer that sends as soon as its forward is queued (the
 consumer grants, so waits, before the producer sends).
 
-:class:`TimerFd` arms a ``timerfd`` (``CLOCK_MONOTONIC``, nanosecond resolution, the
-kernel's timer slack aside) and waits for it to turn readable through
-``loop.add_reader``: the loop sleeps in ``epoll_wait`` as before and wakes within tens
-of µs of the delay. :class:`FinePoll` asks every waiting condition at each tick of one
-such timer, from one task. Where ``timerfd`` is missing (not Linux) the tick is
-``asyncio.sleep``'s.
+:class:`TimerFd` arms a periodic ``timerfd`` (``CLOCK_MONOTONIC``, nanosecond
+resolution, the kernel's timer slack aside) and calls back when it turns readable
+through ``loop.add_reader``: the loop sleeps in ``epoll_wait`` as before and wakes
+within tens of µs of each tick. :class:`FinePoll` asks every waiting condition at each
+tick of one such timer, in that callback. Where ``timerfd`` is missing (not Linux) the
+ticks are the loop's own timer's (``call_later``, whole milliseconds).
 
 Why not a CUDA host function that wakes the loop through a pipe (tried in session 19,
 reverted): its stream must wait on the event -- for the IPC plane, a peer's event
@@ -25,7 +25,6 @@ of the consumer -- and the driver ran it only ~0.4 ms after the event anyway.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import ctypes
 import ctypes.util
 import os
@@ -70,15 +69,13 @@ _LIBC = _libc()
 
 
 class TimerFd:
-    """One ``timerfd`` the loop watches: :meth:`sleep` with µs resolution, one sleep at
-    a time, or :meth:`every` -- a periodic timer that calls back from the loop's own
-    wake-up (see the module docstring). :meth:`open` gives None where there is no
-    ``timerfd``; :meth:`close` when done."""
+    """One ``timerfd`` the loop watches, ticking with µs resolution: :meth:`every`
+    calls back from the loop's own wake-up (see the module docstring). :meth:`open`
+    gives None where there is no ``timerfd``; :meth:`close` when done."""
 
     def __init__(self, fd: int, loop: asyncio.AbstractEventLoop) -> None:
         self._fd = fd
         self._loop = loop
-        self._fut: asyncio.Future[None] | None = None
         self._on_tick: Callable[[], None] | None = None
         loop.add_reader(fd, self._fired)
 
@@ -101,10 +98,6 @@ class TimerFd:
             return
         if self._on_tick is not None:
             self._on_tick()
-            return
-        fut = self._fut
-        if fut is not None and not fut.done():
-            fut.set_result(None)
 
     def _set(self, ns: int, every_ns: int = 0) -> None:
         spec = _Itimerspec(
@@ -115,19 +108,6 @@ class TimerFd:
         )
         if int(_LIBC.timerfd_settime(self._fd, 0, ctypes.byref(spec), None)) != 0:
             raise OSError(ctypes.get_errno(), "timerfd_settime failed")
-
-    async def sleep(self, delay: float) -> None:
-        """Sleep ``delay`` seconds (> 0); cancellable."""
-        self._set(max(1000, int(delay * 1e9)))  # (zero would disarm it)
-        fut = self._fut = self._loop.create_future()
-        try:
-            await fut
-        finally:
-            self._fut = None
-            if not fut.done():  # cancelled: disarm, and drop an expiry not read yet
-                self._set(0)
-                with contextlib.suppress(BlockingIOError):
-                    os.read(self._fd, 8)
 
     def every(self, delay: float, on_tick: Callable[[], None]) -> None:
         """Call ``on_tick()`` every ``delay`` seconds (> 0), from the loop's reader

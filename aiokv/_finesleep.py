@@ -4,7 +4,7 @@ asyncio's timers end in ``epoll_wait``, whose timeout CPython rounds *up* to who
 milliseconds (uvloop's libuv timers have millisecond resolution too), so on an idle
 loop ``asyncio.sleep(0.0002)`` takes a millisecond. A wait that polls a CUDA event
 past its spin therefore noticed the event 0.5 ms late on average (0.63 ms median
-measured in run s19c, docs/benchmarks.md "Session 19") -- for every request whose
+on an H200 host, docs/benchmarks.md "Waiting for CUDA events") -- for every request whose
 producer's GPU work ends more than the spin after the consumer began to wait: every
 pushed request of a producer that sends as soon as its forward is queued (the
 consumer grants, so waits, before the producer sends).
@@ -16,8 +16,8 @@ within tens of µs of each tick. :class:`FinePoll` asks every waiting condition 
 tick of one such timer, in that callback. Where ``timerfd`` is missing (not Linux) the
 ticks are the loop's own timer's (``call_later``, whole milliseconds).
 
-Why not a CUDA host function that wakes the loop through a pipe (tried in session 19,
-reverted): its stream must wait on the event -- for the IPC plane, a peer's event
+Why not a CUDA host function that wakes the loop through a pipe (tried, and
+rejected): its stream must wait on the event -- for the IPC plane, a peer's event
 that never fires when the peer dies, which then blocks every device-wide synchronize
 of the consumer -- and the driver ran it only ~0.4 ms after the event anyway.
 """
@@ -130,9 +130,9 @@ class FinePoll:
     :meth:`TimerFd.every`; the loop's own timer where there is none), whatever the
     number of waits: N requests waiting cost one loop wake-up per tick, not N. The
     queries run in the tick's callback and a wait's future is set there, so the
-    waiting task resumes in the very next loop pass (session 19's version resumed a
-    poll task first and woke the waiter through a second future: two more passes,
-    0.28 ms late on the GPU host against 0.12 with a timer per wait, run s20a).
+    waiting task resumes in the very next loop pass (resuming a poll task
+    first and waking the waiter through a second future costs two more passes:
+    0.28 ms late on an H200 host against 0.12 with a timer per wait).
     Deadlines are checked at the ticks too. A wait that gives up (timeout,
     cancellation) leaves nothing registered -- an event that never fires (a dead
     peer's) is not queried after its wait ended -- and the timer is closed when no

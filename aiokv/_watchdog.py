@@ -13,7 +13,7 @@ the thread calls ``report(why)`` once, with where the loop thread is stuck; it
 reports again only after the loop has run again.
 
 It does not try to break the hang. Aborting the communicators from this
-thread was tried on 2x H200 (device run s9r8): ``ncclCommAbort`` did not free
+thread was tried on 2x H200: ``ncclCommAbort`` did not free
 a loop stuck in a first kernel launch, so the engine only reports.
 
 The thread only reads two numbers and calls ``report``.

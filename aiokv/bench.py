@@ -334,7 +334,7 @@ async def raw_sockets(eng: Any, *kinds: int) -> AsyncIterator[list[Any]]:
     and the engine's then share one zmq I/O thread. With a context each, the two paths
     had I/O threads of their own, which the scheduler may place differently on a small
     machine: a send that wakes an I/O thread on its own core costs ~4 us, one that is
-    preempted by it ~22 us (docs/benchmarks.md, session 12) -- a difference between the
+    preempted by it ~22 us (measured on a 2-core VM) -- a difference between the
     paths that was the scheduler's, not the code's. Closed (linger 0) on exit, before
     the engine terminates its context."""
     socks = [eng._ctx.socket(k) for k in kinds]

@@ -147,7 +147,7 @@ def test_a_large_head_never_blocks_another_session() -> None:
 
 
 def test_withdrawals_stay_cheap_with_a_long_queue() -> None:
-    """Withdrawing from a queue of 20,000 must not rebuild anything (issue 12, item 14)."""
+    """Withdrawing from a queue of 20,000 must not rebuild anything (hostile input 14)."""
     import time
 
     aq: AdmissionQueue[Item] = AdmissionQueue()

@@ -1,4 +1,4 @@
-"""Issue 12 item 15, the residual: bounded data frames on the data port.
+"""Hostile input 15, the data-frame part: bounded data frames on the data port.
 
 zmq applies a socket's ``MAXMSGSIZE`` to every frame, the handshake's included, so a
 stranger who never authenticates could make the data port buffer one frame as large as

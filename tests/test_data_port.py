@@ -1,4 +1,4 @@
-"""Issue 12 item 15: a stranger's first frame is bounded by the control-message limit.
+"""Hostile input 15: a stranger's first frame is bounded by the control-message limit.
 
 Data frames (up to a tensor) arrive on a port of their own that lets a connection in
 only after zmq's handshake authenticated it (PLAIN with the session token, checked by

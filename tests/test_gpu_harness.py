@@ -1,6 +1,6 @@
 """The GPU tests' worker harness on CPU: bounded waits and a stack dump on a hang.
 
-tests/gpu/ only runs on the device machine; its line reader (tests/_procs.py) is
+tests/gpu/ only runs on a GPU host; its line reader (tests/_procs.py) is
 plain Python, so it is checked here, where CI runs.
 """
 

@@ -1,4 +1,4 @@
-"""Issue 12, items 9 and 10: decoding work is bounded, and shapes are checked with their strides.
+"""Hostile inputs 9 and 10: decoding work is bounded, and shapes are checked with their strides.
 
 Item 9: one crafted control frame (a megabyte of nested empty msgpack arrays) cost ~0.7 s to
 decode, before any HELLO. The codec now walks a frame along the message schema and refuses it at
@@ -45,7 +45,7 @@ CODEC = Codec(LIM)
 #: what one hostile frame may cost at most, generously (measured: well under 1 ms)
 BOUND_S = 0.050
 
-#: the frame from the issue: an array of 8192 arrays of 120 empty arrays (~1 MB)
+#: the hostile frame: an array of 8192 arrays of 120 empty arrays (~1 MB)
 NESTED = b"\xdc\x20\x00" + (b"\xdc\x00\x78" + b"\x90" * 120) * 8192
 
 
@@ -118,7 +118,7 @@ HOSTILE: dict[str, bytes] = {
     "get ids of nests": _pack([m.Get.KIND, 1, [[[]] * 120] * 8000, "a:1"])[: LIM.max_frame_bytes],
     # many short strings where a spec's shape belongs
     "shape of strings": _pack([m.Reserve.KIND, 1, "tcp", [["t", "uint8", ["a"] * 300000]]]),
-    # the issue's nest, but after a valid DATA header prefix
+    # the hostile nest, but after a valid DATA header prefix
     "data then nest": _prefixed(m.DataHeader.KIND, [1, 2], NESTED[:500_000], 1),
 }
 
@@ -206,7 +206,7 @@ _prefix = st.sampled_from(sorted(m.BY_KIND)).flatmap(
     deadline=None,
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
 )
-@example(  # the issue's frame, cut to size: always tried
+@example(  # the hostile frame, cut to size: always tried
     prefix=b"\xdc\x20\x00", body=b"\xdc\x00\x78" + b"\x90" * 120, size=1_000_000, tail=b""
 )
 @given(
@@ -237,7 +237,7 @@ def _reserve(dtype: str, shape: list[int], codec: Codec = CODEC) -> m.Message:
 
 
 def test_zero_dim_does_not_hide_an_overflowing_stride() -> None:
-    """The issue's RESERVE: 0 elements, but strides of 2**80 elements."""
+    """The hostile RESERVE: 0 elements, but strides of 2**80 elements."""
     with pytest.raises(RuntimeError, match=r"[Ss]tride"):
         torch.empty((0, 2**40, 2**40), dtype=torch.float64, device="meta")
     with pytest.raises(aiokv.RemoteProtocolError) as ei:
@@ -288,7 +288,7 @@ def test_shape_problem_helper() -> None:
 
 @pytest.mark.anyio
 async def test_ten_nested_frames_before_hello_do_not_stall_a_live_engine() -> None:
-    """The issue's attack end to end: ten such frames from a stranger, before any HELLO, while
+    """The attack end to end: ten such frames from a stranger, before any HELLO, while
     the loop's lateness is measured (it was ~0.7 s per frame, 7 s for ten)."""
     ctx = zmq.asyncio.Context()
     lateness: list[float] = []

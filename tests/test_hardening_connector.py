@@ -1,4 +1,4 @@
-"""Issue 12, items 1-3 (connector part): cancel never corrupts, layouts are checked per request,
+"""Hostile inputs 1-3 (connector part): cancel never corrupts, layouts are checked per request,
 and a cancelled or failed request leaves nothing behind in the receive store.
 
 Item 1: ``Engine.recv`` (``asyncio.wait_for(asyncio.shield(...))``) can return the tensor instead
@@ -128,7 +128,7 @@ class GatedEngine:
 async def test_cancel_as_a_chunk_lands_never_scatters_it_nor_later_chunks(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    """The issue's scenario: cancel A in the loop pass in which its chunk 1 lands, reuse A's
+    """The hostile scenario: cancel A in the loop pass in which its chunk 1 lands, reuse A's
     blocks for B at once, then A's chunk 2 arrives: B must be intact, A's chunks 1-2 never
     scattered, and the store empty."""
     lay = FlashAttentionLayout(3, 32, 4, 2, 8, "float32")

@@ -1,4 +1,4 @@
-"""Regression tests for the engine-side findings of the outside probes (issue 12).
+"""Regression tests for the engine-side findings of the outside probes (hostile inputs).
 
 Each test reproduces one finding against a real engine on loopback (raw zmq
 DEALERs or raw TCP sockets play the hostile peer) and failed before its fix.

@@ -1,4 +1,4 @@
-"""Issue 12, items 3 and 11 (store part): the receive store counts tensors, expires cheaply,
+"""Hostile inputs 3 and 11 (store part): the receive store counts tensors, expires cheaply,
 and drops what a consumer will never collect.
 
 Item 11: zero-byte tensors used no budget, so 100 RESERVEs x 8,000 empty tensors grew a victim
@@ -29,7 +29,7 @@ Q = PeerRef("engine-q", "10.0.0.2:1")
 def test_zero_byte_tensors_are_bounded_by_the_tensor_count() -> None:
     s = ReceiveStore(capacity=1 << 30, ttl=60.0, max_tensors=1000)
     granted = 0
-    for r in range(100):  # the issue's pattern, scaled: many RESERVEs of many empty tensors
+    for r in range(100):  # the hostile pattern, scaled: many RESERVEs of many empty tensors
         if s.try_reserve(P, [(f"r{r}-{i}", 0) for i in range(80)]):
             granted += 1
     assert granted == 12  # 12 x 80 = 960 <= 1000 < 13 x 80

@@ -1,5 +1,5 @@
-"""Issue 12, items 9-15 measured the way load is: while a legitimate producer in another process
-streams bit-exact tensors into an engine, each hostile input of the issue runs (from a third
+"""Hostile inputs 9-15 measured the way load is: while a legitimate producer in another process
+streams bit-exact tensors into an engine, each hostile input runs (from a third
 process) against the same engine; the engine's event loop must never be busy more than 50 ms at
 a stretch (its thread's CPU time between ticks) and the stream must stay intact.
 """
@@ -110,7 +110,7 @@ async def item10(ctx: zmq.asyncio.Context, eng: Victim, legit: str) -> None:
 
 
 async def item11(ctx: zmq.asyncio.Context, eng: Victim, legit: str) -> None:
-    # zero-byte tensors cost no bytes: only the tensor counts bound them (the issue's
+    # zero-byte tensors cost no bytes: only the tensor counts bound them (the hostile
     # 8,000-tensor RESERVE is over max_tensors_per_transfer now: refused at decode)
     s = await _hello(ctx, eng.address, "hoard", "127.0.0.1:9")
     for frame in HOARD:

@@ -128,8 +128,7 @@ async def test_layer_copied_only_after_its_event() -> None:
 async def test_layers_already_written_are_copied_in_one_launch() -> None:
     """A consumer that comes after the producer's forward (every layer's event fired)
     copies the request in ONE launch, not one per layer: on one H200 the per-layer
-    launches made layer-wise throughput 25 GB/s against 150 for whole requests (run
-    s20c). While a later layer is not written yet, layers still go one by one."""
+    launches made layer-wise throughput 25 GB/s against 150 for whole requests. While a later layer is not written yet, layers still go one by one."""
     pl = layout()
     p, c = filled(pl, 1), filled(pl, 2)
     async with pair(pl, pl) as (a, b):
@@ -428,7 +427,7 @@ def test_layer_messages_one_per_run_each_layer_its_own_mark(data: Any) -> None:
 async def test_layers_saved_in_one_pass_go_in_one_message() -> None:
     """A forward that saves all its layers without yielding sends ONE layer message
     (each layer its own event inside), not one per layer: per message the engine's
-    send costs ~19 µs here and ~33 µs on the device host (run s19d: 32 layers'
+    send costs ~19 µs here and ~33 µs on an H200 host (32 layers'
     messages took 1.06 ms to send). Layers saved in later passes come in messages of
     their own, starting where they start; the consumer asks for them in order."""
     pl = layout()

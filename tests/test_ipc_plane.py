@@ -937,7 +937,7 @@ async def loop_gaps() -> AsyncIterator[list[float]]:
 @pytest.mark.timeout(60)
 async def test_verifying_a_mapping_does_not_stall_the_loop() -> None:
     """The verification copies the probe with the real kernel: in a fresh process that
-    compiles and loads it, seconds (run s14c: the consumer's loop stalled 1.1-2.4 s).
+    compiles and loads it, seconds (the consumer's loop stalled 1.1-2.4 s).
     It runs off the event loop with the opens (regression: it ran on the loop)."""
     async with plane_pair() as (pl, p, c, a, b, prod, cons):
         assert cons._ipc is not None

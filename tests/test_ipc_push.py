@@ -326,7 +326,7 @@ async def test_granted_requests_are_pushed(name_producer: bool) -> None:
 @pytest.mark.anyio
 @pytest.mark.timeout(60)
 async def test_staged_pull_also_learns_that_the_producer_can_push() -> None:
-    """Regression (run s17a): the descriptor of a pull the ring's poll launched (a
+    """Regression: the descriptor of a pull the ring's poll launched (a
     staged copy) says ``can_push`` too; only the unstaged path read it, so on a GPU --
     where whole requests are staged -- the consumer never granted."""
     from test_ipc_staged import staged_pair

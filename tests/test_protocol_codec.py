@@ -251,7 +251,7 @@ def test_byte_counts_over_limit() -> None:
     assert _reason(_reserve(["a", "uint8", [1.5]]), c) == "bad_spec"
     assert _reason(_reserve(["a", "uint8", [True]]), c) == "bad_spec"
     # a zero dim does not let a later huge dim through unchecked: the strides of [0, 2**40]
-    # would still span 2**40 bytes (issue 12, item 10), so it is refused like [1, 2**40]
+    # would still span 2**40 bytes (hostile input 10), so it is refused like [1, 2**40]
     assert _reason(_reserve(["a", "uint8", [0, 1 << 40]]), c) == "bad_spec"
     z = c.decode(_reserve(["a", "uint8", [0, 1 << 20]]))
     assert isinstance(z, m.Reserve) and z.nbytes == 0

@@ -7,10 +7,8 @@ prefill → decode (the demo's CPU workers, real uvicorn servers on loopback)
 and needs a median under 20 ms, half of one such stall. The machine may
 be shared with other test runs, so up to three rounds of 50 are measured and
 the best round counts: with a Nagle stall on any hop every round would be
-above 40 ms. (The bound was 10 ms, with 8.4-9.3 ms measured on the development
-machine in session 14; in session 15 the same machine measured 10.4-11.4 ms for
-both that session's code and the one before it, so the bound measured the
-machine's speed, not the defect it is for.)
+above 40 ms. (A 10 ms bound would measure the machine's speed, not the defect:
+the same 2-core machine measures 8.4-11.4 ms from one run to the next.)
 """
 
 from __future__ import annotations

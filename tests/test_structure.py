@@ -246,7 +246,7 @@ async def test_a_taken_port_is_a_config_error() -> None:
 
 
 #: ZMQError handlers in the engine core that still build their aiokv error inline: in the
-#: per-transfer hot path, rewritten in parallel (issue 11); it adopts channel_error when
+#: per-transfer hot path, being rewritten; it adopts channel_error when
 #: that work lands
 _INLINE_ZMQ_MAPPING = {"_on_grant"}
 

@@ -1,9 +1,9 @@
 """A few CUDA driver calls for the IPC plane's per-request path, through ``ctypes``.
 
-On the device host each torch CUDA call on the request path cost 10-70 µs (its
+On an H200 host each torch CUDA call on the request path cost 10-70 µs (its
 dispatcher, Stream objects, the caching host allocator's bookkeeping; 2-4x more
 after the process sat idle), against a few µs for the driver call underneath
-(docs/benchmarks.md, "Session 13"). The plane makes exactly these calls itself,
+(docs/benchmarks.md, "IPC plane: per-request host cost"). The plane makes exactly these calls itself,
 on handles torch created and owns:
 
 * ``cuEventRecord`` -- the producer's ready event, the consumer's completion event;

@@ -1,9 +1,9 @@
 """The IPC plane's same-host doorbell: descriptors through a shared-memory ring.
 
-On the device host one small engine message took ~0.2 ms one-way between busy
-processes and ~0.4 ms after 1 ms idle (run s12-ipc-r1; zmq's I/O threads on both
+On an H200 host one small engine message took ~0.2 ms one-way between busy
+processes and ~0.4 ms after 1 ms idle (zmq's I/O threads on both
 sides and the receiving loop are woken in turn), while a sequence number written
-into shared memory and polled by the waiting loop arrived in 3-6 µs (s12-ipc-r2).
+into shared memory and polled by the waiting loop arrived in 3-6 µs.
 So the producer also *rings*: it writes each descriptor into a ring the consumer
 polls while a ``recv_request`` waits, and writes one byte into a FIFO beside it
 (``<ring>.wake``) that the consumer's event loop watches, so a consumer that stopped

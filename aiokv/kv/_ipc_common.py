@@ -133,8 +133,7 @@ class IpcOptions:
     but if the producer dies before its event fires, that stream waits forever:
     the launch itself is harmless (its abort word is set), but a device-wide
     ``torch.cuda.synchronize()`` in the consumer then never returns, nor does the
-    next first launch of a kernel under lazy module loading (runs s10-ipc-r1, r3,
-    r4; docs/ipc.md). Off by default; consider it only where the producer's death
+    next first launch of a kernel under lazy module loading (docs/ipc.md). Off by default; consider it only where the producer's death
     also ends the consumer.
 
     ``event_poll_s``: a consumer's wait for a CUDA event (the producer's ready event,
@@ -144,7 +143,7 @@ class IpcOptions:
     milliseconds). Shorter notices an event sooner (on average half of it after the
     event) at more CPU while requests wait: measured 17-24% of one core of a 2-core CI
     machine at 0.2 ms, 3-9% with the loop's 1 ms timer (docs/benchmarks.md,
-    "Session 19").
+    "Waiting for CUDA events").
     """
 
     trust_unauthenticated: bool = False
@@ -417,7 +416,7 @@ class _PlaneBase:
     ) -> tuple[int, ...]:
         """Block ids as a checked tuple (the connector's rules). A list or tuple of ints
         is checked in Python: the torch calls of the connector's check cost ~80 µs per
-        request on the device host (run s11-ipc-r2), more than the copy itself."""
+        request on an H200 host, more than the copy itself."""
         if (
             isinstance(block_ids, torch.Tensor)
             and block_ids.device.type == "cpu"

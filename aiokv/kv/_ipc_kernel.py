@@ -8,8 +8,8 @@ staging): same raw-word copies, so every dtype, fp8 included, is bit-exact.
 
 Work decomposition: a *unit* is one contiguous segment (FlashAttention: K or V;
 FlashInfer and MLA: the whole block) of one block pair of one layer; each
-program copies ``BLOCK`` words of one unit (32 KiB by default, the CTA size the
-issue measured). Unit ``u = (li, p, j)``: layer ``li`` (base addresses from the
+program copies ``BLOCK`` words of one unit (32 KiB by default, the CTA size
+measured fastest). Unit ``u = (li, p, j)``: layer ``li`` (base addresses from the
 two int64 tables), part ``p``, pair ``j``. Source and destination have their own
 part stride (FlashAttention's K/V halves are ``num_blocks`` blocks apart and the
 two sides' ``num_blocks`` differ); the block stride is the segment.
@@ -283,7 +283,7 @@ class RawLaunch:
 
     ``launch_pair_copy`` goes through ``JITFunction.run``: binding and hashing the
     arguments, the cache look-up, the launcher's Python wrapper -- ~25 µs hot and
-    ~70-180 µs on the request path of the device host (docs/benchmarks.md). The kernel's
+    ~70-180 µs on the request path of an H200 host (docs/benchmarks.md). The kernel's
     per-request values (the ids buffer, the abort slot, the pair count, the grid) do
     not change what it was compiled for (they are not specialised), so the plane keeps
     the compiled function and launches it through the driver with its parameters in

@@ -131,8 +131,8 @@ class AbortWords:
     def prepare(self) -> None:
         """On a daemon thread, once, before the first mapping: the control stream, the
         pinned sources of the abort words' copies, and the first block of abort words
-        (the first CUDA work of a consumer may take a while: run s14d, 0.2-0.4 s on the
-        loop before this moved here). Later blocks (every 4096 requests) are made on
+        (the first CUDA work of a consumer may take a while: 0.2-0.4 s, which would
+        stall the loop). Later blocks (every 4096 requests) are made on
         the loop, one small copy each."""
         with torch.cuda.device(self.device):
             self.ctl()
@@ -145,8 +145,8 @@ class AbortWords:
             if self.device.type == "cuda":
                 # Zeroed on the control stream (where the words are later set) and waited
                 # for: a zero-fill left queued on the caller's stream could otherwise run
-                # after an abort and clear it (run s11-ipc-r2 caught the probe's aborted
-                # launch writing). Zeroed by a copy from pinned memory, not a kernel (see
+                # after an abort and clear it (an aborted probe
+                # launch was caught writing that way). Zeroed by a copy from pinned memory, not a kernel (see
                 # _set_abort). A 16 KiB copy once per 4096 requests.
                 ctl = self.ctl()
                 if self._zeros is None:
@@ -201,7 +201,7 @@ class AbortWords:
         pinned host memory), not a kernel: an abort must never be a kernel's first
         launch in the process -- under lazy module loading that waits until the device
         is idle, i.e. behind the very copy it aborts when that one waits on a peer's
-        event (run s13e: torch's fill picks a kernel by the word's alignment, and the
+        event (torch's fill picks a kernel by the word's alignment, and the
         one for 8-byte-aligned words had not been loaded yet)."""
         ab, slot = self.word(g)
         if ab.device.type == "cuda":
@@ -262,7 +262,7 @@ class Mapper:
         under CUDA's lazy module loading, wait for an idle device -- e.g. behind a
         ``gpu_wait`` copy stuck on a dead producer's event; then this mapping hangs
         (its requests fall back with ``map_timeout``), not the loop. The loop's own
-        abort words are set by copies, never by a kernel's first launch (run s13e)."""
+        abort words are set by copies, never by a kernel's first launch."""
         dev = self.device
         if self._warming is not None:  # one compile at a time (its errors are logged)
             with contextlib.suppress(Exception):

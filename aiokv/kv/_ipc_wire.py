@@ -40,7 +40,7 @@ LAYERS = "ipc-layers"
 #: handle's length; then the event handle, the request id (UTF-8) and the source block
 #: ids (u32 each). Fixed offsets, no map: packed and checked in a few microseconds
 #: (the msgpack map and its generic validation were the largest piece of the ring's
-#: poll on the device host, run s15i). The ring never carries an offer or a layer-wise
+#: poll on an H200 host). The ring never carries an offer or a layer-wise
 #: descriptor, and its producer's address is the mapping's (the ring is named only in
 #: that producer's offer), so neither is in the record.
 _RING = struct.Struct("<BBHIIQdH")

@@ -35,7 +35,7 @@ Latency: ``--latency-n`` one-at-a-time requests of 256 tokens (fewer for
 after the consumer's ``recv_request`` returned and a device synchronisation;
 ``p50_return_ms`` is the median to the return alone (when the plane reports the
 blocks in place and the caller's stream ordered after them; the synchronisation
-checks it and costs ~0.04-0.07 ms under MPS on the device host).
+checks it and costs ~0.04-0.07 ms under MPS on an H200 host).
 ``--latency-gap-ms``: the producer waits that long after the consumer posted its
 ``recv_request`` before it sends (a decode server waiting for a prefill; on IPC the
 consumer is then past its doorbell spin).
@@ -51,8 +51,7 @@ duration (CUDA events): never later than the real one, so these figures are uppe
 bounds.
 ``--layerwise``: every request is saved layer by layer (``save_layer`` per layer,
 then ``wait_saved``; the consumer waits with ``layerwise=True``): in the throughput
-phase all of a request's layers in one loop pass, as a forward saves them (session 20
-on; before, only the latency requests went layer by layer); the latency requests each
+phase all of a request's layers in one loop pass, as a forward saves them; the latency requests each
 layer after its share of the GPU lead when one is given, so that the last layer's save
 comes at the ready.
 

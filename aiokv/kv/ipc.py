@@ -32,7 +32,7 @@ engine's public ``send_nowait``/``recv`` (tensor ids ``"{rid}#ipc"``,
 ``"{rid}#ipcL{first layer}"`` and ``"{rid}#ipcrel"``); every received field is checked
 before use. A request's descriptor also goes through a shared-memory *doorbell*
 ring (:mod:`aiokv.kv._doorbell`, named with its MAC key in the offer) that a waiting
-consumer polls: it arrives ~0.35 ms sooner on the device host; the engine's copy
+consumer polls: it arrives ~0.35 ms sooner on an H200 host; the engine's copy
 stays the authority. The per-request path avoids allocations and most torch calls (each
 costs tens of µs on a GPU host); ``AIOKV_IPC_TRACE=1`` stamps its stages
 (:func:`take_trace`, ``aiokv bench kv --transport ipc --trace``).
@@ -715,8 +715,8 @@ class IpcPlane(_ProducerSide):
     async def _open_export(self, desc: Descriptor, offer: Offer, layout: KVLayout) -> _Mapping:
         """Map one export and verify it, on a daemon thread (:meth:`_map_verified`):
         CUDA IPC opens take milliseconds per allocation, and the verification compiles
-        and loads the kernel -- seconds in a fresh process (run s14c: the event loop
-        stalled 1.1-2.4 s when the verification ran on it) -- then register it."""
+        and loads the kernel -- seconds in a fresh process (the event loop
+        stalls 1.1-2.4 s when the verification runs on it) -- then register it."""
         token = desc.token
         try:
             try:
@@ -1247,7 +1247,7 @@ class IpcPlane(_ProducerSide):
         buffer and, on a GPU, enqueue their upload on ``stream``; returns what the copy
         reads. The mapping's own stream (``own``) first waits for the caller's current
         stream (its work so far may still read the destination blocks). A few Python
-        and torch calls, no allocation: each one costs tens of µs on the device host."""
+        and torch calls, no allocation: each one costs tens of µs on an H200 host."""
         n = len(dst)
         if n:
             struct.pack_into(f"<{2 * n}q", sb.mv, 0, *src, *dst)
@@ -1387,7 +1387,7 @@ class IpcPlane(_ProducerSide):
         forward within it is noticed a pass after it -- then every
         ``options.event_poll_s`` with the plane's other waits
         (:class:`~aiokv._finesleep.FinePoll`, a timerfd: the loop's own sleeps end on
-        whole milliseconds, which noticed an event 0.5 ms late on average; run s19c).
+        whole milliseconds, which noticed an event 0.5 ms late on average).
         Nothing stays registered afterwards (a dead producer's event never fires)."""
         spin_until = time.monotonic() + _READY_SPIN_S
         while not bool(ev.query()):

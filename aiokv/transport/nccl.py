@@ -44,11 +44,11 @@ _ids = itertools.count(1)
 # when its last one finished. Batches are kept small, so several are in flight
 # and the next grant is posted while the GPU still has queued work: with
 # unbounded batches (up to the whole window) each batch waited a full control
-# round trip with the link idle (~0.3-0.4 ms per batch on 2x H200, device run 2).
+# round trip with the link idle (~0.3-0.4 ms per batch on 2x H200).
 # They must not be too small either: posting a group costs ~300 us (the
 # non-blocking enqueue settling), and one receive per group at 32 MiB left the
 # receiver posting slower than the link (posted->landed 2.1 ms with 16 in
-# flight, device run s9r3). A batch may carry about what the link moves in one
+# flight, on 2x H200). A batch may carry about what the link moves in one
 # post: 128 MiB. ``EngineConfig.nccl_recv_batch`` / ``nccl_recv_batch_bytes`` override
 # (``AIOKV_NCCL_RECV_BATCH="count,MiB"`` for the command-line tools).
 _MAX_BATCH = DEFAULT_NCCL_RECV_BATCH

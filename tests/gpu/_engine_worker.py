@@ -154,7 +154,7 @@ async def main() -> None:
             connect=60.0,
             nccl_watchdog=float(os.environ.get("AIOKV_TEST_WATCHDOG", "30")),
         ),
-        **engine_overrides(),  # AIOKV_NCCL_BLOCKING_OPS, as benchmarks/gpu_final.sh sets it
+        **engine_overrides(),  # AIOKV_NCCL_BLOCKING_OPS, as benchmarks/gpu_run.sh sets it
     )
     async with aiokv.Engine(cfg) as eng:
         loop = asyncio.get_running_loop()

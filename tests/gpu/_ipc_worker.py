@@ -461,7 +461,7 @@ async def kill_producer(role: str, d: str, gpu_wait: bool = False) -> dict[str, 
             dst = list(range(100, 116))
             # Launch once, now, every kernel used below: under lazy module loading a
             # kernel's first launch waits for an idle GPU, which a stream stuck behind
-            # a dead producer's event (gpu_wait) never becomes (run s10-ipc-r3).
+            # a dead producer's event (gpu_wait) never becomes.
             bool(blocks(big, BIG, dst).any())
             float(torch.ones(1000, device=dev).sum().item())
             assert con._ipc is not None

@@ -1,4 +1,4 @@
-"""The engine over NCCL between two processes on two GPUs (issue 3's acceptance tests).
+"""The engine over NCCL between two processes on two GPUs: the NCCL path's acceptance tests.
 
 Each test drives worker processes (tests/gpu/_engine_worker.py) through
 stdin/stdout so the processes, engines and communicators are real.

@@ -9,7 +9,7 @@ side (as in ``aiokv.kv.bench``); each request is ONE launch of
 with CUDA events over all requests of the workload, median of 5 runs. The
 reference moves the same bytes as one contiguous ``copy_`` per request. On one
 GPU both read and write HBM, so this is the kernel's own ceiling and overhead,
-not the two-GPU NVLink figure (that needs ``nvidia-h200-x2``).
+not the two-GPU NVLink figure (that needs two GPUs).
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """What announcing a layer-wise request's layers costs the producer's loop: one
-``LayerReady`` per layer (sessions 13-19) against one per run of layers saved in one
-loop pass (:func:`aiokv.kv._ipc_wire.layer_messages`, session 20), over two real
+message per run of layers saved in one loop pass (:func:`aiokv.kv._ipc_wire.layer_messages`,
+what the plane sends) against one ``LayerReady`` per layer, over two real
 engines on 127.0.0.1 (the plane's :class:`EngineChannel`), no GPU.
 
     python3 benchmarks/layer_msgs_cost.py [--layers 32] [--rounds 200] [--uvloop]

@@ -1,6 +1,6 @@
 """Fault tests of the NCCL path on two GPUs (reliability rows 2, 5 and 7 on GPU).
 
-Results of the device runs are in docs/reliability.md.
+Results of the GPU runs are in docs/reliability.md.
 """
 
 from __future__ import annotations

@@ -2,9 +2,9 @@
 
 Both engines in this process on loopback; the receiver collects each tensor as soon as
 its send completed. Prints GB/s per repetition (the first one warms up and is dropped)
-and their median. Small tensors go on credit (PUT); since bounded data frames, the
-2 MiB one takes RESERVE/GRANT (the sender returns its credit first). Used for
-docs/benchmarks.md, "Bounded data frames":
+and their median. Every tensor here goes on credit (PUT: up to 4 MiB), the 2 MiB one
+as two bounded data frames reassembled as they land. Used for
+docs/benchmarks.md, "TCP transport, CPU tensors, loopback":
 
     python benchmarks/mixed_stream.py [--n 200] [--reps 4]
 """

@@ -4,7 +4,7 @@ Both engines run in this process on loopback (one event loop), so the figure is 
 whole cost of one transfer on both ends: the admission path (a PUT on credit, or
 RESERVE/GRANT for a tensor larger than one data frame), the wire and the landing
 (zero-copy for one frame, one copy for more). Used for docs/benchmarks.md,
-"Bounded data frames":
+"TCP transport, CPU tensors, loopback":
 
     python benchmarks/send_latency.py [--iters 60] [--sizes 0.5,1,2,4,16]
 """

@@ -80,7 +80,7 @@ def test_bidirectional_1000_mixed_sends_bit_exact(pair: Any) -> None:
     a, b = pair
     a.cmd(f"bidir 0 {b.addr} 500")
     b.cmd(f"bidir 1 {a.addr} 500")
-    # a few seconds when it works (on 2× H200; each worker first launches every kernel it
+    # a few seconds when it works (on 2x H200; each worker first launches every kernel it
     # will use, see _engine_worker.warm_kernels); a hang fails here with both workers' stacks
     try:
         ra, rb = a.expect("BIDIR", 90), b.expect("BIDIR", 30)

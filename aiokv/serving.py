@@ -7,6 +7,7 @@ registered with the router by heartbeating::
     async def lifespan(app):
         async with worker_lifespan(
             aiokv.EngineConfig(listen="0.0.0.0:0", device="cuda:0"),
+            kv_host="this-host",  # what peers dial: the engine listens on a wildcard
             router_url="http://router:8000", role="prefill",
             url="http://this-host:8100", model="my-model",
         ) as worker:

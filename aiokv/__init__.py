@@ -2,6 +2,8 @@
 
 The public names are imported on first use (module ``__getattr__``), so that
 ``import aiokv.router`` or ``aiokv --help`` does not pay for importing torch.
+The public subpackages load the same way: after ``import aiokv``,
+``aiokv.kv.KVConnector`` and ``aiokv.serving.PeerWarmer`` work as written.
 """
 
 from __future__ import annotations
@@ -41,9 +43,12 @@ _LAZY = {
     "EngineStatistics": ".engine",
     "TransferHandle": ".engine",
 }
+_SUBMODULES = frozenset({"bench", "cli", "kv", "nccl", "router", "serving", "store"})
 
 
 def __getattr__(name: str) -> Any:
+    if name in _SUBMODULES:
+        return importlib.import_module(f".{name}", __name__)  # binds itself as an attribute
     module = _LAZY.get(name)
     if module is None:
         raise AttributeError(f"module 'aiokv' has no attribute {name!r}")

@@ -7,6 +7,7 @@ registered with the router by heartbeating::
     async def lifespan(app):
         async with worker_lifespan(
             aiokv.EngineConfig(listen="0.0.0.0:0", device="cuda:0"),
+            kv_host="this-host",  # what peers dial: the engine listens on a wildcard
             router_url="http://router:8000", role="prefill",
             url="http://this-host:8100", model="my-model",
         ) as worker:
@@ -57,7 +58,7 @@ from typing import TYPE_CHECKING, Any, Literal
 import anyio
 import httpx
 
-from ._exceptions import AiokvError
+from ._exceptions import AiokvError, ConfigError
 
 if TYPE_CHECKING:
     from aiokv import Engine, EngineConfig
@@ -139,7 +140,7 @@ async def _register_once(client: httpx.AsyncClient, reg: WorkerRegistration) -> 
     )
     if resp.status_code in (400, 401, 403, 409):
         # refused for a reason retrying as-is cannot fix soon: say why, once per attempt
-        raise _Refused(f"HTTP {resp.status_code}: {resp.text[:300]}")
+        raise _Refused(resp.status_code, f"HTTP {resp.status_code}: {resp.text[:300]}")
     resp.raise_for_status()
     data = resp.json()
     reg.instance_id = str(data["instance_id"])
@@ -152,6 +153,31 @@ async def _register_once(client: httpx.AsyncClient, reg: WorkerRegistration) -> 
 
 class _Refused(Exception):
     """The router refused the registration (bad token, URL policy, identity conflict)."""
+
+    def __init__(self, status: int, message: str) -> None:
+        super().__init__(message)
+        self.status = status
+
+
+async def _register_at_start(reg: WorkerRegistration) -> None:
+    """The first registration, before the worker serves.
+
+    A refusal that no retry fixes (400: URL policy or a bad field, 401: wrong token,
+    403: a router without a token and a caller not on loopback) raises
+    :class:`ConfigError`. An identity conflict (409: the URL's previous registration
+    is not evicted yet) and an unreachable router are logged and left to the
+    heartbeat loop, which retries.
+    """
+    timeout = httpx.Timeout(max(1.0, reg.interval * 2))
+    async with httpx.AsyncClient(timeout=timeout, trust_env=False) as http:
+        try:
+            await _register_once(http, reg)
+        except _Refused as e:
+            if e.status != 409:
+                raise ConfigError(f"router {reg.router_url} refused the registration: {e}") from None
+            log.warning("router %s refused the registration: %s", reg.router_url, e)
+        except (httpx.HTTPError, ValueError, KeyError) as e:
+            log.warning("router %s unreachable: %s", reg.router_url, e)
 
 
 def _peer_addresses(reg: WorkerRegistration, listing: object) -> list[str]:
@@ -326,7 +352,12 @@ async def worker_lifespan(
     other hosts should use when the engine listens on a wildcard (or just
     ``kv_host``: that host with the engine's port). ``on_engine``
     runs after the engine started and before registration (set up a KV
-    connector there, so no request arrives before it exists).
+    connector there, so no request arrives before it exists). The first
+    registration is tried before the body runs: a refusal that retrying cannot
+    fix (a wrong token, a URL or KV address the router's policy refuses) raises
+    :class:`aiokv.ConfigError` and the engine is closed; an unreachable router or
+    a URL still held by this worker's previous registration is retried in the
+    background.
     ``wait_registered`` waits up to that many seconds for the first
     registration. ``token``: the router's shared token (default
     ``$AIOKV_ROUTER_TOKEN``). ``max_model_len``: the model's context in tokens,
@@ -361,6 +392,7 @@ async def worker_lifespan(
                 reg.on_peers = warmer.warm
             if token is not None:
                 reg.token = token
+            await _register_at_start(reg)
             task = asyncio.create_task(register_with_router(reg), name=f"aiokv-heartbeat-{role}")
             if wait_registered is not None:
                 with contextlib.suppress(asyncio.TimeoutError):

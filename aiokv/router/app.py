@@ -53,6 +53,7 @@ import anyio
 import httpx
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.requests import ClientDisconnect
 
 from .._exceptions import ConfigError
 from .metrics import CONTENT_TYPE_LATEST, RouterMetrics
@@ -136,6 +137,9 @@ class RouterConfig:
     max_json_depth: int = 64
     max_concurrent_per_client: int = 64
     max_instances: int = 1024
+    header_timeout: float = 10.0
+    body_timeout: float = 30.0
+    expose_topology: bool = False
 
     def __post_init__(self) -> None:
         if self.policy not in POLICIES:
@@ -146,6 +150,8 @@ class RouterConfig:
             "upstream_timeout",
             "discovery_ttl",
             "probe_interval",
+            "header_timeout",
+            "body_timeout",
         ):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"RouterConfig.{name} must be positive")
@@ -392,10 +398,16 @@ async def _read_body(request: Request, max_bytes: int) -> bytes:
         if int(declared) > max_bytes:
             raise too_large
     buf = bytearray()
-    async for chunk in request.stream():
-        buf += chunk
-        if len(buf) > max_bytes:
-            raise too_large
+    try:
+        async for chunk in request.stream():
+            buf += chunk
+            if len(buf) > max_bytes:
+                raise too_large
+    except ClientDisconnect:
+        # the client left (or missed the body deadline): nobody reads the answer
+        peer = request.client.host if request.client else "a client"
+        log.debug("%s disconnected while sending the request body", peer)
+        raise _HTTPError(499, "client disconnected", "client_disconnected") from None
     return bytes(buf)
 
 
@@ -724,7 +736,7 @@ async def _proxy_inner(
             body = await _read_json_object(request, cfg.max_body_bytes, cfg.max_json_depth)
             model, stream = _validate(body, endpoint, cfg, reg)
         except _HTTPError as e:
-            m.errors.labels("bad_request").inc()
+            m.errors.labels("client_gone" if e.status == 499 else "bad_request").inc()
             status = e.status
             return e.response()
 

@@ -128,7 +128,13 @@ def _positive(text: str) -> int:
 
 def add_transport_arguments(p: argparse.ArgumentParser) -> None:
     """Options of ``aiokv bench transport``."""
-    p.add_argument("--transport", choices=("tcp", "nccl"), default="tcp")
+    p.add_argument(
+        "--transport",
+        choices=("tcp", "nccl"),
+        default="tcp",
+        help="tcp: CPU tensors against raw pyzmq; nccl: GPU tensors against "
+        "torch.distributed send/recv (default %(default)s)",
+    )
     p.add_argument("--json", action="store_true", help="one JSON line per size")
     p.add_argument(
         "--sizes",

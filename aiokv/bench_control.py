@@ -40,6 +40,7 @@ import math
 import os
 import statistics
 import sys
+import textwrap
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -72,6 +73,11 @@ TARGETS: dict[str, tuple[str, float]] = {
     "rate4k": (">=", 0.5),
     "stream1m": (">=", 0.8),
 }
+DESCRIPTION = (
+    "The engine's control path against the zmq floor, on CPU over loopback: send4k (latency "
+    "of one 4 KiB transfer), rate4k (4 KiB transfers per second) and stream1m (1 MiB "
+    "transfers, bytes per second), engine and raw zmq.asyncio blocks interleaved."
+)
 _ACK_PAD = bytes(56)  # an ack is 64 bytes: an 8-byte cumulative count and padding
 _COPY_BELOW = 64 * KiB  # pyzmq copies small frames anyway; bytes are cheaper than Frames there
 
@@ -117,6 +123,22 @@ def add_control_arguments(p: argparse.ArgumentParser) -> None:
         "sender and receiver, per workload, into DIR",
     )
     p.add_argument("--timeout", type=float, default=300.0, help="give up after this many seconds")
+    p.add_argument(
+        "--check",
+        action="store_true",
+        help="exit with status 1 when a workload misses its target (see below); without "
+        "it the run reports and exits 0",
+    )
+
+
+#: what the targets mean, for --help and under the table
+TARGETS_TEXT = (
+    "Targets compare the engine with raw zmq.asyncio moving the same bytes (ratio = "
+    "engine / raw): send4k's p50 latency at most "
+    f"{TARGETS['send4k'][1]}x raw's, rate4k's transfers/s at least {TARGETS['rate4k'][1]}x "
+    f"raw's, stream1m's bytes/s at least {TARGETS['stream1m'][1]}x raw's. 'met no' marks a "
+    "workload that missed its target on this run; --check turns a miss into exit status 1."
+)
 
 
 # --------------------------------------------------------------------------- profiling
@@ -500,7 +522,7 @@ def _print_table(results: Sequence[dict[str, Any]]) -> None:
 
     print(
         f"{'workload':9} {'metric':18} {'raw':>14} {'engine':>14} {'ratio':>6} {'target':>7}"
-        f" {'pass':>5} {'gc us/xfer':>10} {'stall ms snd/rcv':>16}"
+        f" {'met':>5} {'gc us/xfer':>10} {'stall ms snd/rcv':>16}"
         f" {'cpu us/xfer snd/rcv: raw':>25} {'engine':>11}"
     )
     for r in results:
@@ -515,7 +537,7 @@ def _print_table(results: Sequence[dict[str, Any]]) -> None:
         ecpu = f"{f(r['sender_cpu_us_per_transfer'])}/{f(r['receiver_cpu_us_per_transfer'])}"
         print(
             f"{w:9} {metric:18} {f(r['raw']):>14} {f(r['engine']):>14} {r['ratio']:6.2f}"
-            f" {r['target']:>7} {'yes' if r['pass'] else 'NO':>5}"
+            f" {r['target']:>7} {'yes' if r['pass'] else 'no':>5}"
             f" {r['sender_gc_us_per_transfer']:10.1f} {stall:>16} {rcpu:>25} {ecpu:>11}"
         )
         if w == "send4k":
@@ -525,6 +547,7 @@ def _print_table(results: Sequence[dict[str, Any]]) -> None:
             )
     if results:
         r0 = results[0]
+        print(textwrap.fill(TARGETS_TEXT, 100))
         print(
             f"(loop {r0['loop']}, {r0['reps']} kept blocks per side, medians; ratio = engine/raw)"
         )
@@ -549,12 +572,23 @@ def control_main(args: argparse.Namespace) -> int:
         return 130
     if not args.json:
         _print_table(results)
+    missed = [r for r in results if not r["pass"]]
+    if missed and args.check:
+        for r in missed:
+            print(
+                f"aiokv bench control: {r['workload']} missed its target: ratio {r['ratio']:.2f},"
+                f" target {r['target']}",
+                file=sys.stderr,
+            )
+        return 1
     return 0
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     """``python -m aiokv.bench_control ...`` (same as ``aiokv bench control``)."""
-    p = argparse.ArgumentParser(prog="python -m aiokv.bench_control")
+    p = argparse.ArgumentParser(
+        prog="python -m aiokv.bench_control", description=DESCRIPTION, epilog=TARGETS_TEXT
+    )
     add_control_arguments(p)
     return control_main(p.parse_args(argv))
 

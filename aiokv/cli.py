@@ -162,10 +162,15 @@ def build_parser() -> argparse.ArgumentParser:
             help="engine vs raw data plane (pyzmq / NCCL), two processes, same run",
         )
     )
-    from .bench_control import add_control_arguments
+    from .bench_control import DESCRIPTION, TARGETS_TEXT, add_control_arguments
 
     add_control_arguments(
-        bsub.add_parser("control", help="engine control path vs raw zmq.asyncio (CPU, loopback)")
+        bsub.add_parser(
+            "control",
+            help="engine control path vs raw zmq.asyncio (CPU, loopback)",
+            description=DESCRIPTION,
+            epilog=TARGETS_TEXT,
+        )
     )
     kv = bsub.add_parser(
         "kv", help="KV-cache workloads (see 'aiokv bench kv --help')", add_help=False
@@ -192,7 +197,7 @@ def _run(args: argparse.Namespace) -> int:
 
             return control_main(args)
         if args.bench == "kv":
-            return int(_load("aiokv.kv.bench", "main")(list(args.argv)) or 0)
+            return int(_load("aiokv.kv.bench", "main")(list(args.argv), "aiokv bench kv") or 0)
     raise AssertionError(f"unhandled command {cmd!r}")  # pragma: no cover
 
 

@@ -579,10 +579,12 @@ async def serve_app(
     *,
     log_level: str = "warning",
     on_started: Callable[[], None] | None = None,
+    **uvicorn_options: Any,
 ) -> None:
     """Serve ``app`` with uvicorn on ``sock`` until cancelled or signalled.
 
     ``on_started`` is called once uvicorn accepts connections (lifespan startup done).
+    ``uvicorn_options`` go to ``uvicorn.Config`` as they are (e.g. ``http=``).
     """
     import uvicorn
 
@@ -593,6 +595,7 @@ async def serve_app(
         ws="none",
         access_log=False,
         timeout_graceful_shutdown=3,
+        **uvicorn_options,
     )
     server = uvicorn.Server(config)
 

@@ -11,14 +11,17 @@ command -v "$PY" >/dev/null 2>&1 || PY=python3
 # shellcheck disable=SC1091
 . .venv/bin/activate
 export PIP_DISABLE_PIP_VERSION_CHECK=1
-# pip prints a line per package (no -q), so a first install shows its progress
+# pip prints a line per package (no -q), so a first install shows its progress; its
+# progress bars go to a terminal only (in a log they are a screen of control characters)
+PROGRESS=()
+[[ -t 1 ]] || PROGRESS=(--progress-bar off)
 if python -c "import torch" 2>/dev/null; then
     echo "== torch: already installed ($(python -c 'import torch; print(torch.__version__)'))"
 else
     echo "== install 1/2: torch==2.13.0 (CPU; a few minutes on a fresh venv)"
-    python -m pip install --progress-bar off torch==2.13.0
+    python -m pip install ${PROGRESS[@]+"${PROGRESS[@]}"} torch==2.13.0
 fi
 echo "== install 2/2: aiokv with the demo extra (-e .[demo])"
-python -m pip install --progress-bar off -e '.[demo]'
+python -m pip install ${PROGRESS[@]+"${PROGRESS[@]}"} -e '.[demo]'
 echo "== aiokv demo $*"
 exec aiokv demo "$@"

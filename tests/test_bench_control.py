@@ -103,3 +103,44 @@ def test_bad_workload_is_refused() -> None:
     with pytest.raises(SystemExit) as e:
         cli.main(["bench", "control", "--workloads", "send4k,nope"])
     assert e.value.code == 2
+
+
+def _row(workload: str, ratio: float) -> dict[str, Any]:
+    from aiokv.bench_control import _passed
+
+    op, bound = TARGETS[workload]
+    return {
+        "workload": workload,
+        "ratio": ratio,
+        "target": f"{op} {bound}",
+        "pass": _passed(workload, ratio),
+    }
+
+
+@pytest.mark.timeout(30)
+def test_check_turns_a_missed_target_into_a_failure(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    import aiokv.bench_control as bc
+
+    rows = [_row("send4k", 1.1), _row("rate4k", 0.2)]  # rate4k misses its >= 0.5
+
+    def fake_run(coro: Any, loop: str) -> list[dict[str, Any]]:
+        coro.close()  # the real run is not needed: the exit status is under test
+        return rows
+
+    monkeypatch.setattr(bc, "_run_loop", fake_run)
+    assert cli.main(["bench", "control", "--json"]) == 0  # reports only
+    assert cli.main(["bench", "control", "--json", "--check"]) == 1
+    err = capsys.readouterr().err
+    assert "rate4k missed its target" in err and "send4k" not in err
+    rows[1] = _row("rate4k", 0.9)
+    assert cli.main(["bench", "control", "--json", "--check"]) == 0
+
+
+def test_help_says_what_the_targets_mean(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit):
+        cli.main(["bench", "control", "--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    assert "ratio = engine / raw" in text and "--check" in text
+    assert f"at most {TARGETS['send4k'][1]}x raw" in text

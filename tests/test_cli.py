@@ -164,3 +164,30 @@ def test_router_refuses_itself_as_a_static_worker() -> None:
     r = _aiokv("router", "--prefill", "http://169.254.169.254", timeout=30)
     assert r.returncode == 2
     assert "link-local" in r.stderr
+
+
+def _undocumented(help_text: str) -> list[str]:
+    """Options in an argparse help text that come without a help line."""
+    lines = help_text.split("options:", 1)[1].splitlines()
+    missing = []
+    for i, line in enumerate(lines):
+        if not line.startswith("  -"):
+            continue
+        inline = "  " in line.strip()  # the invocation, two spaces, then its help
+        after = lines[i + 1] if i + 1 < len(lines) else ""
+        below = after.startswith("      ") and not after.strip().startswith("-")
+        if not (inline or below):
+            missing.append(line.strip())
+    return missing
+
+
+@pytest.mark.parametrize("command", ["kv", "control", "transport"])
+def test_bench_help_is_clean(command: str, capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as e:
+        cli.main(["bench", command, "--help"])
+    assert e.value.code == 0
+    text = capsys.readouterr().out
+    assert text.startswith(f"usage: aiokv bench {command} "), text[:80]
+    assert "python -m" not in text
+    assert not any(mark in text for mark in ("``", ":class:", ":mod:", ":meth:", "~aiokv")), text
+    assert _undocumented(text) == [], text

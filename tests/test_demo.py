@@ -104,7 +104,9 @@ async def demo_cluster() -> AsyncIterator[httpx.AsyncClient]:
     torch.set_num_threads(1)
     try:
         async with contextlib.AsyncExitStack() as stack:
-            router_url = await stack.enter_async_context(running(create_router_app(RouterConfig())))
+            # expose_topology: the tests read where the KV came from in the answers
+            router_cfg = RouterConfig(expose_topology=True)
+            router_url = await stack.enter_async_context(running(create_router_app(router_cfg)))
             roles: tuple[Literal["prefill", "decode"], ...] = ("prefill", "decode")
             for role in roles:
                 sock = bind_socket("127.0.0.1", 0)

@@ -295,7 +295,8 @@ async def test_round_robin_routing_and_kv_params() -> None:
     p = FakeWorker("prefill", "p0", "127.0.0.1:5001")
     d0 = FakeWorker("decode", "d0", "127.0.0.1:6000")
     d1 = FakeWorker("decode", "d1", "127.0.0.1:6001")
-    async with cluster(RouterConfig(), [p, d0, d1]) as (_, client, urls):
+    # expose_topology: the answers name the instances that served them
+    async with cluster(RouterConfig(expose_topology=True), [p, d0, d1]) as (_, client, urls):
         served = []
         for i in range(4):
             r = await client.post("/v1/completions", json=completion(f"prompt {i}"))

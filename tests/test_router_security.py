@@ -208,6 +208,18 @@ def test_url_policy_unit() -> None:
     with pytest.raises(UrlPolicyError, match="own"):
         pol.check_url("http://localhost:8000", own=("0.0.0.0", 8000))
     assert pol.check_url("http://127.0.0.1:8001", own=("127.0.0.1", 8000))
+    # numeric aliases of an address are that address, for every rule
+    for alias in ("127.1", "0x7f000001", "2130706433", "0177.0.0.1", "0x7f.1", "127.0.1"):
+        with pytest.raises(UrlPolicyError, match="own"):
+            pol.check_url(f"http://{alias}:8000", own=("127.0.0.1", 8000))
+        with pytest.raises(UrlPolicyError, match="own"):
+            pol.check_url(f"http://{alias}:8000", own=("0.0.0.0", 8000))
+    assert pol.check_url("http://0x7f000001:8001") == "http://127.0.0.1:8001"
+    assert pol.check_kv_address("2130706433:5") == "127.0.0.1:5"
+    for alias in ("0", "0x0", "0xa9fea9fe", "2852039166", "169.254.43518", "0xffffffff"):
+        with pytest.raises(UrlPolicyError):
+            pol.check_url(f"http://{alias}:80")
+    assert pol.check_url("http://0x-node:80") == "http://0x-node:80"  # a name, not a number
     # link-local only when asked for
     open_pol = UrlPolicy(allow_link_local=True)
     assert open_pol.check_url("http://169.254.1.2:80") == "http://169.254.1.2:80"
@@ -220,7 +232,8 @@ def test_url_policy_unit() -> None:
 @pytest.mark.timeout(30)
 async def test_hostile_addresses_are_refused_at_registration() -> None:
     async with router(RouterConfig()) as (url, client):
-        for bad in [*HOSTILE_URLS, url, url.replace("127.0.0.1", "localhost")]:
+        aliases = [url.replace("127.0.0.1", h) for h in ("localhost", "127.1", "0x7f000001")]
+        for bad in [*HOSTILE_URLS, url, *aliases, url.replace("127.0.0.1", "2130706433")]:
             r = await client.post("/register", json=reg_body(bad))
             assert r.status_code == 400, (bad, r.text)
             assert len(r.content) < 1024

@@ -58,6 +58,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from .._exceptions import AiokvError
 from ..cli import apply_process_env, engine_overrides
+from .sampling import ParameterError, Sampling
 
 if TYPE_CHECKING:
     from .model import ModelConfig, TinyTransformer
@@ -506,9 +507,14 @@ class _Worker:
                 400, f"request body is not valid JSON: {str(e)[:120]}", "invalid_json"
             ) from None
         tokens, max_tokens, stream, kv = self.parse(body, chat)
+        try:
+            sampling = Sampling.from_body(body)
+        except ParameterError as e:
+            raise _BadRequest(400, str(e), e.code) from None
         rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
         if not kv:
-            return await self.local(rid, chat, tokens, max_tokens, stream)
+            resp = await self.local(rid, chat, tokens, max_tokens, stream)
+            return _sampled(resp, sampling, chat, len(tokens))
         if kv.get("do_remote_decode") is True:
             if self.cfg.role != "prefill":
                 raise _BadRequest(
@@ -520,12 +526,25 @@ class _Worker:
                 raise _BadRequest(
                     400, "this is a prefill worker; it does not decode for others", "wrong_role"
                 )
-            return await self.consume(rid, chat, tokens, max_tokens, stream, kv)
+            resp = await self.consume(rid, chat, tokens, max_tokens, stream, kv)
+            return _sampled(resp, sampling, chat, len(tokens))
         raise _BadRequest(
             400,
             "kv_transfer_params must set do_remote_decode (prefill) or do_remote_prefill (decode)",
             "invalid_kv_params",
         )
+
+
+def _sampled(resp: Response, sampling: Sampling, chat: bool, n_prompt: int) -> Response:
+    """A decoded answer with ``stop``, ``n`` and ``include_usage`` applied (sampling.py)."""
+    if resp.status_code != 200:
+        return resp
+    if isinstance(resp, StreamingResponse):
+        resp.body_iterator = sampling.stream(resp.body_iterator, n_prompt, chat)
+        return resp
+    data = sampling.finish(json.loads(bytes(resp.body)), chat)
+    headers = {k: v for k, v in resp.headers.items() if k not in ("content-length", "content-type")}
+    return JSONResponse(data, headers=headers)
 
 
 def create_app(cfg: WorkerConfig, url: str = "") -> FastAPI:

@@ -74,9 +74,11 @@ async def serve_async(
     process is no longer our parent (for supervisors that may die hard).
     """
     from ..serving import bind_socket, serve_app, socket_url
+    from .deadlines import deadline_protocol
 
     sock = bind_socket(host, port)
-    url = socket_url(sock, None if host not in ("0.0.0.0", "::") else "127.0.0.1")
+    wildcard = host in ("0.0.0.0", "::")
+    url = socket_url(sock, None if not wildcard else ("::1" if host == "::" else "127.0.0.1"))
     app = create_app(config)
     bound = sock.getsockname()
     state: RouterState = app.state.router
@@ -89,7 +91,10 @@ async def serve_async(
             raise ConfigError(f"static worker {inst.url}: {e}") from None
 
     def on_started() -> None:
-        logging.getLogger("aiokv.router").info("router listening on %s", url)
+        where = socket_url(sock)
+        if wildcard:
+            where += f" (every interface; {url} from this host)"
+        logging.getLogger("aiokv.router").info("router listening on %s", where)
         if ready_file:
             tmp = ready_file + ".tmp"
             with open(tmp, "w") as f:
@@ -97,7 +102,16 @@ async def serve_async(
             os.replace(tmp, ready_file)
 
     watcher = asyncio.create_task(_watch_parent(parent_pid)) if parent_pid else None
-    serving = asyncio.create_task(serve_app(app, sock, log_level=log_level, on_started=on_started))
+    cfg = state.config
+    serving = asyncio.create_task(
+        serve_app(
+            app,
+            sock,
+            log_level=log_level,
+            on_started=on_started,
+            http=deadline_protocol(cfg.header_timeout, cfg.body_timeout),
+        )
+    )
     try:
         waiting: set[asyncio.Task[None]] = {serving} | ({watcher} if watcher else set())
         done, _ = await asyncio.wait(waiting, return_when=asyncio.FIRST_COMPLETED)
@@ -223,6 +237,26 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         default=d.upstream_timeout,
         help="seconds a worker may take to answer (default %(default)s)",
     )
+    p.add_argument(
+        "--header-timeout",
+        type=float,
+        default=d.header_timeout,
+        help="seconds a client may take to send a request head; slower connections are "
+        "closed (default %(default)s)",
+    )
+    p.add_argument(
+        "--body-timeout",
+        type=float,
+        default=d.body_timeout,
+        help="seconds a client may take to send a request body once its head is in; slower "
+        "connections are closed (default %(default)s)",
+    )
+    p.add_argument(
+        "--expose-topology",
+        action="store_true",
+        help="add the worker URLs, the KV transfer's host and port to responses "
+        "(x-aiokv-prefill-url, x-aiokv-decode-url, kv_transfer_params); off by default",
+    )
     p.add_argument("--log-level", default="info", help="debug, info, warning, error")
     p.add_argument("--ready-file", default=None, help="write the router URL here once serving")
     p.add_argument("--parent-pid", type=int, default=None, help=argparse.SUPPRESS)
@@ -243,6 +277,9 @@ def config_from_args(args: argparse.Namespace) -> RouterConfig:
         decode=tuple(args.decode),
         discovery=args.discovery,
         discovery_allow_remote=args.discovery_allow_remote,
+        header_timeout=args.header_timeout,
+        body_timeout=args.body_timeout,
+        expose_topology=args.expose_topology,
     )
 
 

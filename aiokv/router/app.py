@@ -53,6 +53,8 @@ import anyio
 import httpx
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import ClientDisconnect
 
 from .._exceptions import ConfigError
 from .metrics import CONTENT_TYPE_LATEST, RouterMetrics
@@ -136,6 +138,9 @@ class RouterConfig:
     max_json_depth: int = 64
     max_concurrent_per_client: int = 64
     max_instances: int = 1024
+    header_timeout: float = 10.0
+    body_timeout: float = 30.0
+    expose_topology: bool = False
 
     def __post_init__(self) -> None:
         if self.policy not in POLICIES:
@@ -146,6 +151,8 @@ class RouterConfig:
             "upstream_timeout",
             "discovery_ttl",
             "probe_interval",
+            "header_timeout",
+            "body_timeout",
         ):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"RouterConfig.{name} must be positive")
@@ -268,13 +275,17 @@ class RouterState:
                     _learn_models(inst, r.content[:65536])
                     was = inst.healthy
                     self.registry.touch(inst)
+                    inst.probe_error = None
                     if inst.healthy and not was:
                         log.info("static %s instance %s is up", inst.role, inst.url)
                 except (httpx.HTTPError, ValueError) as e:
-                    if inst.healthy:
+                    why = f"{type(e).__name__}: {e}"[:200]
+                    if why != inst.probe_error:  # once per reason, also before the first success
                         log.warning(
-                            "static %s instance %s: probe failed: %s", inst.role, inst.url, e
+                            "static %s instance %s is unreachable: %s", inst.role, inst.url, why
                         )
+                    inst.probe_error = why
+                    if inst.healthy:
                         self.registry.mark_unhealthy(inst)
             self.metrics.refresh_instances(self.registry)
             await asyncio.sleep(self.config.probe_interval)
@@ -392,10 +403,16 @@ async def _read_body(request: Request, max_bytes: int) -> bytes:
         if int(declared) > max_bytes:
             raise too_large
     buf = bytearray()
-    async for chunk in request.stream():
-        buf += chunk
-        if len(buf) > max_bytes:
-            raise too_large
+    try:
+        async for chunk in request.stream():
+            buf += chunk
+            if len(buf) > max_bytes:
+                raise too_large
+    except ClientDisconnect:
+        # the client left (or missed the body deadline): nobody reads the answer
+        peer = request.client.host if request.client else "a client"
+        log.debug("%s disconnected while sending the request body", peer)
+        raise _HTTPError(499, "client disconnected", "client_disconnected") from None
     return bytes(buf)
 
 
@@ -525,7 +542,48 @@ def _validate(
         stream = False
     if not isinstance(stream, bool):
         raise _HTTPError(400, "'stream' must be a boolean", "invalid_stream")
+    _validate_sampling(body, stream)
     return model, stream
+
+
+_MAX_N = 16
+_MAX_STOP = 4
+_MAX_STOP_CHARS = 256
+
+
+def _validate_sampling(body: dict[str, Any], stream: bool) -> None:
+    """The shapes of ``n``, ``stop`` and ``stream_options`` (the worker honours them or
+    answers ``unsupported_parameter``; the router only bounds them)."""
+    n = body.get("n")
+    if n is not None and (not _is_int(n) or not 1 <= n <= _MAX_N):
+        raise _HTTPError(400, f"'n' must be an integer from 1 to {_MAX_N}", "invalid_n")
+    stop = body.get("stop")
+    stops = [stop] if isinstance(stop, str) else stop
+    if stop is not None and (
+        not isinstance(stops, list)
+        or len(stops) > _MAX_STOP
+        or not all(isinstance(x, str) and 0 < len(x) <= _MAX_STOP_CHARS for x in stops)
+    ):
+        raise _HTTPError(
+            400,
+            f"'stop' must be a string or a list of at most {_MAX_STOP} non-empty strings "
+            f"of at most {_MAX_STOP_CHARS} characters",
+            "invalid_stop",
+        )
+    opts = body.get("stream_options")
+    if opts is not None:
+        if not stream:
+            raise _HTTPError(
+                400, "'stream_options' is only allowed when 'stream' is true", "invalid_stream"
+            )
+        if not isinstance(opts, dict) or not all(
+            k == "include_usage" and isinstance(v, bool) for k, v in opts.items()
+        ):
+            raise _HTTPError(
+                400,
+                "'stream_options' may hold 'include_usage' (a boolean) only",
+                "unsupported_parameter",
+            )
 
 
 def _upstream_error_code(content: bytes) -> str | None:
@@ -538,6 +596,29 @@ def _upstream_error_code(content: bytes) -> str | None:
         if isinstance(err, dict) and isinstance(err.get("code"), str):
             return str(err["code"])
     return None
+
+
+def _upstream_reason(status: int, content: bytes) -> str:
+    """A worker's error answer summed up in one line: its OpenAI error message when it
+    has one, else its text; never a piece of a JSON document cut in the middle."""
+    try:
+        data = json.loads(content[:_MAX_ERROR_PASSTHROUGH])
+    except (ValueError, UnicodeDecodeError, RecursionError):
+        data = None
+    err = data.get("error") if isinstance(data, dict) else None
+    if isinstance(err, dict) and isinstance(err.get("message"), str):
+        code = err.get("code")
+        tag = f" {code}" if isinstance(code, str) and len(code) <= 64 else ""
+        return f"HTTP {status}{tag}: {_clip(err['message'])}"
+    if data is None and content.lstrip()[:1] not in (b"{", b"["):
+        text = content.decode("utf-8", errors="replace").strip()
+        if text.isprintable():
+            return f"HTTP {status}: {_clip(text)}"
+    return f"HTTP {status} ({len(content)} bytes)"
+
+
+def _clip(text: str, n: int = 200) -> str:
+    return text if len(text) <= n else text[: n - 3] + "..."
 
 
 def _passthrough_error(content: bytes, status: int, content_type: str | None) -> Response:
@@ -566,7 +647,8 @@ def _fail(state: RouterState, att: _Attempt, inst: Instance, why: str) -> None:
     log.warning("%s instance %s failed: %s", inst.role, inst.url, why)
     state.registry.mark_unhealthy(inst)
     att.failed.add(inst.instance_id)
-    att.last_error = f"{inst.role} {inst.url}: {why[:200]}"
+    where = f"{inst.role} {inst.url}" if state.config.expose_topology else inst.role
+    att.last_error = f"{where}: {why[:200]}"
     state.metrics.errors.labels("upstream").inc()
     state.metrics.retries.labels(inst.role).inc()
     state.metrics.refresh_instances(state.registry)
@@ -605,6 +687,20 @@ def _decode_body(body: dict[str, Any], produced: object) -> dict[str, Any]:
     return d
 
 
+def _without_kv_params(content: bytes) -> bytes:
+    """A decode's JSON answer without ``kv_transfer_params`` (where the KV came from:
+    engine ids, hosts, ports, block ids), unchanged when it holds none."""
+    if b'"kv_transfer_params"' not in content:
+        return content
+    try:
+        data = json.loads(content)
+    except (ValueError, UnicodeDecodeError, RecursionError):
+        return content
+    if not isinstance(data, dict) or data.pop("kv_transfer_params", None) is None:
+        return content
+    return json.dumps(data, separators=(",", ":")).encode()
+
+
 def _num(v: object) -> float | None:
     if isinstance(v, (int, float)) and not isinstance(v, bool) and v >= 0:
         return float(v)
@@ -641,14 +737,16 @@ def _trace_headers(
     report: Mapping[str, float],
     attempts: int,
     decode_headers: httpx.Headers,
+    expose_topology: bool = False,
 ) -> dict[str, str]:
     h = {
         "x-request-id": request_id,
         "x-aiokv-request-id": request_id,
-        "x-aiokv-prefill-url": prefill.url,
-        "x-aiokv-decode-url": decode.url,
         "x-aiokv-attempts": str(attempts),
     }
+    if expose_topology:
+        h["x-aiokv-prefill-url"] = prefill.url
+        h["x-aiokv-decode-url"] = decode.url
     for key, v in report.items():
         h[f"x-aiokv-{key.replace('_', '-')}"] = (
             str(int(v)) if key != "transfer_seconds" and v.is_integer() else str(v)
@@ -724,7 +822,7 @@ async def _proxy_inner(
             body = await _read_json_object(request, cfg.max_body_bytes, cfg.max_json_depth)
             model, stream = _validate(body, endpoint, cfg, reg)
         except _HTTPError as e:
-            m.errors.labels("bad_request").inc()
+            m.errors.labels("client_gone" if e.status == 499 else "bad_request").inc()
             status = e.status
             return e.response()
 
@@ -775,7 +873,7 @@ async def _proxy_inner(
                     # a pushing producer could not reach the consumer: blame the decode side
                     _fail(state, att, decode, f"KV transfer from {prefill.url} failed")
                 else:
-                    _fail(state, att, prefill, f"HTTP {presp.status_code}: {presp.text[:200]}")
+                    _fail(state, att, prefill, _upstream_reason(presp.status_code, presp.content))
                 continue
             if presp.status_code >= 400:
                 status = presp.status_code
@@ -812,7 +910,7 @@ async def _proxy_inner(
                         state,
                         att,
                         _blame(prefill, decode, code),
-                        f"HTTP {dresp.status_code}: {dresp.text[:200]}",
+                        _upstream_reason(dresp.status_code, dresp.content),
                     )
                     continue
                 status = dresp.status_code
@@ -826,10 +924,16 @@ async def _proxy_inner(
                 m.report_transfer(report)
                 m.ttft.observe(time.perf_counter() - start)
                 return Response(
-                    dresp.content,
+                    dresp.content if cfg.expose_topology else _without_kv_params(dresp.content),
                     status_code=dresp.status_code,
                     headers=_trace_headers(
-                        request_id, prefill, decode, report, att.count, dresp.headers
+                        request_id,
+                        prefill,
+                        decode,
+                        report,
+                        att.count,
+                        dresp.headers,
+                        cfg.expose_topology,
                     ),
                     media_type=dresp.headers.get("content-type", "application/json"),
                 )
@@ -846,7 +950,7 @@ async def _proxy_inner(
                 if dresp_s.status_code >= 500:
                     content = await dresp_s.aread()
                     raise _UpstreamStatus(
-                        f"HTTP {dresp_s.status_code}: {content[:200].decode(errors='replace')}",
+                        _upstream_reason(dresp_s.status_code, content),
                         _upstream_error_code(content),
                     )
                 if dresp_s.status_code >= 400:
@@ -886,7 +990,13 @@ async def _proxy_inner(
                 status_code=dresp_s.status_code,
                 headers={
                     **_trace_headers(
-                        request_id, prefill, decode, report, att.count, dresp_s.headers
+                        request_id,
+                        prefill,
+                        decode,
+                        report,
+                        att.count,
+                        dresp_s.headers,
+                        cfg.expose_topology,
                     ),
                     "cache-control": "no-cache",
                 },
@@ -989,7 +1099,7 @@ def _field(body: dict[str, Any], name: str) -> str:
     return v
 
 
-def _authorize(state: RouterState, request: Request) -> None:
+def _authorize(state: RouterState, request: Request, count: bool = True) -> None:
     """Admin endpoints: the bearer token when one is configured, else loopback only."""
     token = state.config.token
     if token:
@@ -997,7 +1107,8 @@ def _authorize(state: RouterState, request: Request) -> None:
         if scheme.lower() != "bearer" or not hmac.compare_digest(
             cred.strip().encode(), token.encode()
         ):
-            state.metrics.errors.labels("unauthorized").inc()
+            if count:
+                state.metrics.errors.labels("unauthorized").inc()
             raise _HTTPError(
                 401,
                 "a valid 'Authorization: Bearer <token>' header is required",
@@ -1007,13 +1118,23 @@ def _authorize(state: RouterState, request: Request) -> None:
         return
     host = request.client.host if request.client else ""
     if not is_loopback_host(host):
-        state.metrics.errors.labels("unauthorized").inc()
+        if count:
+            state.metrics.errors.labels("unauthorized").inc()
         raise _HTTPError(
             403,
             "this router has no token and accepts registrations from loopback only "
             f"(start it with --token or ${TOKEN_ENV})",
             "forbidden",
         )
+
+
+def _may_administer(state: RouterState, request: Request) -> bool:
+    """Whether :func:`_authorize` lets this request through (without raising)."""
+    try:
+        _authorize(state, request, count=False)
+    except _HTTPError:
+        return False
+    return True
 
 
 def _own_address(state: RouterState, request: Request) -> tuple[str, int] | None:
@@ -1074,6 +1195,22 @@ def create_app(config: RouterConfig | None = None) -> FastAPI:
     @app.exception_handler(_HTTPError)
     async def _on_http_error(request: Request, exc: _HTTPError) -> Response:
         return exc.response()
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _on_starlette_error(request: Request, exc: StarletteHTTPException) -> Response:
+        # unknown routes and wrong methods: OpenAI's error shape, like every other answer
+        if exc.status_code == 404:
+            return _error(404, f"no route {request.url.path[:100]!r}", "not_found")
+        if exc.status_code == 405:
+            allow = next((v for k, v in (exc.headers or {}).items() if k.lower() == "allow"), "")
+            return _error(
+                405,
+                f"{request.method} is not allowed on {request.url.path[:100]!r}"
+                + (f" (allowed: {allow})" if allow else ""),
+                "method_not_allowed",
+                headers={"allow": allow} if allow else None,
+            )
+        return _error(exc.status_code, str(exc.detail)[:200], "http_error")
 
     @app.post("/register")
     async def register(request: Request) -> Response:
@@ -1167,20 +1304,27 @@ def create_app(config: RouterConfig | None = None) -> FastAPI:
         )
 
     @app.get("/healthz")
-    async def healthz() -> Response:
+    async def healthz(request: Request) -> Response:
         reg = state.registry
         n_p, n_d = len(reg.live("prefill")), len(reg.live("decode"))
         ready = n_p > 0 and n_d > 0
-        return JSONResponse(
-            {
-                "status": "ok" if ready else "not_ready",
-                "ready": ready,
-                "prefill": n_p,
-                "decode": n_d,
-                "models": reg.models(),
-            },
-            status_code=200 if ready else 503,
-        )
+        # static workers the probe cannot reach, and why (their URLs to admins only)
+        show_urls = _may_administer(state, request)
+        down = [
+            {"role": i.role, **({"url": i.url} if show_urls else {}), "error": i.probe_error}
+            for i in reg
+            if i.source == "static" and i.probe_error is not None
+        ]
+        answer: dict[str, Any] = {
+            "status": "ok" if ready else "not_ready",
+            "ready": ready,
+            "prefill": n_p,
+            "decode": n_d,
+            "models": reg.models(),
+        }
+        if down:
+            answer["unreachable"] = down
+        return JSONResponse(answer, status_code=200 if ready else 503)
 
     @app.get("/v1/models")
     async def models() -> Response:
@@ -1194,9 +1338,11 @@ def create_app(config: RouterConfig | None = None) -> FastAPI:
         return JSONResponse({"object": "list", "data": data})
 
     @app.get("/metrics")
-    async def metrics() -> Response:
+    async def metrics(request: Request) -> Response:
+        # the per-instance series are labelled with worker URLs: admins only
         state.metrics.refresh_instances(state.registry)
-        return Response(state.metrics.render(), media_type=CONTENT_TYPE_LATEST)
+        text = state.metrics.render(with_instances=_may_administer(state, request))
+        return Response(text, media_type=CONTENT_TYPE_LATEST)
 
     @app.post(COMPLETIONS)
     async def completions(request: Request) -> Response:

@@ -157,5 +157,20 @@ class RouterMetrics:
         if isinstance(secs, (int, float)) and not isinstance(secs, bool) and secs >= 0:
             self.kv_seconds.observe(secs)
 
-    def render(self) -> bytes:
-        return generate_latest(self.registry)
+    def render(self, with_instances: bool = True) -> bytes:
+        """The text exposition; without the per-instance series (labelled with worker
+        URLs) unless ``with_instances``."""
+        text = generate_latest(self.registry)
+        if with_instances:
+            return text
+        hidden = (b"aiokv_router_instance_healthy", b"aiokv_router_instance_outstanding")
+        return b"".join(
+            line for line in text.splitlines(keepends=True) if not _name(line).startswith(hidden)
+        )
+
+
+def _name(line: bytes) -> bytes:
+    """The metric a line of the text exposition is about (sample, HELP or TYPE line)."""
+    if line.startswith((b"# HELP ", b"# TYPE ")):
+        return line.split(b" ", 3)[2]
+    return line

@@ -103,6 +103,8 @@ class Instance:
     source: Source = "register"
     max_model_len: int | None = None
     ttl: float | None = None  # eviction after this many silent seconds (None: the registry's)
+    #: why the last health probe of a static instance failed (None: it answered)
+    probe_error: str | None = None
 
     def serves(self, model: str) -> bool:
         return self.model == ANY_MODEL or self.model == model
@@ -127,6 +129,7 @@ class Instance:
             "served": self.served,
             "failures": self.failures,
             "last_seen_seconds_ago": round(max(0.0, now - self.last_seen), 3),
+            "probe_error": self.probe_error,
         }
 
 

@@ -7,7 +7,10 @@ workers, so an address someone registers decides where data goes. The rules:
   else: no path (a trailing ``/`` is dropped), query, fragment or userinfo;
 * a KV address is ``host:port`` (IPv6 literals in brackets);
 * the host is an IP literal or a DNS name made of letters, digits and ``-``
-  (no spaces, no ``%`` zone ids, no other characters);
+  (no spaces, no ``%`` zone ids, no other characters); the numeric IPv4 forms
+  a connection accepts besides dotted quads (``127.1``, ``0x7f000001``,
+  ``2130706433``, ``0177.0.0.1``) are IP literals too, normalised to the dotted
+  quad before any rule is applied;
 * refused unless :attr:`UrlPolicy.allow_link_local`: link-local addresses
   (``169.254.0.0/16``, ``fe80::/10``, also as IPv4-mapped IPv6) and the
   cloud metadata endpoints (``metadata.google.internal``, ``100.100.100.200``,
@@ -25,6 +28,7 @@ from __future__ import annotations
 
 import ipaddress
 import re
+import socket
 from dataclasses import dataclass
 from urllib.parse import urlsplit
 
@@ -57,10 +61,24 @@ class UrlPolicyError(ValueError):
 IPAddress = ipaddress.IPv4Address | ipaddress.IPv6Address
 
 
+_NUMERIC_V4 = re.compile(r"^(?:0x[0-9a-f]*|[0-9]+)(?:\.(?:0x[0-9a-f]*|[0-9]+)){0,3}$")
+
+
 def _ip(host: str) -> IPAddress | None:
+    """The address ``host`` names when it is an IP literal, in any form a connection
+    would accept: besides the canonical forms, the short, octal, hexadecimal and
+    single-integer IPv4 forms of ``inet_aton`` (``127.1``, ``0x7f000001``,
+    ``2130706433``, ``0177.0.0.1``), which the resolver maps to an address without
+    any lookup."""
     try:
         return ipaddress.ip_address(host)
     except ValueError:
+        pass
+    if not _NUMERIC_V4.match(host.lower()):
+        return None
+    try:
+        return ipaddress.IPv4Address(socket.inet_aton(host))
+    except OSError:
         return None
 
 

@@ -470,16 +470,28 @@ class _Worker:
             torch.cuda.current_stream().synchronize()
         return first, blocks
 
-    async def _serve(self, request_id: str, blocks: list[int]) -> None:
+    async def _serve(
+        self, request_id: str, blocks: list[int], published: asyncio.Future[None]
+    ) -> None:
         """Hold a prefilled request's blocks for the decode side's fetch, or until it
         declines them (see :meth:`decline`); free them after."""
         import torch
 
         eng = self.engine
         name = decline_name(request_id)
+
+        def on_published() -> None:
+            if not published.done():
+                published.set_result(None)
+
         eng.publish(name, torch.empty(0, dtype=torch.uint8), once=True)
         serve = asyncio.ensure_future(
-            self.con.serve_request(request_id, blocks, timeout=self.cfg.kv_timeout)
+            self.con.serve_request(
+                request_id,
+                blocks,
+                timeout=self.cfg.kv_timeout,
+                on_published=on_published,
+            )
         )
         declined = asyncio.ensure_future(eng.wait_fetched(name, timeout=self.cfg.kv_timeout))
         try:
@@ -513,9 +525,19 @@ class _Worker:
         except BaseException:
             self.free_blocks(blocks)
             raise
-        task = asyncio.create_task(self._serve(request_id, blocks))
+        published: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        task = asyncio.create_task(self._serve(request_id, blocks, published))
         self.serving.add(task)
         task.add_done_callback(self.serving.discard)
+        # answer once the decode side can fetch the KV (with a CPU cache the ticket is
+        # published after the blocks were gathered, which takes a while under load)
+        try:
+            await asyncio.wait({published, task}, return_when=asyncio.FIRST_COMPLETED)
+        except asyncio.CancelledError:
+            task.cancel()  # nobody will learn where the KV is: free it now
+            raise
+        if not published.done():
+            return _err(500, "the KV could not be held for the decode side", "kv_hold_failed")
         address = self.kv_address
         host, _, port = address.rpartition(":")
         params = {

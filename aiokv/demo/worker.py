@@ -867,7 +867,19 @@ def create_app(cfg: WorkerConfig, url: str = "") -> FastAPI:
             data = {
                 k: v for k, v in dataclasses.asdict(st).items() if isinstance(v, (int, float, str))
             }
-        return JSONResponse({"role": cfg.role, "engine": data})
+        adm = w.admission
+        kv_blocks = (
+            {
+                "total": adm.allocator.num_blocks,
+                "free": adm.allocator.num_free,
+                "waiting": len(adm.waiters),
+                "waited": adm.waited,
+                "refused": adm.refused,
+            }
+            if adm is not None
+            else {}
+        )
+        return JSONResponse({"role": cfg.role, "engine": data, "kv_blocks": kv_blocks})
 
     return app
 

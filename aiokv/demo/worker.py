@@ -962,7 +962,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--advertise-host",
         default=None,
         help="host other machines reach this worker (HTTP and KV engine) at; needed when "
-        "--host is a wildcard such as 0.0.0.0 (default: the listen address)",
+        "--host is a wildcard such as 0.0.0.0 (default: the listen address; the KV engine "
+        "of a wildcard listen announces the host's outward address)",
     )
     p.add_argument(
         "--kv-listen",

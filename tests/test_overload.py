@@ -46,9 +46,9 @@ def anyio_backend() -> str:
 @contextlib.asynccontextmanager
 async def cluster(
     router: RouterConfig | None = None, **worker: Any
-) -> AsyncIterator[tuple[httpx.AsyncClient, dict[str, str]]]:
+) -> AsyncIterator[tuple[httpx.AsyncClient, dict[str, str], dict[str, Any]]]:
     """Router + a registered prefill and decode worker in this process; the router's
-    client and the workers' URLs."""
+    client, the workers' URLs and their state (``app.state.worker``)."""
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
@@ -57,15 +57,16 @@ async def cluster(
                 running(create_router_app(router or RouterConfig()))
             )
             urls: dict[str, str] = {}
+            workers: dict[str, Any] = {}
             roles: tuple[Literal["prefill", "decode"], ...] = ("prefill", "decode")
             for role in roles:
                 sock = bind_socket("127.0.0.1", 0)
                 cfg = WorkerConfig(
                     role=role, router_url=router_url, heartbeat_interval=0.2, **worker
                 )
-                urls[role] = await stack.enter_async_context(
-                    running(create_worker_app(cfg, socket_url(sock)), sock)
-                )
+                app = create_worker_app(cfg, socket_url(sock))
+                workers[role] = app.state.worker
+                urls[role] = await stack.enter_async_context(running(app, sock))
             client = await stack.enter_async_context(
                 httpx.AsyncClient(base_url=router_url, timeout=60)
             )
@@ -73,7 +74,7 @@ async def cluster(
                 if (await client.get("/healthz")).json()["ready"]:
                     break
                 await asyncio.sleep(0.1)
-            yield client, urls
+            yield client, urls, workers
     finally:
         torch.set_num_threads(threads)
 
@@ -131,7 +132,7 @@ async def test_more_requests_than_kv_blocks_wait_for_them() -> None:
     model = TinyTransformer(SMALL)
     prompts = [p[:100] for p in make_prompts(16)]
     want = [model.generate(tokenize(p), 24) for p in prompts]
-    async with cluster(model=SMALL) as (client, urls):
+    async with cluster(model=SMALL) as (client, urls, _):
         body = {"model": DEFAULT_MODEL_NAME, "max_tokens": 24}
         results = await asyncio.gather(
             *(stream_tokens(client, {**body, "prompt": p}) for p in prompts)
@@ -155,28 +156,19 @@ async def test_overloaded_worker_answers_503_retry_after_and_stays_healthy() -> 
     """A decode worker that cannot admit (its queue is full, or the wait ran out)
     answers 503 ``out_of_kv_blocks`` with ``Retry-After``; the router keeps it healthy,
     retries for ``overload_wait`` and then answers 503 ``overloaded`` with
-    ``Retry-After``, while the request holding the blocks finishes token-exact."""
+    ``Retry-After``; the prefill's blocks of the refused requests are freed at once,
+    and a request waiting when the room comes back is served token-exact."""
     router = RouterConfig(overload_wait=0.6)
     async with cluster(router, model=SMALL, max_waiting=1, admit_timeout=0.2) as (
         client,
         urls,
+        workers,
     ):
         model = TinyTransformer(SMALL)
-        # the decode's whole cache for one long stream: prompt + max_tokens = 23 blocks
-        long_prompt = "x" * 99
-        n_long = 23 * 16 - 100
-        want = model.generate(tokenize(long_prompt), n_long)
-        hog = asyncio.create_task(
-            stream_tokens(
-                client, {"model": DEFAULT_MODEL_NAME, "prompt": long_prompt, "max_tokens": n_long}
-            )
-        )
-        for _ in range(200):
-            st = (await client.get(urls["decode"] + "/stats")).json()["kv_blocks"]
-            if st["free"] < 2:
-                break
-            await asyncio.sleep(0.01)
+        dec = workers["decode"]
+        held = await dec.admission.take(SMALL.num_blocks)  # the decode's whole cache
         small = {"model": DEFAULT_MODEL_NAME, "prompt": "hello", "max_tokens": 30}
+        want = model.generate(tokenize("hello"), 30)
         r = await client.post(urls["decode"] + "/v1/completions", json=small)
         assert r.status_code == 503, r.text
         assert r.json()["error"]["code"] == "out_of_kv_blocks"
@@ -184,21 +176,28 @@ async def test_overloaded_worker_answers_503_retry_after_and_stays_healthy() -> 
 
         t0 = time.monotonic()
         r = await client.post("/v1/completions", json=small)
-        waited = time.monotonic() - t0
-        if r.status_code == 200:  # the hog finished first on a fast machine
-            assert r.json()["choices"][0]["token_ids"] == model.generate(tokenize("hello"), 30)
-        else:
-            assert r.status_code == 503, r.text
-            assert r.json()["error"]["code"] == "overloaded"
-            assert r.headers["retry-after"] == "1"
-            assert waited >= 0.6
-        events = await hog
-        assert events[-1] == "[DONE]"
-        assert [t for e in events[:-1] for t in e["choices"][0]["token_ids"]] == want
+        assert r.status_code == 503, r.text
+        assert r.json()["error"]["code"] == "overloaded"
+        assert r.headers["retry-after"] == "1"
+        assert time.monotonic() - t0 >= 0.6
+        # the refused requests' prefill blocks were declined and freed
+        for _ in range(200):
+            st = (await client.get(urls["prefill"] + "/stats")).json()["kv_blocks"]
+            if st["free"] == SMALL.num_blocks:
+                break
+            await asyncio.sleep(0.01)
+        assert st["free"] == SMALL.num_blocks, st
         metrics = (await client.get("/metrics")).text
         assert healthy(metrics) == [1.0, 1.0], metrics
-        r = await client.post("/v1/completions", json=small)  # served at once afterwards
+        assert 'aiokv_router_errors_total{kind="upstream"}' not in metrics
+
+        # room comes back while a request waits for it: served, token-exact
+        task = asyncio.create_task(client.post("/v1/completions", json=small))
+        await asyncio.sleep(0.05)
+        dec.free_blocks(held)
+        r = await task
         assert r.status_code == 200, r.text
+        assert r.json()["choices"][0]["token_ids"] == want
 
 
 @pytest.mark.anyio
@@ -216,7 +215,7 @@ async def test_a_failing_stream_ends_with_an_error_event_and_done(
             raise RuntimeError("decode broke")
         return step(self)
 
-    async with cluster(model=SMALL) as (client, _):
+    async with cluster(model=SMALL) as (client, _, _):
         monkeypatch.setattr(model_mod.DecodeSession, "step", failing_step)
         events = await stream_tokens(
             client, {"model": DEFAULT_MODEL_NAME, "prompt": "hi", "max_tokens": 5}
@@ -229,7 +228,7 @@ async def test_a_failing_stream_ends_with_an_error_event_and_done(
 @pytest.mark.anyio
 @pytest.mark.timeout(60)
 async def test_context_overflow_of_token_ids_is_refused_before_the_prefill() -> None:
-    async with cluster(model=SMALL) as (client, _):
+    async with cluster(model=SMALL) as (client, _, _):
         body = {"model": DEFAULT_MODEL_NAME, "prompt": [65] * 300, "max_tokens": 100}
         r = await client.post("/v1/completions", json=body)
         assert r.status_code == 400, r.text
@@ -245,7 +244,7 @@ async def test_a_request_the_decode_refuses_frees_the_prefill_blocks_at_once() -
     """A text prompt the router cannot count: the prefill takes every block, the decode
     refuses prompt + max_tokens (400), and the prefill frees its blocks at once (not
     after ``kv_timeout``), so the next request is served."""
-    async with cluster(model=SMALL, kv_timeout=30.0) as (client, urls):
+    async with cluster(model=SMALL, kv_timeout=30.0) as (client, urls, _):
         prompt = "y" * 370  # 371 tokens: all 24 blocks
         t0 = time.monotonic()
         r = await client.post(

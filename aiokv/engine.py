@@ -561,8 +561,8 @@ class Engine:
 
         ``once``: serve it to the first GET only (a later one gets ``not_published``);
         :meth:`wait_fetched` then says which peer took it. ``on_get``: called on the
-        loop with the address of each peer whose GET of it was accepted (its
-        authenticated session's listen address), before the tensor is sent; an
+        loop with the address of each peer whose GET of it was accepted (as
+        :meth:`wait_fetched` returns it), before the tensor is sent; an
         exception it raises is logged, never the GET's."""
         self._check_open()
         _prepare([(tensor_id, tensor)], self.config.limits.max_id_length)
@@ -596,8 +596,9 @@ class Engine:
     async def wait_fetched(self, tensor_id: str, *, timeout: float | None = None) -> str:
         """GET mode, producer side: wait until a peer's :meth:`get` took a tensor
         published with ``once=True`` (its GET arrived and was accepted; the tensor may
-        still be on its way); return that peer's address (the listen address its
-        authenticated session holds: :meth:`send_nowait` reaches it)."""
+        still be on its way); return the address this engine reaches that peer at (its
+        open session to the peer, else the listen address the peer's authenticated
+        session holds): :meth:`send_nowait` reaches it over the same session."""
         self._check_open()
         address = self._fetched.pop(tensor_id, None)
         if address is not None:

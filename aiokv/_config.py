@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import dataclasses
+import ipaddress
+import socket
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Protocol, runtime_checkable
@@ -149,17 +151,63 @@ def parse_address(addr: str) -> tuple[str, int]:
     return host, port
 
 
+def is_wildcard(host: str) -> bool:
+    """Whether ``host`` is an unspecified (listen-on-every-interface) address."""
+    h = host.strip("[]")
+    try:
+        return ipaddress.ip_address(h).is_unspecified
+    except ValueError:
+        return h in ("", "*")
+
+
+def default_advertise_host(listen_host: str) -> str:
+    """The host a wildcard listener announces when :attr:`EngineConfig.advertise` is None:
+    the local address the host routes outward from (found with an unconnected UDP
+    socket: no packet is sent), or the loopback address where there is no route."""
+    v6 = ":" in listen_host
+    fam, probe, loop = (
+        (socket.AF_INET6, "2001:db8::1", "::1")
+        if v6
+        else (socket.AF_INET, "192.0.2.1", "127.0.0.1")
+    )
+    try:
+        with socket.socket(fam, socket.SOCK_DGRAM) as s:
+            s.connect((probe, 9))
+            host = str(s.getsockname()[0])
+    except OSError:
+        return loop
+    return loop if is_wildcard(host) else host
+
+
+def advertised_address(bound: str, listen: str, advertise: str | None) -> str:
+    """``host:port`` announced for a listener bound at ``bound`` (its port is kept)."""
+    _, port = parse_address(bound)
+    host, _ = parse_address(listen)
+    if advertise is not None:
+        host = advertise.strip("[]")
+    elif is_wildcard(host):
+        host = default_advertise_host(host)
+    else:
+        return bound
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+
 @dataclass(frozen=True, slots=True)
 class EngineConfig:
     """How an :class:`aiokv.Engine` listens, where its tensors live and its limits.
 
     ``listen`` is ``host:port`` (port 0 picks a free one; the engine's
-    ``address`` tells which). ``device`` is where received tensors land:
+    ``address`` tells which). ``advertise`` is the host peers reach it by: the
+    engine announces ``advertise:port`` (its ``address``), never a wildcard. Left
+    None, a concrete listen host is announced as it is, and a wildcard one
+    (``0.0.0.0``, ``::``) as :func:`default_advertise_host`. ``device`` is where received tensors land:
     ``"cpu"`` or ``"cuda:N"``. ``transport`` is ``"auto"`` (NCCL for CUDA
     tensors when both sides can, TCP otherwise), ``"tcp"`` or ``"nccl"``.
     """
 
     listen: str = "127.0.0.1:0"
+    #: the host (name or IP literal, no port) announced to peers; see the class doc
+    advertise: str | None = None
     device: str = "cpu"
     transport: str = "auto"
     timeouts: Timeouts = field(default_factory=Timeouts)
@@ -207,6 +255,16 @@ class EngineConfig:
         if not isinstance(self.data_port, int) or not 0 <= self.data_port < 65536:
             raise ConfigError(f"data_port must be 0..65535, got {self.data_port!r}")
         parse_address(self.listen)
+        if self.advertise is not None:
+            a = self.advertise
+            if not isinstance(a, str) or not a.strip("[]") or any(c in a for c in "/ \t"):
+                raise ConfigError(f"advertise must be a host name or IP literal, got {a!r}")
+            if is_wildcard(a):
+                raise ConfigError(
+                    f"advertise {a!r} is a wildcard: name the host peers reach this engine by"
+                )
+            if a.count(":") == 1:
+                raise ConfigError(f"advertise is a host without a port, got {a!r}")
         if self.layout is not None:
             self._set_layout()
         if self.transport not in ("auto", "tcp", "nccl"):

@@ -1242,16 +1242,21 @@ class _Server:
                 ),
             )
             return
-        items = self.engine._claim_published(msg.tensor_ids, msg.reply_to)
-        self._spawn(self._serve_get(ss, msg, items))
+        # the reply goes over this engine's open session to the requester when there is
+        # one (keyed by the engine id it announced, not by the address it was reached
+        # at): a second session would get a private identity there, and the tensor
+        # would land where the requester's GET never looks
+        to = self.engine._session_address(ss.trace_id) or msg.reply_to
+        items = self.engine._claim_published(msg.tensor_ids, to)
+        self._spawn(self._serve_get(ss, msg, to, items))
 
     async def _serve_get(
-        self, ss: _ServerSession, msg: Get, items: list[tuple[str, torch.Tensor]]
+        self, ss: _ServerSession, msg: Get, to: str, items: list[tuple[str, torch.Tensor]]
     ) -> None:
         ss.gets += 1
         self._gets_serving += 1
         try:
-            await self.engine._transfer(msg.reply_to, self.engine._stage(items), None)
+            await self.engine._transfer(to, self.engine._stage(items), None)
             code, detail = "ok", ""
             self._stats.gets_served += 1
         except AiokvError as exc:

@@ -46,7 +46,7 @@ from ._common import (
     _Deadline,
     _retrieve,
 )
-from ._config import EngineConfig, parse_address
+from ._config import EngineConfig, advertised_address, parse_address
 from ._exceptions import (
     AiokvError,
     ConfigError,
@@ -279,10 +279,12 @@ class Engine:
         # the hot sockets are plain ones on the same zmq context, run by LoopSocket
         self._sctx = zmq.Context.shadow(self._ctx.underlying)
         try:
-            self._address = self._server.bind(self._loop, self._ctx, self._sctx)
+            bound = self._server.bind(self._loop, self._ctx, self._sctx)
         except zmq.ZMQError as exc:
             self._ctx.term()
             raise listen_error(exc, self.config.listen) from None
+        # what peers are told (HELLO, WELCOME, a GET's reply_to): never a wildcard
+        self._address = advertised_address(bound, self.config.listen, self.config.advertise)
         self._stats.address = self._address
         self._main_tasks = [
             asyncio.create_task(self._housekeeping(), name="aiokv-housekeeping"),
@@ -291,7 +293,9 @@ class Engine:
 
     @property
     def address(self) -> str:
-        """``host:port`` this engine listens on (valid after start)."""
+        """``host:port`` peers reach this engine at (valid after start): the listen
+        address, its host replaced by :attr:`EngineConfig.advertise` or, for a wildcard
+        listen host, by :func:`~aiokv._config.default_advertise_host`."""
         return self._address
 
     async def aclose(self) -> None:
@@ -557,8 +561,8 @@ class Engine:
 
         ``once``: serve it to the first GET only (a later one gets ``not_published``);
         :meth:`wait_fetched` then says which peer took it. ``on_get``: called on the
-        loop with the address of each peer whose GET of it was accepted (its
-        authenticated session's listen address), before the tensor is sent; an
+        loop with the address of each peer whose GET of it was accepted (as
+        :meth:`wait_fetched` returns it), before the tensor is sent; an
         exception it raises is logged, never the GET's."""
         self._check_open()
         _prepare([(tensor_id, tensor)], self.config.limits.max_id_length)
@@ -592,8 +596,9 @@ class Engine:
     async def wait_fetched(self, tensor_id: str, *, timeout: float | None = None) -> str:
         """GET mode, producer side: wait until a peer's :meth:`get` took a tensor
         published with ``once=True`` (its GET arrived and was accepted; the tensor may
-        still be on its way); return that peer's address (the listen address its
-        authenticated session holds: :meth:`send_nowait` reaches it)."""
+        still be on its way); return the address this engine reaches that peer at (its
+        open session to the peer, else the listen address the peer's authenticated
+        session holds): :meth:`send_nowait` reaches it over the same session."""
         self._check_open()
         address = self._fetched.pop(tensor_id, None)
         if address is not None:
@@ -875,6 +880,21 @@ class Engine:
             cs.abandon(x)
             self._stats.transfers_failed += 1
             raise
+
+    def _session_address(self, engine_id: str) -> str | None:
+        """The address of a live session this engine opened to the engine that announced
+        ``engine_id`` (whatever alias of its address that session was opened with)."""
+        for address, cs in self._clients.items():
+            w = cs.welcome
+            if (
+                cs.dead is None
+                and w.done()
+                and not w.cancelled()
+                and w.exception() is None
+                and w.result().engine_id == engine_id
+            ):
+                return address
+        return None
 
     # ------------------------------------------------------------------ receiving
     def _resolve_peer(self, addr: str) -> str | None:

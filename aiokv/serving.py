@@ -46,6 +46,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import os
 import socket
@@ -348,9 +349,9 @@ async def worker_lifespan(
 ) -> AsyncIterator[WorkerHandle]:
     """Start an engine and (when ``router_url`` is given) the heartbeat task.
 
-    ``kv_address`` defaults to the engine's bound address; pass the address
-    other hosts should use when the engine listens on a wildcard (or just
-    ``kv_host``: that host with the engine's port). ``on_engine``
+    ``kv_address`` defaults to the engine's address (:attr:`aiokv.EngineConfig.advertise`
+    names the host it announces); ``kv_host`` is that host with the engine's port,
+    and the engine then announces it too (unless its config sets ``advertise``). ``on_engine``
     runs after the engine started and before registration (set up a KV
     connector there, so no request arrives before it exists). The first
     registration is tried before the body runs: a refusal that retrying cannot
@@ -372,6 +373,9 @@ async def worker_lifespan(
     """
     from aiokv import Engine
 
+    if kv_host and engine_config.advertise is None:
+        # the engine announces the same host to its peers as the router lists
+        engine_config = dataclasses.replace(engine_config, advertise=kv_host)
     async with Engine(engine_config) as engine:
         if on_engine is not None:
             await on_engine(engine)

@@ -244,20 +244,28 @@ class TinyTransformer:
     # -- public API ----------------------------------------------------------------------
 
     @torch.inference_mode()
-    def prefill(self, tokens: Sequence[int]) -> tuple[int, list[int]]:
-        """Compute the prompt's KV into freshly allocated blocks.
+    def prefill(
+        self, tokens: Sequence[int], block_ids: Sequence[int] | None = None
+    ) -> tuple[int, list[int]]:
+        """Compute the prompt's KV into ``block_ids`` (the caller's, at least
+        :meth:`blocks_for` the prompt) or freshly allocated blocks.
 
         Returns ``(first_token, block_ids)``; the caller owns the blocks (:meth:`free`).
         """
         if not tokens:
             raise ValueError("empty prompt")
-        block_ids = self.allocator.allocate(self.blocks_for(len(tokens)))
+        if block_ids is not None:
+            if len(block_ids) < self.blocks_for(len(tokens)):
+                raise ValueError(f"{len(block_ids)} blocks cannot hold {len(tokens)} tokens")
+            ids = list(block_ids)
+            return self._forward(tokens, 0, _PagedKV(self, ids)), ids
+        ids = self.allocator.allocate(self.blocks_for(len(tokens)))
         try:
-            first = self._forward(tokens, 0, _PagedKV(self, block_ids))
+            first = self._forward(tokens, 0, _PagedKV(self, ids))
         except BaseException:
-            self.allocator.free(block_ids)
+            self.allocator.free(ids)
             raise
-        return first, block_ids
+        return first, ids
 
     def decode_session(
         self, block_ids: Sequence[int], num_tokens: int, first_token: int

@@ -18,7 +18,8 @@ request body select the leg:
     false, remote_engine_id, remote_host, remote_port (the engine's address),
     remote_block_ids, remote_request_id, num_tokens, num_blocks, first_token,
     transfer_bytes, prefill_seconds}``. The blocks are freed once the decode side
-    has them, or after ``kv_timeout`` seconds if nobody fetched them.
+    has them, when it declines them (it refused the request: it GETs the
+    request's ``"#decline"`` ticket), or after ``kv_timeout`` seconds.
 ``{"do_remote_prefill": true, "remote_host", "remote_port", ...}`` (decode)
     allocate blocks, fetch the KV from the prefill's engine straight into them
     (:meth:`~aiokv.kv.KVConnector.fetch_request`), decode greedily (SSE when
@@ -33,6 +34,14 @@ TCP). ``--no-ipc`` turns the plane off.
 The request id is the ``X-Request-Id`` header (one is made up without it).
 Without ``kv_transfer_params`` the worker serves the request on its own.
 Every response choice carries ``token_ids`` (the toy tokenizer is lossy).
+
+Admission is by KV blocks: a request takes every block it will need (prompt and
+``max_tokens``) before it computes, so a stream never runs out midway. When they are
+not free it waits, first come first served, up to ``admit_timeout`` seconds with at
+most ``max_waiting`` others, then gets 503 ``out_of_kv_blocks`` with ``Retry-After``
+(the router takes that as load, not failure). A request that needs more blocks than
+the cache has gets 400. A stream that fails midway ends with an error event and
+``[DONE]``.
 Model compute runs on one dedicated thread, so the event loop never blocks.
 torch is imported only when the worker starts, so ``--help`` is quick.
 """
@@ -41,6 +50,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import collections
 import contextlib
 import json
 import logging
@@ -100,6 +110,90 @@ class WorkerConfig:
     kv_secret: str | None = None
     #: on CUDA, the same-host IPC plane where it works (docs/ipc.md)
     ipc: bool = True
+    #: a request waits this long for its KV blocks, with at most ``max_waiting`` others
+    admit_timeout: float = 20.0
+    max_waiting: int = 256
+
+
+#: the ``Retry-After`` (seconds) of an overloaded worker's 503
+RETRY_AFTER = 1
+#: declines of refused prefilled requests in flight at once (beyond: the prefill's
+#: ``kv_timeout`` frees those blocks)
+_MAX_DECLINES = 64
+
+
+def decline_name(request_id: str) -> str:
+    """The once-published ticket a decode worker GETs to tell the prefill that it
+    refused ``request_id``: the prefill frees the request's blocks at once."""
+    return f"{request_id}#decline"
+
+
+class _Overloaded(Exception):
+    """No KV blocks for a request within the admission bounds."""
+
+
+class _Admission:
+    """KV-block admission: requests wait first come first served for their blocks.
+
+    ``take`` runs on the event loop; ``pump`` (after blocks were freed, on the loop)
+    hands free blocks to the waiters in order, so a large request is not starved by
+    smaller ones behind it.
+    """
+
+    def __init__(
+        self, allocator: Any, out_of_blocks: type[Exception], max_waiting: int, timeout: float
+    ) -> None:
+        self.allocator = allocator
+        self.out_of_blocks = out_of_blocks
+        self.max_waiting = max_waiting
+        self.timeout = timeout
+        self.waiters: collections.deque[tuple[int, asyncio.Future[list[int]]]] = collections.deque()
+        self.refused = 0
+        self.waited = 0
+
+    async def take(self, n: int) -> list[int]:
+        if n > self.allocator.num_blocks:
+            raise _BadRequest(
+                400,
+                f"the request needs {n} KV blocks; the cache has {self.allocator.num_blocks}",
+                "context_length_exceeded",
+            )
+        if not self.waiters and n <= self.allocator.num_free:
+            with contextlib.suppress(self.out_of_blocks):
+                return list(self.allocator.allocate(n))
+        if len(self.waiters) >= self.max_waiting:
+            self.refused += 1
+            raise _Overloaded(f"no KV blocks free and {len(self.waiters)} requests waiting")
+        fut: asyncio.Future[list[int]] = asyncio.get_running_loop().create_future()
+        entry = (n, fut)
+        self.waiters.append(entry)
+        self.waited += 1
+        try:
+            return await asyncio.wait_for(asyncio.shield(fut), self.timeout)
+        except BaseException as exc:
+            # timed out or cancelled: leave the queue; blocks granted meanwhile go back
+            with contextlib.suppress(ValueError):
+                self.waiters.remove(entry)
+            if fut.done() and not fut.cancelled():
+                self.allocator.free(fut.result())
+            else:
+                fut.cancel()
+            self.pump()
+            if isinstance(exc, TimeoutError):
+                self.refused += 1
+                raise _Overloaded(f"no {n} KV blocks free within {self.timeout:g}s") from None
+            raise
+
+    def pump(self) -> None:
+        while self.waiters:
+            n, fut = self.waiters[0]
+            if fut.done():
+                self.waiters.popleft()
+                continue
+            if n > self.allocator.num_free:
+                return
+            self.waiters.popleft()
+            fut.set_result(list(self.allocator.allocate(n)))
 
 
 class _BadRequest(Exception):
@@ -149,6 +243,9 @@ class _Worker:
         self.con: Any = None
         #: the prefill side's serve_request tasks (each frees its blocks at the end)
         self.serving: set[asyncio.Task[None]] = set()
+        #: the decode side's declines of prefilled requests it refused (bounded)
+        self.declines: set[asyncio.Task[None]] = set()
+        self.admission: _Admission | None = None
         self.executor = ThreadPoolExecutor(
             1, thread_name_prefix="aiokv-model", initializer=self._init_thread
         )
@@ -173,6 +270,57 @@ class _Worker:
     def m(self) -> TinyTransformer:
         assert self.model is not None, "worker not started"
         return self.model
+
+    async def take_blocks(self, num_tokens: int, max_tokens: int) -> list[int]:
+        """Every block a request needs: its prompt and the ``max_tokens`` it generates
+        (the last one is never fed back). Waits for them (see :class:`_Admission`)."""
+        assert self.admission is not None, "worker not started"
+        return await self.admission.take(self.m.blocks_for(num_tokens + max_tokens - 1))
+
+    def free_blocks(self, blocks: list[int]) -> None:
+        """Free ``blocks`` on the model thread (after any step still using them), then
+        hand the room to the requests waiting for blocks."""
+        loop = asyncio.get_running_loop()
+        adm = self.admission
+
+        def free() -> None:
+            self.m.free(blocks)
+            if adm is not None:
+                with contextlib.suppress(RuntimeError):  # the loop is closed: nobody waits
+                    loop.call_soon_threadsafe(adm.pump)
+
+        self.executor.submit(free)
+
+    def decline(self, body: Any) -> None:
+        """This decode worker refused a prefilled request: tell its prefill (a GET of the
+        request's decline ticket), which frees the request's blocks at once rather than
+        after ``kv_timeout``."""
+        kv = body.get("kv_transfer_params") if isinstance(body, dict) else None
+        if (
+            self.cfg.role != "decode"
+            or self.engine is None
+            or not isinstance(kv, dict)
+            or kv.get("do_remote_prefill") is not True
+            or len(self.declines) >= _MAX_DECLINES
+        ):
+            return
+        try:
+            host = _str(kv, "remote_host")
+            port = _int(kv, "remote_port", 1)
+            request_id = _str(kv, "remote_request_id")
+        except _BadRequest:
+            return
+        if port > 65535 or len(host) > 255 or len(request_id) > 200:
+            return
+        address = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+        async def send() -> None:
+            with contextlib.suppress(AiokvError):
+                await self.engine.get(decline_name(request_id), frm=address, timeout=5.0)
+
+        task = asyncio.create_task(send(), name=f"aiokv-demo-decline-{request_id}")
+        self.declines.add(task)
+        task.add_done_callback(self.declines.discard)
 
     # -- request parsing ---------------------------------------------------------------
 
@@ -313,9 +461,9 @@ class _Worker:
 
     # -- the two legs ----------------------------------------------------------------------
 
-    def _prefill(self, tokens: list[int]) -> tuple[int, list[int]]:
-        """On the model thread: prefill; the KV is in the returned blocks when this returns."""
-        first, blocks = self.m.prefill(tokens)
+    def _prefill(self, tokens: list[int], blocks: list[int]) -> tuple[int, list[int]]:
+        """On the model thread: prefill; the KV is in ``blocks`` when this returns."""
+        first, blocks = self.m.prefill(tokens, blocks)
         if self.m.device.type == "cuda":
             import torch
 
@@ -323,26 +471,74 @@ class _Worker:
             torch.cuda.current_stream().synchronize()
         return first, blocks
 
-    async def _serve(self, request_id: str, blocks: list[int]) -> None:
-        """Hold a prefilled request's blocks for the decode side's fetch; free them after."""
+    async def _serve(
+        self, request_id: str, blocks: list[int], published: asyncio.Future[None]
+    ) -> None:
+        """Hold a prefilled request's blocks for the decode side's fetch, or until it
+        declines them (see :meth:`decline`); free them after."""
+        import torch
+
+        eng = self.engine
+        name = decline_name(request_id)
+
+        def on_published() -> None:
+            if not published.done():
+                published.set_result(None)
+
+        eng.publish(name, torch.empty(0, dtype=torch.uint8), once=True)
+        serve = asyncio.ensure_future(
+            self.con.serve_request(
+                request_id,
+                blocks,
+                timeout=self.cfg.kv_timeout,
+                on_published=on_published,
+            )
+        )
+        declined = asyncio.ensure_future(eng.wait_fetched(name, timeout=self.cfg.kv_timeout))
         try:
-            to = await self.con.serve_request(request_id, blocks, timeout=self.cfg.kv_timeout)
-            log.debug("KV of %s went to %s", request_id, to)
+            done, _ = await asyncio.wait({serve, declined}, return_when=asyncio.FIRST_COMPLETED)
+            if serve not in done and declined.exception() is None:
+                serve.cancel()
+                await asyncio.wait({serve})
+                log.info("KV of %s declined by the decode side; its blocks are free", request_id)
+            else:
+                to = await serve
+                log.debug("KV of %s went to %s", request_id, to)
         except AiokvError as e:
             log.warning("KV of %s was not fetched: %r", request_id, e)
         finally:
-            self.executor.submit(self.m.free, blocks)
+            for t in (serve, declined):
+                t.cancel()
+            await asyncio.wait({serve, declined})
+            for t in (serve, declined):
+                if not t.cancelled():
+                    t.exception()  # retrieved: nothing logs "never retrieved"
+            eng.unpublish(name)
+            self.free_blocks(blocks)
 
     async def produce(self, rid: str, request_id: str, chat: bool, tokens: list[int]) -> Response:
         """Prefill leg: compute the KV, hold it for the decode side to pull."""
         t0 = time.perf_counter()
+        # the prompt's blocks only: the decode side holds the ones it generates into
+        blocks = await self.take_blocks(len(tokens), 1)
         try:
-            first, blocks = await self.run(self._prefill, tokens)
-        except self.mod.OutOfBlocksError as e:
-            return _err(503, str(e), "out_of_kv_blocks", "server_error")
-        task = asyncio.create_task(self._serve(request_id, blocks))
+            first, blocks = await self.run(self._prefill, tokens, blocks)
+        except BaseException:
+            self.free_blocks(blocks)
+            raise
+        published: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        task = asyncio.create_task(self._serve(request_id, blocks, published))
         self.serving.add(task)
         task.add_done_callback(self.serving.discard)
+        # answer once the decode side can fetch the KV (with a CPU cache the ticket is
+        # published after the blocks were gathered, which takes a while under load)
+        try:
+            await asyncio.wait({published, task}, return_when=asyncio.FIRST_COMPLETED)
+        except asyncio.CancelledError:
+            task.cancel()  # nobody will learn where the KV is: free it now
+            raise
+        if not published.done():
+            return _err(500, "the KV could not be held for the decode side", "kv_hold_failed")
         address = self.kv_address
         host, _, port = address.rpartition(":")
         params = {
@@ -396,10 +592,8 @@ class _Worker:
                 f"kv_transfer_params.remote_block_ids must list {n_blocks} blocks",
                 "invalid_kv_params",
             )
-        try:
-            blocks = self.m.allocator.allocate(n_blocks)
-        except self.mod.OutOfBlocksError as e:
-            return _err(503, str(e), "out_of_kv_blocks", "server_error")
+        # the prompt's blocks (the KV lands there) and those the tokens are generated into
+        blocks = await self.take_blocks(num_tokens, max_tokens)
         address = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
         if self.warmer is not None:
             # a peer the router has not listed yet (or whose warm-up failed): warm it for
@@ -409,7 +603,7 @@ class _Worker:
         t0 = time.perf_counter()
         try:
             plane = await self.con.fetch_request(
-                request_id, blocks, frm=address, timeout=self.cfg.kv_timeout
+                request_id, blocks[:n_blocks], frm=address, timeout=self.cfg.kv_timeout
             )
             secs = time.perf_counter() - t0
             toks = (
@@ -418,7 +612,7 @@ class _Worker:
                 else await self.run(self.m.decode, blocks, num_tokens, first, max_tokens)
             )
         except BaseException as e:
-            self.executor.submit(self.m.free, blocks)
+            self.free_blocks(blocks)
             if isinstance(e, AiokvError):
                 log.warning("KV fetch of %s from %s failed: %r", request_id, address, e)
                 return _err(
@@ -435,7 +629,7 @@ class _Worker:
         }
         params = {**kv, "transfer_seconds": round(secs, 6), "transfer_bytes": expected}
         if not stream:
-            self.executor.submit(self.m.free, blocks)
+            self.free_blocks(blocks)
             return JSONResponse(
                 self.completion(rid, chat, toks, num_tokens, params), headers=headers
             )
@@ -450,22 +644,31 @@ class _Worker:
         try:
             session = self.m.decode_session(blocks, num_tokens, first)
         except BaseException:
-            self.executor.submit(self.m.free, blocks)
+            self.free_blocks(blocks)
             raise
-
-        def cleanup() -> None:
-            session.close()
-            self.m.free(blocks)
 
         async def sse() -> AsyncIterator[bytes]:
             try:
                 for i in range(n):
-                    tok = await self.run(session.step)
+                    try:
+                        tok = await self.run(session.step)
+                    except Exception as e:
+                        # never a silent end: the client learns why, then the stream ends
+                        log.exception("decode step of %s failed", rid)
+                        err = {
+                            "message": f"{type(e).__name__}: {str(e)[:200]}",
+                            "type": "server_error",
+                            "code": "decode_failed",
+                        }
+                        yield f"data: {json.dumps({'error': err})}\n\n".encode()
+                        break
                     yield self.chunk(rid, chat, tok, i == 0, i == n - 1)
                 yield b"data: [DONE]\n\n"
             finally:
-                # on the model thread, after any step still running there (even if we were cancelled)
-                self.executor.submit(cleanup)
+                # on the model thread, after any step still running there (even if we were
+                # cancelled); the blocks were all taken up front, so the session owns none
+                self.executor.submit(session.close)
+                self.free_blocks(blocks)
 
         return StreamingResponse(
             sse(), media_type="text/event-stream", headers={"cache-control": "no-cache"}
@@ -475,15 +678,16 @@ class _Worker:
         self, rid: str, chat: bool, tokens: list[int], max_tokens: int, stream: bool
     ) -> Response:
         """Serve a whole request on this worker (no disaggregation)."""
+        blocks = await self.take_blocks(len(tokens), max_tokens)
         try:
-            first, blocks = await self.run(self.m.prefill, tokens)
-        except self.mod.OutOfBlocksError as e:
-            return _err(503, str(e), "out_of_kv_blocks", "server_error")
-        if not stream:
-            try:
+            first, blocks = await self.run(self.m.prefill, tokens, blocks)
+            if not stream:
                 toks = await self.run(self.m.decode, blocks, len(tokens), first, max_tokens)
-            finally:
-                self.executor.submit(self.m.free, blocks)
+        except BaseException:
+            self.free_blocks(blocks)
+            raise
+        if not stream:
+            self.free_blocks(blocks)
             return JSONResponse(self.completion(rid, chat, toks, len(tokens)))
         return self.stream_session(rid, chat, blocks, len(tokens), first, max_tokens)
 
@@ -493,6 +697,9 @@ class _Worker:
             resp = await self._handle(request, chat, request_id[:200])
         except _BadRequest as e:
             resp = _err(e.status, e.message, e.code)
+        except _Overloaded as e:
+            resp = _err(503, str(e), "out_of_kv_blocks", "server_error")
+            resp.headers["retry-after"] = str(RETRY_AFTER)
         resp.headers["x-request-id"] = request_id[:200]
         return resp
 
@@ -506,6 +713,13 @@ class _Worker:
             raise _BadRequest(
                 400, f"request body is not valid JSON: {str(e)[:120]}", "invalid_json"
             ) from None
+        try:
+            return await self._dispatch(body, chat, request_id)
+        except (_BadRequest, _Overloaded):
+            self.decline(body)  # a prefilled request refused here: its prefill frees it now
+            raise
+
+    async def _dispatch(self, body: Any, chat: bool, request_id: str) -> Response:
         tokens, max_tokens, stream, kv = self.parse(body, chat)
         try:
             sampling = Sampling.from_body(body)
@@ -569,6 +783,9 @@ def create_app(cfg: WorkerConfig, url: str = "") -> FastAPI:
             dtype="float32",
         )
         await w.run(w.warm_model)
+        w.admission = _Admission(
+            w.m.allocator, w.mod.OutOfBlocksError, cfg.max_waiting, cfg.admit_timeout
+        )
         # the layout is offered at connection set-up: incompatible peers are refused early
         secret = cfg.kv_secret if cfg.kv_secret is not None else os.environ.get(KV_SECRET_ENV)
         engine_cfg = aiokv.EngineConfig(
@@ -669,7 +886,19 @@ def create_app(cfg: WorkerConfig, url: str = "") -> FastAPI:
             data = {
                 k: v for k, v in dataclasses.asdict(st).items() if isinstance(v, (int, float, str))
             }
-        return JSONResponse({"role": cfg.role, "engine": data})
+        adm = w.admission
+        kv_blocks = (
+            {
+                "total": adm.allocator.num_blocks,
+                "free": adm.allocator.num_free,
+                "waiting": len(adm.waiters),
+                "waited": adm.waited,
+                "refused": adm.refused,
+            }
+            if adm is not None
+            else {}
+        )
+        return JSONResponse({"role": cfg.role, "engine": data, "kv_blocks": kv_blocks})
 
     return app
 
@@ -752,7 +981,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--advertise-host",
         default=None,
         help="host other machines reach this worker (HTTP and KV engine) at; needed when "
-        "--host is a wildcard such as 0.0.0.0 (default: the listen address)",
+        "--host is a wildcard such as 0.0.0.0 (default: the listen address; the KV engine "
+        "of a wildcard listen announces the host's outward address)",
     )
     p.add_argument(
         "--kv-listen",

@@ -929,6 +929,7 @@ class KVConnector:
         block_ids: torch.Tensor | Sequence[int],
         *,
         timeout: float | None = None,
+        on_published: Callable[[], object] | None = None,
     ) -> str:
         """Pull mode, producer side: hold the request's blocks for the consumer that
         fetches it (:meth:`fetch_request`), then send them to that consumer.
@@ -949,6 +950,10 @@ class KVConnector:
         When this returns or raises, the blocks may be freed -- except when it was
         cancelled while sending (then, as for :meth:`send_request`, wait for
         :meth:`finished_sending`).
+
+        ``on_published`` is called once the ticket is published (with a CPU cache that
+        is after the blocks were gathered): a producer that tells the consumer where
+        its request is only from then on never sends it to a ticket not there yet.
         """
         eng = self._pull_engine("serve_request")
         self._check_open()
@@ -967,6 +972,8 @@ class KVConnector:
             else torch.tensor([_TICKET_VERSION, host.numel()], dtype=torch.int64)
         )
         eng.publish(name, ticket, once=True)
+        if on_published is not None:
+            on_published()
         try:
             to = await eng.wait_fetched(name, timeout=_time_left(deadline))
         finally:

@@ -26,7 +26,11 @@ A connection error or 5xx from either leg *before anything was streamed to the
 client* marks the instance unhealthy and retries the whole pair (fresh request
 id) on other instances, up to ``max_attempts``. Addresses always come from the
 registry, never from requests; a client's own ``kv_transfer_params`` are
-dropped.
+dropped. An *overloaded* instance (429, or 503 with ``out_of_kv_blocks`` or
+``Retry-After``) is load, not failure: it stays healthy, the pair is tried on
+other instances, and when all are overloaded the request waits ``Retry-After``
+and tries again, for up to ``overload_wait`` seconds (then 503 ``overloaded``
+with ``Retry-After``).
 
 Everything a client sends is bounded: the body is counted while it is read
 (413 as soon as it passes the limit), JSON nesting and integer sizes are
@@ -122,6 +126,9 @@ class RouterConfig:
     eviction_interval: float | None = None  # default: evict_after / 4
     unhealthy_cooldown: float | None = None  # default: evict_after
     max_attempts: int = 3
+    #: how long a request waits, retrying, while every instance it may use answers
+    #: "overloaded" (429, or 503 with ``out_of_kv_blocks`` or ``Retry-After``); then 503
+    overload_wait: float = 30.0
     max_prompt_length: int = 32_768
     max_tokens_limit: int = 32_768
     max_body_bytes: int = 4 * 1024 * 1024
@@ -468,6 +475,17 @@ def _prompt_length(prompt: object) -> int:
     raise bad
 
 
+def _token_ids(prompt: object) -> int | None:
+    """The longest prompt's token count when the prompt is token ids, else None (text:
+    only the model's tokenizer can count it)."""
+    if isinstance(prompt, list) and prompt:
+        if all(_is_int(p) for p in prompt):
+            return len(prompt)
+        if all(isinstance(p, list) for p in prompt):
+            return max(len(p) for p in prompt)
+    return None
+
+
 def _messages_length(messages: object) -> int:
     if not isinstance(messages, list) or not messages:
         raise _HTTPError(400, "'messages' must be a non-empty list", "invalid_messages")
@@ -529,6 +547,15 @@ def _validate(
                 raise _HTTPError(
                     400,
                     f"'{key}' {v} exceeds the model's context length of {context} tokens",
+                    "context_length_exceeded",
+                )
+            ids = _token_ids(body.get("prompt")) if endpoint == COMPLETIONS else None
+            if context is not None and ids is not None and ids + v > context:
+                # counted exactly (token ids): refused before any prefill is spent on it
+                raise _HTTPError(
+                    400,
+                    f"'{key}' {v} plus the prompt's {ids} tokens exceed the model's context "
+                    f"length of {context} tokens",
                     "context_length_exceeded",
                 )
             if v > cfg.max_tokens_limit:
@@ -636,11 +663,41 @@ def _passthrough_error(content: bytes, status: int, content_type: str | None) ->
 class _Attempt:
     """Book-keeping of the retry loop."""
 
-    def __init__(self) -> None:
+    def __init__(self, overload_wait: float) -> None:
         self.failed: set[str] = set()
+        #: instances that answered "overloaded" since the last wait: skipped, not failed
+        self.busy: set[str] = set()
+        self.retry_after = 0.0
+        self.wait_until = time.monotonic() + overload_wait
         self.count = 0
         self.last_error = ""
         self.upstream_tried = False
+
+    def excluded(self) -> set[str]:
+        return self.failed | self.busy
+
+
+def _overloaded(status: int, content: bytes, headers: httpx.Headers) -> bool:
+    """An upstream that is out of capacity, not broken: 429, or 503 saying so."""
+    if status == 429:
+        return True
+    return status == 503 and (
+        "retry-after" in headers or _upstream_error_code(content) == "out_of_kv_blocks"
+    )
+
+
+def _busy(state: RouterState, att: _Attempt, inst: Instance, headers: httpx.Headers) -> None:
+    """``inst`` is overloaded: try the others, and this one again after a pause. It stays
+    healthy (overload is load, not failure) and the attempt is not counted."""
+    log.info("%s instance %s is overloaded", inst.role, inst.url)
+    att.busy.add(inst.instance_id)
+    att.count -= 1
+    ra = 1.0
+    with contextlib.suppress(ValueError):
+        ra = float(headers.get("retry-after", "1"))
+    att.retry_after = max(att.retry_after, min(max(ra, 0.05), 5.0))
+    att.last_error = f"{inst.role} {inst.url}: overloaded"
+    state.metrics.errors.labels("overloaded").inc()
 
 
 def _fail(state: RouterState, att: _Attempt, inst: Instance, why: str) -> None:
@@ -826,12 +883,33 @@ async def _proxy_inner(
             status = e.status
             return e.response()
 
-        att = _Attempt()
+        att = _Attempt(cfg.overload_wait)
         while att.count < cfg.max_attempts:
             att.count += 1
             try:
-                prefill = reg.select("prefill", model, exclude=att.failed)
-                decode = reg.select("decode", model, exclude=att.failed)
+                try:
+                    prefill = reg.select("prefill", model, exclude=att.excluded())
+                    decode = reg.select("decode", model, exclude=att.excluded())
+                except NoInstanceError:
+                    if not att.busy:
+                        raise
+                    # every usable instance is overloaded: wait for room (bounded), then
+                    # try them again
+                    pause = min(att.retry_after, att.wait_until - time.monotonic())
+                    if pause <= 0:
+                        status = 503
+                        return _error(
+                            503,
+                            f"every instance is overloaded ({att.last_error})",
+                            "overloaded",
+                            "server_error",
+                            headers={"retry-after": "1"},
+                        )
+                    await asyncio.sleep(pause)
+                    att.busy.clear()
+                    att.retry_after = 0.0
+                    att.count -= 1
+                    continue
             except UnknownModelError:
                 m.errors.labels("unknown_model").inc()
                 status = 404
@@ -868,6 +946,9 @@ async def _proxy_inner(
                 continue
             finally:
                 prefill.outstanding -= 1
+            if _overloaded(presp.status_code, presp.content, presp.headers):
+                _busy(state, att, prefill, presp.headers)
+                continue
             if presp.status_code >= 500:
                 if _upstream_error_code(presp.content) == "kv_transfer_failed":
                     # a pushing producer could not reach the consumer: blame the decode side
@@ -904,6 +985,9 @@ async def _proxy_inner(
                     continue
                 finally:
                     decode.outstanding -= 1
+                if _overloaded(dresp.status_code, dresp.content, dresp.headers):
+                    _busy(state, att, decode, dresp.headers)
+                    continue
                 if dresp.status_code >= 500:
                     code = _upstream_error_code(dresp.content)
                     _fail(
@@ -947,6 +1031,13 @@ async def _proxy_inner(
                     ),
                     stream=True,
                 )
+                if dresp_s.status_code in (429, 503):
+                    content = await dresp_s.aread()
+                    if _overloaded(dresp_s.status_code, content, dresp_s.headers):
+                        await dresp_s.aclose()
+                        decode.outstanding -= 1
+                        _busy(state, att, decode, dresp_s.headers)
+                        continue
                 if dresp_s.status_code >= 500:
                     content = await dresp_s.aread()
                     raise _UpstreamStatus(

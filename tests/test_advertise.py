@@ -191,6 +191,10 @@ def test_serving_recipe_with_the_openai_client(tmp_path: Path) -> None:
         assert got == want_chat and text == c.choices[0].message.content
 
         # the engines announced the advertised host, never 0.0.0.0
-        kv = client.completions.create(model=DEFAULT_MODEL_NAME, prompt="x", max_tokens=1)
-        assert kv.model_extra is not None
-        assert kv.model_extra["kv_transfer_params"]["remote_host"] == "127.0.0.1"
+        listing = httpx.get(
+            router + "/instances",
+            headers={"Authorization": "Bearer recipe-token-0123456789abcdef"},
+            timeout=5,
+        ).json()["instances"]
+        kv_hosts = {i["kv_address"].rsplit(":", 1)[0] for i in listing}
+        assert len(listing) == 2 and kv_hosts == {"127.0.0.1"}, listing

@@ -154,6 +154,9 @@ class Sampling:
                 if raw.startswith(b"data: [DONE]"):
                     break
                 data = json.loads(raw.removeprefix(b"data: "))
+                if not data.get("choices"):  # an error event: passed on as it is
+                    yield _event(data)
+                    continue
                 choice = data["choices"][0]
                 produced += len(choice.get("token_ids") or [])
                 buf = pending + _text(choice, chat)

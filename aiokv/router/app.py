@@ -1147,7 +1147,7 @@ class _Relay:
                         "code": "upstream_stream_error",
                     }
                 }
-                yield f"data: {json.dumps(err)}\n\n".encode()
+                yield f"data: {json.dumps(err)}\n\ndata: [DONE]\n\n".encode()
             else:
                 self.decode.served += 1
         finally:

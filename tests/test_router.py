@@ -75,6 +75,8 @@ class FakeWorker:
         self.gate: asyncio.Event | None = None
         self.entered = asyncio.Event()
         self.tokens = 4
+        #: a streamed answer breaks (the connection drops) after this many chunks
+        self.break_after: int | None = None
         #: the decode side's x-aiokv-kv-plane header (None: none)
         self.plane: str | None = None
         self.app = self._build()
@@ -131,6 +133,8 @@ class FakeWorker:
 
                 async def sse() -> AsyncIterator[bytes]:
                     for i in range(n):
+                        if i == self.break_after:
+                            raise RuntimeError("the decode broke mid-stream")
                         chunk = {
                             "choices": [{"index": 0, "text": str(i), "token_ids": [i]}],
                             "served_by": self.name,
@@ -377,6 +381,23 @@ async def test_streaming_passthrough() -> None:
         metrics = (await client.get("/metrics")).text
         assert 'aiokv_router_requests_total{endpoint="/v1/completions",status="200"} 1.0' in metrics
         assert "aiokv_router_ttft_seconds_count 1.0" in metrics
+
+
+@pytest.mark.anyio
+@pytest.mark.timeout(30)
+async def test_a_decode_that_breaks_mid_stream_gives_an_error_event_then_done() -> None:
+    workers = [FakeWorker("prefill", "p0"), FakeWorker("decode", "d0")]
+    workers[1].break_after = 2
+    async with cluster(RouterConfig(), workers) as (_, client, _u):
+        async with client.stream(
+            "POST", "/v1/completions", json=completion(stream=True, max_tokens=5)
+        ) as r:
+            assert r.status_code == 200
+            lines = [line async for line in r.aiter_lines() if line.startswith("data: ")]
+        assert lines[-1] == "data: [DONE]", lines
+        assert [json.loads(x[6:])["choices"][0]["token_ids"][0] for x in lines[:2]] == [0, 1]
+        assert json.loads(lines[2][6:])["error"]["code"] == "upstream_stream_error"
+        assert len(lines) == 4, lines
 
 
 @pytest.mark.anyio

@@ -58,6 +58,7 @@ from ._exceptions import (
     PeerLostError,
     TransferAbortedError,
     TransferTimeoutError,
+    UsageError,
 )
 from ._server import _Server
 from ._zmqerr import listen_error
@@ -243,6 +244,7 @@ class Engine:
         if self._closed:
             raise EngineClosedError("engine closed: an Engine cannot be started again")
         if self._started:
+            self._check_loop()
             return
         # the loop, once: asyncio.get_running_loop() makes a getpid() system call per
         # call on Python < 3.12, several times per transfer on the hot path
@@ -299,6 +301,7 @@ class Engine:
         if self._closed or not self._started:
             self._closed = True
             return
+        self._check_loop()
         self._closed = True
         exc = EngineClosedError("engine closed")
         for cs in list(self._clients.values()):
@@ -354,7 +357,21 @@ class Engine:
             raise ConfigError(f"timeout must be a positive number of seconds, got {timeout!r}")
         return float(timeout)
 
+    def _check_loop(self) -> None:
+        """Raise :class:`UsageError` unless called on the loop that started the engine.
+
+        Its futures, sockets and tasks belong to that loop: a call from another loop (or
+        from a thread with none) would tie them to the wrong one, so it is refused before
+        anything is touched."""
+        if self._started and asyncio._get_running_loop() is not self._loop:
+            raise UsageError(
+                "this Engine runs on the event loop that started it; it was called from "
+                "another loop or thread (one engine per loop: hand work to its loop with "
+                "asyncio.run_coroutine_threadsafe)"
+            )
+
     def _check_open(self) -> None:
+        self._check_loop()
         if not self._started:
             raise EngineClosedError(
                 "engine not started: use 'async with Engine(...)' or await start()"
@@ -419,6 +436,7 @@ class Engine:
         self, tensor_id: str, tensor: torch.Tensor, *, to: str, timeout: float | None = None
     ) -> None:
         """PUT: return once the peer's engine holds ``tensor`` under ``tensor_id``."""
+        self._check_loop()
         t = self._timeout(timeout)
         staged = self._stage_one(tensor_id, tensor)
         cs = self._hot_session(to, staged)
@@ -441,6 +459,7 @@ class Engine:
         self, tensor_id: str, tensor: torch.Tensor, *, to: str, timeout: float | None = None
     ) -> TransferHandle:
         """PUT_ASYNC: start the transfer, return a handle to await (or cancel) later."""
+        self._check_loop()
         t = self._timeout(timeout)
         staged = self._stage_one(tensor_id, tensor)
         cs = self._hot_session(to, staged)
@@ -581,6 +600,7 @@ class Engine:
     def unpublish(self, tensor_id: str) -> bool:
         """Stop serving ``tensor_id``; whether it was published (a :meth:`wait_fetched`
         on it raises :class:`~aiokv.NotPublishedError`)."""
+        self._check_loop()
         self._once.discard(tensor_id)
         self._fetched.pop(tensor_id, None)
         self._on_get.pop(tensor_id, None)

@@ -1,0 +1,100 @@
+"""The engine as a careful user meets it from outside: a send that timed out, a call
+from the wrong event loop, a huge expanded view, concurrent GETs of one id, and a
+peer address where nothing listens."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import pytest
+import torch
+from _procs import engines, free_port, same_bytes
+
+import aiokv
+
+pytestmark = [pytest.mark.anyio]
+MiB = 1024 * 1024
+
+
+def cfg(**limits: Any) -> aiokv.EngineConfig:
+    return aiokv.EngineConfig(limits=aiokv.Limits(**limits)) if limits else aiokv.EngineConfig()
+
+
+# --------------------------------------------------------------------------- another loop
+
+
+@pytest.mark.timeout(60)
+async def test_a_call_from_another_loop_is_refused_and_the_engine_stays_whole() -> None:
+    """Every public call made from another thread's loop (or from a thread without one)
+    raises UsageError at once and touches nothing: the engine still sends, receives,
+    serves and closes cleanly on its own loop."""
+    async with engines(cfg(), cfg()) as (a, b):
+        t = torch.arange(1024, dtype=torch.float32)
+        a.publish("pub", t * 3)
+        await a.send("warm", t, to=b.address, timeout=5)  # a live session to reuse
+        assert same_bytes(await b.recv("warm", timeout=5), t)
+
+        coros: dict[str, Callable[[], Awaitable[Any]]] = {
+            "send": lambda: a.send("x", t, to=b.address, timeout=2),
+            "send_many": lambda: a.send_many({"y": t}, to=b.address, timeout=2),
+            "recv": lambda: b.recv("x", timeout=0.5),
+            "recv_many": lambda: b.recv_many(["x"], timeout=0.5),
+            "get": lambda: b.get("pub", frm=a.address, timeout=2),
+            "connect": lambda: b.connect(a.address, timeout=2),
+            "wait_fetched": lambda: a.wait_fetched("pub", timeout=0.5),
+            "start": lambda: a.start(),
+            "aclose": lambda: a.aclose(),
+        }
+        plain: dict[str, Callable[[], Any]] = {
+            "send_nowait": lambda: a.send_nowait("z", t, to=b.address, timeout=2),
+            "publish": lambda: a.publish("pub2", t),
+            "unpublish": lambda: a.unpublish("pub"),
+            "discard": lambda: b.discard("warm"),
+            "recv_nowait": lambda: b.recv_nowait("warm"),
+        }
+
+        def elsewhere() -> dict[str, BaseException | None]:
+            out: dict[str, BaseException | None] = {}
+
+            async def main() -> None:
+                for name, mk in coros.items():
+                    try:
+                        await asyncio.wait_for(mk(), 5)
+                        out[name] = None
+                    except BaseException as exc:
+                        out[name] = exc
+                for name, fn in plain.items():
+                    try:
+                        fn()
+                        out[name] = None
+                    except BaseException as exc:
+                        out[name] = exc
+
+            asyncio.run(main())
+            try:  # a thread with no loop at all
+                a.publish("pub3", t)
+                out["publish (no loop)"] = None
+            except BaseException as exc:
+                out["publish (no loop)"] = exc
+            return out
+
+        for _ in range(3):
+            got = await asyncio.to_thread(elsewhere)
+            wrong = {k: repr(v) for k, v in got.items() if not isinstance(v, aiokv.UsageError)}
+            assert not wrong, wrong
+            assert all(isinstance(v, RuntimeError) for v in got.values())
+        # the engine is whole on its own loop: send, GET, publish, close (below)
+        t0 = time.monotonic()
+        await a.send("x", t + 1, to=b.address, timeout=5)
+        assert same_bytes(await b.recv("x", timeout=5), t + 1)
+        assert same_bytes(await b.get("pub", frm=a.address, timeout=5), t * 3)
+        await b.send("back", t, to=a.address, timeout=5)
+        assert same_bytes(await a.recv("back", timeout=5), t)
+        assert a.unpublish("pub") and not a.unpublish("pub2")
+        assert time.monotonic() - t0 < 5
+        assert threading.current_thread() is threading.main_thread()
+    assert a.statistics().transfers_failed == 0

@@ -134,6 +134,15 @@ class _OutXfer:
     posted: bool = False
     abandoned: bool = False
     nbytes: int = 0
+    strided: bool = False  # a tensor is a non-contiguous CPU view: made dense when posted
+
+    def dense(self) -> list[torch.Tensor]:
+        """The tensors as posted: a strided view is copied now, after the grant (or
+        with the credit in hand), never for a transfer the receiver refuses."""
+        if self.strided:
+            self.tensors = [t if t.is_contiguous() else t.contiguous() for t in self.tensors]
+            self.strided = False
+        return self.tensors
 
     def release_when_idle(self) -> None:
         """Resolve ``released`` once the data plane is done with the source buffers."""
@@ -304,17 +313,19 @@ class _ClientSession:
         ready: Any = None,
         lean: bool = False,
         watched: bool = False,
+        strided: bool = False,
     ) -> _OutXfer:
         """Start a transfer. ``lean``: the caller awaits ``done`` itself (no ``released``
         future, no retrieval callback) and wants an immediate PUT sent at once rather
         than with the rest of this loop pass's. ``watched``: an ``_XferWatch`` will
-        read ``done``'s outcome (no retrieval callback needed)."""
+        read ``done``'s outcome (no retrieval callback needed). ``strided``: a tensor
+        is a non-contiguous CPU view, copied when posted (see :meth:`_OutXfer.dense`)."""
         if self.dead is not None:
             raise PeerLostError(f"session with {self.address} is gone: {self.dead}")
         loop = self.loop
         nbytes = specs[0].nbytes if len(specs) == 1 else sum(s.nbytes for s in specs)
         k = len(specs)
-        if transport == "tcp" and not self.credit_wait:
+        if transport == "tcp" and not self.credit_wait and not strided:
             if (
                 self.credit.fits_window(nbytes, k)
                 and fits_put(specs, nbytes)  # larger tensors: RESERVE (reassembled off-loop)
@@ -347,6 +358,7 @@ class _ClientSession:
         )
         x.transport = transport
         x.ready = ready
+        x.strided = strided
         x.waited = not watched
         x.released = loop.create_future()
         self.last_used = time.monotonic()
@@ -457,6 +469,8 @@ class _ClientSession:
         self.puts_unacked += 1
         self.last_put = x.xfer
         header = self.codec.encode_put(x.xfer, x.specs, x.ack_now)
+        if x.strided:
+            x.dense()
         if len(x.tensors) == 1 and x.nbytes <= DATA_FRAME_BYTES:
             frames = [header, tensor_buffer(x.tensors[0])]
         elif x.nbytes <= DATA_FRAME_BYTES:
@@ -628,7 +642,7 @@ class _ClientSession:
             # zmq queues sends in call order: post at once, in grant order
             header = DataHeader(x.xfer, x.seq, len(x.specs))
             try:
-                self.source.post_nowait(self.sess.send(header), x.tensors)
+                self.source.post_nowait(self.sess.send(header), x.dense())
             except (zmq.ZMQError, AiokvError) as perr:
                 self.fail(PeerLostError(f"data channel to {self.address} failed: {perr}"))
                 return

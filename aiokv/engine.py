@@ -147,8 +147,11 @@ def _prepare(
         if name is None:
             raise ConfigError(f"{tid!r}: dtype {t.dtype} cannot be sent")
         c = t.detach() if t.requires_grad else t  # (a new tensor object costs a little)
-        if not c.is_contiguous():
-            c = c.contiguous()
+        if c.is_cuda and not c.is_contiguous():
+            c = c.contiguous()  # on the caller's stream, before its ready event
+        # A strided CPU view (an expanded one may stand for gigabytes) is copied only
+        # when posted, after the receiver granted room for its size (numel * element
+        # size, in its spec): a transfer it refuses copies nothing.
         specs.append(TensorSpec(tid, name, tuple(c.shape)))
         tensors.append(c)
     if not specs:
@@ -167,6 +170,7 @@ class _Staged:
     tensors: list[torch.Tensor]
     ready: Any  # torch.cuda.Event for CUDA tensors
     cuda: bool
+    strided: bool = False  # a CPU tensor is a non-contiguous view, made dense when posted
 
 
 def _watchdog_report(why: str) -> None:
@@ -473,7 +477,9 @@ class Engine:
         """The live session a transfer of CPU tensors can start on at once (the hot path:
         no connecting, no NCCL set-up, no copy to host), else None."""
         cs = self._clients.get(to)
-        return cs if cs is not None and cs.dead is None and not staged.cuda else None
+        if cs is None or cs.dead is not None or staged.cuda or staged.strided:
+            return None
+        return cs
 
     def _handle(self, cs: _ClientSession, x: _OutXfer, t: float, to: str) -> TransferHandle:
         """A PUT_ASYNC handle on a started transfer: its own ``done`` future, a watch
@@ -806,7 +812,8 @@ class Engine:
         lim = self.config.limits
         specs, tensors = _prepare(items, lim.max_id_length, lim.max_tensors_per_transfer)
         if not any(t.is_cuda for t in tensors):
-            return _Staged(specs, tensors, None, False)
+            strided = not all(t.is_contiguous() for t in tensors)
+            return _Staged(specs, tensors, None, False, strided)
         cuda = [t.is_cuda for t in tensors]
         ready = None
         if any(cuda):
@@ -876,7 +883,7 @@ class Engine:
                 raise ConfigError(f"transport='nccl' but {to} cannot receive over NCCL")
             else:
                 tensors = await self._to_host(st)
-        x = cs.start(st.specs, tensors, transport, st.ready)
+        x = cs.start(st.specs, tensors, transport, st.ready, strided=st.strided)
         if released is not None and x.released is not None:
             linked.append(True)
             x.released.add_done_callback(lambda _f: _resolve(released))

@@ -98,3 +98,51 @@ async def test_a_call_from_another_loop_is_refused_and_the_engine_stays_whole() 
         assert time.monotonic() - t0 < 5
         assert threading.current_thread() is threading.main_thread()
     assert a.statistics().transfers_failed == 0
+
+
+# --------------------------------------------------------------------------- size before copy
+
+
+@pytest.mark.timeout(60)
+async def test_an_expanded_view_over_budget_is_refused_before_any_copy() -> None:
+    """A 3 GiB stride-0 view (4 bytes of memory) sent to a receiver with a 2 GiB budget
+    is refused ``too_large`` from its size (numel * element_size, in the RESERVE),
+    within a round trip: nothing makes it contiguous first (seconds and 3 GiB)."""
+    async with engines(cfg(), cfg()) as (a, b):
+        await a.connect(b.address, timeout=5)
+        huge = torch.zeros(1).expand((3 << 30) // 4)
+        for attempt in ("send", "send_nowait", "send_many"):
+            t0 = time.monotonic()
+            with pytest.raises(aiokv.RefusedError) as ei:
+                if attempt == "send":
+                    await a.send("huge", huge, to=b.address, timeout=30)
+                elif attempt == "send_nowait":
+                    await a.send_nowait("huge", huge, to=b.address, timeout=30)
+                else:
+                    await a.send_many({"huge": huge}, to=b.address, timeout=30)
+            took = time.monotonic() - t0
+            assert ei.value.code == "too_large", (attempt, ei.value)
+            assert took < 0.5, (attempt, took)
+        a.publish("huge", huge)  # checked, not copied
+        assert a.unpublish("huge")
+
+
+@pytest.mark.timeout(60)
+async def test_strided_views_within_budget_arrive_as_their_dense_values() -> None:
+    """Strided CPU views (transposed, expanded, sliced), on credit and by RESERVE, on a
+    fresh session and a live one, arrive with the bytes of their contiguous copies."""
+    async with engines(cfg(), cfg()) as (a, b):
+        small = torch.arange(12, dtype=torch.int32).reshape(3, 4).t()  # PUT size
+        big = torch.randn(1024, 1024)[:, ::2]  # 2 MiB of a 4 MiB tensor
+        wide = torch.arange(7, dtype=torch.float64).expand(100_000, 7)  # 5.3 MiB, RESERVE
+        views = {"small": small, "big": big, "wide": wide}
+        assert not any(v.is_contiguous() for v in views.values())
+        for k, v in views.items():  # the first send opens the session; the rest reuse it
+            await a.send(k, v, to=b.address, timeout=10)
+            assert same_bytes(await b.recv(k, timeout=10), v.contiguous()), k
+        await asyncio.gather(*(a.send_nowait(k + "2", v, to=b.address) for k, v in views.items()))
+        await a.send_many({k + "3": v for k, v in views.items()}, to=b.address, timeout=10)
+        for k, v in views.items():
+            for suffix in ("2", "3"):
+                got = await b.recv(k + suffix, timeout=10)
+                assert got.shape == v.shape and same_bytes(got, v.contiguous()), k + suffix

@@ -173,6 +173,14 @@ class _Staged:
     strided: bool = False  # a CPU tensor is a non-contiguous view, made dense when posted
 
 
+@dataclass(slots=True, eq=False)
+class _SharedGet:
+    """One GET in flight and how many :meth:`Engine.get` calls wait for it."""
+
+    task: asyncio.Task[torch.Tensor]
+    waiters: int = 0
+
+
 def _watchdog_report(why: str) -> None:
     """The loop watchdog's report (on its thread): the engine's log, at ERROR."""
     log.error("aiokv: %s", why)
@@ -220,6 +228,9 @@ class Engine:
         self._fetched: OrderedDict[str, str] = OrderedDict()
         self._fetch_waiters: dict[str, asyncio.Future[str]] = {}
         self._on_get: dict[str, Callable[[str], None]] = {}  # publish(on_get=...)
+        # GETs in flight, by (producer, tensor id): concurrent gets of one id share one
+        # GET (the producer sends the id once; a second copy would be a duplicate)
+        self._getting: dict[tuple[str, str], _SharedGet] = {}
         self._stats = EngineStatistics()
         # the receiving half: sockets, peers' sessions, admission, credit, landing
         self._server = _Server(self, config, self._codec, self._store, self._stats)
@@ -682,10 +693,40 @@ class Engine:
             self._fetched.popitem(last=False)
 
     async def get(self, tensor_id: str, *, frm: str, timeout: float | None = None) -> torch.Tensor:
-        """GET mode, consumer side: ask ``frm`` for a published tensor and wait for it."""
+        """GET mode, consumer side: ask ``frm`` for a published tensor and wait for it.
+
+        Concurrent gets of one id from one producer share one GET: the first asks, the
+        others join it and all return the same tensor (each waits at most its own
+        ``timeout``, and the shared GET runs under the first one's deadline)."""
         self._check_open()
         self._check_id(tensor_id)
-        dl = _Deadline(self._timeout(timeout))
+        t = self._timeout(timeout)
+        key = (frm, tensor_id)
+        sg = self._getting.get(key)
+        if sg is None:
+            sg = _SharedGet(self._loop.create_task(self._get(tensor_id, frm, t)))
+            sg.task.add_done_callback(_retrieve)
+            sg.task.add_done_callback(lambda _t: self._got(key, sg))
+            self._getting[key] = sg
+        sg.waiters += 1
+        try:
+            return await _await_shielded(sg.task, t)  # type: ignore[no-any-return]
+        except TimeoutError:
+            if sg.task.done():
+                raise  # the shared GET's own TransferTimeoutError
+            raise TransferTimeoutError(f"GET {tensor_id!r} from {frm}: no reply in time") from None
+        finally:
+            sg.waiters -= 1
+            if not sg.waiters and not sg.task.done():
+                sg.task.cancel()  # nobody waits any more (a tensor handed over goes back)
+
+    def _got(self, key: tuple[str, str], sg: _SharedGet) -> None:
+        if self._getting.get(key) is sg:
+            del self._getting[key]
+
+    async def _get(self, tensor_id: str, frm: str, t: float) -> torch.Tensor:
+        """One GET: ask ``frm`` for ``tensor_id`` and collect it (see :meth:`get`)."""
+        dl = _Deadline(t)
         cs = await self._client(frm, dl)
         req = next(cs.get_ids)
         reply: asyncio.Future[GetReply] = asyncio.get_running_loop().create_future()

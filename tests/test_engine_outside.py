@@ -146,3 +146,59 @@ async def test_strided_views_within_budget_arrive_as_their_dense_values() -> Non
             for suffix in ("2", "3"):
                 got = await b.recv(k + suffix, timeout=10)
                 assert got.shape == v.shape and same_bytes(got, v.contiguous()), k + suffix
+
+
+# --------------------------------------------------------------------------- concurrent GETs
+
+
+@pytest.mark.timeout(60)
+async def test_concurrent_gets_of_one_id_share_one_transfer() -> None:
+    """Twenty concurrent gets of one id from one producer: all twenty return the tensor
+    (one GET, one transfer), none fails with an internal DuplicateTensorError; a later
+    get asks again; other ids and other consumers are not joined."""
+    async with engines(cfg(), cfg(), cfg()) as (p, c, d):
+        t = torch.randn(256, 256)
+        p.publish("kv", t)
+        p.publish("other", t * 2)
+        got = await asyncio.wait_for(
+            asyncio.gather(
+                *(c.get("kv", frm=p.address, timeout=10) for _ in range(20)),
+                c.get("other", frm=p.address, timeout=10),
+                d.get("kv", frm=p.address, timeout=10),
+            ),
+            20,
+        )
+        assert all(same_bytes(g, t) for g in got[:20])
+        assert same_bytes(got[20], t * 2) and same_bytes(got[21], t)
+        assert p.statistics().gets_served == 3  # kv to c once, other to c, kv to d
+        assert same_bytes(await c.get("kv", frm=p.address, timeout=10), t)  # a new GET
+        assert p.statistics().gets_served == 4
+        st = c.statistics().store
+        assert st is not None and st.held_bytes == st.reserved_bytes == 0
+
+
+@pytest.mark.timeout(60)
+async def test_a_get_that_leaves_a_shared_get_does_not_end_it_for_the_others() -> None:
+    """Three concurrent gets of one id wait while the consumer's store is full: the
+    first is cancelled, the third times out early, the second still gets the tensor
+    once room is made. Concurrent gets of an unpublished id all fail NotPublishedError."""
+    async with engines(cfg(), cfg(store_bytes=4 * MiB)) as (p, c):
+        filler = torch.zeros(3 * MiB, dtype=torch.uint8)
+        await p.send("filler", filler, to=c.address, timeout=10)  # c's budget is now full
+        t = torch.arange(512 * 1024, dtype=torch.float32)  # 2 MiB: waits for room
+        p.publish("kv", t)
+        first = asyncio.ensure_future(c.get("kv", frm=p.address, timeout=20))
+        second = asyncio.ensure_future(c.get("kv", frm=p.address, timeout=20))
+        third = asyncio.ensure_future(c.get("kv", frm=p.address, timeout=0.2))
+        await asyncio.sleep(0.1)
+        first.cancel()
+        with pytest.raises(aiokv.TransferTimeoutError):
+            await third
+        assert not second.done()
+        assert same_bytes(await c.recv("filler", timeout=5), filler)  # room for kv now
+        assert same_bytes(await asyncio.wait_for(second, 10), t)
+        with pytest.raises(asyncio.CancelledError):
+            await first
+        assert p.statistics().gets_served == 1
+        with pytest.raises(aiokv.NotPublishedError):
+            await asyncio.gather(*(c.get("nope", frm=p.address, timeout=5) for _ in range(5)))

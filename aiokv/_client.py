@@ -186,7 +186,16 @@ class _ClientSession:
         self.host = f"[{host}]" if ":" in host else host
         # A zmq DEALER reconnects by itself; a peer that restarted on the same port
         # must not see this session's messages. Watch for the connection dropping.
-        self.monitor = monitor_socket(ctrl, engine._ctx, zmq.EVENT_DISCONNECTED)
+        # While connecting, zmq reports each attempt the peer's host refused (nothing
+        # listens there: the OS answered with a reset) as CONNECT_RETRIED, and a
+        # connection made as CONNECTED: attempts refused for Timeouts.connect_retry
+        # end the session set-up at once rather than at the connect deadline.
+        self.monitor = monitor_socket(
+            ctrl,
+            engine._ctx,
+            zmq.EVENT_DISCONNECTED | zmq.EVENT_CONNECT_RETRIED | zmq.EVENT_CONNECTED,
+        )
+        self.refused_since: float | None = None
         ctrl.connect(f"tcp://{self.host}:{port}")
         # the data socket connects once WELCOME named the data port and the token (open)
         self.ctrl = LoopSocket(ctrl, self._on_ctrl, self._on_socket_error)
@@ -278,9 +287,9 @@ class _ClientSession:
             raise ConnectTimeoutError(
                 f"no answer from {self.address} within {timeout:.3g}s"
             ) from None
-        except asyncio.CancelledError:
-            # Closing the sockets of a session that failed meanwhile cancels their
-            # pending sends: report why the session failed, not a cancellation.
+        except (asyncio.CancelledError, zmq.ZMQError):
+            # Closing the sockets of a session that failed meanwhile cancels (or fails)
+            # their pending sends: report why the session failed, not that.
             if self.dead is not None:
                 raise (
                     self.dead if isinstance(self.dead, AiokvError) else ConnectError(str(self.dead))
@@ -775,7 +784,23 @@ class _ClientSession:
             while True:
                 frames = await self.monitor.recv_multipart()
                 event = parse_monitor_message(frames)
-                if event["event"] == zmq.EVENT_DISCONNECTED:
+                if event["event"] == zmq.EVENT_CONNECT_RETRIED:
+                    if self.welcome.done():
+                        continue
+                    now = time.monotonic()
+                    if self.refused_since is None:
+                        self.refused_since = now
+                    elif now - self.refused_since >= self.engine.config.timeouts.connect_retry:
+                        self.fail(
+                            ConnectError(
+                                f"{self.address} refused every connection for "
+                                f"{now - self.refused_since:.2f}s (nothing listens there)"
+                            )
+                        )
+                        return
+                elif event["event"] == zmq.EVENT_CONNECTED:
+                    self.refused_since = None
+                elif event["event"] == zmq.EVENT_DISCONNECTED:
                     if self.welcome.done():
                         self.fail(PeerLostError(f"connection to {self.address} closed"))
                     else:

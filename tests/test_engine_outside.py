@@ -202,3 +202,53 @@ async def test_a_get_that_leaves_a_shared_get_does_not_end_it_for_the_others() -
         assert p.statistics().gets_served == 1
         with pytest.raises(aiokv.NotPublishedError):
             await asyncio.gather(*(c.get("nope", frm=p.address, timeout=5) for _ in range(5)))
+
+
+# --------------------------------------------------------------------------- refused connect
+
+
+def tcfg(**timeouts: Any) -> aiokv.EngineConfig:
+    return aiokv.EngineConfig(timeouts=aiokv.Timeouts(**timeouts))
+
+
+@pytest.mark.timeout(60)
+async def test_a_refused_connection_fails_fast_with_connect_error() -> None:
+    """Nothing listens at the address: send, send_nowait, connect and get fail with
+    ConnectError after the retry window (Timeouts.connect_retry), far within the
+    10 s connect timeout; the engine then works with a live peer."""
+    async with engines(tcfg(connect=10.0), cfg()) as (a, b):
+        t = torch.ones(16)
+        calls: dict[str, Callable[[str], Awaitable[Any]]] = {
+            "send": lambda to: a.send("x", t, to=to, timeout=30),
+            "send_nowait": lambda to: a.send_nowait("x", t, to=to, timeout=30),
+            "connect": lambda to: a.connect(to),
+            "get": lambda to: a.get("x", frm=to, timeout=30),
+        }
+        for name, call in calls.items():
+            for to in ("127.0.0.1:1", f"127.0.0.1:{free_port()}"):
+                t0 = time.monotonic()
+                with pytest.raises(aiokv.ConnectError) as ei:
+                    await call(to)
+                took = time.monotonic() - t0
+                assert not isinstance(ei.value, aiokv.ConnectTimeoutError), (name, ei.value)
+                assert "refused" in str(ei.value), (name, ei.value)
+                assert 0.4 < took < 2.0, (name, to, took)
+        await a.send("x", t, to=b.address, timeout=5)
+        assert same_bytes(await b.recv("x", timeout=5), t)
+
+
+@pytest.mark.timeout(60)
+async def test_a_peer_that_comes_up_within_the_retry_window_is_reached() -> None:
+    """The peer starts listening 0.6 s after the send began, inside a 2 s retry window
+    (and with the default window, 0.3 s after): the send connects and lands."""
+    for window, late in ((2.0, 0.6), (None, 0.3)):
+        port = free_port()
+        ta = tcfg(connect=10.0) if window is None else tcfg(connect=10.0, connect_retry=window)
+        async with engines(ta) as (a,):
+            t = torch.arange(100.0)
+            send = asyncio.ensure_future(a.send("late", t, to=f"127.0.0.1:{port}", timeout=10))
+            await asyncio.sleep(late)
+            assert not send.done()
+            async with engines(aiokv.EngineConfig(listen=f"127.0.0.1:{port}")) as (b,):
+                await asyncio.wait_for(send, 10)
+                assert same_bytes(await b.recv("late", timeout=5), t)

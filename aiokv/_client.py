@@ -587,8 +587,12 @@ class _ClientSession:
                 return
         self._drain_credit_wait()
 
-    def abandon(self, x: _OutXfer) -> None:
-        """The caller gave up. Withdraw if not granted; a granted transfer still completes."""
+    def abandon(self, x: _OutXfer, deadline: bool = False) -> None:
+        """The caller gave up. A transfer not granted yet is withdrawn (a GRANT that
+        crosses the WITHDRAW is answered with FAILED, no data). One granted is withdrawn
+        too when its deadline passed (``deadline``) and it travels by TCP: FAILED tells
+        the receiver, which frees its room and the tensor ids and drops the data when it
+        comes; cancelled, it completes in the background (it is committed)."""
         if not x.posted:  # still waiting in this end's queue: nothing left the process
             x.abandoned = True
             self.xfers.pop(x.xfer, None)
@@ -606,8 +610,29 @@ class _ClientSession:
                 self.gave_up.clear()
             self.gave_up.add(x.xfer)
             return
-        if self.dead is None and self.sess.xfer_state(x.xfer) is XferState.RESERVED:
+        if self.dead is not None:
+            return
+        state = self.sess.xfer_state(x.xfer)
+        if state is XferState.RESERVED:
+            x.abandoned = True  # a GRANT crossing the WITHDRAW gets FAILED (see _on_grant)
             self._send_ctrl(self.sess.send(Withdraw(x.xfer)))
+        elif deadline and x.transport == "tcp" and state in (XferState.GRANTED, XferState.SENT):
+            self._withdraw_granted(x)
+
+    def _withdraw_granted(self, x: _OutXfer) -> None:
+        """End a granted TCP transfer the caller gave up on: FAILED to the receiver (which
+        drops its data, late or not, and frees its room and ids), failed here, never
+        counted as sent; a DONE or FAILED that crossed it is expected (Session)."""
+        self.xfers.pop(x.xfer, None)
+        self._send_ctrl(
+            self.sess.send(Failed(x.xfer, "withdrawn", "the sender gave up on the transfer"))
+        )
+        self.stats.withdrawn += 1
+        x.tensors = []
+        x.release_when_idle()
+        for f in (x.granted, x.done):
+            if not f.done():
+                f.cancel()
 
     def _send_ctrl(self, data: bytes) -> None:
         """Queue a control message; everything queued in one loop pass leaves as one zmq message."""
@@ -642,6 +667,9 @@ class _ClientSession:
 
     def _on_grant(self, msg: Grant) -> None:
         x = self.xfers[msg.xfer]
+        if x.abandoned and x.transport == "tcp":
+            self._withdraw_granted(x)  # it crossed the WITHDRAW: no data, FAILED instead
+            return
         x.seq = msg.seq
         if _trace.enabled:
             _trace.mark("grant", self.trace_id, x.xfer)
@@ -673,13 +701,19 @@ class _ClientSession:
         self._end(self.xfers.pop(msg.xfer), TransferError("withdrawn"))
 
     def _on_done(self, msg: Done) -> None:
-        self._end(self.xfers.pop(msg.xfer), None)
+        x = self.xfers.pop(msg.xfer, None)
+        if x is not None:  # (None: it crossed this end's FAILED, the transfer is over)
+            self._end(x, None)
 
     def _on_failed(self, msg: Failed) -> None:
-        self._end(
-            self.xfers.pop(msg.xfer),
-            TransferAbortedError(f"{self.address} failed the transfer: {msg.code}: {msg.detail}"),
-        )
+        x = self.xfers.pop(msg.xfer, None)
+        if x is not None:  # (None: it crossed this end's FAILED)
+            self._end(
+                x,
+                TransferAbortedError(
+                    f"{self.address} failed the transfer: {msg.code}: {msg.detail}"
+                ),
+            )
 
     def _on_get_reply(self, msg: GetReply) -> None:
         g = self.gets.pop(msg.req, None)
@@ -895,7 +929,7 @@ class _XferWatch:
             )
         self.gave_up = True
         done.set_exception(exc)  # first: withdrawing must not turn it into a cancel
-        self.cs.abandon(x)
+        self.cs.abandon(x, deadline=True)
 
     def wanted(self) -> None:
         """The caller started waiting (awaits the handle, its release, or polls it)."""

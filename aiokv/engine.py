@@ -49,6 +49,7 @@ from ._common import (
 from ._config import EngineConfig, parse_address
 from ._exceptions import (
     AiokvError,
+    AiokvTimeoutError,
     ConfigError,
     ConnectError,
     ConnectTimeoutError,
@@ -939,8 +940,8 @@ class Engine:
                 raise TransferTimeoutError(
                     f"transfer to {to} did not complete within the deadline"
                 ) from None
-        except BaseException:
-            cs.abandon(x)
+        except BaseException as exc:
+            cs.abandon(x, deadline=isinstance(exc, AiokvTimeoutError))
             self._stats.transfers_failed += 1
             raise
 

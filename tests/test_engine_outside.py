@@ -252,3 +252,113 @@ async def test_a_peer_that_comes_up_within_the_retry_window_is_reached() -> None
             async with engines(aiokv.EngineConfig(listen=f"127.0.0.1:{port}")) as (b,):
                 await asyncio.wait_for(send, 10)
                 assert same_bytes(await b.recv("late", timeout=5), t)
+
+
+# --------------------------------------------------------------------------- failed sends
+
+
+def _assert_no_trace(b: aiokv.Engine) -> None:
+    st = b.statistics().store
+    assert st is not None
+    assert st.held_bytes == st.reserved_bytes == 0, st
+    assert st.held_tensors == st.pending_tensors == 0, st
+
+
+@pytest.mark.timeout(90)
+@pytest.mark.parametrize("how", ["send", "send_nowait", "send_many"])
+async def test_a_send_that_timed_out_is_not_delivered(how: str) -> None:
+    """A 128 MiB send whose deadline passes after the grant, while its data is on the
+    way: the sender withdraws it (FAILED), the receiver frees its room and the id and
+    drops the data when it comes; recv never returns it; a retry with the same id,
+    at once, lands; the sender counts one failure and one transfer sent (the retry)."""
+    async with engines(cfg(), cfg()) as (a, b):
+        await a.connect(b.address, timeout=5)
+        big = torch.randn(32 * MiB)  # 128 MiB
+        retried = big + 1
+        with pytest.raises(aiokv.TransferTimeoutError):
+            if how == "send":
+                await a.send("big", big, to=b.address, timeout=0.05)
+            elif how == "send_nowait":
+                await a.send_nowait("big", big, to=b.address, timeout=0.05)
+            else:
+                await a.send_many({"big": big, "tag": torch.ones(3)}, to=b.address, timeout=0.05)
+        # retry at once, under the same id (the late data must not take its place)
+        await a.send("big", retried, to=b.address, timeout=30)
+        got = await b.recv("big", timeout=10)
+        assert same_bytes(got, retried)
+        del got
+        with pytest.raises(aiokv.TransferTimeoutError):  # the first never shows up
+            await b.recv("big", timeout=1.5)
+        if how == "send_many":
+            with pytest.raises(aiokv.TransferTimeoutError):
+                await b.recv("tag", timeout=0.1)
+        _assert_no_trace(b)
+        sa, sb = a.statistics(), b.statistics()
+        assert sa.transfers_failed == 1 and sa.transfers_sent == 1, sa
+        assert sb.transfers_received == 1, sb
+        assert set(sb.protocol_errors) <= {"late_data"}, sb.protocol_errors
+        assert sa.peers_lost == sb.peers_lost == 0
+        # the session is whole: a small send goes through
+        await a.send("after", torch.ones(5), to=b.address, timeout=5)
+        assert same_bytes(await b.recv("after", timeout=5), torch.ones(5))
+
+
+@pytest.mark.timeout(90)
+async def test_a_timed_out_send_leaves_a_waiting_recv_for_the_retry() -> None:
+    """A recv waiting while the first attempt timed out is not failed by the withdrawal:
+    it gets the retry's tensor; the late data of the first is dropped."""
+    async with engines(cfg(), cfg()) as (a, b):
+        await a.connect(b.address, timeout=5)
+        waiter = asyncio.ensure_future(b.recv("big", frm=a.address, timeout=30))
+        big = torch.randn(32 * MiB)
+        with pytest.raises(aiokv.TransferTimeoutError):
+            await a.send("big", big, to=b.address, timeout=0.05)
+        await asyncio.sleep(1.0)  # the first attempt's data has come (and gone)
+        assert not waiter.done()
+        retried = torch.arange(10.0)
+        await a.send("big", retried, to=b.address, timeout=30)
+        assert same_bytes(await asyncio.wait_for(waiter, 10), retried)
+        _assert_no_trace(b)
+        assert a.statistics().transfers_sent == 1
+
+
+def test_a_senders_failed_may_cross_the_servers_answer_once() -> None:
+    """Session rules of a withdrawn granted transfer: the client's FAILED ends it from
+    GRANTED or SENT; one DONE or FAILED of the server's that crossed it is accepted,
+    a second is a protocol error; the server ignores a FAILED for a transfer it ended."""
+    from aiokv.protocol import messages as m
+    from aiokv.protocol.codec import Codec
+    from aiokv.protocol.session import Role, Session, XferState
+
+    codec = Codec()
+    spec = (m.TensorSpec("t", "float32", (4,)),)
+
+    def pair() -> tuple[Session, Session]:
+        c, s = Session(Role.CLIENT, codec), Session(Role.SERVER, codec)
+        s.receive(c.send(m.Hello(m.PROTOCOL_VERSION, "c", "127.0.0.1:1", ("tcp",), None)))
+        c.receive(
+            s.send(m.Welcome(m.PROTOCOL_VERSION, "s", "127.0.0.1:2", ("tcp",), None, b"k" * 16))
+        )
+        return c, s
+
+    for answer in (m.Done(1), m.Failed(1, "timeout", "late")):
+        c, s = pair()
+        s.receive(c.send(m.Reserve(1, "tcp", spec)))
+        c.receive(s.send(m.Grant(1, 0)))
+        header = m.DataHeader(1, 0, 1)
+        c.note_sent(header)
+        s.receive_message(header)
+        out = s.send(answer)  # the server ends it ...
+        failed = c.send(m.Failed(1, "withdrawn", "gave up"))  # ... as the client gives up
+        assert c.xfer_state(1) is XferState.END
+        c.receive(out)  # crossed: accepted once
+        s.receive(failed)  # crossed: ignored
+        with pytest.raises(aiokv.RemoteProtocolError):
+            c.receive(out)
+    c, s = pair()  # from GRANTED, the server still waiting for data: it ends there
+    s.receive(c.send(m.Reserve(1, "tcp", spec)))
+    c.receive(s.send(m.Grant(1, 0)))
+    s.receive(c.send(m.Failed(1, "withdrawn", "gave up")))
+    assert s.xfer_state(1) is XferState.END and c.xfer_state(1) is XferState.END
+    with pytest.raises(aiokv.RemoteProtocolError):  # a FAILED for a transfer never reserved
+        s.receive(codec.encode(m.Failed(7, "withdrawn", "")))

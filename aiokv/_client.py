@@ -134,6 +134,15 @@ class _OutXfer:
     posted: bool = False
     abandoned: bool = False
     nbytes: int = 0
+    strided: bool = False  # a tensor is a non-contiguous CPU view: made dense when posted
+
+    def dense(self) -> list[torch.Tensor]:
+        """The tensors as posted: a strided view is copied now, after the grant (or
+        with the credit in hand), never for a transfer the receiver refuses."""
+        if self.strided:
+            self.tensors = [t if t.is_contiguous() else t.contiguous() for t in self.tensors]
+            self.strided = False
+        return self.tensors
 
     def release_when_idle(self) -> None:
         """Resolve ``released`` once the data plane is done with the source buffers."""
@@ -177,7 +186,16 @@ class _ClientSession:
         self.host = f"[{host}]" if ":" in host else host
         # A zmq DEALER reconnects by itself; a peer that restarted on the same port
         # must not see this session's messages. Watch for the connection dropping.
-        self.monitor = monitor_socket(ctrl, engine._ctx, zmq.EVENT_DISCONNECTED)
+        # While connecting, zmq reports each attempt the peer's host refused (nothing
+        # listens there: the OS answered with a reset) as CONNECT_RETRIED, and a
+        # connection made as CONNECTED: attempts refused for Timeouts.connect_retry
+        # end the session set-up at once rather than at the connect deadline.
+        self.monitor = monitor_socket(
+            ctrl,
+            engine._ctx,
+            zmq.EVENT_DISCONNECTED | zmq.EVENT_CONNECT_RETRIED | zmq.EVENT_CONNECTED,
+        )
+        self.refused_since: float | None = None
         ctrl.connect(f"tcp://{self.host}:{port}")
         # the data socket connects once WELCOME named the data port and the token (open)
         self.ctrl = LoopSocket(ctrl, self._on_ctrl, self._on_socket_error)
@@ -269,9 +287,9 @@ class _ClientSession:
             raise ConnectTimeoutError(
                 f"no answer from {self.address} within {timeout:.3g}s"
             ) from None
-        except asyncio.CancelledError:
-            # Closing the sockets of a session that failed meanwhile cancels their
-            # pending sends: report why the session failed, not a cancellation.
+        except (asyncio.CancelledError, zmq.ZMQError):
+            # Closing the sockets of a session that failed meanwhile cancels (or fails)
+            # their pending sends: report why the session failed, not that.
             if self.dead is not None:
                 raise (
                     self.dead if isinstance(self.dead, AiokvError) else ConnectError(str(self.dead))
@@ -304,17 +322,19 @@ class _ClientSession:
         ready: Any = None,
         lean: bool = False,
         watched: bool = False,
+        strided: bool = False,
     ) -> _OutXfer:
         """Start a transfer. ``lean``: the caller awaits ``done`` itself (no ``released``
         future, no retrieval callback) and wants an immediate PUT sent at once rather
         than with the rest of this loop pass's. ``watched``: an ``_XferWatch`` will
-        read ``done``'s outcome (no retrieval callback needed)."""
+        read ``done``'s outcome (no retrieval callback needed). ``strided``: a tensor
+        is a non-contiguous CPU view, copied when posted (see :meth:`_OutXfer.dense`)."""
         if self.dead is not None:
             raise PeerLostError(f"session with {self.address} is gone: {self.dead}")
         loop = self.loop
         nbytes = specs[0].nbytes if len(specs) == 1 else sum(s.nbytes for s in specs)
         k = len(specs)
-        if transport == "tcp" and not self.credit_wait:
+        if transport == "tcp" and not self.credit_wait and not strided:
             if (
                 self.credit.fits_window(nbytes, k)
                 and fits_put(specs, nbytes)  # larger tensors: RESERVE (reassembled off-loop)
@@ -347,6 +367,7 @@ class _ClientSession:
         )
         x.transport = transport
         x.ready = ready
+        x.strided = strided
         x.waited = not watched
         x.released = loop.create_future()
         self.last_used = time.monotonic()
@@ -457,6 +478,8 @@ class _ClientSession:
         self.puts_unacked += 1
         self.last_put = x.xfer
         header = self.codec.encode_put(x.xfer, x.specs, x.ack_now)
+        if x.strided:
+            x.dense()
         if len(x.tensors) == 1 and x.nbytes <= DATA_FRAME_BYTES:
             frames = [header, tensor_buffer(x.tensors[0])]
         elif x.nbytes <= DATA_FRAME_BYTES:
@@ -564,8 +587,12 @@ class _ClientSession:
                 return
         self._drain_credit_wait()
 
-    def abandon(self, x: _OutXfer) -> None:
-        """The caller gave up. Withdraw if not granted; a granted transfer still completes."""
+    def abandon(self, x: _OutXfer, deadline: bool = False) -> None:
+        """The caller gave up. A transfer not granted yet is withdrawn (a GRANT that
+        crosses the WITHDRAW is answered with FAILED, no data). One granted is withdrawn
+        too when its deadline passed (``deadline``) and it travels by TCP: FAILED tells
+        the receiver, which frees its room and the tensor ids and drops the data when it
+        comes; cancelled, it completes in the background (it is committed)."""
         if not x.posted:  # still waiting in this end's queue: nothing left the process
             x.abandoned = True
             self.xfers.pop(x.xfer, None)
@@ -583,8 +610,29 @@ class _ClientSession:
                 self.gave_up.clear()
             self.gave_up.add(x.xfer)
             return
-        if self.dead is None and self.sess.xfer_state(x.xfer) is XferState.RESERVED:
+        if self.dead is not None:
+            return
+        state = self.sess.xfer_state(x.xfer)
+        if state is XferState.RESERVED:
+            x.abandoned = True  # a GRANT crossing the WITHDRAW gets FAILED (see _on_grant)
             self._send_ctrl(self.sess.send(Withdraw(x.xfer)))
+        elif deadline and x.transport == "tcp" and state in (XferState.GRANTED, XferState.SENT):
+            self._withdraw_granted(x)
+
+    def _withdraw_granted(self, x: _OutXfer) -> None:
+        """End a granted TCP transfer the caller gave up on: FAILED to the receiver (which
+        drops its data, late or not, and frees its room and ids), failed here, never
+        counted as sent; a DONE or FAILED that crossed it is expected (Session)."""
+        self.xfers.pop(x.xfer, None)
+        self._send_ctrl(
+            self.sess.send(Failed(x.xfer, "withdrawn", "the sender gave up on the transfer"))
+        )
+        self.stats.withdrawn += 1
+        x.tensors = []
+        x.release_when_idle()
+        for f in (x.granted, x.done):
+            if not f.done():
+                f.cancel()
 
     def _send_ctrl(self, data: bytes) -> None:
         """Queue a control message; everything queued in one loop pass leaves as one zmq message."""
@@ -619,6 +667,9 @@ class _ClientSession:
 
     def _on_grant(self, msg: Grant) -> None:
         x = self.xfers[msg.xfer]
+        if x.abandoned and x.transport == "tcp":
+            self._withdraw_granted(x)  # it crossed the WITHDRAW: no data, FAILED instead
+            return
         x.seq = msg.seq
         if _trace.enabled:
             _trace.mark("grant", self.trace_id, x.xfer)
@@ -628,7 +679,7 @@ class _ClientSession:
             # zmq queues sends in call order: post at once, in grant order
             header = DataHeader(x.xfer, x.seq, len(x.specs))
             try:
-                self.source.post_nowait(self.sess.send(header), x.tensors)
+                self.source.post_nowait(self.sess.send(header), x.dense())
             except (zmq.ZMQError, AiokvError) as perr:
                 self.fail(PeerLostError(f"data channel to {self.address} failed: {perr}"))
                 return
@@ -650,13 +701,19 @@ class _ClientSession:
         self._end(self.xfers.pop(msg.xfer), TransferError("withdrawn"))
 
     def _on_done(self, msg: Done) -> None:
-        self._end(self.xfers.pop(msg.xfer), None)
+        x = self.xfers.pop(msg.xfer, None)
+        if x is not None:  # (None: it crossed this end's FAILED, the transfer is over)
+            self._end(x, None)
 
     def _on_failed(self, msg: Failed) -> None:
-        self._end(
-            self.xfers.pop(msg.xfer),
-            TransferAbortedError(f"{self.address} failed the transfer: {msg.code}: {msg.detail}"),
-        )
+        x = self.xfers.pop(msg.xfer, None)
+        if x is not None:  # (None: it crossed this end's FAILED)
+            self._end(
+                x,
+                TransferAbortedError(
+                    f"{self.address} failed the transfer: {msg.code}: {msg.detail}"
+                ),
+            )
 
     def _on_get_reply(self, msg: GetReply) -> None:
         g = self.gets.pop(msg.req, None)
@@ -761,7 +818,23 @@ class _ClientSession:
             while True:
                 frames = await self.monitor.recv_multipart()
                 event = parse_monitor_message(frames)
-                if event["event"] == zmq.EVENT_DISCONNECTED:
+                if event["event"] == zmq.EVENT_CONNECT_RETRIED:
+                    if self.welcome.done():
+                        continue
+                    now = time.monotonic()
+                    if self.refused_since is None:
+                        self.refused_since = now
+                    elif now - self.refused_since >= self.engine.config.timeouts.connect_retry:
+                        self.fail(
+                            ConnectError(
+                                f"{self.address} refused every connection for "
+                                f"{now - self.refused_since:.2f}s (nothing listens there)"
+                            )
+                        )
+                        return
+                elif event["event"] == zmq.EVENT_CONNECTED:
+                    self.refused_since = None
+                elif event["event"] == zmq.EVENT_DISCONNECTED:
                     if self.welcome.done():
                         self.fail(PeerLostError(f"connection to {self.address} closed"))
                     else:
@@ -856,7 +929,7 @@ class _XferWatch:
             )
         self.gave_up = True
         done.set_exception(exc)  # first: withdrawing must not turn it into a cancel
-        self.cs.abandon(x)
+        self.cs.abandon(x, deadline=True)
 
     def wanted(self) -> None:
         """The caller started waiting (awaits the handle, its release, or polls it)."""

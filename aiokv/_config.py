@@ -33,6 +33,9 @@ class Timeouts:
     """Deadlines in seconds. ``transfer`` bounds a whole operation (negotiation included)."""
 
     connect: float = 5.0
+    #: connecting gives up (ConnectError) once every attempt for this long was refused
+    #: (nothing listens on the peer's port): a peer that comes up meanwhile is reached
+    connect_retry: float = 0.5
     negotiate: float = 10.0
     transfer: float = 60.0
     heartbeat_interval: float = 0.5

@@ -8,6 +8,7 @@ TimeoutError`` and ``except ConnectionError`` work as expected::
     AiokvError
     ├── ConfigError (ValueError)             bad EngineConfig / arguments
     ├── EngineClosedError                    the engine is closed or closing
+    ├── UsageError (RuntimeError)            a call the engine cannot take from here (another loop)
     ├── ProtocolError
     │   ├── LocalProtocolError               we were asked to do something illegal
     │   └── RemoteProtocolError              the peer sent something malformed or illegal
@@ -54,6 +55,7 @@ __all__ = [
     "TransferAbortedError",
     "TransferError",
     "TransferTimeoutError",
+    "UsageError",
 ]
 
 
@@ -67,6 +69,11 @@ class ConfigError(AiokvError, ValueError):
 
 class EngineClosedError(AiokvError):
     """The engine is closed (or closing) and cannot take this operation."""
+
+
+class UsageError(AiokvError, RuntimeError):
+    """A call the engine cannot take from where it was made: from an event loop (or a
+    thread) other than the one that started it. Nothing was done; the engine is unharmed."""
 
 
 class ProtocolError(AiokvError):

@@ -761,13 +761,21 @@ class _Server:
         self._reply(ss, ss.sess.send(Pong(msg.nonce)))
 
     def _on_failed(self, ss: _ServerSession, msg: Failed) -> None:
+        """The sender ended a granted transfer (``withdrawn``: its caller gave up): its
+        room and tensor ids are free now; TCP data still on its way is dropped when it
+        comes. A withdrawn transfer's waiters keep waiting (for a retry, or their own
+        deadline); any other failure fails them."""
         inx = ss.granted.pop(msg.xfer, None)
-        if inx is not None:
-            ss.granted_tensors -= len(inx.specs)
-        if inx is not None and ss.peer is not None:
-            self._store.cancel(
-                ss.peer, [s.tensor_id for s in inx.specs], TransferAbortedError(msg.detail)
-            )
+        if inx is None:
+            return  # it crossed this end's DONE or FAILED (Session let it through)
+        ss.granted_tensors -= len(inx.specs)
+        if inx.transport == "tcp" and ss.sink.cancel(msg.xfer):
+            if len(ss.expired) >= 4096:  # its data has not come yet: drop it when it does
+                ss.expired.clear()
+            ss.expired.add(msg.xfer)
+        if ss.peer is not None:
+            why = None if msg.code == "withdrawn" else TransferAbortedError(msg.detail)
+            self._store.cancel(ss.peer, [s.tensor_id for s in inx.specs], why)
             self.pump_queue()
 
     def _on_bye(self, ss: _ServerSession, msg: Bye | ErrorMsg) -> None:

@@ -49,6 +49,7 @@ from ._common import (
 from ._config import EngineConfig, advertised_address, parse_address
 from ._exceptions import (
     AiokvError,
+    AiokvTimeoutError,
     ConfigError,
     ConnectError,
     ConnectTimeoutError,
@@ -58,6 +59,7 @@ from ._exceptions import (
     PeerLostError,
     TransferAbortedError,
     TransferTimeoutError,
+    UsageError,
 )
 from ._server import _Server
 from ._zmqerr import listen_error
@@ -146,8 +148,11 @@ def _prepare(
         if name is None:
             raise ConfigError(f"{tid!r}: dtype {t.dtype} cannot be sent")
         c = t.detach() if t.requires_grad else t  # (a new tensor object costs a little)
-        if not c.is_contiguous():
-            c = c.contiguous()
+        if c.is_cuda and not c.is_contiguous():
+            c = c.contiguous()  # on the caller's stream, before its ready event
+        # A strided CPU view (an expanded one may stand for gigabytes) is copied only
+        # when posted, after the receiver granted room for its size (numel * element
+        # size, in its spec): a transfer it refuses copies nothing.
         specs.append(TensorSpec(tid, name, tuple(c.shape)))
         tensors.append(c)
     if not specs:
@@ -166,6 +171,15 @@ class _Staged:
     tensors: list[torch.Tensor]
     ready: Any  # torch.cuda.Event for CUDA tensors
     cuda: bool
+    strided: bool = False  # a CPU tensor is a non-contiguous view, made dense when posted
+
+
+@dataclass(slots=True, eq=False)
+class _SharedGet:
+    """One GET in flight and how many :meth:`Engine.get` calls wait for it."""
+
+    task: asyncio.Task[torch.Tensor]
+    waiters: int = 0
 
 
 def _watchdog_report(why: str) -> None:
@@ -215,6 +229,9 @@ class Engine:
         self._fetched: OrderedDict[str, str] = OrderedDict()
         self._fetch_waiters: dict[str, asyncio.Future[str]] = {}
         self._on_get: dict[str, Callable[[str], None]] = {}  # publish(on_get=...)
+        # GETs in flight, by (producer, tensor id): concurrent gets of one id share one
+        # GET (the producer sends the id once; a second copy would be a duplicate)
+        self._getting: dict[tuple[str, str], _SharedGet] = {}
         self._stats = EngineStatistics()
         # the receiving half: sockets, peers' sessions, admission, credit, landing
         self._server = _Server(self, config, self._codec, self._store, self._stats)
@@ -243,6 +260,7 @@ class Engine:
         if self._closed:
             raise EngineClosedError("engine closed: an Engine cannot be started again")
         if self._started:
+            self._check_loop()
             return
         # the loop, once: asyncio.get_running_loop() makes a getpid() system call per
         # call on Python < 3.12, several times per transfer on the hot path
@@ -303,6 +321,7 @@ class Engine:
         if self._closed or not self._started:
             self._closed = True
             return
+        self._check_loop()
         self._closed = True
         exc = EngineClosedError("engine closed")
         for cs in list(self._clients.values()):
@@ -358,7 +377,21 @@ class Engine:
             raise ConfigError(f"timeout must be a positive number of seconds, got {timeout!r}")
         return float(timeout)
 
+    def _check_loop(self) -> None:
+        """Raise :class:`UsageError` unless called on the loop that started the engine.
+
+        Its futures, sockets and tasks belong to that loop: a call from another loop (or
+        from a thread with none) would tie them to the wrong one, so it is refused before
+        anything is touched."""
+        if self._started and asyncio._get_running_loop() is not self._loop:
+            raise UsageError(
+                "this Engine runs on the event loop that started it; it was called from "
+                "another loop or thread (one engine per loop: hand work to its loop with "
+                "asyncio.run_coroutine_threadsafe)"
+            )
+
     def _check_open(self) -> None:
+        self._check_loop()
         if not self._started:
             raise EngineClosedError(
                 "engine not started: use 'async with Engine(...)' or await start()"
@@ -423,6 +456,7 @@ class Engine:
         self, tensor_id: str, tensor: torch.Tensor, *, to: str, timeout: float | None = None
     ) -> None:
         """PUT: return once the peer's engine holds ``tensor`` under ``tensor_id``."""
+        self._check_loop()
         t = self._timeout(timeout)
         staged = self._stage_one(tensor_id, tensor)
         cs = self._hot_session(to, staged)
@@ -445,6 +479,7 @@ class Engine:
         self, tensor_id: str, tensor: torch.Tensor, *, to: str, timeout: float | None = None
     ) -> TransferHandle:
         """PUT_ASYNC: start the transfer, return a handle to await (or cancel) later."""
+        self._check_loop()
         t = self._timeout(timeout)
         staged = self._stage_one(tensor_id, tensor)
         cs = self._hot_session(to, staged)
@@ -458,7 +493,9 @@ class Engine:
         """The live session a transfer of CPU tensors can start on at once (the hot path:
         no connecting, no NCCL set-up, no copy to host), else None."""
         cs = self._clients.get(to)
-        return cs if cs is not None and cs.dead is None and not staged.cuda else None
+        if cs is None or cs.dead is not None or staged.cuda or staged.strided:
+            return None
+        return cs
 
     def _handle(self, cs: _ClientSession, x: _OutXfer, t: float, to: str) -> TransferHandle:
         """A PUT_ASYNC handle on a started transfer: its own ``done`` future, a watch
@@ -585,6 +622,7 @@ class Engine:
     def unpublish(self, tensor_id: str) -> bool:
         """Stop serving ``tensor_id``; whether it was published (a :meth:`wait_fetched`
         on it raises :class:`~aiokv.NotPublishedError`)."""
+        self._check_loop()
         self._once.discard(tensor_id)
         self._fetched.pop(tensor_id, None)
         self._on_get.pop(tensor_id, None)
@@ -661,10 +699,40 @@ class Engine:
             self._fetched.popitem(last=False)
 
     async def get(self, tensor_id: str, *, frm: str, timeout: float | None = None) -> torch.Tensor:
-        """GET mode, consumer side: ask ``frm`` for a published tensor and wait for it."""
+        """GET mode, consumer side: ask ``frm`` for a published tensor and wait for it.
+
+        Concurrent gets of one id from one producer share one GET: the first asks, the
+        others join it and all return the same tensor (each waits at most its own
+        ``timeout``, and the shared GET runs under the first one's deadline)."""
         self._check_open()
         self._check_id(tensor_id)
-        dl = _Deadline(self._timeout(timeout))
+        t = self._timeout(timeout)
+        key = (frm, tensor_id)
+        sg = self._getting.get(key)
+        if sg is None:
+            sg = _SharedGet(self._loop.create_task(self._get(tensor_id, frm, t)))
+            sg.task.add_done_callback(_retrieve)
+            sg.task.add_done_callback(lambda _t: self._got(key, sg))
+            self._getting[key] = sg
+        sg.waiters += 1
+        try:
+            return await _await_shielded(sg.task, t)  # type: ignore[no-any-return]
+        except TimeoutError:
+            if sg.task.done():
+                raise  # the shared GET's own TransferTimeoutError
+            raise TransferTimeoutError(f"GET {tensor_id!r} from {frm}: no reply in time") from None
+        finally:
+            sg.waiters -= 1
+            if not sg.waiters and not sg.task.done():
+                sg.task.cancel()  # nobody waits any more (a tensor handed over goes back)
+
+    def _got(self, key: tuple[str, str], sg: _SharedGet) -> None:
+        if self._getting.get(key) is sg:
+            del self._getting[key]
+
+    async def _get(self, tensor_id: str, frm: str, t: float) -> torch.Tensor:
+        """One GET: ask ``frm`` for ``tensor_id`` and collect it (see :meth:`get`)."""
+        dl = _Deadline(t)
         cs = await self._client(frm, dl)
         req = next(cs.get_ids)
         reply: asyncio.Future[GetReply] = asyncio.get_running_loop().create_future()
@@ -791,7 +859,8 @@ class Engine:
         lim = self.config.limits
         specs, tensors = _prepare(items, lim.max_id_length, lim.max_tensors_per_transfer)
         if not any(t.is_cuda for t in tensors):
-            return _Staged(specs, tensors, None, False)
+            strided = not all(t.is_contiguous() for t in tensors)
+            return _Staged(specs, tensors, None, False, strided)
         cuda = [t.is_cuda for t in tensors]
         ready = None
         if any(cuda):
@@ -861,7 +930,7 @@ class Engine:
                 raise ConfigError(f"transport='nccl' but {to} cannot receive over NCCL")
             else:
                 tensors = await self._to_host(st)
-        x = cs.start(st.specs, tensors, transport, st.ready)
+        x = cs.start(st.specs, tensors, transport, st.ready, strided=st.strided)
         if released is not None and x.released is not None:
             linked.append(True)
             x.released.add_done_callback(lambda _f: _resolve(released))
@@ -876,8 +945,8 @@ class Engine:
                 raise TransferTimeoutError(
                     f"transfer to {to} did not complete within the deadline"
                 ) from None
-        except BaseException:
-            cs.abandon(x)
+        except BaseException as exc:
+            cs.abandon(x, deadline=isinstance(exc, AiokvTimeoutError))
             self._stats.transfers_failed += 1
             raise
 

@@ -129,6 +129,7 @@ REFUSE_CODES = (
     "protocol",
     "version",
     "ok",
+    "withdrawn",  # FAILED from the sender: it gave up on a granted transfer
 )
 
 

@@ -35,6 +35,11 @@ The server keeps the mirror image: a WITHDRAW that meets a GRANTED transfer
 leaves it GRANTED (its data will still come, in order, and is discarded by
 the engine); one that meets RESERVED ends it with WITHDRAWN.
 
+A client FAILED ends a GRANTED or SENT transfer (the sender gave up on it: the
+server drops its data, late or not). It may cross the server's DONE or FAILED
+for the same transfer: the server ignores a FAILED for a transfer it ended, and
+the client one DONE or FAILED for a transfer it ended with FAILED.
+
 The *one order per peer* rule lives here: the server numbers grants
 0, 1, 2, ... and the client may post DATA only for the next number, so both
 ends post their halves of the data plane in the same order whatever the
@@ -170,6 +175,9 @@ class Session:
     last_data_seq: dict[str, int] = field(default_factory=dict)
     max_xfer_seen: int = 0  # highest transfer number RESERVEd in this session
     _xfers: dict[int, _Xfer] = field(default_factory=dict)
+    # client: transfers it ended with FAILED after their GRANT (a DONE or FAILED of the
+    # server's may cross it: one is expected)
+    _failed_granted: set[int] = field(default_factory=set)
     _gets: set[int] = field(default_factory=set)
     _ncclsetups: set[int] = field(default_factory=set)
 
@@ -218,6 +226,7 @@ class Session:
     def close(self) -> None:
         self.state = SessionState.CLOSED
         self._xfers.clear()
+        self._failed_granted.clear()
         self._gets.clear()
         self._ncclsetups.clear()
 
@@ -288,8 +297,25 @@ class Session:
         xfer_id: int = msg.xfer  # type: ignore[attr-defined]
         x = self._xfers.get(xfer_id)
         before = x.state if x else None
-        if x is None and isinstance(msg, Withdraw) and 0 < xfer_id <= self.max_xfer_seen:
-            return  # it crossed this end's REFUSE/FAILED: the transfer is already gone
+        if x is None and 0 < xfer_id:
+            if (
+                sender is Role.CLIENT
+                and isinstance(msg, (Withdraw, Failed))
+                and xfer_id <= self.max_xfer_seen
+            ):
+                return  # it crossed this end's REFUSE/FAILED/DONE: the transfer is gone
+            if sender is Role.SERVER and isinstance(msg, (Done, Failed)):
+                if xfer_id in self._failed_granted:
+                    self._failed_granted.discard(xfer_id)
+                    return  # it crossed this end's FAILED
+        if (
+            sender is self.role is Role.CLIENT
+            and isinstance(msg, Failed)
+            and before in (XferState.GRANTED, XferState.SENT)
+        ):
+            if len(self._failed_granted) >= 4096:
+                self._failed_granted.clear()
+            self._failed_granted.add(xfer_id)
         after = table.get(before)
         if after is None:
             where = before.value if before else "no such transfer"

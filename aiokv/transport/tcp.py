@@ -361,11 +361,13 @@ class TcpSink:
         else:
             fut.set_result(work.result())
 
-    def cancel(self, xfer: int) -> None:
-        """Stop expecting ``xfer`` (its grant expired); its future is cancelled."""
+    def cancel(self, xfer: int) -> bool:
+        """Stop expecting ``xfer`` (its grant expired or its sender withdrew it); its
+        future is cancelled. Whether its data was still expected."""
         entry = self._expected.pop(xfer, None)
         if entry is not None and not entry[1].done():
             entry[1].cancel()
+        return entry is not None
 
     def abort(self, exc: BaseException) -> None:
         for fut in [f for _, f in self._expected.values()] + list(self._assembling):

@@ -44,7 +44,7 @@ from ._exceptions import (
     TransferTimeoutError,
 )
 from ._zmqerr import channel_error
-from ._zsock import LoopSocket, Outbox, monitor_socket
+from ._zsock import LoopSocket, Outbox, max_msg_size, monitor_socket
 from .protocol.admission import AdmissionQueue, PeerBounds, PeerQueue
 from .protocol.codec import MAX_ACKS, TOKEN_BYTES, Codec, WireError
 from .protocol.credit import CreditLedger
@@ -296,7 +296,8 @@ class _Server:
         # connection whose frame exceeds one, before reading it. Data arrives on a port
         # of its own that authenticates first, in frames of at most DATA_FRAME_BYTES
         # (1 MiB; a tensor travels as several): zmq applies MAXMSGSIZE to the handshake
-        # too, so this bounds what a stranger can make it buffer on either port.
+        # too, so this bounds what a stranger can make it buffer on either port. (With
+        # CURVE, zmq measures the encrypted frame: the limit covers CURVE's overhead.)
         r = self._router_socket(lim.max_frame_bytes)
         d = self._router_socket(max(lim.max_frame_bytes, DATA_FRAME_BYTES))
         if self.config.curve is not None:
@@ -412,7 +413,7 @@ class _Server:
         # per connection: a peer flooding messages waits in TCP, not in this process
         r.setsockopt(zmq.RCVHWM, 10_000)
         r.setsockopt(zmq.SNDHWM, 100_000)
-        r.setsockopt(zmq.MAXMSGSIZE, max_frame)
+        r.setsockopt(zmq.MAXMSGSIZE, max_msg_size(max_frame, self.config.curve is not None))
         return r
 
     def _apply_curve_server(self, sock: zmq.Socket[Any]) -> None:

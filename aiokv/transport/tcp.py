@@ -12,7 +12,9 @@ Why bounded frames: zmq buffers a whole frame before anyone sees it, the
 handshake's frames included, up to the socket's ``MAXMSGSIZE``. With one frame
 per tensor that limit had to be the largest tensor (2 GiB by default), so a
 stranger who never authenticated could make the engine hold that much. With
-1 MiB frames the data port's limit is the control port's.
+1 MiB frames the data port's limit is the control port's. With CURVE each frame
+grows on the wire (zmq checks the encrypted frame), so both ports' limits then add
+:data:`aiokv._zsock.CURVE_FRAME_OVERHEAD`.
 
 The receiver checks the frame count and every frame's length against the
 granted specs before it allocates anything. A one-frame tensor is wrapped with

@@ -12,13 +12,14 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import itertools
 import logging
 import os
 import secrets
 import socket
 import time
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -98,11 +99,23 @@ _MAX_FIRST_FRAME = 64 * 1024
 _DATA_DOMAIN = b"aiokv-data"
 _ZAP_ENDPOINT = "inproc://zeromq.zap.01"
 _MAX_GETS_PER_SESSION = 16
-_CANCEL_SLICE = 4096  # pending tensors of a lost session released per loop pass
+_CANCEL_SLICE = 256  # pending tensors of a lost session released per step
+_CLEANUP_S = 0.002  # lost sessions' teardown per loop pass (_run_cleanups)
 #: granted, not yet landed transfers of one session (zero-byte ones cost no budget)
 _MAX_GRANTED_PER_SESSION = 16384
 _MAX_GETS_SERVING = 64
 _OPEN = SessionState.OPEN
+# Control frames (docs/reliability.md, "Floods"): one session's frames are handled for at
+# most _SLICE_S at a time; what is left waits in its inbox and sessions with a backlog take
+# turns (at most _TURNS_S per loop pass), so one message of thousands of frames -- or ten
+# sessions sending one each -- never holds the loop, and an established peer's frames
+# wait for one turn of each other session, not for their whole backlog.
+_SLICE_S = 0.001
+_TURNS_S = 0.002
+#: a session with more control frames than this waiting to be handled is flooding
+_MAX_INBOX_FRAMES = 8 * MAX_FRAMES_PER_MESSAGE
+#: granting queued reservations runs at most this long per call (then again next pass)
+_PUMP_S = 0.004
 # ACK timing (docs/design.md, "ACK timing"): PUTs nobody waits for yet are acknowledged
 # in groups of this many, or when credit runs low, or after _ACK_DELAY_S at the latest
 _ACK_EVERY = 8
@@ -189,6 +202,7 @@ class _ServerSession:
             max_frames=MAX_FRAMES_PER_MESSAGE,
         )
         self.suspect = False
+        self.inbox: deque[zmq.Frame] = deque()  # control frames not handled yet, in order
         self.fds: list[int] = []  # the connections' descriptors (router monitor events)
         self.gets = 0  # GETs of this peer being served
         self.granted_tensors = 0  # tensors of the granted transfers
@@ -260,6 +274,11 @@ class _Server:
         # reservations waiting for room, every session's (see aiokv.protocol.admission)
         self._admission: AdmissionQueue[Reserve] = AdmissionQueue()
         self._ack_now: list[_ServerSession] = []  # sessions whose data awaits an ACK
+        self._turns: deque[_ServerSession] = deque()  # sessions with an inbox, in turn
+        self._turns_due = False  # _take_turns is scheduled
+        self._pump_due = False  # pump_queue ran out of time and is scheduled again
+        self._cleanups: deque[Callable[[], bool]] = deque()  # lost sessions' teardown
+        self._cleanup_due = False
         lim = config.limits
         self._bounds = PeerBounds(
             budget_bytes=lim.store_bytes,
@@ -267,6 +286,8 @@ class _Server:
             max_granted=_MAX_GRANTED_PER_SESSION,
             # one session's share of the store's tensor count (empty tensors cost no bytes)
             max_tensors_in_flight=max(lim.store_tensors // 4, lim.max_tensors_per_transfer),
+            max_queued_tensors=max(lim.store_tensors // 4, lim.max_tensors_per_transfer),
+            own_queued_tensors=lim.max_tensors_per_transfer,
         )
         # what each control message a session lets through does: one look-up per message.
         # (HELLO opens a session in _on_new_connection; a DATA header that came on the
@@ -483,20 +504,73 @@ class _Server:
             self._drop_server(ss, RemoteProtocolError("too many frames"), lost=True)
             return
         ss.last_recv = time.monotonic()
-        handlers = self._handlers
-        for frame in frames:  # a client sends several control messages as one zmq message
-            try:
-                msg = ss.sess.receive(frame.buffer)
-            except RemoteProtocolError as exc:
-                self._count_error(getattr(exc, "code", "protocol"))
-                self._reply_raw(rid, ErrorMsg("protocol", str(exc)[:200]))
-                self._drop_server(ss, exc, lost=True)
+        if ss.inbox:  # earlier frames still wait for their turn: these go behind them
+            if len(ss.inbox) + len(frames) > _MAX_INBOX_FRAMES:
+                self._count_error("flood")
+                self._reply_raw(rid, ErrorMsg("protocol", "too many control frames waiting"))
+                self._drop_server(ss, RemoteProtocolError("control frame flood"), lost=True)
                 return
-            handler = handlers.get(type(msg))
-            if handler is not None:
-                handler(ss, msg)
+            ss.inbox.extend(frames)
+            return
+        # a client sends several control messages as one zmq message: handled now for
+        # at most _SLICE_S, the rest in turns with other sessions' (_take_turns)
+        until = time.perf_counter() + _SLICE_S
+        last = len(frames) - 1
+        for i, frame in enumerate(frames):
+            self._on_control(ss, frame)
             if ss.dead:
                 return
+            if i < last and time.perf_counter() > until:
+                ss.inbox.extend(frames[i + 1 :])
+                self._wait_turn(ss)
+                return
+
+    def _on_control(self, ss: _ServerSession, frame: zmq.Frame) -> None:
+        """One control message of a session (a protocol error drops the session)."""
+        try:
+            msg = ss.sess.receive(frame.buffer)
+        except RemoteProtocolError as exc:
+            self._count_error(getattr(exc, "code", "protocol"))
+            self._reply_raw(ss.rid, ErrorMsg("protocol", str(exc)[:200]))
+            self._drop_server(ss, exc, lost=True)
+            return
+        handler = self._handlers.get(type(msg))
+        if handler is not None:
+            handler(ss, msg)
+
+    def _wait_turn(self, ss: _ServerSession) -> None:
+        self._turns.append(ss)
+        if not self._turns_due:
+            self._turns_due = True
+            self._loop.call_soon(self._take_turns)
+
+    def _take_turns(self) -> None:
+        """Sessions with control frames waiting take turns of at most _SLICE_S each, for
+        at most _TURNS_S in all; the rest goes on in the next loop pass."""
+        self._turns_due = False
+        turns = self._turns
+        end = time.perf_counter() + _TURNS_S
+        for _ in range(len(turns)):
+            ss = turns.popleft()
+            inbox = ss.inbox
+            until = min(end, time.perf_counter() + _SLICE_S)
+            try:
+                while inbox and not ss.dead:
+                    self._on_control(ss, inbox.popleft())
+                    if time.perf_counter() > until:
+                        break
+            except Exception as exc:  # the loop must survive anything a peer sends
+                self._count_error("internal")
+                log.exception("aiokv: error handling a message: %s", exc)
+            if ss.dead:
+                inbox.clear()
+            elif inbox:
+                turns.append(ss)
+            if time.perf_counter() > end:
+                break
+        if turns and not self._turns_due:
+            self._turns_due = True
+            self._loop.call_soon(self._take_turns)
 
     # ------------------------------------------------------------------ data port
 
@@ -629,6 +703,7 @@ class _Server:
                         self._drop_server(
                             ss, PeerLostError(f"connection from {ss.name} closed"), lost=True
                         )
+                        await asyncio.sleep(0)  # many sessions closing: one per loop pass
         except asyncio.CancelledError:
             raise
         except (zmq.ZMQError, ValueError):
@@ -834,7 +909,8 @@ class _Server:
                 ntensors=len(msg.specs),
                 queued=len(ss.queued),
                 granted=len(ss.granted),
-                granted_tensors=ss.granted_tensors,
+                # queued ones too: what a session may make this end hold in memory
+                granted_tensors=ss.granted_tensors + len(ss.queued.ids),
             )
         ) is not None:
             code, detail = why
@@ -856,6 +932,16 @@ class _Server:
             return
         if not ss.queued and self._try_grant(ss, msg):
             return
+        why = self._bounds.queue_refusal(
+            ntensors=len(msg.specs),
+            queued_tensors=len(ss.queued.ids),
+            all_queued_tensors=self._admission.tensors,
+        )
+        if why is not None:
+            self._stats.refused_sent += 1
+            self._reply(ss, ss.sess.send(Refuse(msg.xfer, *why)))
+            self._unpause_credit(ss, msg.xfer)
+            return
         self._admission.add(ss.queued, msg.xfer, msg, [s.tensor_id for s in msg.specs])
 
     def _try_grant(self, ss: _ServerSession, msg: Reserve) -> bool:
@@ -876,9 +962,7 @@ class _Server:
         ss.granted_tensors += len(msg.specs)
         sink: Any = ss.nccl if msg.transport == "nccl" else ss.sink
         fut = sink.expect(seq, msg.xfer, msg.specs)
-        # a sink aborted after the session died is not an error to log
-        fut.add_done_callback(_retrieve)
-        fut.add_done_callback(lambda f: self._on_landed(ss, inx, f))
+        fut.add_done_callback(functools.partial(self._grant_done, ss, inx))
         self._reply(ss, ss.sess.send(Grant(msg.xfer, seq)))
         if msg.transport == "nccl":
             self._get_poller().touch()  # a granted NCCL receive lands soon: spin for it
@@ -886,13 +970,46 @@ class _Server:
             _trace.mark("granted", ss.trace_id, msg.xfer)
         return True
 
+    def _grant_done(
+        self, ss: _ServerSession, inx: _InXfer, fut: asyncio.Future[list[torch.Tensor]]
+    ) -> None:
+        _retrieve(fut)  # a sink aborted after the session died is not an error to log
+        self._on_landed(ss, inx, fut)
+
+    def _cleanup(self, step: Callable[[], bool]) -> None:
+        """Queue a lost session's teardown: ``step()`` does a slice of it and answers
+        whether some is left. Every session's steps share one budget per loop pass
+        (_CLEANUP_S), so ten sessions lost together cost no more per pass than one."""
+        self._cleanups.append(step)
+        if not self._cleanup_due:
+            self._cleanup_due = True
+            self._loop.call_soon(self._run_cleanups)
+
+    def _run_cleanups(self) -> None:
+        self._cleanup_due = False
+        steps = self._cleanups
+        end = time.perf_counter() + _CLEANUP_S
+        while steps and time.perf_counter() < end:
+            if not steps[0]():
+                steps.popleft()
+        if steps:
+            self._cleanup_due = True
+            self._loop.call_soon(self._run_cleanups)
+
     def _cancel_in_slices(self, peer: PeerRef, ids: list[str], err: BaseException) -> None:
-        head, rest = ids[:_CANCEL_SLICE], ids[_CANCEL_SLICE:]
-        self._store.cancel(peer, head, err)
-        if rest:
-            asyncio.get_running_loop().call_soon(self._cancel_in_slices, peer, rest, err)
-        else:
+        """Release a lost session's pending tensors (their waiters fail with ``err``)."""
+        pos = 0
+
+        def step() -> bool:
+            nonlocal pos
+            self._store.cancel(peer, ids[pos : pos + _CANCEL_SLICE], err)
+            pos += _CANCEL_SLICE
+            if pos < len(ids):
+                return True
             self.pump_queue()
+            return False
+
+        self._cleanup(step)
 
     def pump_queue(self) -> None:
         """Grant queued reservations that fit now, oldest first across sessions.
@@ -901,12 +1018,23 @@ class _Server:
         later ones (one order per peer) but never another session's: one peer's
         large reservation waiting for room does not block the others.
         """
-        if self._admission.queued:
-            self._admission.pump(lambda q, msg: self._try_grant(q.owner, msg))
+        if self._admission.queued and not self._pump_due:
+            end = time.perf_counter() + _PUMP_S
+            self._admission.pump(
+                lambda q, msg: self._try_grant(q.owner, msg),
+                stop=lambda: time.perf_counter() > end,
+            )
+            if self._admission.queued and time.perf_counter() > end:
+                self._pump_due = True  # granting goes on next loop pass
+                self._loop.call_soon(self._pump_later)
         if self._starved:
             for ss in sorted(self._starved, key=_share):
                 if not ss.ack_due:
                     self._send_credit(ss)
+
+    def _pump_later(self) -> None:
+        self._pump_due = False
+        self.pump_queue()
 
     def _forget_expired_credit(self, ss: _ServerSession, now: float) -> None:
         """Tensors held on credit past the store's TTL have expired: refill the window."""
@@ -1006,6 +1134,7 @@ class _Server:
             raise RemoteProtocolError("RETURN without credit")
         ss.ledger.give_back(msg.credit_bytes, msg.credit_tensors)
         self._store.reserved -= msg.credit_bytes
+        self._store.credit_n -= msg.credit_tensors
         # the RESERVE it makes room for (control connection: it may come before or
         # after) is granted or ends before new credit could take the room
         if msg.xfer in ss.queued or msg.xfer > ss.sess.max_xfer_seen:
@@ -1024,6 +1153,7 @@ class _Server:
         n = msg.nbytes
         ledger.spend(n, k)
         self._store.reserved -= n  # the session's credit becomes this transfer's room
+        self._store.credit_n -= k
         assert ss.peer is not None
         if k == 1 and len(frames) == 1 and 0 < n <= DATA_FRAME_BYTES and len(frames[0]) == n:
             # one frame, length checked: the collector makes it a tensor (FrameTensor)
@@ -1037,8 +1167,8 @@ class _Server:
         try:
             if ss.queued.claims_any(t for t, _, _ in items):
                 raise DuplicateTensorError("duplicate")
-            if not self._store.try_land(ss.peer, items):
-                why = "busy"  # the store's tensor count is full (bytes were credited)
+            if not self._store.try_land(ss.peer, items, credited=True):
+                why = "busy"  # (bytes and tensors were credited: not for want of room)
         except DuplicateTensorError:
             why = "duplicate"
         if why:
@@ -1076,17 +1206,19 @@ class _Server:
         # reservation must not starve every other peer: windows are bounded instead).
         # When room is short, sessions holding less go first (see pump_queue).
         room = 0 if ledger.paused_for else max(0, store.capacity - store.used)
+        room_t = 0 if ledger.paused_for else max(0, store.max_tensors - store.count)
         if (
-            room
+            (room or room_t)
             and self._starved
             and any(
                 o is not ss and o.ledger is not None and o.ledger.share < ledger.share
                 for o in self._starved
             )
         ):
-            room = 0
-        add_b, add_t = ledger.top_up(room)
+            room = room_t = 0
+        add_b, add_t = ledger.top_up(room, room_t)
         store.reserved += add_b
+        store.credit_n += add_t
         if ledger.short:
             self._starved.add(ss)  # the budget is short: retried as room frees
         else:
@@ -1271,6 +1403,7 @@ class _Server:
             ss.ack_timer.cancel()
             ss.ack_timer = None
         self._admission.close(ss.queued)  # before anything below may pump the queue
+        ss.inbox.clear()
         if lost:
             self._stats.peers_lost += 1
         self._servers.pop(ss.rid, None)
@@ -1280,7 +1413,8 @@ class _Server:
             del self._by_peer[ss.peer.engine_id]
         if ss.ledger is not None:
             self._store.reserved -= ss.ledger.credit_bytes  # unspent credit goes back
-            ss.ledger.credit_bytes = 0
+            self._store.credit_n -= ss.ledger.credit_tensors
+            ss.ledger.credit_bytes = ss.ledger.credit_tensors = 0
         if ss.data_rid is not None:
             self._data_rids.pop(ss.data_rid, None)
         for fd in ss.fds:
@@ -1290,7 +1424,8 @@ class _Server:
                     # a peer judged dead or hostile: its connections must not linger
                     # (after a moment, so that an ERROR queued for it still leaves)
                     self._hang_up(fd, after=0.05)
-        ss.sink.abort(exc)
+        sink = ss.sink
+        self._cleanup(lambda: sink.abort(exc, _CANCEL_SLICE // 4))
         if ss.nccl is not None:
             ss.nccl.abort(exc)
         if ss.peer is not None:

@@ -40,6 +40,7 @@ def max_msg_size(payload: int, curve: bool) -> int:
     plus :data:`CURVE_FRAME_OVERHEAD`, which is what zmq measures)."""
     return payload + CURVE_FRAME_OVERHEAD if curve else payload
 
+
 _POLLIN = int(zmq.POLLIN)
 _POLLOUT = int(zmq.POLLOUT)
 _NOBLOCK = int(zmq.NOBLOCK)

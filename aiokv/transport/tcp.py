@@ -369,9 +369,19 @@ class TcpSink:
         if entry is not None and not entry[1].done():
             entry[1].cancel()
 
-    def abort(self, exc: BaseException) -> None:
-        for fut in [f for _, f in self._expected.values()] + list(self._assembling):
+    def abort(self, exc: BaseException, limit: int | None = None) -> bool:
+        """Fail every expected transfer with ``exc`` -- at most ``limit`` of them now (each
+        failed future schedules its callbacks: a session with thousands granted is failed
+        over several loop passes). True if some are left for another call."""
+        n = 0
+        while self._assembling and (limit is None or n < limit):
+            fut = self._assembling.pop()
             if not fut.done():
                 fut.set_exception(exc)
-        self._expected.clear()
-        self._assembling.clear()
+                n += 1
+        while self._expected and (limit is None or n < limit):
+            _, (_, fut) = self._expected.popitem()
+            if not fut.done():
+                fut.set_exception(exc)
+                n += 1
+        return bool(self._expected or self._assembling)

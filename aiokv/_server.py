@@ -15,7 +15,6 @@ import contextlib
 import functools
 import itertools
 import logging
-import os
 import secrets
 import socket
 import time
@@ -111,6 +110,10 @@ _OPEN = SessionState.OPEN
 # sessions sending one each -- never holds the loop, and an established peer's frames
 # wait for one turn of each other session, not for their whole backlog.
 _SLICE_S = 0.001
+#: at most this many accepted connections without a session (less under a low fd limit),
+#: hung up oldest first once they had _UNBOUND_GRACE_S to say HELLO (_cap_unbound)
+_MAX_UNBOUND = 512
+_UNBOUND_GRACE_S = 0.05
 _TURNS_S = 0.002
 #: a session with more control frames than this waiting to be handled is flooding
 _MAX_INBOX_FRAMES = 8 * MAX_FRAMES_PER_MESSAGE
@@ -134,12 +137,39 @@ def _frame_fd(frame: zmq.Frame) -> int | None:
 
 
 def _peer_name(fd: int) -> str | None:
-    """The remote end of a connection's descriptor (zmq owns it; we look through a dup)."""
+    """The remote end of a connection's descriptor (zmq owns it: wrapped, never closed
+    here, and without a new descriptor -- the table may be full)."""
     try:
-        with socket.socket(fileno=os.dup(fd)) as s:
-            return repr(s.getpeername())
+        s = socket.socket(fileno=fd)
     except OSError:
         return None
+    try:
+        return repr(s.getpeername())
+    except OSError:
+        return None
+    finally:
+        s.detach()
+
+
+def _host_of(name: str | None) -> str:
+    """The source address in a :func:`_peer_name` (``"('10.0.0.5', 4711)"``)."""
+    return name.split(",", 1)[0] if name else ""
+
+
+def _unbound_caps() -> tuple[int, int]:
+    """How many accepted connections may be without a session, in all and per source
+    address: an eighth of the descriptor limit (at most _MAX_UNBOUND), so that idle
+    connections can never take the descriptors that sessions need."""
+    try:
+        import resource
+
+        soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+    except (ImportError, OSError, ValueError):
+        soft = 1024
+    if soft < 0:  # RLIM_INFINITY
+        soft = 1 << 20
+    total = max(8, min(_MAX_UNBOUND, soft // 8))
+    return total, max(4, total // 4)
 
 
 def _shutdown_fd(fd: int, expect: str | None) -> None:
@@ -153,12 +183,16 @@ def _shutdown_fd(fd: int, expect: str | None) -> None:
         # may name somebody else's by now (a reused number): leave it alone
         return
     try:
-        with socket.socket(fileno=os.dup(fd)) as s:
-            if repr(s.getpeername()) != expect:
-                return
+        s = socket.socket(fileno=fd)  # no new descriptor (see _peer_name)
+    except OSError:
+        return
+    try:
+        if repr(s.getpeername()) == expect:
             s.shutdown(socket.SHUT_RDWR)
     except OSError:
         pass
+    finally:
+        s.detach()
 
 
 @dataclass(slots=True, eq=False)
@@ -268,8 +302,12 @@ class _Server:
         self._by_peer: dict[str, _ServerSession] = {}  # live sessions by store identity
         self._starved: set[_ServerSession] = set()  # credit cut short by the budget
         self._gets_serving = 0
-        # accepted connections without a session yet: fd -> (accepted at, peer name)
+        # accepted connections without a session yet, oldest first: fd -> (accepted at,
+        # peer name); how many per source address; the caps (see _on_accepted)
         self._unbound: dict[int, tuple[float, str | None]] = {}
+        self._unbound_hosts: dict[str, int] = {}
+        self._max_unbound, self._max_unbound_host = _unbound_caps()
+        self._cap_timer: asyncio.TimerHandle | None = None  # _cap_unbound looks again
         self._router_mon: zmq.asyncio.Socket = None  # type: ignore[assignment]
         # reservations waiting for room, every session's (see aiokv.protocol.admission)
         self._admission: AdmissionQueue[Reserve] = AdmissionQueue()
@@ -385,6 +423,8 @@ class _Server:
             self._zap.close(0)
         if self._auth is not None:
             self._auth.stop()
+        if self._cap_timer is not None:
+            self._cap_timer.cancel()
 
     def statistics(self, s: EngineStatistics) -> list[Any]:
         """Fill the server side's figures into ``s``; the sessions' NCCL communicators."""
@@ -434,6 +474,9 @@ class _Server:
         # per connection: a peer flooding messages waits in TCP, not in this process
         r.setsockopt(zmq.RCVHWM, 10_000)
         r.setsockopt(zmq.SNDHWM, 100_000)
+        # a connection that has not finished zmq's handshake by the connect deadline is
+        # closed by zmq (idle ones that did are hung up by _reclaim_unbound)
+        r.setsockopt(zmq.HANDSHAKE_IVL, max(1, int(self.config.timeouts.connect * 1000)))
         r.setsockopt(zmq.MAXMSGSIZE, max_msg_size(max_frame, self.config.curve is not None))
         return r
 
@@ -679,7 +722,8 @@ class _Server:
         try:
             while True:
                 batch = [parse_monitor_message(await mon.recv_multipart())]
-                while True:
+                accepted = False
+                while len(batch) < 64:  # a burst of connections: a batch per loop pass
                     try:
                         frames = await mon.recv_multipart(flags=zmq.NOBLOCK)
                     except zmq.Again:
@@ -687,13 +731,13 @@ class _Server:
                     batch.append(parse_monitor_message(frames))
                 for i, ev in enumerate(batch):
                     if ev["event"] == zmq.EVENT_ACCEPTED:
-                        afd = int(ev["value"])
-                        self._unbound[afd] = (time.monotonic(), _peer_name(afd))
+                        self._on_accepted(int(ev["value"]))
+                        accepted = True
                         continue
                     if ev["event"] != zmq.EVENT_DISCONNECTED:
                         continue
                     fd = int(ev["value"])
-                    self._unbound.pop(fd, None)
+                    self._unbind(fd)
                     reused = any(
                         later["event"] == zmq.EVENT_ACCEPTED and int(later["value"]) == fd
                         for later in batch[i + 1 :]
@@ -704,16 +748,72 @@ class _Server:
                             ss, PeerLostError(f"connection from {ss.name} closed"), lost=True
                         )
                         await asyncio.sleep(0)  # many sessions closing: one per loop pass
+                if accepted and self._cap_timer is None:
+                    self._cap_unbound()
         except asyncio.CancelledError:
             raise
         except (zmq.ZMQError, ValueError):
             return
 
+    def _on_accepted(self, fd: int) -> None:
+        """A connection was accepted: it has no session until its HELLO (DATA_HELLO)."""
+        if fd in self._fd_sessions:
+            return  # its HELLO was handled before this event
+        name = _peer_name(fd)
+        self._unbind(fd)  # a number reused before its DISCONNECTED was seen
+        self._unbound[fd] = (time.monotonic(), name)
+        host = _host_of(name)
+        self._unbound_hosts[host] = self._unbound_hosts.get(host, 0) + 1
+
+    def _cap_unbound(self) -> None:
+        """Connections without a session are capped, in all and per source address
+        (_unbound_caps): past a cap the oldest -- of that address, else of all -- are hung
+        up, once they had _UNBOUND_GRACE_S to say HELLO (a peer does within a round trip
+        of connecting). So new connections, an engine's among them, always get in, and
+        idle ones never hold more than an eighth of the descriptors. (zmq cannot refuse
+        a connection before accepting it, and ZAP sees only those that finish a
+        handshake and would refuse the newest, not the idle: docs/design.md.)
+        """
+        self._cap_timer = None
+        if self.engine._closed:
+            return
+        unbound, hosts = self._unbound, self._unbound_hosts
+        cap, cap_host = self._max_unbound, self._max_unbound_host
+        over = {h for h, n in hosts.items() if n > cap_host}
+        if not over and len(unbound) <= cap:
+            return
+        edge = time.monotonic() - _UNBOUND_GRACE_S
+        for fd, (at, name) in list(unbound.items()):  # oldest first
+            if at > edge:  # the rest are new: looked at again once their grace is over
+                self._cap_timer = self._loop.call_later(at - edge + 0.001, self._cap_unbound)
+                return
+            host = _host_of(name)
+            if host in over or len(unbound) > cap:
+                self._count_error("unbound_cap")
+                self._unbind(fd)
+                _shutdown_fd(fd, name)
+                if hosts.get(host, 0) <= cap_host:
+                    over.discard(host)
+                if not over and len(unbound) <= cap:
+                    return
+
+    def _unbind(self, fd: int) -> tuple[float, str | None] | None:
+        """``fd`` is no longer a connection without a session; what was recorded of it."""
+        seen = self._unbound.pop(fd, None)
+        if seen is not None:
+            host = _host_of(seen[1])
+            left = self._unbound_hosts.get(host, 1) - 1
+            if left > 0:
+                self._unbound_hosts[host] = left
+            else:
+                self._unbound_hosts.pop(host, None)
+        return seen
+
     def _bind_fd(self, ss: _ServerSession, frame: zmq.Frame) -> None:
         fd = _frame_fd(frame)
         if fd is None:
             return
-        self._unbound.pop(fd, None)
+        self._unbind(fd)
         ss.fds.append(fd)
         self._fd_sessions[fd] = ss
 
@@ -728,7 +828,7 @@ class _Server:
     def _hang_up(self, fd: int, after: float = 0.0) -> None:
         """Shut a connection zmq owns, now or ``after`` seconds; the remote end seen at
         accept (or now) guards against the descriptor naming another connection by then."""
-        seen = self._unbound.pop(fd, None)
+        seen = self._unbind(fd)
         name = seen[1] if seen else _peer_name(fd)
         if after:
             asyncio.get_running_loop().call_later(after, _shutdown_fd, fd, name)
@@ -1445,6 +1545,6 @@ class _Server:
         limit = self.config.timeouts.connect
         for fd, (at, name) in list(self._unbound.items()):
             if now - at > limit and fd not in self._fd_sessions:
-                del self._unbound[fd]
+                self._unbind(fd)
                 self._count_error("no_hello")
                 _shutdown_fd(fd, name)

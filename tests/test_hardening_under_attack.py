@@ -232,6 +232,20 @@ async def flood_sessions(ctx: zmq.asyncio.Context, eng: Victim, legit: str) -> N
         s.close()
 
 
+async def idle_connections(ctx: zmq.asyncio.Context, eng: Victim, legit: str) -> None:
+    # 600 connections that finish zmq's handshake and never say HELLO; zmq reconnects
+    # each one the engine hangs up (every 100 ms): a standing stream of new idle ones
+    socks = []
+    for _ in range(600):
+        s = ctx.socket(zmq.DEALER)
+        s.setsockopt(zmq.LINGER, 0)
+        s.connect(f"tcp://{eng.address}")
+        socks.append(s)
+    await asyncio.sleep(2.0)
+    for s in socks:
+        s.close()
+
+
 async def flood_queue_and_withdraw(ctx: zmq.asyncio.Context, eng: Victim, legit: str) -> None:
     s = await _hello(ctx, eng.address, "queuer", "127.0.0.1:9")
     await s.send_multipart(QUEUE_FLOOD, copy=False)
@@ -254,6 +268,7 @@ ATTACKS: dict[str, Callable[[zmq.asyncio.Context, Victim, str], Awaitable[None]]
     "15-data-port-huge-handshake-frame": item15_data_handshake,
     "flood-ten-sessions-one-message-each": flood_sessions,
     "flood-4000-queued-then-withdrawn": flood_queue_and_withdraw,
+    "idle-connections-600": idle_connections,
 }
 
 

@@ -115,8 +115,10 @@ _SLICE_S = 0.001
 _MAX_UNBOUND = 512
 _UNBOUND_GRACE_S = 0.05
 _TURNS_S = 0.002
-#: a session with more control frames than this waiting to be handled is flooding
-_MAX_INBOX_FRAMES = 8 * MAX_FRAMES_PER_MESSAGE
+#: a session with more control frames (or bytes of them) than this waiting to be
+#: handled is flooding
+_MAX_INBOX_FRAMES = 64 * MAX_FRAMES_PER_MESSAGE
+_MAX_INBOX_BYTES = 16 << 20
 #: granting queued reservations runs at most this long per call (then again next pass)
 _PUMP_S = 0.004
 # ACK timing (docs/design.md, "ACK timing"): PUTs nobody waits for yet are acknowledged
@@ -237,6 +239,7 @@ class _ServerSession:
         )
         self.suspect = False
         self.inbox: deque[zmq.Frame] = deque()  # control frames not handled yet, in order
+        self.inbox_bytes = 0  # (their bytes: counted as they arrive, not as they go)
         self.fds: list[int] = []  # the connections' descriptors (router monitor events)
         self.gets = 0  # GETs of this peer being served
         self.granted_tensors = 0  # tensors of the granted transfers
@@ -474,9 +477,6 @@ class _Server:
         # per connection: a peer flooding messages waits in TCP, not in this process
         r.setsockopt(zmq.RCVHWM, 10_000)
         r.setsockopt(zmq.SNDHWM, 100_000)
-        # a connection that has not finished zmq's handshake by the connect deadline is
-        # closed by zmq (idle ones that did are hung up by _reclaim_unbound)
-        r.setsockopt(zmq.HANDSHAKE_IVL, max(1, int(self.config.timeouts.connect * 1000)))
         r.setsockopt(zmq.MAXMSGSIZE, max_msg_size(max_frame, self.config.curve is not None))
         return r
 
@@ -548,7 +548,8 @@ class _Server:
             return
         ss.last_recv = time.monotonic()
         if ss.inbox:  # earlier frames still wait for their turn: these go behind them
-            if len(ss.inbox) + len(frames) > _MAX_INBOX_FRAMES:
+            ss.inbox_bytes += sum(len(f) for f in frames)
+            if len(ss.inbox) + len(frames) > _MAX_INBOX_FRAMES or ss.inbox_bytes > _MAX_INBOX_BYTES:
                 self._count_error("flood")
                 self._reply_raw(rid, ErrorMsg("protocol", "too many control frames waiting"))
                 self._drop_server(ss, RemoteProtocolError("control frame flood"), lost=True)
@@ -565,6 +566,7 @@ class _Server:
                 return
             if i < last and time.perf_counter() > until:
                 ss.inbox.extend(frames[i + 1 :])
+                ss.inbox_bytes = sum(len(f) for f in ss.inbox)
                 self._wait_turn(ss)
                 return
 
@@ -609,6 +611,8 @@ class _Server:
                 inbox.clear()
             elif inbox:
                 turns.append(ss)
+            else:
+                ss.inbox_bytes = 0
             if time.perf_counter() > end:
                 break
         if turns and not self._turns_due:

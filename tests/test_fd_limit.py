@@ -4,8 +4,10 @@ The engine runs in a child process whose ``RLIMIT_NOFILE`` is 256. The test open
 idle ZMTP connections to its control port (each completes zmq's handshake and then says
 nothing), then a new, legitimate engine connects and sends a tensor: it must arrive
 bit-exact, the child's event loop must not stall (largest gap between two ticks of a
-2 ms probe, in the loop thread's CPU time, at most 50 ms), and the child must keep
-descriptors free. Without a cap the idle connections filled the table (about 234 of
+2 ms probe, in the loop thread's CPU time, at most 50 ms), and while the idle
+connections keep reconnecting the child must keep a quarter of its descriptors free
+(sampled every 10 ms for a second after the tensor arrived; the first burst of 300
+connections fills the table before anyone can see them, as zmq accepts them all). Without a cap the idle connections filled the table (about 234 of
 them), zmq's listener spun on EMFILE, and the new engine got ConnectTimeoutError.
 """
 
@@ -49,6 +51,7 @@ def _child(loop_name: str) -> None:
     async def main() -> None:
         async with aiokv.Engine() as eng:
             gaps: list[float] = []
+            fds: list[int] = []
             stop = False
 
             async def probe() -> None:
@@ -57,25 +60,36 @@ def _child(loop_name: str) -> None:
                     await asyncio.sleep(0.002)
                     gaps.append(time.thread_time() - t)
 
+            def count_fds() -> None:  # a thread: listing them is not the engine's work
+                while not stop:
+                    try:
+                        fds.append(len(os.listdir("/proc/self/fd")))
+                    except OSError:  # EMFILE: the table is full
+                        fds.append(NOFILE)
+                    time.sleep(0.01)
+
             tick = asyncio.ensure_future(probe())
+            counter = asyncio.ensure_future(asyncio.to_thread(count_fds))
             print(json.dumps({"address": eng.address}), flush=True)
-            fds = 0
             try:
                 got = await eng.recv("legit", timeout=60)
                 ok = same_bytes(got, _tensor())
-                fds = len(os.listdir("/proc/self/fd"))
             except aiokv.AiokvError as exc:
                 ok = False
                 print(json.dumps({"error": repr(exc)}), flush=True)
+            during = len(fds)
+            await asyncio.sleep(1.0)  # the idle connections keep coming back meanwhile
             stop = True
             await tick
+            await counter
             st = eng.statistics()
             print(
                 json.dumps(
                     {
                         "ok": ok,
                         "max_gap_ms": max(gaps) * 1e3,
-                        "fds": fds,
+                        "max_fds": max(fds),
+                        "max_fds_later": max(fds[during:]),
                         "refused": st.protocol_errors.get("unbound_cap", 0),
                     }
                 ),
@@ -131,7 +145,9 @@ async def test_idle_connections_never_exhaust_descriptors_nor_lock_out_a_new_eng
         await proc.wait()
     print(f"fd limit {NOFILE}, {IDLE} idle connections: {res}")
     assert res.get("ok") is True, res
-    assert res["fds"] < NOFILE * 3 // 4, res  # descriptors stay free for sessions
+    # a burst of connections can fill the table before anyone sees them (zmq accepts
+    # them all); once seen, idle ones are hung up and the table keeps room for sessions
+    assert res["max_fds_later"] < NOFILE * 3 // 4, res
     assert res["refused"] > 0, res
     assert res["max_gap_ms"] <= STALL_S * 1e3, res
 

@@ -440,8 +440,10 @@ def test_from_secret_takes_only_text_or_bytes_of_16_bytes(secret: Any) -> None:
     with pytest.raises(aiokv.ConfigError, match="str or bytes secret of at least 16 bytes"):
         aiokv.CurveConfig.from_secret(secret)
     a = aiokv.CurveConfig.from_secret(b"s" * 16)
-    assert a == aiokv.CurveConfig.from_secret("s" * 16) == aiokv.CurveConfig.from_secret(
-        bytearray(b"s" * 16)
+    assert (
+        a
+        == aiokv.CurveConfig.from_secret("s" * 16)
+        == aiokv.CurveConfig.from_secret(bytearray(b"s" * 16))
     )
 
 

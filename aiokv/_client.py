@@ -47,7 +47,7 @@ from ._exceptions import (
     TransferTimeoutError,
 )
 from ._zmqerr import channel_error
-from ._zsock import LoopSocket, Outbox, monitor_socket
+from ._zsock import LoopSocket, Outbox, max_msg_size, monitor_socket
 from .cuda import _resolve
 from .protocol.credit import CreditAccount
 from .protocol.messages import (
@@ -179,7 +179,10 @@ class _ClientSession:
             s.setsockopt(zmq.IMMEDIATE, 1)
             s.setsockopt(zmq.SNDHWM, 0)
             s.setsockopt(zmq.RCVHWM, 0)
-            s.setsockopt(zmq.MAXMSGSIZE, engine.config.limits.max_frame_bytes)
+            s.setsockopt(
+                zmq.MAXMSGSIZE,
+                max_msg_size(engine.config.limits.max_frame_bytes, engine.config.curve is not None),
+            )
         engine._apply_curve_client(ctrl, address)
         engine._apply_curve_client(data, address)
         host, port = parse_address(address)

@@ -26,6 +26,8 @@ DEFAULT_STORE_TENSORS = 65536
 #: defaults of :attr:`EngineConfig.nccl_recv_batch` and ``nccl_recv_batch_bytes``
 DEFAULT_NCCL_RECV_BATCH = 8
 DEFAULT_NCCL_RECV_BATCH_BYTES = 128 * MiB
+#: the shortest secret :meth:`CurveConfig.from_secret` accepts (UTF-8 bytes of a str)
+_MIN_SECRET_BYTES = 16
 
 
 @dataclass(frozen=True, slots=True)
@@ -122,9 +124,21 @@ class CurveConfig:
         import zmq
         from zmq.utils import z85
 
-        raw = secret.encode() if isinstance(secret, str) else bytes(secret)
-        if len(raw) < 16:
-            raise ConfigError("CurveConfig.from_secret needs a secret of at least 16 bytes")
+        # only text or bytes: bytes(12345) would be a secret of 12,345 zeros
+        if isinstance(secret, str):
+            raw = secret.encode()
+        elif isinstance(secret, (bytes, bytearray)):
+            raw = bytes(secret)
+        else:
+            raise ConfigError(
+                "CurveConfig.from_secret takes a str or bytes secret of at least "
+                f"{_MIN_SECRET_BYTES} bytes, got {type(secret).__name__}"
+            )
+        if len(raw) < _MIN_SECRET_BYTES:
+            raise ConfigError(
+                "CurveConfig.from_secret needs a str or bytes secret of at least "
+                f"{_MIN_SECRET_BYTES} bytes, got {len(raw)}"
+            )
         if not zmq.has("curve"):
             raise ConfigError("this libzmq has no CURVE support")
         sk = z85.encode(hashlib.sha256(b"aiokv curve key v1\x00" + raw).digest())

@@ -12,13 +12,13 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import itertools
 import logging
-import os
 import secrets
 import socket
 import time
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -44,7 +44,7 @@ from ._exceptions import (
     TransferTimeoutError,
 )
 from ._zmqerr import channel_error
-from ._zsock import LoopSocket, Outbox, monitor_socket
+from ._zsock import LoopSocket, Outbox, max_msg_size, monitor_socket
 from .protocol.admission import AdmissionQueue, PeerBounds, PeerQueue
 from .protocol.codec import MAX_ACKS, TOKEN_BYTES, Codec, WireError
 from .protocol.credit import CreditLedger
@@ -98,11 +98,29 @@ _MAX_FIRST_FRAME = 64 * 1024
 _DATA_DOMAIN = b"aiokv-data"
 _ZAP_ENDPOINT = "inproc://zeromq.zap.01"
 _MAX_GETS_PER_SESSION = 16
-_CANCEL_SLICE = 4096  # pending tensors of a lost session released per loop pass
+_CANCEL_SLICE = 256  # pending tensors of a lost session released per step
+_CLEANUP_S = 0.002  # lost sessions' teardown per loop pass (_run_cleanups)
 #: granted, not yet landed transfers of one session (zero-byte ones cost no budget)
 _MAX_GRANTED_PER_SESSION = 16384
 _MAX_GETS_SERVING = 64
 _OPEN = SessionState.OPEN
+# Control frames (docs/reliability.md, "Floods"): one session's frames are handled for at
+# most _SLICE_S at a time; what is left waits in its inbox and sessions with a backlog take
+# turns (at most _TURNS_S per loop pass), so one message of thousands of frames -- or ten
+# sessions sending one each -- never holds the loop, and an established peer's frames
+# wait for one turn of each other session, not for their whole backlog.
+_SLICE_S = 0.001
+#: at most this many accepted connections without a session (less under a low fd limit),
+#: hung up oldest first once they had _UNBOUND_GRACE_S to say HELLO (_cap_unbound)
+_MAX_UNBOUND = 512
+_UNBOUND_GRACE_S = 0.05
+_TURNS_S = 0.002
+#: a session with more control frames (or bytes of them) than this waiting to be
+#: handled is flooding
+_MAX_INBOX_FRAMES = 64 * MAX_FRAMES_PER_MESSAGE
+_MAX_INBOX_BYTES = 16 << 20
+#: granting queued reservations runs at most this long per call (then again next pass)
+_PUMP_S = 0.004
 # ACK timing (docs/design.md, "ACK timing"): PUTs nobody waits for yet are acknowledged
 # in groups of this many, or when credit runs low, or after _ACK_DELAY_S at the latest
 _ACK_EVERY = 8
@@ -121,12 +139,39 @@ def _frame_fd(frame: zmq.Frame) -> int | None:
 
 
 def _peer_name(fd: int) -> str | None:
-    """The remote end of a connection's descriptor (zmq owns it; we look through a dup)."""
+    """The remote end of a connection's descriptor (zmq owns it: wrapped, never closed
+    here, and without a new descriptor -- the table may be full)."""
     try:
-        with socket.socket(fileno=os.dup(fd)) as s:
-            return repr(s.getpeername())
+        s = socket.socket(fileno=fd)
     except OSError:
         return None
+    try:
+        return repr(s.getpeername())
+    except OSError:
+        return None
+    finally:
+        s.detach()
+
+
+def _host_of(name: str | None) -> str:
+    """The source address in a :func:`_peer_name` (``"('10.0.0.5', 4711)"``)."""
+    return name.split(",", 1)[0] if name else ""
+
+
+def _unbound_caps() -> tuple[int, int]:
+    """How many accepted connections may be without a session, in all and per source
+    address: an eighth of the descriptor limit (at most _MAX_UNBOUND), so that idle
+    connections can never take the descriptors that sessions need."""
+    try:
+        import resource
+
+        soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+    except (ImportError, OSError, ValueError):
+        soft = 1024
+    if soft < 0:  # RLIM_INFINITY
+        soft = 1 << 20
+    total = max(8, min(_MAX_UNBOUND, soft // 8))
+    return total, max(4, total // 4)
 
 
 def _shutdown_fd(fd: int, expect: str | None) -> None:
@@ -140,12 +185,16 @@ def _shutdown_fd(fd: int, expect: str | None) -> None:
         # may name somebody else's by now (a reused number): leave it alone
         return
     try:
-        with socket.socket(fileno=os.dup(fd)) as s:
-            if repr(s.getpeername()) != expect:
-                return
+        s = socket.socket(fileno=fd)  # no new descriptor (see _peer_name)
+    except OSError:
+        return
+    try:
+        if repr(s.getpeername()) == expect:
             s.shutdown(socket.SHUT_RDWR)
     except OSError:
         pass
+    finally:
+        s.detach()
 
 
 @dataclass(slots=True, eq=False)
@@ -189,6 +238,8 @@ class _ServerSession:
             max_frames=MAX_FRAMES_PER_MESSAGE,
         )
         self.suspect = False
+        self.inbox: deque[zmq.Frame] = deque()  # control frames not handled yet, in order
+        self.inbox_bytes = 0  # (their bytes: counted as they arrive, not as they go)
         self.fds: list[int] = []  # the connections' descriptors (router monitor events)
         self.gets = 0  # GETs of this peer being served
         self.granted_tensors = 0  # tensors of the granted transfers
@@ -254,12 +305,21 @@ class _Server:
         self._by_peer: dict[str, _ServerSession] = {}  # live sessions by store identity
         self._starved: set[_ServerSession] = set()  # credit cut short by the budget
         self._gets_serving = 0
-        # accepted connections without a session yet: fd -> (accepted at, peer name)
+        # accepted connections without a session yet, oldest first: fd -> (accepted at,
+        # peer name); how many per source address; the caps (see _on_accepted)
         self._unbound: dict[int, tuple[float, str | None]] = {}
+        self._unbound_hosts: dict[str, int] = {}
+        self._max_unbound, self._max_unbound_host = _unbound_caps()
+        self._cap_timer: asyncio.TimerHandle | None = None  # _cap_unbound looks again
         self._router_mon: zmq.asyncio.Socket = None  # type: ignore[assignment]
         # reservations waiting for room, every session's (see aiokv.protocol.admission)
         self._admission: AdmissionQueue[Reserve] = AdmissionQueue()
         self._ack_now: list[_ServerSession] = []  # sessions whose data awaits an ACK
+        self._turns: deque[_ServerSession] = deque()  # sessions with an inbox, in turn
+        self._turns_due = False  # _take_turns is scheduled
+        self._pump_due = False  # pump_queue ran out of time and is scheduled again
+        self._cleanups: deque[Callable[[], bool]] = deque()  # lost sessions' teardown
+        self._cleanup_due = False
         lim = config.limits
         self._bounds = PeerBounds(
             budget_bytes=lim.store_bytes,
@@ -267,6 +327,8 @@ class _Server:
             max_granted=_MAX_GRANTED_PER_SESSION,
             # one session's share of the store's tensor count (empty tensors cost no bytes)
             max_tensors_in_flight=max(lim.store_tensors // 4, lim.max_tensors_per_transfer),
+            max_queued_tensors=max(lim.store_tensors // 4, lim.max_tensors_per_transfer),
+            own_queued_tensors=lim.max_tensors_per_transfer,
         )
         # what each control message a session lets through does: one look-up per message.
         # (HELLO opens a session in _on_new_connection; a DATA header that came on the
@@ -296,7 +358,8 @@ class _Server:
         # connection whose frame exceeds one, before reading it. Data arrives on a port
         # of its own that authenticates first, in frames of at most DATA_FRAME_BYTES
         # (1 MiB; a tensor travels as several): zmq applies MAXMSGSIZE to the handshake
-        # too, so this bounds what a stranger can make it buffer on either port.
+        # too, so this bounds what a stranger can make it buffer on either port. (With
+        # CURVE, zmq measures the encrypted frame: the limit covers CURVE's overhead.)
         r = self._router_socket(lim.max_frame_bytes)
         d = self._router_socket(max(lim.max_frame_bytes, DATA_FRAME_BYTES))
         if self.config.curve is not None:
@@ -363,6 +426,8 @@ class _Server:
             self._zap.close(0)
         if self._auth is not None:
             self._auth.stop()
+        if self._cap_timer is not None:
+            self._cap_timer.cancel()
 
     def statistics(self, s: EngineStatistics) -> list[Any]:
         """Fill the server side's figures into ``s``; the sessions' NCCL communicators."""
@@ -412,7 +477,7 @@ class _Server:
         # per connection: a peer flooding messages waits in TCP, not in this process
         r.setsockopt(zmq.RCVHWM, 10_000)
         r.setsockopt(zmq.SNDHWM, 100_000)
-        r.setsockopt(zmq.MAXMSGSIZE, max_frame)
+        r.setsockopt(zmq.MAXMSGSIZE, max_msg_size(max_frame, self.config.curve is not None))
         return r
 
     def _apply_curve_server(self, sock: zmq.Socket[Any]) -> None:
@@ -482,20 +547,77 @@ class _Server:
             self._drop_server(ss, RemoteProtocolError("too many frames"), lost=True)
             return
         ss.last_recv = time.monotonic()
-        handlers = self._handlers
-        for frame in frames:  # a client sends several control messages as one zmq message
-            try:
-                msg = ss.sess.receive(frame.buffer)
-            except RemoteProtocolError as exc:
-                self._count_error(getattr(exc, "code", "protocol"))
-                self._reply_raw(rid, ErrorMsg("protocol", str(exc)[:200]))
-                self._drop_server(ss, exc, lost=True)
+        if ss.inbox:  # earlier frames still wait for their turn: these go behind them
+            ss.inbox_bytes += sum(len(f) for f in frames)
+            if len(ss.inbox) + len(frames) > _MAX_INBOX_FRAMES or ss.inbox_bytes > _MAX_INBOX_BYTES:
+                self._count_error("flood")
+                self._reply_raw(rid, ErrorMsg("protocol", "too many control frames waiting"))
+                self._drop_server(ss, RemoteProtocolError("control frame flood"), lost=True)
                 return
-            handler = handlers.get(type(msg))
-            if handler is not None:
-                handler(ss, msg)
+            ss.inbox.extend(frames)
+            return
+        # a client sends several control messages as one zmq message: handled now for
+        # at most _SLICE_S, the rest in turns with other sessions' (_take_turns)
+        until = time.perf_counter() + _SLICE_S
+        last = len(frames) - 1
+        for i, frame in enumerate(frames):
+            self._on_control(ss, frame)
             if ss.dead:
                 return
+            if i < last and time.perf_counter() > until:
+                ss.inbox.extend(frames[i + 1 :])
+                ss.inbox_bytes = sum(len(f) for f in ss.inbox)
+                self._wait_turn(ss)
+                return
+
+    def _on_control(self, ss: _ServerSession, frame: zmq.Frame) -> None:
+        """One control message of a session (a protocol error drops the session)."""
+        try:
+            msg = ss.sess.receive(frame.buffer)
+        except RemoteProtocolError as exc:
+            self._count_error(getattr(exc, "code", "protocol"))
+            self._reply_raw(ss.rid, ErrorMsg("protocol", str(exc)[:200]))
+            self._drop_server(ss, exc, lost=True)
+            return
+        handler = self._handlers.get(type(msg))
+        if handler is not None:
+            handler(ss, msg)
+
+    def _wait_turn(self, ss: _ServerSession) -> None:
+        self._turns.append(ss)
+        if not self._turns_due:
+            self._turns_due = True
+            self._loop.call_soon(self._take_turns)
+
+    def _take_turns(self) -> None:
+        """Sessions with control frames waiting take turns of at most _SLICE_S each, for
+        at most _TURNS_S in all; the rest goes on in the next loop pass."""
+        self._turns_due = False
+        turns = self._turns
+        end = time.perf_counter() + _TURNS_S
+        for _ in range(len(turns)):
+            ss = turns.popleft()
+            inbox = ss.inbox
+            until = min(end, time.perf_counter() + _SLICE_S)
+            try:
+                while inbox and not ss.dead:
+                    self._on_control(ss, inbox.popleft())
+                    if time.perf_counter() > until:
+                        break
+            except Exception as exc:  # the loop must survive anything a peer sends
+                self._count_error("internal")
+                log.exception("aiokv: error handling a message: %s", exc)
+            if ss.dead:
+                inbox.clear()
+            elif inbox:
+                turns.append(ss)
+            else:
+                ss.inbox_bytes = 0
+            if time.perf_counter() > end:
+                break
+        if turns and not self._turns_due:
+            self._turns_due = True
+            self._loop.call_soon(self._take_turns)
 
     # ------------------------------------------------------------------ data port
 
@@ -604,7 +726,8 @@ class _Server:
         try:
             while True:
                 batch = [parse_monitor_message(await mon.recv_multipart())]
-                while True:
+                accepted = False
+                while len(batch) < 64:  # a burst of connections: a batch per loop pass
                     try:
                         frames = await mon.recv_multipart(flags=zmq.NOBLOCK)
                     except zmq.Again:
@@ -612,13 +735,13 @@ class _Server:
                     batch.append(parse_monitor_message(frames))
                 for i, ev in enumerate(batch):
                     if ev["event"] == zmq.EVENT_ACCEPTED:
-                        afd = int(ev["value"])
-                        self._unbound[afd] = (time.monotonic(), _peer_name(afd))
+                        self._on_accepted(int(ev["value"]))
+                        accepted = True
                         continue
                     if ev["event"] != zmq.EVENT_DISCONNECTED:
                         continue
                     fd = int(ev["value"])
-                    self._unbound.pop(fd, None)
+                    self._unbind(fd)
                     reused = any(
                         later["event"] == zmq.EVENT_ACCEPTED and int(later["value"]) == fd
                         for later in batch[i + 1 :]
@@ -628,16 +751,73 @@ class _Server:
                         self._drop_server(
                             ss, PeerLostError(f"connection from {ss.name} closed"), lost=True
                         )
+                        await asyncio.sleep(0)  # many sessions closing: one per loop pass
+                if accepted and self._cap_timer is None:
+                    self._cap_unbound()
         except asyncio.CancelledError:
             raise
         except (zmq.ZMQError, ValueError):
             return
 
+    def _on_accepted(self, fd: int) -> None:
+        """A connection was accepted: it has no session until its HELLO (DATA_HELLO)."""
+        if fd in self._fd_sessions:
+            return  # its HELLO was handled before this event
+        name = _peer_name(fd)
+        self._unbind(fd)  # a number reused before its DISCONNECTED was seen
+        self._unbound[fd] = (time.monotonic(), name)
+        host = _host_of(name)
+        self._unbound_hosts[host] = self._unbound_hosts.get(host, 0) + 1
+
+    def _cap_unbound(self) -> None:
+        """Connections without a session are capped, in all and per source address
+        (_unbound_caps): past a cap the oldest -- of that address, else of all -- are hung
+        up, once they had _UNBOUND_GRACE_S to say HELLO (a peer does within a round trip
+        of connecting). So new connections, an engine's among them, always get in, and
+        idle ones never hold more than an eighth of the descriptors. (zmq cannot refuse
+        a connection before accepting it, and ZAP sees only those that finish a
+        handshake and would refuse the newest, not the idle: docs/design.md.)
+        """
+        self._cap_timer = None
+        if self.engine._closed:
+            return
+        unbound, hosts = self._unbound, self._unbound_hosts
+        cap, cap_host = self._max_unbound, self._max_unbound_host
+        over = {h for h, n in hosts.items() if n > cap_host}
+        if not over and len(unbound) <= cap:
+            return
+        edge = time.monotonic() - _UNBOUND_GRACE_S
+        for fd, (at, name) in list(unbound.items()):  # oldest first
+            if at > edge:  # the rest are new: looked at again once their grace is over
+                self._cap_timer = self._loop.call_later(at - edge + 0.001, self._cap_unbound)
+                return
+            host = _host_of(name)
+            if host in over or len(unbound) > cap:
+                self._count_error("unbound_cap")
+                self._unbind(fd)
+                _shutdown_fd(fd, name)
+                if hosts.get(host, 0) <= cap_host:
+                    over.discard(host)
+                if not over and len(unbound) <= cap:
+                    return
+
+    def _unbind(self, fd: int) -> tuple[float, str | None] | None:
+        """``fd`` is no longer a connection without a session; what was recorded of it."""
+        seen = self._unbound.pop(fd, None)
+        if seen is not None:
+            host = _host_of(seen[1])
+            left = self._unbound_hosts.get(host, 1) - 1
+            if left > 0:
+                self._unbound_hosts[host] = left
+            else:
+                self._unbound_hosts.pop(host, None)
+        return seen
+
     def _bind_fd(self, ss: _ServerSession, frame: zmq.Frame) -> None:
         fd = _frame_fd(frame)
         if fd is None:
             return
-        self._unbound.pop(fd, None)
+        self._unbind(fd)
         ss.fds.append(fd)
         self._fd_sessions[fd] = ss
 
@@ -652,7 +832,7 @@ class _Server:
     def _hang_up(self, fd: int, after: float = 0.0) -> None:
         """Shut a connection zmq owns, now or ``after`` seconds; the remote end seen at
         accept (or now) guards against the descriptor naming another connection by then."""
-        seen = self._unbound.pop(fd, None)
+        seen = self._unbind(fd)
         name = seen[1] if seen else _peer_name(fd)
         if after:
             asyncio.get_running_loop().call_later(after, _shutdown_fd, fd, name)
@@ -841,7 +1021,8 @@ class _Server:
                 ntensors=len(msg.specs),
                 queued=len(ss.queued),
                 granted=len(ss.granted),
-                granted_tensors=ss.granted_tensors,
+                # queued ones too: what a session may make this end hold in memory
+                granted_tensors=ss.granted_tensors + len(ss.queued.ids),
             )
         ) is not None:
             code, detail = why
@@ -863,6 +1044,16 @@ class _Server:
             return
         if not ss.queued and self._try_grant(ss, msg):
             return
+        why = self._bounds.queue_refusal(
+            ntensors=len(msg.specs),
+            queued_tensors=len(ss.queued.ids),
+            all_queued_tensors=self._admission.tensors,
+        )
+        if why is not None:
+            self._stats.refused_sent += 1
+            self._reply(ss, ss.sess.send(Refuse(msg.xfer, *why)))
+            self._unpause_credit(ss, msg.xfer)
+            return
         self._admission.add(ss.queued, msg.xfer, msg, [s.tensor_id for s in msg.specs])
 
     def _try_grant(self, ss: _ServerSession, msg: Reserve) -> bool:
@@ -883,9 +1074,7 @@ class _Server:
         ss.granted_tensors += len(msg.specs)
         sink: Any = ss.nccl if msg.transport == "nccl" else ss.sink
         fut = sink.expect(seq, msg.xfer, msg.specs)
-        # a sink aborted after the session died is not an error to log
-        fut.add_done_callback(_retrieve)
-        fut.add_done_callback(lambda f: self._on_landed(ss, inx, f))
+        fut.add_done_callback(functools.partial(self._grant_done, ss, inx))
         self._reply(ss, ss.sess.send(Grant(msg.xfer, seq)))
         if msg.transport == "nccl":
             self._get_poller().touch()  # a granted NCCL receive lands soon: spin for it
@@ -893,13 +1082,46 @@ class _Server:
             _trace.mark("granted", ss.trace_id, msg.xfer)
         return True
 
+    def _grant_done(
+        self, ss: _ServerSession, inx: _InXfer, fut: asyncio.Future[list[torch.Tensor]]
+    ) -> None:
+        _retrieve(fut)  # a sink aborted after the session died is not an error to log
+        self._on_landed(ss, inx, fut)
+
+    def _cleanup(self, step: Callable[[], bool]) -> None:
+        """Queue a lost session's teardown: ``step()`` does a slice of it and answers
+        whether some is left. Every session's steps share one budget per loop pass
+        (_CLEANUP_S), so ten sessions lost together cost no more per pass than one."""
+        self._cleanups.append(step)
+        if not self._cleanup_due:
+            self._cleanup_due = True
+            self._loop.call_soon(self._run_cleanups)
+
+    def _run_cleanups(self) -> None:
+        self._cleanup_due = False
+        steps = self._cleanups
+        end = time.perf_counter() + _CLEANUP_S
+        while steps and time.perf_counter() < end:
+            if not steps[0]():
+                steps.popleft()
+        if steps:
+            self._cleanup_due = True
+            self._loop.call_soon(self._run_cleanups)
+
     def _cancel_in_slices(self, peer: PeerRef, ids: list[str], err: BaseException) -> None:
-        head, rest = ids[:_CANCEL_SLICE], ids[_CANCEL_SLICE:]
-        self._store.cancel(peer, head, err)
-        if rest:
-            asyncio.get_running_loop().call_soon(self._cancel_in_slices, peer, rest, err)
-        else:
+        """Release a lost session's pending tensors (their waiters fail with ``err``)."""
+        pos = 0
+
+        def step() -> bool:
+            nonlocal pos
+            self._store.cancel(peer, ids[pos : pos + _CANCEL_SLICE], err)
+            pos += _CANCEL_SLICE
+            if pos < len(ids):
+                return True
             self.pump_queue()
+            return False
+
+        self._cleanup(step)
 
     def pump_queue(self) -> None:
         """Grant queued reservations that fit now, oldest first across sessions.
@@ -908,12 +1130,23 @@ class _Server:
         later ones (one order per peer) but never another session's: one peer's
         large reservation waiting for room does not block the others.
         """
-        if self._admission.queued:
-            self._admission.pump(lambda q, msg: self._try_grant(q.owner, msg))
+        if self._admission.queued and not self._pump_due:
+            end = time.perf_counter() + _PUMP_S
+            self._admission.pump(
+                lambda q, msg: self._try_grant(q.owner, msg),
+                stop=lambda: time.perf_counter() > end,
+            )
+            if self._admission.queued and time.perf_counter() > end:
+                self._pump_due = True  # granting goes on next loop pass
+                self._loop.call_soon(self._pump_later)
         if self._starved:
             for ss in sorted(self._starved, key=_share):
                 if not ss.ack_due:
                     self._send_credit(ss)
+
+    def _pump_later(self) -> None:
+        self._pump_due = False
+        self.pump_queue()
 
     def _forget_expired_credit(self, ss: _ServerSession, now: float) -> None:
         """Tensors held on credit past the store's TTL have expired: refill the window."""
@@ -1013,6 +1246,7 @@ class _Server:
             raise RemoteProtocolError("RETURN without credit")
         ss.ledger.give_back(msg.credit_bytes, msg.credit_tensors)
         self._store.reserved -= msg.credit_bytes
+        self._store.credit_n -= msg.credit_tensors
         # the RESERVE it makes room for (control connection: it may come before or
         # after) is granted or ends before new credit could take the room
         if msg.xfer in ss.queued or msg.xfer > ss.sess.max_xfer_seen:
@@ -1031,6 +1265,7 @@ class _Server:
         n = msg.nbytes
         ledger.spend(n, k)
         self._store.reserved -= n  # the session's credit becomes this transfer's room
+        self._store.credit_n -= k
         assert ss.peer is not None
         if k == 1 and len(frames) == 1 and 0 < n <= DATA_FRAME_BYTES and len(frames[0]) == n:
             # one frame, length checked: the collector makes it a tensor (FrameTensor)
@@ -1044,8 +1279,8 @@ class _Server:
         try:
             if ss.queued.claims_any(t for t, _, _ in items):
                 raise DuplicateTensorError("duplicate")
-            if not self._store.try_land(ss.peer, items):
-                why = "busy"  # the store's tensor count is full (bytes were credited)
+            if not self._store.try_land(ss.peer, items, credited=True):
+                why = "busy"  # (bytes and tensors were credited: not for want of room)
         except DuplicateTensorError:
             why = "duplicate"
         if why:
@@ -1083,17 +1318,19 @@ class _Server:
         # reservation must not starve every other peer: windows are bounded instead).
         # When room is short, sessions holding less go first (see pump_queue).
         room = 0 if ledger.paused_for else max(0, store.capacity - store.used)
+        room_t = 0 if ledger.paused_for else max(0, store.max_tensors - store.count)
         if (
-            room
+            (room or room_t)
             and self._starved
             and any(
                 o is not ss and o.ledger is not None and o.ledger.share < ledger.share
                 for o in self._starved
             )
         ):
-            room = 0
-        add_b, add_t = ledger.top_up(room)
+            room = room_t = 0
+        add_b, add_t = ledger.top_up(room, room_t)
         store.reserved += add_b
+        store.credit_n += add_t
         if ledger.short:
             self._starved.add(ss)  # the budget is short: retried as room frees
         else:
@@ -1283,6 +1520,7 @@ class _Server:
             ss.ack_timer.cancel()
             ss.ack_timer = None
         self._admission.close(ss.queued)  # before anything below may pump the queue
+        ss.inbox.clear()
         if lost:
             self._stats.peers_lost += 1
         self._servers.pop(ss.rid, None)
@@ -1292,7 +1530,8 @@ class _Server:
             del self._by_peer[ss.peer.engine_id]
         if ss.ledger is not None:
             self._store.reserved -= ss.ledger.credit_bytes  # unspent credit goes back
-            ss.ledger.credit_bytes = 0
+            self._store.credit_n -= ss.ledger.credit_tensors
+            ss.ledger.credit_bytes = ss.ledger.credit_tensors = 0
         if ss.data_rid is not None:
             self._data_rids.pop(ss.data_rid, None)
         for fd in ss.fds:
@@ -1302,7 +1541,8 @@ class _Server:
                     # a peer judged dead or hostile: its connections must not linger
                     # (after a moment, so that an ERROR queued for it still leaves)
                     self._hang_up(fd, after=0.05)
-        ss.sink.abort(exc)
+        sink = ss.sink
+        self._cleanup(lambda: sink.abort(exc, _CANCEL_SLICE // 4))
         if ss.nccl is not None:
             ss.nccl.abort(exc)
         if ss.peer is not None:
@@ -1322,6 +1562,6 @@ class _Server:
         limit = self.config.timeouts.connect
         for fd, (at, name) in list(self._unbound.items()):
             if now - at > limit and fd not in self._fd_sessions:
-                del self._unbound[fd]
+                self._unbind(fd)
                 self._count_error("no_hello")
                 _shutdown_fd(fd, name)

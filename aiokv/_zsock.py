@@ -26,7 +26,20 @@ from typing import Any, cast
 
 import zmq
 
-__all__ = ["LoopSocket", "monitor_socket"]
+__all__ = ["CURVE_FRAME_OVERHEAD", "LoopSocket", "max_msg_size", "monitor_socket"]
+
+#: What CURVE adds to each frame on the wire: libzmq sends every frame as an encrypted
+#: MESSAGE command (its name and nonce, 16 bytes; the box's MAC, 16; a flags byte) -- 33
+#: bytes in libzmq 4.x, rounded up here. zmq checks ``MAXMSGSIZE`` against the frame as
+#: it arrives, before decrypting it, so a limit meant for the payload must include this.
+CURVE_FRAME_OVERHEAD = 64
+
+
+def max_msg_size(payload: int, curve: bool) -> int:
+    """The ``MAXMSGSIZE`` that lets frames of ``payload`` bytes through (with CURVE on:
+    plus :data:`CURVE_FRAME_OVERHEAD`, which is what zmq measures)."""
+    return payload + CURVE_FRAME_OVERHEAD if curve else payload
+
 
 _POLLIN = int(zmq.POLLIN)
 _POLLOUT = int(zmq.POLLOUT)

@@ -105,6 +105,10 @@ class ReceiveStore:
     reserved: int = 0  # granted, not landed
     held: int = 0  # landed, not collected
     pending_n: int = 0  # tensors granted, not landed
+    #: tensors of the standing credit windows the engine granted its peers: set aside
+    #: in the count as credit bytes are in ``reserved``, so that other peers' grants
+    #: never take the room a credited transfer lands in
+    credit_n: int = 0
     peak: int = 0
     expired_count: int = 0
     collected_count: int = 0
@@ -119,17 +123,16 @@ class ReceiveStore:
 
     @property
     def count(self) -> int:
-        """Tensors granted or held (what ``max_tensors`` bounds)."""
-        return self.pending_n + len(self._landed)
+        """Tensors granted, held or set aside as credit (what ``max_tensors`` bounds)."""
+        return self.pending_n + len(self._landed) + self.credit_n
 
     def fits(self, nbytes: int, ntensors: int = 0) -> bool:
         """Room for ``nbytes`` and ``ntensors`` more. A transfer of more tensors than
-        ``max_tensors`` still fits an empty store (the wire limit bounds it), so no
-        transfer can wait forever."""
+        ``max_tensors`` still fits a store that holds and expects nothing (the wire limit
+        bounds it), so no transfer can wait forever."""
         if self.used + nbytes > self.capacity:
             return False
-        n = self.count
-        return n + ntensors <= self.max_tensors or n == 0
+        return self.count + ntensors <= self.max_tensors or self.pending_n + len(self._landed) == 0
 
     def check_free(self, peer: PeerRef, tensor_ids: list[str]) -> None:
         """Raise DuplicateTensorError if any id from this peer is pending or held."""
@@ -154,11 +157,14 @@ class ReceiveStore:
             self._entries.setdefault(tid, {})[peer.engine_id] = _Entry(peer, n)
         return True
 
-    def try_land(self, peer: PeerRef, items: list[tuple[str, int, Any]]) -> bool:
+    def try_land(
+        self, peer: PeerRef, items: list[tuple[str, int, Any]], *, credited: bool = False
+    ) -> bool:
         """``try_reserve`` and ``land`` of every ``(id, nbytes, tensor)`` in one step (a
         transfer whose data came with its header): False if it does not fit now; raises
         DuplicateTensorError like ``try_reserve``. A waiting collector gets its tensor at
-        once; the rest is held until collected or its TTL."""
+        once; the rest is held until collected or its TTL. ``credited``: the caller took
+        the tensors from ``credit_n`` (their room was set aside): the count is not checked."""
         eid = peer.engine_id
         entries = self._entries
         for tid, _, _ in items:
@@ -166,7 +172,7 @@ class ReceiveStore:
             if per is not None and eid in per:
                 self.check_free(peer, [tid])  # raises, naming it
         total = items[0][1] if len(items) == 1 else sum(n for _, n, _ in items)
-        if not self.fits(total, len(items)):
+        if not self.fits(total, 0 if credited else len(items)):
             return False
         self.peak = max(self.peak, self.used + total)
         expires = time.monotonic() + self.ttl
@@ -376,7 +382,7 @@ class ReceiveStore:
         self._waiters.clear()
         self._entries.clear()
         self._landed.clear()
-        self.reserved = self.held = self.pending_n = 0
+        self.reserved = self.held = self.pending_n = self.credit_n = 0
 
     def statistics(self) -> StoreStatistics:
         return StoreStatistics(

@@ -23,8 +23,10 @@ def after_landing(
         land(self, peer, tid, value)
         then(self, tid)
 
-    def hooked_try_land(self: ReceiveStore, peer: Any, items: list[tuple[str, int, Any]]) -> bool:
-        ok = try_land(self, peer, items)
+    def hooked_try_land(
+        self: ReceiveStore, peer: Any, items: list[tuple[str, int, Any]], **kw: Any
+    ) -> bool:
+        ok = try_land(self, peer, items, **kw)
         if ok:
             for tid, _, _ in items:
                 then(self, tid)

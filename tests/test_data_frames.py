@@ -15,6 +15,7 @@ reassembled.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import socket
 import struct
 import threading
@@ -187,10 +188,53 @@ def paths(monkeypatch: pytest.MonkeyPatch) -> dict[str, int]:
     return seen
 
 
+def _curve_pair(keys: str) -> tuple[aiokv.EngineConfig, aiokv.EngineConfig]:
+    """Two engines' configurations with CURVE on: ``secret`` (one shared secret) or
+    ``keypairs`` (a key pair each, every side allowing only the other's key)."""
+    if keys == "secret":
+        c = aiokv.CurveConfig.from_secret("the cluster's shared secret, long enough")
+        return aiokv.EngineConfig(curve=c), aiokv.EngineConfig(curve=c)
+    assert keys == "keypairs"
+    (pa, sa), (pb, sb) = zmq.curve_keypair(), zmq.curve_keypair()
+    ca = aiokv.CurveConfig(pa, sa, frozenset({pb}), default_server_key=pb)
+    cb = aiokv.CurveConfig(pb, sb, frozenset({pa}), default_server_key=pa)
+    return aiokv.EngineConfig(curve=ca), aiokv.EngineConfig(curve=cb)
+
+
+def _pair(mode: str) -> tuple[aiokv.EngineConfig, aiokv.EngineConfig]:
+    return (aiokv.EngineConfig(), aiokv.EngineConfig()) if mode == "clear" else _curve_pair(mode)
+
+
+MODES = ["clear", "secret", "keypairs"]
+#: around one data frame (CURVE adds its overhead to each on the wire), several, and large
+CURVE_SIZES = [1, F - 64, F - 34, F - 33, F - 1, F, F + 1, 3 * F, 64 * MiB]
+
+
+@pytest.mark.timeout(90)
+@pytest.mark.parametrize("keys", ["secret", "keypairs"])
+@pytest.mark.parametrize("n", CURVE_SIZES)
+async def test_curve_carries_every_size_bit_exact(anyio_backend: Any, keys: str, n: int) -> None:
+    """CURVE encrypts each frame into a larger one on the wire: a full 1 MiB data frame
+    must still fit the data port's limit (it was hung up: every tensor of about 1 MiB
+    or more was lost)."""
+    ca, cb = _curve_pair(keys)
+    async with aiokv.Engine(ca) as a, aiokv.Engine(cb) as b:
+        t = _bytes(n, n % 997)
+        await a.send("t", t, to=b.address, timeout=30)
+        assert same_bytes(await b.recv("t", frm=a.address, timeout=30), t), n
+        # and the other way, in the same run (each side is the other's client)
+        u = _bytes(n, n % 991 + 1)
+        await b.send("u", u, to=a.address, timeout=30)
+        assert same_bytes(await a.recv("u", timeout=30), u), n
+        assert a.statistics().peers_lost == b.statistics().peers_lost == 0
+
+
+@pytest.mark.parametrize("mode", MODES)
 async def test_sizes_round_trip_on_credit_and_tensors_over_the_put_limit_reserve(
-    anyio_backend: Any, paths: dict[str, int]
+    anyio_backend: Any, paths: dict[str, int], mode: str
 ) -> None:
-    async with aiokv.Engine() as a, aiokv.Engine() as b:
+    ca, cb = _pair(mode)
+    async with aiokv.Engine(ca) as a, aiokv.Engine(cb) as b:
         for i, n in enumerate([*SIZES, PUT_MAX + 1]):
             t = _bytes(n, 100 + i)
             await a.send(f"one{i}", t, to=b.address, timeout=20)
@@ -206,12 +250,14 @@ async def test_sizes_round_trip_on_credit_and_tensors_over_the_put_limit_reserve
         assert paths == {"put": 7, "reserve": 1}
 
 
+@pytest.mark.parametrize("mode", MODES)
 async def test_sizes_round_trip_on_the_reserve_path_inline_and_in_a_worker(
-    anyio_backend: Any, paths: dict[str, int]
+    anyio_backend: Any, paths: dict[str, int], mode: str
 ) -> None:
     # a one-byte window: everything from 2 bytes up is reserved
-    rx = aiokv.EngineConfig(limits=aiokv.Limits(credit_bytes=1))
-    async with aiokv.Engine() as a, aiokv.Engine(rx) as b:
+    ca, cb = _pair(mode)
+    rx = dataclasses.replace(cb, limits=aiokv.Limits(credit_bytes=1))
+    async with aiokv.Engine(ca) as a, aiokv.Engine(rx) as b:
         for i, n in enumerate(SIZES[2:]):  # F+1: inline (<= 2 MiB); 3F+5: worker thread
             t = _bytes(n, 300 + i)
             await a.send(f"one{i}", t, to=b.address, timeout=20)

@@ -432,6 +432,21 @@ async def test_one_shared_secret_authenticates_a_cluster(anyio_backend: Any) -> 
             await b.recv("y", timeout=0.3)
 
 
+@pytest.mark.parametrize(
+    "secret", [12345, 10**30, None, 1.5, ["a" * 16], "", "fifteen chars!!", b"x" * 15]
+)
+def test_from_secret_takes_only_text_or_bytes_of_16_bytes(secret: Any) -> None:
+    # bytes(12345) would be 12,345 zero bytes: an int is refused, not turned into a secret
+    with pytest.raises(aiokv.ConfigError, match="str or bytes secret of at least 16 bytes"):
+        aiokv.CurveConfig.from_secret(secret)
+    a = aiokv.CurveConfig.from_secret(b"s" * 16)
+    assert (
+        a
+        == aiokv.CurveConfig.from_secret("s" * 16)
+        == aiokv.CurveConfig.from_secret(bytearray(b"s" * 16))
+    )
+
+
 @pytest.mark.timeout(30)
 async def test_a_delayed_hang_up_never_shuts_a_reused_descriptor() -> None:
     """A hang-up scheduled for a connection that was already gone (no remote end seen)

@@ -45,6 +45,20 @@ HOARD = [
 HOARD_8000 = CODEC.encode(
     m.Reserve(99, "tcp", tuple(m.TensorSpec(f"y{j}", "uint8", (0,)) for j in range(8000)))
 )
+#: one zmq message of 1,000 RESERVEs of 64 zero-byte tensors each (sent by ten sessions)
+SESSION_FLOOD = [
+    CODEC.encode(
+        m.Reserve(i, "tcp", tuple(m.TensorSpec(f"s{i}.{j}", "uint8", (0,)) for j in range(64)))
+    )
+    for i in range(1, 1001)
+]
+#: one zmq message of 4,000 RESERVEs of 200 MiB (the budget is 256 MiB: they queue) ...
+QUEUE_FLOOD = [
+    CODEC.encode(m.Reserve(i, "tcp", (m.TensorSpec(f"q{i}", "uint8", (200 << 20,)),)))
+    for i in range(1, 4001)
+]
+#: ... and one of 4,000 WITHDRAWs of them
+WITHDRAW_FLOOD = [CODEC.encode(m.Withdraw(i)) for i in range(1, 4001)]
 
 
 @dataclass(frozen=True)
@@ -204,6 +218,44 @@ async def item15_data_handshake(ctx: zmq.asyncio.Context, eng: Victim, legit: st
     await asyncio.to_thread(_huge_handshake_frames, host, eng.data_port)
 
 
+async def flood_sessions(ctx: zmq.asyncio.Context, eng: Victim, legit: str) -> None:
+    # ten sessions that never authenticated, each sends ONE message of 1,000 RESERVEs x 64
+    # zero-byte tensors: 640,000 tensor specs, all in the engine's zmq queue at once
+    socks = [await _hello(ctx, eng.address, f"flood{k}", "127.0.0.1:9") for k in range(10)]
+    for s in socks:
+        await s.send_multipart(SESSION_FLOOD, copy=False)
+    for n in range(15):  # kept alive while the engine works through it
+        for s in socks:
+            await s.send(CODEC.encode(m.Ping(n + 1)))
+        await asyncio.sleep(0.1)
+    for s in socks:
+        s.close()
+
+
+async def idle_connections(ctx: zmq.asyncio.Context, eng: Victim, legit: str) -> None:
+    # 600 connections that finish zmq's handshake and never say HELLO; zmq reconnects
+    # each one the engine hangs up (every 100 ms): a standing stream of new idle ones
+    socks = []
+    for _ in range(600):
+        s = ctx.socket(zmq.DEALER)
+        s.setsockopt(zmq.LINGER, 0)
+        s.connect(f"tcp://{eng.address}")
+        socks.append(s)
+    await asyncio.sleep(2.0)
+    for s in socks:
+        s.close()
+
+
+async def flood_queue_and_withdraw(ctx: zmq.asyncio.Context, eng: Victim, legit: str) -> None:
+    s = await _hello(ctx, eng.address, "queuer", "127.0.0.1:9")
+    await s.send_multipart(QUEUE_FLOOD, copy=False)
+    await s.send_multipart(WITHDRAW_FLOOD, copy=False)
+    for n in range(10):
+        await s.send(CODEC.encode(m.Ping(n + 1)))
+        await asyncio.sleep(0.1)
+    s.close()
+
+
 ATTACKS: dict[str, Callable[[zmq.asyncio.Context, Victim, str], Awaitable[None]]] = {
     "9-nested-frames": item9,
     "10-overflowing-shape": item10,
@@ -214,6 +266,9 @@ ATTACKS: dict[str, Callable[[zmq.asyncio.Context, Victim, str], Awaitable[None]]
     "15-idle-and-huge-first-frame": item15,
     "15-data-port-without-a-token": item15_data,
     "15-data-port-huge-handshake-frame": item15_data_handshake,
+    "flood-ten-sessions-one-message-each": flood_sessions,
+    "flood-4000-queued-then-withdrawn": flood_queue_and_withdraw,
+    "idle-connections-600": idle_connections,
 }
 
 

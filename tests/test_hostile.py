@@ -267,3 +267,68 @@ async def test_raw_tcp_garbage_and_stalled_handshakes(anyio_backend: Any) -> Non
             s.close()
         await asyncio.sleep(0.1)
         await _healthy(eng)
+
+
+@pytest.mark.timeout(90)
+async def test_strangers_flooding_reservations_never_fail_an_established_peers_sends(
+    anyio_backend: Any,
+) -> None:
+    """Ten sessions that never authenticated each send ONE zmq message of 1,000 RESERVEs of
+    64 zero-byte tensors (no bytes: only the store's tensor count bounds them). A peer whose
+    session was open before must still send: its standing credit -- bytes and tensors -- is
+    set aside for it, so nothing the strangers hoard is refused to it as "busy"; and what
+    they may queue is bounded by each session's share (granted and queued tensors)."""
+    flood = [
+        CODEC.encode(
+            m.Reserve(i, "tcp", tuple(m.TensorSpec(f"s{i}.{j}", "uint8", (0,)) for j in range(64)))
+        )
+        for i in range(1, 1001)
+    ]
+    ctx = zmq.asyncio.Context()
+    try:
+        async with aiokv.Engine() as eng, aiokv.Engine() as legit:
+            await legit.send("warm", torch.ones(4), to=eng.address, timeout=10)
+            await eng.recv("warm", timeout=5)
+            share = eng.config.limits.store_tensors // 4
+            socks = []
+            for k in range(10):
+                s = await _dealer(ctx, eng.address)
+                await s.send(
+                    CODEC.encode(
+                        m.Hello(m.PROTOCOL_VERSION, f"f{k}", "127.0.0.1:9", ("tcp",), None)
+                    )
+                )
+                assert isinstance(await _reply(s), m.Welcome)
+                socks.append(s)
+            for s in socks:
+                await s.send_multipart(flood, copy=False)
+            cap = eng.config.limits.store_tensors
+            window = eng.config.limits.credit_tensors
+
+            def hoarded() -> bool:
+                st = eng.statistics()
+                assert st.store is not None
+                return st.store.pending_tensors + 64 > cap - window
+
+            deadline = asyncio.get_running_loop().time() + 30
+            while not hoarded():
+                assert asyncio.get_running_loop().time() < deadline, eng.statistics()
+                await asyncio.sleep(0.02)
+            st = eng.statistics()
+            # what strangers queue is bounded: all sessions' queue (a quarter of the count)
+            # plus one transfer's allowance each, whatever their number
+            own = eng.config.limits.max_tensors_per_transfer
+            assert st.queued_reservations * 64 <= share + 10 * own, st.queued_reservations
+            tensors = {
+                f"x{i}": torch.randint(0, 256, (1000 + i,), dtype=torch.uint8) for i in range(300)
+            }
+            await asyncio.gather(
+                *(legit.send(k, t, to=eng.address, timeout=20) for k, t in tensors.items())
+            )
+            for k, t in tensors.items():
+                assert same_bytes(await eng.recv(k, timeout=10), t), k
+            assert legit.statistics().peers_lost == 0
+            for s in socks:
+                s.close()
+    finally:
+        ctx.destroy(0)

@@ -55,17 +55,28 @@ class PeerBounds:
     queued            ``busy``                    a session's waiting RESERVEs are
                                                   bounded (the queue lives in memory)
     granted           ``busy``                    as many granted-not-landed transfers
-    tensors           ``busy``                    its share of the store's tensor count:
-                                                  empty tensors cost no bytes
+    tensors           ``busy``                    its share of the store's tensor count
+                                                  (granted and queued): empty tensors
+                                                  cost no bytes, and a queued spec
+                                                  costs memory
     ================  ==========================  =====================================
 
-    Checked in that order; the first rule broken is the answer.
+    Checked in that order; the first rule broken is the answer. A RESERVE that must
+    wait is also refused (``busy``) when the reservations all sessions queue hold
+    ``max_queued_tensors`` tensors, unless its session queues less than
+    ``own_queued_tensors`` (:meth:`queue_refusal`): many sessions together cannot
+    take the queue an established one needs.
     """
 
     budget_bytes: int
     max_queued: int
     max_granted: int
     max_tensors_in_flight: int
+    #: tensors of the reservations queued by all sessions together: what strangers can
+    #: make this end hold (and its collector walk) does not grow with their number ...
+    max_queued_tensors: int = 1 << 62
+    #: ... but a session may always queue this many of its own, whatever the others hold
+    own_queued_tensors: int = 0
 
     def refusal(
         self, *, nbytes: int, ntensors: int, queued: int, granted: int, granted_tensors: int
@@ -79,6 +90,18 @@ class PeerBounds:
             return "busy", "too many granted transfers in flight"
         if granted_tensors + ntensors > self.max_tensors_in_flight:
             return "busy", "too many tensors in flight from this peer"
+        return None
+
+    def queue_refusal(
+        self, *, ntensors: int, queued_tensors: int, all_queued_tensors: int
+    ) -> tuple[str, str] | None:
+        """``(code, detail)`` if a RESERVE that must wait may not be queued: the queue of
+        all sessions is full, and this session already queues its own allowance."""
+        if (
+            queued_tensors + ntensors > self.own_queued_tensors
+            and all_queued_tensors + ntensors > self.max_queued_tensors
+        ):
+            return "busy", "the reservation queue is full"
         return None
 
 
@@ -129,12 +152,13 @@ class PeerQueue(Generic[T]):
 class AdmissionQueue(Generic[T]):
     """The heads of every session's queue, oldest first; see the module docstring."""
 
-    __slots__ = ("_arrivals", "_heads", "queued")
+    __slots__ = ("_arrivals", "_heads", "queued", "tensors")
 
     def __init__(self) -> None:
         self._heads: list[tuple[int, int, PeerQueue[T]]] = []
         self._arrivals = itertools.count()
         self.queued = 0  # reservations waiting, all sessions
+        self.tensors = 0  # tensor ids they claim, all sessions
 
     def add(self, q: PeerQueue[T], xfer: int, item: T, ids: Iterable[str]) -> None:
         """Queue ``item`` (transfer ``xfer`` of ``q``'s session), claiming ``ids``."""
@@ -145,7 +169,9 @@ class AdmissionQueue(Generic[T]):
         n = next(self._arrivals)
         claimed = tuple(ids)
         q._items[xfer] = (item, n, claimed)
+        before = len(q.ids)
         q.ids.update(claimed)
+        self.tensors += len(q.ids) - before
         self.queued += 1
         if q.heap_key is None:
             q.heap_key = n
@@ -156,31 +182,39 @@ class AdmissionQueue(Generic[T]):
 
         A withdrawn head leaves a stale heap entry that :meth:`pump` re-files.
         """
+        before = len(q.ids)
         item = q._pop(xfer)
         if item is not None:
             self.queued -= 1
+            self.tensors -= before - len(q.ids)
         return item
 
     def close(self, q: PeerQueue[T]) -> list[T]:
         """The session is gone: drop (and return) everything it had queued."""
         items = [item for item, _, _ in q._items.values()]
         self.queued -= len(items)
+        self.tensors -= len(q.ids)
         q._items.clear()
         q.ids.clear()
         q.closed = True
         return items
 
-    def pump(self, grant: Callable[[PeerQueue[T], T], bool]) -> list[tuple[PeerQueue[T], int, T]]:
+    def pump(
+        self,
+        grant: Callable[[PeerQueue[T], T], bool],
+        stop: Callable[[], bool] | None = None,
+    ) -> list[tuple[PeerQueue[T], int, T]]:
         """Offer heads to ``grant``, oldest first; return what was granted, in order.
 
         ``grant(q, item)`` reserves the room and answers True, or answers False when
         the item does not fit now: then ``q``'s session waits for the next round and
-        the others go on.
+        the others go on. ``stop()``, asked after each grant, ends the round early
+        (a time budget: the caller pumps again later, the order is kept).
         """
         heads = self._heads
         stuck: list[tuple[int, int, PeerQueue[T]]] = []
         out: list[tuple[PeerQueue[T], int, T]] = []
-        while heads:
+        while heads and not (out and stop is not None and stop()):
             key, tie, q = heads[0]
             if q.closed or not q or q.heap_key != key:
                 heapq.heappop(heads)  # stale entry
@@ -197,8 +231,10 @@ class AdmissionQueue(Generic[T]):
             if not grant(q, item):
                 stuck.append(heapq.heappop(heads))
                 continue
+            before = len(q.ids)
             q._pop(xfer)
             self.queued -= 1
+            self.tensors -= before - len(q.ids)
             out.append((q, xfer, item))
             nxt = q.head()
             if nxt is not None:

@@ -4,7 +4,7 @@ Version 1 asked for room per transfer (RESERVE -> GRANT -> DATA -> DONE: two
 round trips before the data is acknowledged). Version 2 keeps the rule "no
 data on the wire without room" but moves the asking off the critical path:
 the receiver grants each session a *window* in advance — bytes and a tensor
-count, reserved in its receive budget — and tops it up as the session's
+count, both reserved in its receive budget — and tops it up as the session's
 tensors are collected. The sender spends credit locally and sends one message
 (PUT header + tensor frames); the receiver answers with coalesced ACKs that
 carry new credit, the landed transfers and the refused ones.
@@ -91,8 +91,9 @@ class CreditLedger:
         to the sessions with the smallest share first."""
         return self.credit_bytes + self.held_bytes
 
-    def top_up(self, room: int) -> tuple[int, int]:
-        """New credit to send, at most ``room`` bytes (the budget left); (0, 0) if none.
+    def top_up(self, room: int, room_tensors: int) -> tuple[int, int]:
+        """New credit to send, at most ``room`` bytes and ``room_tensors`` tensors (the
+        budget left); (0, 0) if none.
 
         Always refills as far as the room allows: the sender cannot say how much its
         next transfer needs, so any shortfall left standing could stall it for good.
@@ -100,7 +101,7 @@ class CreditLedger:
         """
         wb, wt = self.want()
         add_b = max(0, min(wb, room))
-        add_t = max(0, wt)
+        add_t = max(0, min(wt, room_tensors))
         self.credit_bytes += add_b
         self.credit_tensors += add_t
         return (add_b, add_t)
@@ -108,7 +109,8 @@ class CreditLedger:
     @property
     def short(self) -> bool:
         """The window is not full: more credit is due as soon as the budget has room."""
-        return self.want()[0] > 0
+        wb, wt = self.want()
+        return wb > 0 or wt > 0
 
 
 @dataclass(slots=True)

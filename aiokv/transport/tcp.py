@@ -12,7 +12,9 @@ Why bounded frames: zmq buffers a whole frame before anyone sees it, the
 handshake's frames included, up to the socket's ``MAXMSGSIZE``. With one frame
 per tensor that limit had to be the largest tensor (2 GiB by default), so a
 stranger who never authenticated could make the engine hold that much. With
-1 MiB frames the data port's limit is the control port's.
+1 MiB frames the data port's limit is the control port's. With CURVE each frame
+grows on the wire (zmq checks the encrypted frame), so both ports' limits then add
+:data:`aiokv._zsock.CURVE_FRAME_OVERHEAD`.
 
 The receiver checks the frame count and every frame's length against the
 granted specs before it allocates anything. A one-frame tensor is wrapped with
@@ -369,9 +371,19 @@ class TcpSink:
             entry[1].cancel()
         return entry is not None
 
-    def abort(self, exc: BaseException) -> None:
-        for fut in [f for _, f in self._expected.values()] + list(self._assembling):
+    def abort(self, exc: BaseException, limit: int | None = None) -> bool:
+        """Fail every expected transfer with ``exc`` -- at most ``limit`` of them now (each
+        failed future schedules its callbacks: a session with thousands granted is failed
+        over several loop passes). True if some are left for another call."""
+        n = 0
+        while self._assembling and (limit is None or n < limit):
+            fut = self._assembling.pop()
             if not fut.done():
                 fut.set_exception(exc)
-        self._expected.clear()
-        self._assembling.clear()
+                n += 1
+        while self._expected and (limit is None or n < limit):
+            _, (_, fut) = self._expected.popitem()
+            if not fut.done():
+                fut.set_exception(exc)
+                n += 1
+        return bool(self._expected or self._assembling)

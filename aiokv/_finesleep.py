@@ -167,14 +167,13 @@ class FinePoll:
 
     def __init__(self, interval_s: float) -> None:
         self.interval_s = interval_s
-        self._live: set[_FineWait] = set()
         self._waiter: Waiter | None = None
         self._last_tick = -1
         self.ticks = 0
 
     @property
     def waiting(self) -> int:
-        return len(self._live)
+        return 0 if self._waiter is None else len(self._waiter.futures_of(self))
 
     @property
     def ticking(self) -> bool:
@@ -189,38 +188,14 @@ class FinePoll:
         from ._waiter import waiter_for  # (the waiter imports TimerFd from here)
 
         waiter = self._waiter = waiter_for()
-        me = _FineWait()
-        self._live.add(me)
-
-        def ask() -> Any:
-            if me.error is not None:
-                raise me.error
-            if not me.asked:  # (the waiter's first query, at the call: not a tick)
-                me.asked = True
-            elif waiter.ticks != self._last_tick:
-                self._last_tick = waiter.ticks
-                self.ticks += 1
-            return query()
-
-        try:
-            return await waiter.wait_until(
-                ask, time.monotonic() + timeout, interval=self.interval_s
-            )
-        finally:
-            self._live.discard(me)
+        return await waiter.wait_until(
+            query, time.monotonic() + timeout, interval=self.interval_s, _owner=self
+        )
 
     async def aclose(self, error: BaseException | None = None) -> None:
-        """Waits still registered fail with ``error`` at their next tick (None: they
-        go on to their own ends). A later wait works as before."""
-        if error is not None:
-            for me in self._live:
-                me.error = error
-
-
-class _FineWait:
-    __slots__ = ("asked", "error")
-
-    def __init__(self) -> None:
-        self.error: BaseException | None = None
-        self.asked = False
-
+        """Waits of this poll still registered fail with ``error`` now (None: they go
+        on to their own ends). A later wait works as before."""
+        if error is not None and self._waiter is not None:
+            for fut in self._waiter.futures_of(self):
+                if not fut.done():
+                    fut.set_exception(error)

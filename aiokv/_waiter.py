@@ -95,17 +95,33 @@ class WaitEntry:
     """One registration of :meth:`Waiter.add` (fields may be changed by its owner,
     followed by :meth:`Waiter.reschedule`)."""
 
-    __slots__ = ("interval", "max_interval", "next_at", "poll", "spin_until", "start_interval")
+    __slots__ = (
+        "deadline",
+        "fut",
+        "interval",
+        "max_interval",
+        "next_at",
+        "owner",
+        "poll",
+        "query",
+        "spin_until",
+        "start_interval",
+    )
 
     def __init__(
         self,
-        poll: Callable[[float], bool],
+        poll: Callable[[float], bool] | None,
         interval: float,
         max_interval: float,
         spin_until: float,
         next_at: float,
     ) -> None:
         self.poll = poll
+        # a wait_until's, asked in the tick itself (no callback per query)
+        self.query: Callable[[], Any] | None = None
+        self.fut: asyncio.Future[bool] | None = None
+        self.deadline = 0.0
+        self.owner: Any = None  # counts the ticks it was asked at (FinePoll)
         self.interval = interval
         self.start_interval = interval
         self.max_interval = max_interval
@@ -172,6 +188,7 @@ class Waiter:
         spin: float = 0.0,
         interval: float = DEFAULT_INTERVAL_S,
         max_interval: float | None = None,
+        _owner: Any = None,
     ) -> bool:
         """True once ``query()`` is true; False once ``time.monotonic() >= deadline``.
 
@@ -184,26 +201,10 @@ class Waiter:
         if now >= deadline:
             return False
         fut: asyncio.Future[bool] = self._loop.create_future()
-
-        def poll(now: float) -> bool:
-            if fut.done():
-                return True
-            try:
-                fired = bool(query())
-            except Exception as exc:  # (a sticky CUDA error): raised in the wait
-                fut.set_exception(exc)
-                return True
-            if fired:
-                fut.set_result(True)
-                return True
-            if now >= deadline:
-                fut.set_result(False)
-                return True
-            return False
-
-        entry = self.add(
-            poll, interval=interval, max_interval=max_interval, spin=min(spin, deadline - now)
+        entry = self._register(
+            None, interval, max_interval, min(spin, deadline - now), now, query, fut, deadline
         )
+        entry.owner = _owner
         try:
             return await fut
         finally:
@@ -228,16 +229,33 @@ class Waiter:
         """Call ``poll(now)`` (``now``: ``time.monotonic()``) at the ticks until it
         returns True; see the module docstring for when. Raises ``RuntimeError`` on
         a closed loop."""
+        return self._register(poll, interval, max_interval, spin, time.monotonic())
+
+    def _register(
+        self,
+        poll: Callable[[float], bool] | None,
+        interval: float,
+        max_interval: float | None,
+        spin: float,
+        now: float,
+        query: Callable[[], Any] | None = None,
+        fut: asyncio.Future[bool] | None = None,
+        deadline: float = 0.0,
+    ) -> WaitEntry:
         if not interval > 0:
             raise ValueError(f"interval must be positive, got {interval!r}")
         if self._loop.is_closed():
             raise RuntimeError("the event loop is closed")
         top = interval if max_interval is None else max(interval, max_interval)
-        now = time.monotonic()
         entry = WaitEntry(poll, interval, top, now + max(spin, 0.0), now + interval)
+        entry.query, entry.fut, entry.deadline = query, fut, deadline
         self._entries.append(entry)
         self._schedule(now)
         return entry
+
+    def futures_of(self, owner: object) -> list[asyncio.Future[bool]]:
+        """The futures of the :meth:`wait_until` waits registered for ``owner``."""
+        return [e.fut for e in self._entries if e.owner is owner and e.fut is not None]
 
     def discard(self, entry: WaitEntry) -> None:
         """Unregister ``entry`` (idempotent); the timer stops with the last one."""
@@ -257,12 +275,12 @@ class Waiter:
         now = time.monotonic()
         slack = self._period / 2
         done: list[WaitEntry] = []
-        for e in list(self._entries):
+        for e in self._entries[:]:
             spinning = now < e.spin_until
             if not spinning and now < e.next_at - slack:
                 continue
             try:
-                finished = e.poll(now)
+                finished = e.poll(now) if e.poll is not None else self._ask(e, now)
             except Exception as exc:  # (a poll's own bug): reported, its entry dropped
                 self._loop.call_exception_handler(
                     {"message": "aiokv waiter: a poll callback failed", "exception": exc}
@@ -272,13 +290,36 @@ class Waiter:
                 done.append(e)
             elif now >= e.spin_until:
                 e.next_at = now + e.interval
-                e.interval = min(e.interval * 2, e.max_interval)
+                if e.interval < e.max_interval:
+                    e.interval = min(e.interval * 2, e.max_interval)
         for e in done:
             try:
                 self._entries.remove(e)
             except ValueError:  # (discarded by its own poll)
                 pass
         self._schedule(now)
+
+    def _ask(self, e: WaitEntry, now: float) -> bool:
+        """A :meth:`wait_until`'s query at a tick; True when its wait is over."""
+        fut = e.fut
+        if fut is None or fut.done():
+            return True
+        o = e.owner
+        if o is not None and o._last_tick != self.ticks:
+            o._last_tick = self.ticks
+            o.ticks += 1
+        try:
+            fired = e.query() if e.query is not None else True
+        except Exception as exc:  # (a sticky CUDA error, a closed poll): raised in the wait
+            fut.set_exception(exc)
+            return True
+        if fired:
+            fut.set_result(True)
+            return True
+        if now >= e.deadline:
+            fut.set_result(False)
+            return True
+        return False
 
     def _spin_tick(self) -> None:
         self._soon = None
@@ -302,12 +343,17 @@ class Waiter:
                 self._soon.cancel()
                 self._soon = None
             return
-        if self._soon is None and any(now < e.spin_until for e in entries):
+        spin = False
+        period = 0.0
+        for e in entries:
+            if now < e.spin_until:
+                spin = True
+            elif period == 0.0 or e.interval < period:
+                period = e.interval
+        if spin and self._soon is None:
             self._soon = self._loop.call_soon(self._spin_tick)
-        slow = [e.interval for e in entries if now >= e.spin_until]
-        if not slow:
+        if period == 0.0:
             return  # (all spin; a running timer is kept for when they stop)
-        period = min(slow)
         if self.ticking and period == self._period:
             return
         self._start_timer(period)

@@ -12,9 +12,10 @@ consumer grants, so waits, before the producer sends).
 :class:`TimerFd` arms a periodic ``timerfd`` (``CLOCK_MONOTONIC``, nanosecond
 resolution, the kernel's timer slack aside) and calls back when it turns readable
 through ``loop.add_reader``: the loop sleeps in ``epoll_wait`` as before and wakes
-within tens of µs of each tick. :class:`FinePoll` asks every waiting condition at each
-tick of one such timer, in that callback. Where ``timerfd`` is missing (not Linux) the
-ticks are the loop's own timer's (``call_later``, whole milliseconds).
+within tens of µs of each tick. The loop's one :class:`aiokv._waiter.Waiter` runs
+its ticks on one such timer (and on the loop's own ``call_later``, whole
+milliseconds, where ``timerfd`` is missing: not Linux); :class:`FinePoll` is a name
+for its fixed-interval waits.
 
 Why not a CUDA host function that wakes the loop through a pipe (tried, and
 rejected): its stream must wait on the event -- for the IPC plane, a peer's event
@@ -29,8 +30,12 @@ import ctypes
 import ctypes.util
 import os
 import time
+import weakref
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from ._waiter import Waiter
 
 __all__ = ["FinePoll", "TimerFd"]
 
@@ -74,8 +79,10 @@ class TimerFd:
     gives None where there is no ``timerfd``; :meth:`close` when done."""
 
     def __init__(self, fd: int, loop: asyncio.AbstractEventLoop) -> None:
-        self._fd = fd
-        self._loop = loop
+        # (a box that whoever closes the fd first empties: see fd_box)
+        self._box = [fd]
+        # (weak: a timer left open on a closed loop must not keep it alive; see close_fd)
+        self._loop = weakref.ref(loop)
         self._on_tick: Callable[[], None] | None = None
         loop.add_reader(fd, self._fired)
 
@@ -119,108 +126,76 @@ class TimerFd:
         self._set(ns, ns)
 
     def close(self) -> None:
+        """Stop watching and close the fd (idempotent; also on a closed loop)."""
         self._on_tick = None
-        self._loop.remove_reader(self._fd)
-        os.close(self._fd)
+        loop = self._loop()
+        if self._fd >= 0 and loop is not None and not loop.is_closed():
+            loop.remove_reader(self._fd)
+        self.close_fd()
+
+    @property
+    def _fd(self) -> int:
+        return self._box[0]
+
+    def fd_box(self) -> list[int]:
+        """The one-item list holding the fd (-1 once closed): a finalizer that must
+        close the fd without holding this timer closes it through the box
+        (:func:`close_box`), and neither closes it twice."""
+        return self._box
+
+    def close_fd(self) -> None:
+        """Close the fd only (its loop is gone or closed)."""
+        close_box(self._box)
+
+
+def close_box(box: list[int]) -> None:
+    """Close the fd in ``box`` unless closed already (see :meth:`TimerFd.fd_box`)."""
+    fd, box[0] = box[0], -1
+    if fd >= 0:
+        os.close(fd)
 
 
 class FinePoll:
     """Waits for conditions (a CUDA event's ``query``) by asking them every
-    ``interval_s``, all of them at each tick of ONE periodic timer (a
-    :meth:`TimerFd.every`; the loop's own timer where there is none), whatever the
-    number of waits: N requests waiting cost one loop wake-up per tick, not N. The
-    queries run in the tick's callback and a wait's future is set there, so the
-    waiting task resumes in the very next loop pass (resuming a poll task
-    first and waking the waiter through a second future costs two more passes:
-    0.28 ms late on an H200 host against 0.12 with a timer per wait).
-    Deadlines are checked at the ticks too. A wait that gives up (timeout,
-    cancellation) leaves nothing registered -- an event that never fires (a dead
-    peer's) is not queried after its wait ended -- and the timer is closed when no
-    wait is left."""
+    ``interval_s``: a name for :meth:`aiokv._waiter.Waiter.wait_until` on the running
+    loop's waiter, whose ONE periodic timer serves every wait of the loop (see
+    :mod:`aiokv._waiter`: N waits cost one loop wake-up per tick, not N; the waiting
+    task resumes in the loop pass after the tick that ended it; a wait that gives up
+    leaves nothing registered; the timer stops when no wait is left). What this
+    adds: :meth:`aclose` fails the waits of this poll still registered, and
+    :attr:`ticks` counts the ticks at which its waits were asked."""
 
     def __init__(self, interval_s: float) -> None:
         self.interval_s = interval_s
-        self._waits: dict[asyncio.Future[bool], tuple[Callable[[], Any], float]] = {}
-        self._timer: TimerFd | None = None
-        self._handle: asyncio.TimerHandle | None = None  # the ticks without a timerfd
+        self._waiter: Waiter | None = None
+        self._last_tick = -1
         self.ticks = 0
 
     @property
     def waiting(self) -> int:
-        return len(self._waits)
+        return 0 if self._waiter is None else len(self._waiter.futures_of(self))
 
     @property
     def ticking(self) -> bool:
-        """Whether a timer runs (only while some wait is registered)."""
-        return self._timer is not None or self._handle is not None
+        """Whether the loop's waiter runs a timer (only while some wait is registered)."""
+        return self._waiter is not None and self._waiter.ticking
 
     async def wait(self, query: Callable[[], Any], timeout: float) -> bool:
-        """True once ``query()`` was true at a tick, False once ``timeout`` seconds
-        passed (noticed at the tick after); an exception ``query`` raises is raised
-        here."""
+        """True once ``query()`` was true, False once ``timeout`` seconds passed
+        (noticed at the tick after); an exception ``query`` raises is raised here."""
         if timeout <= 0:
             return False
-        loop = asyncio.get_running_loop()
-        fut: asyncio.Future[bool] = loop.create_future()
-        self._waits[fut] = (query, time.monotonic() + timeout)
-        try:
-            if not self.ticking:
-                self._start(loop)
-            return await fut
-        finally:
-            self._waits.pop(fut, None)
-            if not fut.done():
-                fut.cancel()
-            if not self._waits:
-                self._stop()
+        from ._waiter import waiter_for  # (the waiter imports TimerFd from here)
 
-    def _start(self, loop: asyncio.AbstractEventLoop) -> None:
-        timer = TimerFd.open(loop)
-        if timer is not None:
-            try:
-                timer.every(self.interval_s, self._tick)
-            except OSError:  # (the timer failed: the loop's own from now on)
-                timer.close()
-                timer = None
-        self._timer = timer
-        if timer is None:  # (no timerfd: the loop's own timer, whole milliseconds)
-            self._handle = loop.call_later(self.interval_s, self._loop_tick)
-
-    def _stop(self) -> None:
-        timer, self._timer = self._timer, None
-        if timer is not None:
-            timer.close()
-        handle, self._handle = self._handle, None
-        if handle is not None:
-            handle.cancel()
-
-    def _loop_tick(self) -> None:
-        if self._handle is not None:
-            self._handle = asyncio.get_running_loop().call_later(self.interval_s, self._loop_tick)
-        self._tick()
-
-    def _tick(self) -> None:
-        self.ticks += 1
-        now = time.monotonic()
-        for fut, (query, until) in list(self._waits.items()):
-            if fut.done():
-                continue
-            try:
-                fired = bool(query())
-            except Exception as exc:  # (a sticky CUDA error)
-                fut.set_exception(exc)
-                continue
-            if fired:
-                fut.set_result(True)
-            elif now >= until:
-                fut.set_result(False)
+        waiter = self._waiter = waiter_for()
+        return await waiter.wait_until(
+            query, time.monotonic() + timeout, interval=self.interval_s, _owner=self
+        )
 
     async def aclose(self, error: BaseException | None = None) -> None:
-        """Waits still registered fail with ``error`` (None: they go on to their own
-        ends); the timer stops once none is left. A later wait starts it again."""
-        if error is not None:
-            for fut in self._waits:
+        """Waits of this poll still registered fail with ``error`` now (None: they go
+        on to their own ends). A later wait works as before."""
+        if error is not None and self._waiter is not None:
+            for fut in self._waiter.futures_of(self):
                 if not fut.done():
                     fut.set_exception(error)
-        if all(f.done() for f in self._waits):
-            self._stop()

@@ -1,24 +1,25 @@
-"""CUDA events and streams seen from asyncio: one progress task resolves futures.
+"""CUDA events and streams seen from asyncio: futures resolved when GPU work ends.
 
-:class:`ProgressPoller` is the only place aiokv learns that GPU work finished.
+:class:`ProgressPoller` is how the engine's NCCL transfers learn that GPU work
+finished; it is one client of the loop's waiter (:mod:`aiokv._waiter`), whose other
+clients (the IPC plane's event waits, NCCL's settle polls) ask their own queries.
 It never calls ``synchronize()``: it asks each registered event ``query()``
 (a non-blocking ``cudaEventQuery``) and each communicator with waiters its
 ``async_error()``, and resolves the matching asyncio futures.
 
-Back-off, designed from the measurements in ``docs/benchmarks.md``: on an idle
-asyncio loop any ``asyncio.sleep(t)`` with ``0 < t < 1 ms`` costs a whole
-millisecond or more (the selector's timeout is in ms), while spinning with
-``asyncio.sleep(0)`` adds only a few µs but burns a core. So the poller
+When it asks, designed from the measurements in ``docs/benchmarks.md`` (an idle
+loop's own timers end on whole milliseconds; a wake-up from ``epoll_wait`` costs
+tens to hundreds of µs; spinning costs a core):
 
-1. **spins** (``sleep(0)``, other tasks still run between passes) while a
+1. **spins** (asked on every loop pass, other tasks still run in between) while a
    completion is due: for ``spin_s`` after any activity (a new registration
    or a completion), and until the soonest ``expected_s`` hint given to
    :meth:`ProgressPoller.wait` (plus ``spin_s``);
-2. then **backs off** with sleeps growing from ``min_sleep_s`` to
-   ``max_sleep_s`` — an op that runs longer than expected costs at most one
-   ``max_sleep_s`` of extra latency, and an idle-but-registered wait costs
-   ~nothing;
-3. **parks** on an :class:`asyncio.Event` when nothing is registered: no CPU.
+2. then **backs off**: asked at the waiter's timer ticks, every ``min_sleep_s``
+   doubling to ``max_sleep_s`` — an op that runs longer than expected costs at
+   most one ``max_sleep_s`` of extra latency, and an idle-but-registered wait
+   costs ~nothing;
+3. **parks** when nothing is registered: no callback, no timer, no CPU.
 
 A waiter whose task is cancelled stays registered (with its ``keepalive``
 object, e.g. the buffers an NCCL kernel is still reading) until the event
@@ -31,7 +32,6 @@ An asynchronous error on a waiter's communicator fails that waiter with
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import dataclasses
 import os
 import time
@@ -42,6 +42,7 @@ from typing import Any, Protocol, runtime_checkable
 import torch
 
 from ._exceptions import EngineClosedError, NcclError, TransferAbortedError
+from ._waiter import WaitEntry, Waiter, waiter_for
 
 __all__ = [
     "AsyncErrorSource",
@@ -163,12 +164,15 @@ class PollerStats:
 
 
 class ProgressPoller:
-    """One asyncio task per engine that turns CUDA events into resolved futures.
+    """Turns CUDA events into resolved futures, on its loop's :mod:`aiokv._waiter`.
 
-    ``wait(event, comm)`` returns a future; the task resolves it when
-    ``event.query()`` is true, or fails it when ``comm`` reports an
-    asynchronous error or was aborted. Start lazily (first ``wait``) or with
-    :meth:`start`; end with ``await stop()``.
+    ``wait(event, comm)`` returns a future; it is resolved when ``event.query()``
+    is true, or failed when ``comm`` reports an asynchronous error or was aborted.
+    All the poller's waits are asked in one pass, one registration with the loop's
+    waiter (shared with every other poller and wait of that loop: the engine's and
+    the IPC plane's pollers tick on the same timer). The registration starts with
+    the first wait (or :meth:`start`) and ends when nothing is left; end with
+    ``await stop()``.
     """
 
     def __init__(
@@ -188,8 +192,8 @@ class ProgressPoller:
         self.orphan_grace_s = orphan_grace_s
         self._clock = clock
         self._waiters: list[_Waiter] = []
-        self._wakeup: asyncio.Future[None] | None = None  # set while the task sleeps/parks
-        self._task: asyncio.Task[None] | None = None
+        self._waiter: Waiter | None = None  # the loop's, bound at the first start
+        self._entry: WaitEntry | None = None  # registered with it while work is left
         self._stopped = False
         self._active_until = 0.0  # spin until this clock time
         self._hold_until = 0.0  # touch(): keep the loop spinning until then, even idle
@@ -197,22 +201,30 @@ class ProgressPoller:
 
     # ------------------------------------------------------------------ lifecycle
     def start(self) -> None:
-        """Start the progress task on the running loop (idempotent)."""
+        """Register with the running loop's waiter (idempotent)."""
         if self._stopped:
             raise EngineClosedError("the progress poller is stopped")
-        if self._task is None or self._task.done():
-            self._task = asyncio.get_running_loop().create_task(
-                self._run(), name="aiokv-progress-poller"
+        if self._waiter is None:
+            self._waiter = waiter_for()
+        now = self._clock()
+        spin = max(self._active_until, self._hold_until) - now
+        if self._entry is None:
+            self._entry = self._waiter.add(
+                self._pass,
+                interval=self.min_sleep_s,
+                max_interval=self.max_sleep_s,
+                spin=spin,
             )
+        else:
+            self._entry.reset(time.monotonic(), spin)
+            self._waiter.reschedule()
 
     async def stop(self) -> None:
-        """Stop the task; every still-pending waiter fails with :class:`EngineClosedError`."""
+        """Unregister; every still-pending waiter fails with :class:`EngineClosedError`."""
         self._stopped = True
-        task, self._task = self._task, None
-        if task is not None:
-            task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
+        entry, self._entry = self._entry, None
+        if entry is not None and self._waiter is not None:
+            self._waiter.discard(entry)
         waiters, self._waiters = self._waiters, []
         for w in waiters:
             self._fail(w, EngineClosedError("the progress poller stopped before this completed"))
@@ -232,11 +244,11 @@ class ProgressPoller:
         if until > self._hold_until:
             self._hold_until = until
         self.start()
-        self._wake()
 
     @property
     def running(self) -> bool:
-        return self._task is not None and not self._task.done()
+        """Whether the poller is registered with its loop's waiter."""
+        return self._entry is not None
 
     @property
     def pending(self) -> int:
@@ -281,7 +293,6 @@ class ProgressPoller:
         self._stats.registered += 1
         self._active_until = max(self._active_until, due + self.spin_s)
         self.start()
-        self._wake()
         return fut
 
     async def wait_event(
@@ -372,48 +383,35 @@ class ProgressPoller:
             code_name=_result_name(state),
         )
 
-    def _wake(self) -> None:
-        w = self._wakeup
-        if w is not None and not w.done():
-            w.set_result(None)
+    def _pass(self, _now: float) -> bool:
+        """One pass of the waiter over this poller; True once it has nothing left.
 
-    async def _nap(self, timeout: float | None) -> None:
-        """Sleep until :meth:`_wake` (a new registration) or ``timeout`` (None: forever)."""
-        loop = asyncio.get_running_loop()
-        fut: asyncio.Future[None] = loop.create_future()
-        self._wakeup = fut
-        timer = None if timeout is None else loop.call_later(timeout, _resolve, fut)
-        try:
-            await fut
-        finally:
-            self._wakeup = None
-            if timer is not None:
-                timer.cancel()
-
-    async def _run(self) -> None:
-        sleep = self.min_sleep_s
-        while True:
-            if not self._waiters:
-                if self._clock() < self._hold_until:
-                    self._stats.spin_passes += 1
-                    await asyncio.sleep(0)
-                    continue
-                self._stats.parks += 1
-                await self._nap(None)
-                sleep = self.min_sleep_s
-                continue
-            if self._poll_once():
-                self._active_until = max(self._active_until, self._clock() + self.spin_s)
-                sleep = self.min_sleep_s
-            if not self._waiters:
-                continue
-            if self._clock() < self._active_until:
+        Spins (a pass on every loop pass) while a completion is due -- for ``spin_s``
+        after any activity and until the soonest ``expected_s`` hint -- or while
+        :meth:`touch`'s window lasts; past that the waiter asks every
+        ``min_sleep_s``, doubling to ``max_sleep_s``; back to both at each completion.
+        """
+        entry = self._entry
+        now = self._clock()
+        spinning = now < self._active_until or now < self._hold_until
+        if self._waiters:
+            if spinning:
                 self._stats.spin_passes += 1
-                await asyncio.sleep(0)
-                continue
-            self._stats.sleeps += 1
-            await self._nap(sleep)
-            sleep = min(sleep * 2, self.max_sleep_s)
+            else:
+                self._stats.sleeps += 1
+            if self._poll_once():
+                self._active_until = max(self._active_until, now + self.spin_s)
+                if entry is not None:
+                    entry.reset(time.monotonic(), self._active_until - now)
+            if self._waiters:
+                return False
+        if now < self._hold_until:
+            if not self._waiters:
+                self._stats.spin_passes += 1
+            return False
+        self._stats.parks += 1
+        self._entry = None
+        return True
 
 
 def _resolve(fut: asyncio.Future[None]) -> None:

@@ -7,8 +7,11 @@ and receives: one server session per peer that sends to it. Its client side
 a DEALER for control messages and a second DEALER for data, connected to the
 peer's two ports. Data flows client -> server inside a session; a peer that
 sends back uses its own client session. Every wait is an awaited future resolved
-by the engine's tasks (the socket readers, the housekeeping loop, the connection
-monitors, a poster per client session); no thread waits on anything.
+on the loop: by the engine's tasks (the socket readers, the housekeeping loop,
+the connection monitors, a poster per client session) or by the loop's waiter
+(:mod:`aiokv._waiter`: CUDA events, NCCL states). Calls that block run on the
+threads of :mod:`aiokv._blocking` (NCCL init and abort, zmq's ``term``); the loop
+never waits for them.
 
 The rules the design keeps (see docs/design.md):
 
@@ -406,8 +409,10 @@ class Engine:
         if self._poller is None:
             from .cuda import ProgressPoller
 
-            # Spin (yielding) for 20 ms after any activity: a sleeping poller on a
-            # millisecond-granular loop adds ~1-2 ms to every completion (benchmarks.md).
+            # Spin (yielding) for 20 ms after any activity: a completion past the spin
+            # waits for the waiter's next tick and a wake-up from epoll (benchmarks.md).
+            # The poller registers with the loop's one waiter, which the IPC plane's
+            # waits share: one timer and one spin callback for the loop, not one each.
             self._poller = ProgressPoller(spin_s=0.02)
             from ._watchdog import LoopWatchdog
 

@@ -1,4 +1,5 @@
-"""aiokv._blocking: the one helper for blocking work, and the parts of aiokv that use it."""
+"""aiokv._blocking: the threads module (daemon calls, the bounded pool, the ordered copy
+thread), and the parts of aiokv that use it."""
 
 from __future__ import annotations
 
@@ -98,6 +99,29 @@ async def test_the_pool_is_shared_and_bounded() -> None:
 
 @pytest.mark.anyio
 @pytest.mark.timeout(30)
+async def test_ordered_copies_run_one_at_a_time_in_call_order_on_one_thread() -> None:
+    lock = threading.Lock()
+    running, peak, order, names = 0, 0, [], set()
+
+    def work(i: int) -> int:
+        nonlocal running, peak
+        with lock:
+            running += 1
+            peak = max(peak, running)
+            names.add(threading.current_thread().name)
+        time.sleep(0.005)
+        order.append(i)
+        with lock:
+            running -= 1
+        return i
+
+    got = await asyncio.gather(*(_blocking.in_order(lambda i=i: work(i)) for i in range(12)))
+    assert got == list(range(12)) and order == list(range(12)) and peak == 1
+    assert len(names) == 1 and next(iter(names)).startswith("aiokv-assemble")
+
+
+@pytest.mark.anyio
+@pytest.mark.timeout(30)
 async def test_kv_connectors_copy_on_the_shared_pool_not_pools_of_their_own() -> None:
     from _kvutil import filled
 
@@ -158,11 +182,6 @@ def test_blocking_work_goes_through_the_helper_only() -> None:
         ):
             if needle in text:
                 offenders.append(f"{p.relative_to(pkg)}: {needle}")
-    # the loop watchdog is a monitor that lives as long as the engine, not blocking work;
-    # the TCP frame assembler (one FIFO thread: landings keep their arrival order) came with
-    # the per-transfer hot-path work on transport/tcp.py, which adopts the helper after it
-    assert sorted(offenders) == [
-        "_watchdog.py: threading.Thread(",
-        "transport/tcp.py: ThreadPoolExecutor(",
-        "transport/tcp.py: run_in_executor(",
-    ]
+    # the loop watchdog is a monitor that lives as long as the engine, not blocking work
+    # (aiokv._blocking's docstring lists it); the TCP frame assembler is _blocking.in_order
+    assert sorted(offenders) == ["_watchdog.py: threading.Thread("]

@@ -2,10 +2,11 @@
 
 Nothing here blocks the loop: the communicator is created non-blocking
 (``ncclConfig_t.blocking = 0``) and its state is polled with
-``ncclCommGetAsyncError`` between ``await asyncio.sleep(...)`` calls.
+``ncclCommGetAsyncError`` by the loop's waiter (:mod:`aiokv._waiter`).
 ``send``/``recv`` only enqueue work on a CUDA stream and return at once;
 completion is found by recording a CUDA event after them (see
-:class:`aiokv.cuda.ProgressPoller`).
+:class:`aiokv.cuda.ProgressPoller`). Blocking calls (a blocking init, the warm-up,
+``ncclCommAbort``) run on daemon threads of :mod:`aiokv._blocking`.
 
 Non-blocking mode detail: an enqueue call (or ``ncclGroupEnd``) may return
 ``ncclInProgress`` — typically the first operation to a peer, while NCCL
@@ -29,11 +30,12 @@ import torch
 
 from .._blocking import in_daemon, start_daemon
 from .._exceptions import AiokvTimeoutError, ConfigError, NcclError, TransferAbortedError
+from .._waiter import waiter_for
 from .library import IN_PROGRESS, SUCCESS, NcclLibrary, load_library, result_name
 
 __all__ = ["Communicator", "get_unique_id"]
 
-# poll back-off while NCCL works in its own threads (init, connect, finalize)
+# the waiter's back-off while NCCL works in its own threads (init, connect, finalize)
 _POLL_MIN_S = 0.0005
 _POLL_MAX_S = 0.02
 _ABORTED = 5  # ncclInvalidUsage: what async_error() reports for a dead communicator
@@ -42,11 +44,6 @@ _ABORTED = 5  # ncclInvalidUsage: what async_error() reports for a dead communic
 def get_unique_id(lib: NcclLibrary | None = None) -> bytes:
     """A fresh ``ncclUniqueId`` (128 bytes) for rank 0 to hand to its peers."""
     return (lib or load_library()).get_unique_id()
-
-
-async def _backoff_sleep(delay: float) -> float:
-    await asyncio.sleep(delay)
-    return min(delay * 2, _POLL_MAX_S)
 
 
 class Communicator:
@@ -76,7 +73,7 @@ class Communicator:
         self._aborted = False
         self._dead_code = SUCCESS
         self._abort_done: concurrent.futures.Future[None] | None = None
-        #: seconds ``ncclCommAbort`` took on the helper thread (None until one finished)
+        #: seconds ``ncclCommAbort`` took on its daemon thread (None until one finished)
         self.last_abort_s: float | None = None
         #: seconds :meth:`abort` blocked its caller (None until called)
         self.abort_call_s: float | None = None
@@ -244,28 +241,34 @@ class Communicator:
             ) from None
 
     async def _poll_until_settled(self, deadline: float, what: str, spin_s: float = 0.0) -> None:
-        """Poll ``ncclCommGetAsyncError`` until not in progress.
+        """Wait (the loop's :mod:`~aiokv._waiter`) until ``ncclCommGetAsyncError``
+        is no longer in progress; raise its error, or :class:`AiokvTimeoutError` at
+        ``deadline``.
 
-        ``spin_s``: first re-check on every loop pass (``sleep(0)``) for this long.
-        An enqueue that returned ``ncclInProgress`` settles within microseconds,
-        and a millisecond-granular timer sleep would add ~1 ms to every post.
+        ``spin_s``: asked on every loop pass for this long first. An enqueue that
+        returned ``ncclInProgress`` settles within microseconds, and a
+        millisecond-granular timer sleep would add ~1 ms to every post.
         """
-        delay = _POLL_MIN_S
-        spin_until = time.monotonic() + spin_s
-        while True:
+        state = IN_PROGRESS
+
+        def settled_now() -> bool:
+            nonlocal state
             state = self.async_error()
-            if state == SUCCESS:
-                return
-            if state != IN_PROGRESS:
-                raise self._lib.error(state, what, self._handle)
-            if time.monotonic() >= deadline:
-                raise AiokvTimeoutError(
-                    f"{what} did not finish within {self.timeout:g} s; communicator aborted"
-                )
-            if time.monotonic() < spin_until:
-                await asyncio.sleep(0)
-                continue
-            delay = await _backoff_sleep(delay)
+            return state != IN_PROGRESS
+
+        settled = await waiter_for().wait_until(
+            settled_now,
+            deadline,
+            spin=spin_s,
+            interval=_POLL_MIN_S,
+            max_interval=_POLL_MAX_S,
+        )
+        if not settled:
+            raise AiokvTimeoutError(
+                f"{what} did not finish within {self.timeout:g} s; communicator aborted"
+            )
+        if state != SUCCESS:
+            raise self._lib.error(state, what, self._handle)
 
     # ------------------------------------------------------------------ state
     @property
@@ -440,13 +443,12 @@ class Communicator:
         done = self._abort_done
         if done is None:
             return True
-        deadline = time.monotonic() + timeout
-        delay = _POLL_MIN_S
-        while not done.done():
-            if time.monotonic() >= deadline:
-                return False
-            delay = await _backoff_sleep(delay)
-        return True
+        return await waiter_for().wait_until(
+            done.done,
+            time.monotonic() + timeout,
+            interval=_POLL_MIN_S,
+            max_interval=_POLL_MAX_S,
+        )
 
     async def aclose(self, timeout: float | None = None) -> None:
         """Finalize then destroy, polled from the loop; aborts instead past ``timeout``.

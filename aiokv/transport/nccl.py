@@ -7,8 +7,8 @@ in grant order; so both ends post the same sequence of operations whatever
 the concurrency above them, and a dead peer stalls only its own stream.
 
 Completion is never waited for on the loop: an event is recorded after the
-posted operations and the engine's :class:`~aiokv.cuda.ProgressPoller`
-resolves the future when it fires (or fails it when the communicator
+posted operations and the engine's :class:`~aiokv.cuda.ProgressPoller` (one
+client of the loop's waiter, :mod:`aiokv._waiter`) resolves the future when it fires (or fails it when the communicator
 reports an error or is aborted).
 
 Stream ordering: :func:`capture_ready` records an event on the caller's

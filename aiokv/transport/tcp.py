@@ -20,8 +20,9 @@ The receiver checks the frame count and every frame's length against the
 granted specs before it allocates anything. A one-frame tensor is wrapped with
 ``torch.frombuffer`` (no copy). A larger one is reassembled: allocated once,
 each frame copied in and dropped. Up to :data:`INLINE_ASSEMBLY_BYTES` per
-message that happens on the event loop; a larger message is copied by a
-worker thread (``ctypes.memmove`` releases the GIL) and lands when it is done.
+message that happens on the event loop; a larger message is copied on aiokv's one
+ordered copy thread (:func:`aiokv._blocking.in_order`; ``ctypes.memmove`` releases
+the GIL) and lands when it is done.
 
 Why not receive into preallocated tensors? libzmq always receives into a
 message buffer of its own; ``recv_into`` would add a copy for every tensor,
@@ -34,14 +35,13 @@ from __future__ import annotations
 import asyncio
 import ctypes
 import functools
-import os
 from collections.abc import Sequence
-from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import torch
 import zmq
 
+from .._blocking import in_order
 from .._exceptions import RemoteProtocolError, TransferAbortedError
 from .._zsock import LoopSocket
 from ..protocol.messages import ALLOWED_DTYPES, DATA_FRAME_BYTES, DataHeader, TensorSpec
@@ -68,7 +68,6 @@ __all__ = [
 INLINE_ASSEMBLY_BYTES = 2 << 20
 
 _F = DATA_FRAME_BYTES
-_assembler: ThreadPoolExecutor | None = None
 
 _DTYPES: dict[str, torch.dtype] = {
     "float64": torch.float64,
@@ -204,24 +203,6 @@ def assemble(specs: Sequence[TensorSpec], frames: list[Any]) -> list[torch.Tenso
     return out
 
 
-def _assembler_pool() -> ThreadPoolExecutor:
-    """One thread: copying is memory-bound, and one keeps large landings in arrival order."""
-    global _assembler
-    if _assembler is None:
-        _assembler = ThreadPoolExecutor(1, thread_name_prefix="aiokv-assemble")
-    return _assembler
-
-
-def _forget_assembler() -> None:
-    """A forked child has no worker thread: it makes its own pool when it needs one."""
-    global _assembler
-    _assembler = None
-
-
-if hasattr(os, "register_at_fork"):
-    os.register_at_fork(after_in_child=_forget_assembler)
-
-
 class TcpSource:
     """Sends granted transfers on the session's data socket, in sequence order."""
 
@@ -344,9 +325,7 @@ class TcpSink:
                 fut.set_result(out)
             return fut
         self._assembling.add(fut)
-        work = asyncio.get_running_loop().run_in_executor(
-            _assembler_pool(), assemble, specs, list(frames)
-        )
+        work = in_order(functools.partial(assemble, specs, list(frames)))
         work.add_done_callback(functools.partial(self._assembled, fut))
         return fut
 

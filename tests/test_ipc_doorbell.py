@@ -341,9 +341,9 @@ def _engine_sends(prod: Any) -> list[str]:
     plane = prod._ipc
     orig = plane._send_msg
 
-    def spy(tid: str, msg: Any, to: str, timeout: float) -> None:
+    def spy(tid: str, msg: Any, to: str, timeout: float, *wait: Any) -> None:
         sent.append(tid)
-        orig(tid, msg, to, timeout)
+        orig(tid, msg, to, timeout, *wait)
 
     plane._send_msg = spy
     return sent

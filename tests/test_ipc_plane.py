@@ -726,6 +726,44 @@ async def test_layout_mismatch_is_an_error_not_a_fallback() -> None:
 
 
 @pytest.mark.anyio
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize("layerwise", [False, True])
+async def test_session_refused_for_layouts_fails_both_sides_at_once(layerwise: bool) -> None:
+    """Engines that check layouts at set-up, head_dim 8 against 4: the consumer's engine
+    refuses the producer's session, so the descriptor never lands. The producer's
+    send_request (or wait_saved) and the consumer's recv_request fail at once with
+    LayoutMismatchError -- not at the lease's end with a timeout -- and nothing is
+    written."""
+    pl = make_layout("fa", "bfloat16", 20)
+    cl = FlashAttentionLayout(pl.num_layers, 20, 4, 2, 4, "bfloat16")
+    p, c = filled(pl, 1), filled(cl, 2)
+    before = [t.clone() for t in c]
+    async with pair(pl, cl) as (a, b):
+        prod, cons = connectors(a, b, pl, p, cl, c)
+        t0 = time.monotonic()
+        recv = asyncio.create_task(
+            cons.recv_request("lm", [1, 2], frm=a.address, timeout=20, layerwise=layerwise)
+        )
+        with pytest.raises(LayoutMismatchError, match="field 'head_dim'"):
+            if layerwise:
+                for li in range(pl.num_layers):
+                    prod.save_layer("lm", li, [3, 4], to=b.address, timeout=20)
+                await prod.wait_saved("lm")
+            else:
+                await prod.send_request("lm", [3, 4], to=b.address, timeout=20)
+        with pytest.raises(LayoutMismatchError, match="field 'head_dim'"):
+            await recv
+        assert time.monotonic() - t0 < 5
+        assert all(torch.equal(x.view(torch.uint8), y.view(torch.uint8)) for x, y in zip(c, before))
+        assert prod.finished_sending() == set()
+        assert cons.finished_receiving() == set()
+        assert prod.statistics().send_failures == 1
+        assert b.statistics().bytes_received == 0
+        await prod.aclose()
+        await cons.aclose()
+
+
+@pytest.mark.anyio
 @pytest.mark.timeout(60)
 async def test_hostile_source_ids_never_copied() -> None:
     pl = make_layout("mla", "bfloat16", 10)

@@ -428,7 +428,7 @@ async def test_a_grant_the_producer_cannot_use_is_answered_by_pull(bad: str) -> 
     async with push_pair() as (pl, p, c, a, b, prod, cons):
         send = cons._ipc._send_msg
 
-        def tamper(tid: str, msg: Any, to: str, timeout: float) -> None:
+        def tamper(tid: str, msg: Any, to: str, timeout: float, *wait: Any) -> None:
             if tid.endswith("#ipcgrant"):
                 msg = dict(msg)
                 if bad == "out_of_range":
@@ -439,7 +439,7 @@ async def test_a_grant_the_producer_cannot_use_is_answered_by_pull(bad: str) -> 
                     msg["until"] = time.monotonic() - 1
                 else:
                     msg["dst"] = struct.pack("<3I", 1, 2, 3)
-            send(tid, msg, to, timeout)
+            send(tid, msg, to, timeout, *wait)
 
         cons._ipc._send_msg = tamper
         t = await _granted(cons, "r1", [20, 21], a.address)

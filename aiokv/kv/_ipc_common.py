@@ -20,6 +20,10 @@ import torch
 
 from .._exceptions import (
     ConfigError,
+    ConnectError,
+    ConnectTimeoutError,
+    NegotiateTimeoutError,
+    RefusedError,
 )
 from . import _cudrv
 from ._ipc_map import (
@@ -353,7 +357,39 @@ class EngineChannel:
         return self.engine.recv_nowait(tensor_id, frm=frm)
 
 
-def _retrieve(t: asyncio.Task[Any]) -> None:
+#: failures of a control message's send that prove the peer's engine never took it:
+#: the caller waiting on the peer's answer fails with it at once
+UNDELIVERED: tuple[type[BaseException], ...] = (
+    RefusedError,  # the peer refused the session (LayoutMismatchError ...) or the message
+    ConnectError,
+    ConnectTimeoutError,
+    NegotiateTimeoutError,
+)
+
+
+class AnswerWait:
+    """A caller's wait for the peer's answer to a request's control messages (the
+    producer's wait for a lease's release): ``fut`` settles with the answer; a message
+    of the request whose send failed settles it with that failure at once when the
+    peer surely never took the message (:data:`UNDELIVERED`), else is kept in
+    ``lost`` (the message may have landed, so the wait goes on; its end names it)."""
+
+    __slots__ = ("fut", "lost")
+
+    def __init__(self, fut: asyncio.Future[Any]) -> None:
+        self.fut = fut
+        self.lost: BaseException | None = None
+
+    def message_failed(self, exc: BaseException) -> None:
+        if self.fut.done():
+            return
+        if isinstance(exc, UNDELIVERED):
+            self.fut.set_exception(exc)
+        elif self.lost is None:
+            self.lost = exc
+
+
+def _retrieve(t: asyncio.Future[Any]) -> None:
     if not t.cancelled():
         t.exception()
 
@@ -399,9 +435,17 @@ class _PlaneBase:
         self._background.add(task)
         task.add_done_callback(self._background.discard)
 
-    def _send_msg(self, tensor_id: str, msg: Mapping[str, Any], to: str, timeout: float) -> None:
-        """Start sending a control message; a failure is logged (the peer's wait for it
-        runs into its deadline), never left unretrieved."""
+    def _send_msg(
+        self,
+        tensor_id: str,
+        msg: Mapping[str, Any],
+        to: str,
+        timeout: float,
+        waiter: AnswerWait | None = None,
+    ) -> None:
+        """Start sending a control message; a failure is never left unretrieved. It is
+        logged, and handed to ``waiter`` (:meth:`AnswerWait.message_failed`): the wait
+        of the caller for the peer's answer to this message."""
         h = self.channel.send(tensor_id, msg, to=to, timeout=timeout)
 
         async def reap() -> None:
@@ -409,6 +453,8 @@ class _PlaneBase:
                 await h
             except Exception as exc:
                 log.warning("aiokv IPC plane: sending %r to %s failed: %s", tensor_id, to, exc)
+                if waiter is not None:
+                    waiter.message_failed(exc)
 
         self._track(reap())
 

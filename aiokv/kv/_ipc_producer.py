@@ -30,6 +30,8 @@ from ._ipc_common import (
     NO_OFFER,
     PREPARE_RID,
     RING,
+    UNDELIVERED,
+    AnswerWait,
     _layer_id,
     _mark,
     _retrieve,
@@ -69,7 +71,7 @@ class _PushSave:
 @dataclass(slots=True, eq=False)
 class _IpcSave:
     """A request being saved layer by layer over the plane (producer): pulled by the
-    consumer layer by layer (``rel_task`` waits for its release), or pushed (``push``;
+    consumer layer by layer (``rel`` waits for its release), or pushed (``push``;
     its descriptor and release come at ``wait_saved``)."""
 
     to: str
@@ -77,11 +79,31 @@ class _IpcSave:
     deadline: float
     lease: float
     started: float
-    rel_task: asyncio.Task[Release | None] | None
+    rel: AnswerWait | None
     saved: set[int] = field(default_factory=set)
     events: list[tuple[int, Any, bytes]] = field(default_factory=list)
     pending: list[tuple[int, bytes, int]] = field(default_factory=list)  # (layer, event, slot)
     push: _PushSave | None = None
+
+
+def _answer_from(fut: asyncio.Future[Release | None], t: asyncio.Task[Release | None]) -> None:
+    """Hand the release receive's outcome to the wait for it (already settled: by a
+    message that failed; the outcome is retrieved and dropped)."""
+    if fut.done():
+        if not t.cancelled():
+            t.exception()
+    elif t.cancelled():
+        fut.cancel()
+    elif (exc := t.exception()) is not None:
+        fut.set_exception(exc)
+    else:
+        fut.set_result(t.result())
+
+
+def _stop_task(task: asyncio.Task[Any], _: object) -> None:
+    """The wait for a release ended (a message failed): stop receiving it."""
+    if not task.done():
+        task.cancel()
 
 
 def _same_ids(block_ids: object, host: tuple[int, ...]) -> bool:
@@ -349,17 +371,19 @@ class _ProducerSide(_PushSide):
             backup = asyncio.get_running_loop().call_later(
                 self.options.doorbell_backup_s, self._send_backup, tid, desc, to, lease
             )
-        else:
-            if offer is None:
-                self._ring(desc, to, solo=False)
-            self._send_msg(tid, desc.to_wire(), to, _time_left(lease, self._clock))
+        rel = self._wait_release(request_id, to, lease)
+        rel.fut.add_done_callback(functools.partial(self._released, to, backup))
+        if not ring_only:
+            rung = offer is None and self._ring(desc, to, solo=False)
+            # the engine alone carrying it, a failed send fails the wait for its release
+            # (with the ring's copy too, the consumer may be reading: the lease decides)
+            left = _time_left(lease, self._clock)
+            self._send_msg(tid, desc.to_wire(), to, left, None if rung else rel)
         _mark(request_id, "sent")
-        rel_task = asyncio.ensure_future(self._await_release(request_id, to, lease))
-        rel_task.add_done_callback(functools.partial(self._released, to, backup))
         return await self._settle_release(
             request_id,
             to,
-            rel_task,
+            rel,
             events,
             n_blocks=desc.n,
             started=t0,
@@ -398,8 +422,18 @@ class _ProducerSide(_PushSide):
             self._stats.doorbell_backups += 1
             self._send_msg(tid, desc.to_wire(), to, left)
 
+    def _wait_release(self, rid: str, to: str, lease: float) -> AnswerWait:
+        """The wait for the consumer's release of ``rid`` (:meth:`_await_release`, run as
+        a task) as an :class:`AnswerWait`, which the request's messages tell of their
+        failures: one the consumer never took ends it at once (and the receive)."""
+        fut: asyncio.Future[Release | None] = asyncio.get_running_loop().create_future()
+        task = asyncio.ensure_future(self._await_release(rid, to, lease))
+        task.add_done_callback(functools.partial(_answer_from, fut))
+        fut.add_done_callback(functools.partial(_stop_task, task))
+        return AnswerWait(fut)
+
     def _released(
-        self, to: str, backup: asyncio.TimerHandle | None, t: asyncio.Task[Release | None]
+        self, to: str, backup: asyncio.TimerHandle | None, t: asyncio.Future[Release | None]
     ) -> None:
         """The release of a request sent over the plane came (or never will): a pending
         engine copy is not needed; the consumer's release says whether it reads the
@@ -418,7 +452,7 @@ class _ProducerSide(_PushSide):
         self,
         request_id: str,
         to: str,
-        rel_task: asyncio.Task[Release | None],
+        wait: AnswerWait,
         events: list[tuple[int, Any, bytes]],
         *,
         n_blocks: int,
@@ -439,23 +473,25 @@ class _ProducerSide(_PushSide):
         never did (tests/test_ipc_settle.py pins both)."""
         con = self.con
         try:
-            rel = await asyncio.shield(rel_task)
+            rel = await asyncio.shield(wait.fut)
         except asyncio.CancelledError:
-            self._track(self._settle_cancelled(rel_task, events, request_id))
+            self._track(self._settle_cancelled(wait.fut, events, request_id))
             con._stats.send_failures += 1
             raise
-        except BaseException:
-            if count_errors:
+        except BaseException as exc:
+            if count_errors or isinstance(exc, UNDELIVERED):
                 con._stats.send_failures += 1
             raise
         _mark(request_id, "released")
         if rel is None:
             con._stats.send_failures += 1
             self._stats.lease_expired += 1
+            lost = wait.lost
             raise TransferTimeoutError(
                 f"IPC: no release of {request_id!r} from {to} before its lease ran out "
                 "(the consumer no longer reads the blocks)"
-            )
+                + (f"; a message of it failed: {lost!r}" if lost is not None else "")
+            ) from lost
         self._free_events.extend(events)
         if rel.fallback and rel.reason == PUSH_REFUSED:  # pull (and the ordinary way) goes on
             pm = self._push_maps.pop(to, None)
@@ -513,12 +549,12 @@ class _ProducerSide(_PushSide):
 
     async def _settle_cancelled(
         self,
-        rel_task: asyncio.Task[Release | None],
+        rel_wait: asyncio.Future[Release | None],
         events: list[tuple[int, Any, bytes]],
         rid: str,
     ) -> None:
         try:
-            rel = await rel_task
+            rel = await rel_wait
         except Exception:
             rel = None
         if rel is not None:
@@ -631,10 +667,11 @@ class _ProducerSide(_PushSide):
                 offer=None if to in self._acked else export.offer,
                 can_push=pm is not None,
             )
-            self._send_msg(f"{request_id}#ipc", desc.to_wire(), to, _time_left(lease, self._clock))
-            rel_task = asyncio.ensure_future(self._await_release(request_id, to, lease))
-            rel_task.add_done_callback(_retrieve)
-            sv = _IpcSave(to, host, deadline, lease, time.perf_counter(), rel_task)
+            rel = self._wait_release(request_id, to, lease)
+            rel.fut.add_done_callback(_retrieve)
+            left = _time_left(lease, self._clock)
+            self._send_msg(f"{request_id}#ipc", desc.to_wire(), to, left, rel)
+            sv = _IpcSave(to, host, deadline, lease, time.perf_counter(), rel)
             self._saves[request_id] = sv
         elif sv.to != to or sv.host != host:
             raise ConfigError(
@@ -730,7 +767,7 @@ class _ProducerSide(_PushSide):
         left = max(0.0, sv.lease - self._clock())
         for lr in layer_messages(request_id, pending):
             try:
-                self._send_msg(_layer_id(lr.rid, lr.lo), lr.to_wire(), sv.to, left)
+                self._send_msg(_layer_id(lr.rid, lr.lo), lr.to_wire(), sv.to, left, sv.rel)
             except Exception as exc:  # engine closing: the consumer's lease runs out instead
                 log.warning(
                     "aiokv IPC plane: could not announce %r: %s", _layer_id(lr.rid, lr.lo), exc
@@ -750,10 +787,10 @@ class _ProducerSide(_PushSide):
         self._flush_layers(request_id, sv)
         L = self.layout.num_layers
         missing = [i for i in range(L) if i not in sv.saved]
-        assert sv.rel_task is not None
+        assert sv.rel is not None
         if missing:
             # the consumer waits for them until the lease; what it read so far stays its
-            self._track(self._settle_cancelled(sv.rel_task, sv.events, request_id))
+            self._track(self._settle_cancelled(sv.rel.fut, sv.events, request_id))
             con._stats.send_failures += 1
             raise ConfigError(
                 f"request {request_id!r}: layers {missing[:8]}{'...' if len(missing) > 8 else ''} "
@@ -762,7 +799,7 @@ class _ProducerSide(_PushSide):
         ok = await self._settle_release(
             request_id,
             sv.to,
-            sv.rel_task,
+            sv.rel,
             sv.events,
             n_blocks=len(sv.host),
             started=sv.started,

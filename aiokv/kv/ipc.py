@@ -54,7 +54,7 @@ import struct
 import sys
 import time
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Coroutine, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -203,6 +203,30 @@ class _Staged:
     error: BaseException | None = None  # a launch call that failed after the upload
 
 
+async def _unless_refused(
+    request_id: str, check: asyncio.Future[None], recv: Coroutine[Any, Any, str]
+) -> str:
+    """Run ``recv`` (a request's receive); should ``check`` (the session to its producer
+    being opened) fail with :class:`~aiokv.LayoutMismatchError` first, cancel it (nothing
+    was copied yet: no descriptor came) and raise that. Cancelled, the receive's own
+    cancellation runs to its end before this returns."""
+    task = asyncio.ensure_future(recv)
+    try:
+        await asyncio.wait((task, check), return_when=asyncio.FIRST_COMPLETED)
+    except asyncio.CancelledError:
+        task.cancel()
+        await asyncio.wait((task,))
+        raise
+    if not task.done():
+        exc = None if check.cancelled() else check.exception()
+        if isinstance(exc, LayoutMismatchError):
+            task.cancel()
+            await asyncio.wait((task,))
+            if task.cancelled() or task.exception() is not None:
+                raise LayoutMismatchError(f"IPC: request {request_id!r}: {exc}", code=exc.code)
+    return await task
+
+
 def _engine_first(bell: asyncio.Future[Any], _: object) -> None:
     """The engine's receive of a descriptor ended before the ring gave it."""
     if not bell.done():
@@ -297,6 +321,14 @@ class IpcPlane(_ProducerSide):
         # consumers an offer-only request is going to -> whether another hello came
         self._offering: dict[str, bool] = {}
         self._preparing: dict[str, asyncio.Future[bool]] = {}  # producer -> prepare()
+        # producers whose engine accepted this engine's session, and sessions being opened
+        # (only where the engines check layouts at set-up: _session_check)
+        connect = getattr(connector.engine, "connect", None)
+        self._connect: Callable[..., Awaitable[None]] | None = (
+            connect if getattr(cfg, "layout", None) is not None else None
+        )
+        self._session_up: set[str] = set()
+        self._session_opening: dict[str, asyncio.Future[None]] = {}
         self._init_push()
         if not self.disabled and connector._pull is not None:
             # consumers may ask for the offer ahead of their first request (prepare)
@@ -350,6 +382,54 @@ class IpcPlane(_ProducerSide):
         return plane == "ipc"
 
     async def recv_request(
+        self,
+        request_id: str,
+        block_ids: torch.Tensor | Sequence[int],
+        *,
+        frm: str | None,
+        timeout: float | None,
+        layerwise: bool,
+    ) -> str:
+        """Receive a request from the producer at ``frm`` over the plane (or the ordinary
+        path); returns the plane that carried it (``"ipc"`` or ``"engine"``). Until this
+        engine's session to that producer is up (:meth:`_session_check`), the request
+        also fails at once with the producer's refusal of it."""
+        check = self._session_check(frm, timeout)
+        recv = self._recv_request(
+            request_id, block_ids, frm=frm, timeout=timeout, layerwise=layerwise
+        )
+        if check is None:
+            return await recv
+        return await _unless_refused(request_id, check, recv)
+
+    def _session_check(self, frm: str | None, timeout: float | None) -> asyncio.Future[None] | None:
+        """Where the engines check KV layouts at session set-up, the consumer opens its
+        own session to the producer (it carries the releases) as a request from it
+        begins: a producer whose layout does not match refuses it at once -- as this
+        consumer's engine refuses the producer's, which only that side learns of. The
+        default check compares every field but the block count, so both refuse or
+        neither. None once the session was up (or without such a check). The attempt
+        ends with the request's deadline at the latest (the next request tries again)."""
+        if frm is None or frm in self._session_up or self._connect is None:
+            return None
+        fut = self._session_opening.get(frm)
+        if fut is None:
+            left = self.con._deadline(timeout) - time.monotonic()
+            if left <= 0:
+                return None
+            fut = asyncio.ensure_future(self._connect(frm, timeout=left, nccl=False))
+            self._session_opening[frm] = fut
+            fut.add_done_callback(functools.partial(self._session_opened, frm))
+        return fut
+
+    def _session_opened(self, frm: str, fut: asyncio.Future[None]) -> None:
+        if self._session_opening.get(frm) is fut:
+            del self._session_opening[frm]
+        if not fut.cancelled() and fut.exception() is None:
+            self._session_up.add(frm)
+        # (a failure is retrieved; the next request from frm tries again)
+
+    async def _recv_request(
         self,
         request_id: str,
         block_ids: torch.Tensor | Sequence[int],

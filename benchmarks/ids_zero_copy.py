@@ -18,7 +18,7 @@ import time
 
 import torch
 
-from aiokv.kv import _cudrv, _ipc_kernel
+from aiokv.kv.ipc import _cudrv, _ipc_kernel
 
 
 def main() -> None:

@@ -230,7 +230,7 @@ def _triton_launch(dev: Any) -> dict[str, Any]:
     25.1, run s12-ipc-r2, so it was not kept.)"""
     import torch
 
-    from aiokv.kv import _ipc_kernel as k
+    from aiokv.kv.ipc import _kernel as k
 
     if not k.available():
         return {}

@@ -15,8 +15,8 @@ from typing import Any
 
 import torch
 
-from aiokv.kv import _cudrv
-from aiokv.kv import _ipc_kernel as K
+from aiokv.kv.ipc import _cudrv
+from aiokv.kv.ipc import _kernel as K
 
 
 def timeit(f: Callable[[], Any], n: int = 2000) -> float:

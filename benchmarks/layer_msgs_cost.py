@@ -1,6 +1,6 @@
 """What announcing a layer-wise request's layers costs the producer's loop: one
 ``LayerReady`` per layer (sessions 13-19) against one per run of layers saved in one
-loop pass (:func:`aiokv.kv._ipc_wire.layer_messages`, session 20), over two real
+loop pass (:func:`aiokv.kv.ipc._wire.layer_messages`, session 20), over two real
 engines on 127.0.0.1 (the plane's :class:`EngineChannel`), no GPU.
 
     python3 benchmarks/layer_msgs_cost.py [--layers 32] [--rounds 200] [--uvloop]
@@ -18,8 +18,8 @@ import statistics
 import time
 
 import aiokv
-from aiokv.kv._ipc_common import EngineChannel
-from aiokv.kv._ipc_wire import LayerReady, layer_messages
+from aiokv.kv.ipc._common import EngineChannel
+from aiokv.kv.ipc._wire import LayerReady, layer_messages
 
 
 async def _main(layers: int, rounds: int) -> None:

@@ -46,7 +46,6 @@ from aiokv.kv import (
     KVLayout,
 )
 from aiokv.kv import ipc as ipcmod
-from aiokv.kv._ipc_wire import MAX_MESSAGE_BYTES
 from aiokv.kv.ipc import (
     Descriptor,
     IpcPlane,
@@ -59,6 +58,7 @@ from aiokv.kv.ipc import (
     encode_message,
     unsupported_reason,
 )
+from aiokv.kv.ipc._wire import MAX_MESSAGE_BYTES
 
 OPTS = IpcOptions(trust_unauthenticated=True, grace_s=0.3)
 
@@ -782,7 +782,7 @@ async def test_hostile_source_ids_never_copied() -> None:
             src=(3, 10),
             event=secrets.token_bytes(64),
             event_slot=0,
-            lease=ipcmod.time.monotonic() + 10,
+            lease=time.monotonic() + 10,
             offer=export.offer,
         )
         FakeBackend.events[desc.event] = FakeEvent()
@@ -1028,7 +1028,7 @@ async def test_mapping_an_export_does_not_stall_the_loop() -> None:
 def test_copy_geometry_is_in_the_mappings_words() -> None:
     """The kernel's strides are in the mapping's word size, the source's part stride from
     the producer's block count and the destination's from the consumer's."""
-    from aiokv.kv.ipc import _Mapping
+    from aiokv.kv.ipc._mapping import _Mapping
 
     mine = make_layout("fa", "bfloat16", 8)
     theirs = make_layout("fa", "bfloat16", 13)

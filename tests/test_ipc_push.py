@@ -27,9 +27,9 @@ from hypothesis import strategies as st
 from test_ipc_plane import OPTS, connectors, landed, pair
 
 from aiokv import RemoteProtocolError, TransferAbortedError, TransferTimeoutError
-from aiokv.kv._ipc_map import ABORT_WORDS
-from aiokv.kv._ipc_push import PUSH_REFUSED
-from aiokv.kv._ipc_wire import (
+from aiokv.kv.ipc._mapping import ABORT_WORDS
+from aiokv.kv.ipc._push import PUSH_REFUSED
+from aiokv.kv.ipc._wire import (
     LAYERS,
     PUSH,
     Descriptor,
@@ -634,7 +634,7 @@ async def test_prepare_also_hands_the_producer_our_export() -> None:
 
 
 def test_revoke_records_round_trip_and_are_checked() -> None:
-    from aiokv.kv._ipc_wire import REVOKE, REVOKED, parse_revoke, revoke_record
+    from aiokv.kv.ipc._wire import REVOKE, REVOKED, parse_revoke, revoke_record
 
     for magic in (REVOKE, REVOKED):
         b = revoke_record(magic, "r-7", 99)
@@ -648,7 +648,7 @@ def test_revoke_records_round_trip_and_are_checked() -> None:
 @settings(max_examples=300, deadline=None)
 @given(b=st.binary(max_size=80))
 def test_revoke_garbage_raises_only_the_protocol_error(b: bytes) -> None:
-    from aiokv.kv._ipc_wire import REVOKE, parse_revoke
+    from aiokv.kv.ipc._wire import REVOKE, parse_revoke
 
     try:
         parse_revoke(bytes((REVOKE,)) + b, REVOKE)
@@ -695,7 +695,7 @@ async def test_a_revoke_for_a_taken_grant_gets_no_answer() -> None:
         pm = prod._ipc._push_maps[b.address]
         t = await _granted(cons, "k3", [20], a.address)
         g, _ = prod._ipc._take_grant("k3", b.address, pm, 1, time.monotonic() + 5)
-        from aiokv.kv._ipc_wire import REVOKE, revoke_record
+        from aiokv.kv.ipc._wire import REVOKE, revoke_record
 
         (m,) = cons._ipc._maps.values()
         assert m.grant_bell is not None

@@ -30,8 +30,8 @@ from _kvutil import filled, make_layout
 from test_ipc_plane import FakeBackend, FakeEvent, connectors, landed, pair
 
 from aiokv import NotPublishedError, RemoteProtocolError, TransferAbortedError
-from aiokv.kv import _ipc_kernel
 from aiokv.kv.ipc import Descriptor, IpcPlane
+from aiokv.kv.ipc import _kernel as _ipc_kernel
 
 pytestmark = pytest.mark.skipif(
     not os.path.isdir("/dev/shm") or sys.platform != "linux", reason="needs /dev/shm"

@@ -310,7 +310,7 @@ async def _save_layers(
     over the layers, the ready event after the last share), then ``wait_saved``."""
     import torch
 
-    from ._ipc_common import _mark
+    from .ipc._common import _mark
 
     L = con.layout.num_layers
     if lead is not None:

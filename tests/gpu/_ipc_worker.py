@@ -30,7 +30,7 @@ from aiokv.kv import (
     KVLayout,
     MLALayout,
 )
-from aiokv.kv.ipc import _pid_alive
+from aiokv.kv.ipc._mapping import _pid_alive
 
 OPTS = IpcOptions(trust_unauthenticated=True, grace_s=1.0)
 DTYPES = ["bfloat16", "float16", "float32", "float8_e4m3fn", "float8_e5m2", "int8", "uint8"]

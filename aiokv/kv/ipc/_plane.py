@@ -31,7 +31,7 @@ Control messages travel as small uint8 CPU tensors carrying msgpack through the
 engine's public ``send_nowait``/``recv`` (tensor ids ``"{rid}#ipc"``,
 ``"{rid}#ipcL{first layer}"`` and ``"{rid}#ipcrel"``); every received field is checked
 before use. A request's descriptor also goes through a shared-memory *doorbell*
-ring (:mod:`aiokv.kv._doorbell`, named with its MAC key in the offer) that a waiting
+ring (:mod:`aiokv.kv.ipc._doorbell`, named with its MAC key in the offer) that a waiting
 consumer polls: it arrives ~0.35 ms sooner on the device host; the engine's copy
 stays the authority. The per-request path avoids allocations and most torch calls (each
 costs tens of µs on a GPU host); ``AIOKV_IPC_TRACE=1`` stamps its stages
@@ -39,8 +39,8 @@ costs tens of µs on a GPU host); ``AIOKV_IPC_TRACE=1`` stamps its stages
 
 Modules: this one holds :class:`IpcPlane` with the consumer's side (mapping,
 doorbell poll, staged and ordinary launches, abort rules, release);
-:mod:`aiokv.kv._ipc_producer` the producer's side it inherits (export, events,
-descriptor, lease, layer-wise saving); :mod:`aiokv.kv._ipc_common` what both use
+:mod:`aiokv.kv.ipc._producer` the producer's side it inherits (export, events,
+descriptor, lease, layer-wise saving); :mod:`aiokv.kv.ipc._common` what both use
 (options, statistics, backend, channel, trace, helpers).
 """
 
@@ -60,22 +60,25 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from .._blocking import in_daemon
-from .._common import _await_shielded, _time_left
-from .._exceptions import (
+from ..._blocking import in_daemon
+from ..._common import _await_shielded, _time_left
+from ..._exceptions import (
     AiokvError,
     AiokvTimeoutError,
     ConfigError,
     EngineClosedError,
+    IpcUnavailableError,
     LayoutMismatchError,
     NotPublishedError,
     RemoteProtocolError,
     TransferAbortedError,
     TransferTimeoutError,
 )
-from .._finesleep import FinePoll
-from . import _cudrv, _doorbell, _ipc_kernel
-from ._ipc_common import (
+from ..._finesleep import FinePoll
+from ..layouts import KVLayout, check_compatible
+from ..ops import _to_device
+from . import _cudrv, _doorbell, _kernel
+from ._common import (
     HELLO,
     NO_OFFER,
     PREPARE_RID,
@@ -84,8 +87,6 @@ from ._ipc_common import (
     ControlChannel,
     CudaBackend,
     EngineChannel,
-    IpcOptions,
-    IpcStatistics,
     _layer_id,
     _mark,
     _on,
@@ -93,18 +94,16 @@ from ._ipc_common import (
     boot_id,
     check_same_host,
     log,
-    take_trace,
     unsupported_reason,
 )
-from ._ipc_map import (
+from ._mapping import (
     AbortWords,
-    IpcUnavailableError,
     Mapper,
     _Mapping,
     _pid_alive,
 )
-from ._ipc_producer import _Export, _IpcSave, _ProducerSide
-from ._ipc_wire import (
+from ._producer import _Export, _IpcSave, _ProducerSide
+from ._wire import (
     LAYERS,
     PUSH,
     REVOKED,
@@ -114,36 +113,14 @@ from ._ipc_wire import (
     Release,
     StorageExport,
     decode_message,
-    encode_message,
     parse_revoke,
     probe_pattern,
 )
-from .layouts import KVLayout, check_compatible
-from .ops import _to_device
+from .options import IpcOptions, IpcStatistics
 
 if TYPE_CHECKING:
-    from .connector import KVConnector
+    from ..connector import KVConnector
 
-__all__ = [
-    "HELLO",
-    "LAYERS",
-    "PREPARE_RID",
-    "ControlChannel",
-    "Descriptor",
-    "EngineChannel",
-    "IpcOptions",
-    "IpcPlane",
-    "IpcStatistics",
-    "IpcUnavailableError",
-    "LayerReady",
-    "Offer",
-    "Release",
-    "StorageExport",
-    "decode_message",
-    "encode_message",
-    "take_trace",
-    "unsupported_reason",
-]
 
 #: how long the consumer polls a producer's event without sleeping (a forward pass
 #: that ends within it is noticed within microseconds)
@@ -951,7 +928,7 @@ class IpcPlane(_ProducerSide):
         ab, slot = self._words.word(g)
         sb = self._slot_bufs(g, n)
         programs, args = self._raw_args(m, sb.dev, ab, slot, n, 0, self.layout.num_layers)
-        if not 0 < programs <= _ipc_kernel.MAX_PROGRAMS:
+        if not 0 < programs <= _kernel.MAX_PROGRAMS:
             self._words.free.append(g)
             return None
         struct.pack_into(f"<{n}q", sb.mv, 8 * n, *host)  # destination ids: second half
@@ -1380,7 +1357,7 @@ class IpcPlane(_ProducerSide):
         """``(programs, arguments)`` of the raw launch copying layers ``[lo, hi)`` of
         ``n`` block pairs whose ids are in ``ids``, abort word ``ab[slot]``."""
         st, dt = self._tables(m, lo, hi)
-        return _ipc_kernel.pair_copy_args(
+        return _kernel.pair_copy_args(
             st.data_ptr(),
             dt.data_ptr(),
             ids.data_ptr(),
@@ -1416,7 +1393,7 @@ class IpcPlane(_ProducerSide):
         if raw:  # ``stream`` is a raw handle; m.raw verified at mapping time
             assert m.raw is not None and self._drv is not None and sb.done is not None
             programs, args = self._raw_args(m, ids, ab, slot, n, lo, hi)
-            if programs > _ipc_kernel.MAX_PROGRAMS:
+            if programs > _kernel.MAX_PROGRAMS:
                 raise ConfigError("IPC: request too large for one launch")
             if programs:
                 m.raw.launch(programs, stream, args)
@@ -1425,7 +1402,7 @@ class IpcPlane(_ProducerSide):
         if dev.type != "cuda":
             dst = self.con.caches.raw(m.word)
             src = m.src_layers if whole else m.src_layers[lo:hi]
-            _ipc_kernel.torch_pair_copy(
+            _kernel.torch_pair_copy(
                 src, dst if whole else dst[lo:hi], lay.block_dim, ids[0], ids[1]
             )
             return
@@ -1434,7 +1411,7 @@ class IpcPlane(_ProducerSide):
                 stream.wait_event(ready)  # the producer's KV is written (GPU-side wait)
             if triton:
                 st, dt = self._tables(m, lo, hi)
-                ok = _ipc_kernel.launch_pair_copy(
+                ok = _kernel.launch_pair_copy(
                     st,
                     dt,
                     ids,
@@ -1446,7 +1423,7 @@ class IpcPlane(_ProducerSide):
                     raise ConfigError("IPC: request too large for one launch")
             else:
                 dst = self.con.caches.raw(m.word)
-                _ipc_kernel.torch_pair_copy(
+                _kernel.torch_pair_copy(
                     m.src_layers[lo:hi], dst[lo:hi], lay.block_dim, ids[:n], ids[n : 2 * n]
                 )
             assert sb.done is not None
@@ -1454,7 +1431,7 @@ class IpcPlane(_ProducerSide):
 
     def _poll(self) -> Any:
         if self._poller is None:
-            from ..cuda import ProgressPoller
+            from ...cuda import ProgressPoller
 
             self._poller = ProgressPoller()
         return self._poller
@@ -1587,7 +1564,7 @@ def doctor_report(gpus: int, *, timeout: float = 60.0) -> list[str]:
     lines.append(
         "IPC plane    "
         + ("usable here" if why is None else f"off: {why}")
-        + ("" if _ipc_kernel.available() else " (no Triton: torch-ops copy, host-waited)")
+        + ("" if _kernel.available() else " (no Triton: torch-ops copy, host-waited)")
     )
     lines.append("             (row exports, column maps and reads a known pattern)")
     nonce = secrets.randbits(40)
@@ -1598,7 +1575,7 @@ def doctor_report(gpus: int, *, timeout: float = 60.0) -> list[str]:
             [
                 sys.executable,
                 "-c",
-                "from aiokv.kv.ipc import _export_probe_main as m; m()",
+                "from aiokv.kv.ipc._plane import _export_probe_main as m; m()",
                 str(i),
                 str(nonce),
             ],

@@ -14,10 +14,10 @@ from typing import Any
 import msgpack
 import torch
 
-from .._config import parse_address
-from .._exceptions import ConfigError, RemoteProtocolError
+from ..._config import parse_address
+from ..._exceptions import ConfigError, RemoteProtocolError
+from ..layouts import KVLayout, layout_from_wire
 from . import _doorbell
-from .layouts import KVLayout, layout_from_wire
 
 WIRE_VERSION = 1
 #: the largest control message accepted (an offer of a few thousand layers fits)
@@ -140,7 +140,7 @@ def _no_ext(code: int, data: bytes) -> Any:
 
 
 def _tensor_bytes(t: torch.Tensor) -> bytes:
-    from ..transport.tcp import tensor_buffer
+    from ...transport.tcp import tensor_buffer
 
     if t.device.type != "cpu" or not t.is_contiguous():  # (the engine hands out CPU ones)
         t = t.detach().cpu().contiguous()

@@ -17,16 +17,16 @@ from typing import Any
 
 import torch
 
-from .._common import _time_left
-from .._exceptions import (
+from ..._common import _time_left
+from ..._exceptions import (
     AiokvError,
     ConfigError,
     RemoteProtocolError,
     TransferAbortedError,
     TransferTimeoutError,
 )
-from . import _doorbell, _ipc_kernel
-from ._ipc_common import (
+from . import _doorbell, _kernel
+from ._common import (
     NO_OFFER,
     PREPARE_RID,
     RING,
@@ -37,9 +37,9 @@ from ._ipc_common import (
     _retrieve,
     log,
 )
-from ._ipc_map import _Mapping, seg_bytes
-from ._ipc_push import PUSH_REFUSED, _PushBuf, _PushSide
-from ._ipc_wire import (
+from ._mapping import _Mapping, seg_bytes
+from ._push import PUSH_REFUSED, _PushBuf, _PushSide
+from ._wire import (
     _PROBE_SEGMENTS,
     LAYERS,
     PUSH,
@@ -173,7 +173,7 @@ class _ProducerSide(_PushSide):
         seg = seg_bytes(self.layout)
         nonce = secrets.randbits(62)
         probe = probe_pattern(nonce, _PROBE_SEGMENTS * seg, self.device)
-        word = _ipc_kernel.word_size(*(t.data_ptr() for t in tensors))
+        word = _kernel.word_size(*(t.data_ptr() for t in tensors))
         offer = Offer(
             token=secrets.randbits(62) | 1,
             boot_id=self._boot_id,

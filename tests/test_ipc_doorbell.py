@@ -611,7 +611,7 @@ async def test_a_restarted_consumer_is_offered_the_export_again() -> None:
     ordinary way from then on)."""
     async with _ringing("fa", "bfloat16", doorbell_backup_s=0.05) as (pl, p, c, a, b, prod, cons):
         old = cons._ipc
-        cons._ipc = IpcPlane(cons, old.options, backend=FakeBackend())  # the restart
+        cons._ipc = IpcPlane(cons._port, old.options, backend=FakeBackend())  # the restart
         await _move_waiting(prod, cons, a, b, "n1", [5], [9])  # no_offer: the ordinary way
         assert landed(pl, p, [5], c, [9])
         await _move_waiting(prod, cons, a, b, "n2", [6], [10])

@@ -154,8 +154,8 @@ def connectors(
 ) -> tuple[KVConnector, KVConnector]:
     prod = KVConnector(a, pl, p, ipc=opts)
     cons = KVConnector(b, cl, c, ipc=opts)
-    prod._ipc = IpcPlane(prod, opts, backend=pb or FakeBackend())
-    cons._ipc = IpcPlane(cons, opts, backend=cb or FakeBackend())
+    prod._ipc = IpcPlane(prod._port, opts, backend=pb or FakeBackend())
+    cons._ipc = IpcPlane(cons._port, opts, backend=cb or FakeBackend())
     return prod, cons
 
 
@@ -345,7 +345,7 @@ async def test_prepare_against_a_producer_without_the_plane_is_false_at_once() -
     async with pair(pl, pl) as (a, b):
         prod = KVConnector(a, pl, filled(pl, 1))  # no IPC plane: no hello published
         cons = KVConnector(b, pl, filled(pl, 2), ipc=OPTS)
-        cons._ipc = IpcPlane(cons, OPTS, backend=FakeBackend())
+        cons._ipc = IpcPlane(cons._port, OPTS, backend=FakeBackend())
         t0 = time.monotonic()
         assert not await cons.prepare(a.address, timeout=10)
         assert time.monotonic() - t0 < 5
@@ -911,7 +911,7 @@ def test_abort_words_are_never_shared_across_a_rollover() -> None:
     move named words of the new block that were also handed out fresh."""
     pl = make_layout("fa", "bfloat16", 8)
     con = KVConnector(_NoEngine(), pl, filled(pl, 0), ipc=OPTS)
-    plane = IpcPlane(con, OPTS, backend=FakeBackend())
+    plane = IpcPlane(con._port, OPTS, backend=FakeBackend())
 
     def word(x: Any) -> tuple[int, int]:  # (block of words, index)
         t, i = plane._words.word(x) if isinstance(x, int) else x
@@ -1033,7 +1033,7 @@ def test_copy_geometry_is_in_the_mappings_words() -> None:
     mine = make_layout("fa", "bfloat16", 8)
     theirs = make_layout("fa", "bfloat16", 13)
     con = KVConnector(_NoEngine(), mine, filled(mine, 0), ipc=OPTS)
-    plane = IpcPlane(con, OPTS, backend=FakeBackend())
+    plane = IpcPlane(con._port, OPTS, backend=FakeBackend())
     seg = mine.segment_numel() * mine.itemsize
     m = _Mapping(1, theirs, [], [], torch.empty(0), 4, None, align=16)
     g = plane._mapper.geometry(m, n_pairs=3, n_layers=2, parts=2)
@@ -1071,7 +1071,7 @@ async def test_the_mapping_of_a_producer_that_is_gone_is_dropped() -> None:
         await dead.wait()
         old.pid = dead.pid  # the producer process has exited ...
         prod2 = KVConnector(a, pl, p, ipc=OPTS)  # ... and a new one offers its export
-        prod2._ipc = IpcPlane(prod2, OPTS, backend=FakeBackend())
+        prod2._ipc = IpcPlane(prod2._port, OPTS, backend=FakeBackend())
         await move(prod2, cons, a, b, "g1", [3], [4])
         assert landed(pl, p, [3], c, [4])
         assert list(cons._ipc._maps) != [old.token] and old.token not in cons._ipc._maps

@@ -515,7 +515,7 @@ async def test_a_restarted_consumer_offers_its_new_export() -> None:
     async with push_pair() as (pl, p, c, a, b, prod, cons):
         old = cons._ipc
         old_token = prod._ipc._push_maps[b.address].token
-        cons._ipc = IpcPlane(cons, old.options, backend=FakeBackend())  # the restart
+        cons._ipc = IpcPlane(cons._port, old.options, backend=FakeBackend())  # the restart
         t = await _granted(cons, "n1", [9], a.address)  # no mapping here: no grant
         await prod.send_request("n1", [5], to=b.address, timeout=10)
         assert await t == "engine" and landed(pl, p, [5], c, [9])

@@ -84,7 +84,7 @@ class FakeRaw:
             if int(ab[slot]):  # the kernel's check: aborted, nothing written
                 return
             ids = sb.pin[: 2 * n].view(2, n)
-            dst = plane.con.caches.raw(m.word)
+            dst = plane.port.caches.raw(m.word)
             _ipc_kernel.torch_pair_copy(m.src_layers, dst, plane.layout.block_dim, ids[0], ids[1])
 
         sb.done.pending.append(run)

@@ -35,7 +35,7 @@ from ._wire import (
 from .options import IpcOptions, IpcStatistics
 
 if TYPE_CHECKING:
-    from ..connector import KVConnector
+    from .interfaces import ConnectorPort
 
 
 log = logging.getLogger("aiokv.kv.ipc")
@@ -285,7 +285,7 @@ class _PlaneBase:
     """What both sides of an :class:`~aiokv.kv.ipc.IpcPlane` share: set in its
     ``__init__``; helpers for messages, counters, block ids and the current stream."""
 
-    con: KVConnector
+    port: ConnectorPort
     channel: ControlChannel
     options: IpcOptions
     layout: KVLayout
@@ -368,7 +368,7 @@ class _PlaneBase:
             if unique and len(set(ids)) != len(ids):
                 raise ConfigError(f"{what}: duplicate block ids")
             return ids
-        return tuple(self.con._host_ids(block_ids, unique=unique, what=what).tolist())
+        return tuple(self.port.host_ids(block_ids, unique=unique, what=what).tolist())
 
     def _begin(
         self,
@@ -381,10 +381,8 @@ class _PlaneBase:
     ) -> tuple[float, tuple[int, ...]]:
         """A request's start on either side (``what``: ``"send"`` or ``"recv"``): the
         connector open, the request id checked, its deadline, its checked block ids."""
-        con = self.con
-        con._check_open()
-        con._check_rid(request_id)
-        deadline = con._deadline(timeout)
+        self.port.check_request(request_id)
+        deadline = self.port.deadline(timeout)
         return deadline, self._ids(block_ids, unique=unique, what=f"{what}_request")
 
     async def _recv_plain(
@@ -397,13 +395,12 @@ class _PlaneBase:
     ) -> None:
         """The request the ordinary way (the connector's engine path), in what is left
         of its deadline."""
-        await self.con.recv_request(
+        await self.port.recv_plain(
             rid,
             host,
             frm=frm,
             timeout=max(0.0, deadline - time.monotonic()),
             layerwise=layerwise,
-            _plain=True,
         )
 
     def _ids_buffers(self, n: int) -> tuple[int, torch.Tensor, torch.Tensor, memoryview]:

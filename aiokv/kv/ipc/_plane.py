@@ -56,7 +56,7 @@ import time
 from collections import deque
 from collections.abc import Awaitable, Callable, Coroutine, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
@@ -116,11 +116,8 @@ from ._wire import (
     parse_revoke,
     probe_pattern,
 )
+from .interfaces import ConnectorPort
 from .options import IpcOptions, IpcStatistics
-
-if TYPE_CHECKING:
-    from ..connector import KVConnector
-
 
 #: how long the consumer polls a producer's event without sleeping (a forward pass
 #: that ends within it is noticed within microseconds)
@@ -221,25 +218,25 @@ class IpcPlane(_ProducerSide):
 
     def __init__(
         self,
-        connector: KVConnector,
+        port: ConnectorPort,
         options: IpcOptions,
         *,
         backend: Backend | None = None,
         channel: ControlChannel | None = None,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
-        self.con = connector
+        self.port = port
         self.channel: ControlChannel = (
-            channel if channel is not None else EngineChannel(connector.engine)
+            channel if channel is not None else EngineChannel(self.port.engine)
         )
         self.options = options
-        self.layout = connector.layout
-        self.device = connector.device
+        self.layout = self.port.layout
+        self.device = self.port.device
         self.backend: Backend = backend if backend is not None else CudaBackend()
         self._clock = clock
         self._stats = IpcStatistics()
         self._boot_id = boot_id()
-        cfg = getattr(connector.engine, "config", None)
+        cfg = getattr(self.port.engine, "config", None)
         authenticated = getattr(cfg, "curve", None) is not None
         self.disabled = (
             unsupported_reason(self.device, authenticated=authenticated, options=options)
@@ -300,23 +297,21 @@ class IpcPlane(_ProducerSide):
         self._preparing: dict[str, asyncio.Future[bool]] = {}  # producer -> prepare()
         # producers whose engine accepted this engine's session, and sessions being opened
         # (only where the engines check layouts at set-up: _session_check)
-        connect = getattr(connector.engine, "connect", None)
+        connect = getattr(self.port.engine, "connect", None)
         self._connect: Callable[..., Awaitable[None]] | None = (
             connect if getattr(cfg, "layout", None) is not None else None
         )
         self._session_up: set[str] = set()
         self._session_opening: dict[str, asyncio.Future[None]] = {}
         self._init_push()
-        if not self.disabled and connector._pull is not None:
+        if not self.disabled and self.port.pull is not None:
             # consumers may ask for the offer ahead of their first request (prepare)
             with contextlib.suppress(AiokvError):
-                connector._pull.publish(
-                    HELLO, torch.zeros(1, dtype=torch.uint8), on_get=self._hello
-                )
+                self.port.pull.publish(HELLO, torch.zeros(1, dtype=torch.uint8), on_get=self._hello)
         self._mapper = Mapper(
             self.device,
             self.layout,
-            connector.caches,
+            self.port.caches,
             self.backend,
             options,
             self._drv,
@@ -335,7 +330,7 @@ class IpcPlane(_ProducerSide):
         export is mapped here; False when it cannot be (the plane is off on either
         side, or the request fell back: counted and logged as usual). Concurrent calls
         for one producer share one attempt."""
-        if self.disabled or self.con._pull is None:
+        if self.disabled or self.port.pull is None:
             return False
         if any(m.reply_to == frm and not m.broken for m in self._maps.values()):
             return True
@@ -347,10 +342,10 @@ class IpcPlane(_ProducerSide):
         return await asyncio.shield(fut)
 
     async def _prepare(self, frm: str, timeout: float | None) -> bool:
-        assert self.con._pull is not None
-        deadline = self.con._deadline(timeout)
+        assert self.port.pull is not None
+        deadline = self.port.deadline(timeout)
         try:
-            await self.con._pull.get(HELLO, frm=frm, timeout=_time_left(deadline))
+            await self.port.pull.get(HELLO, frm=frm, timeout=_time_left(deadline))
         except NotPublishedError:  # no IPC plane there
             return False
         plane = await self.recv_request(
@@ -391,7 +386,7 @@ class IpcPlane(_ProducerSide):
             return None
         fut = self._session_opening.get(frm)
         if fut is None:
-            left = self.con._deadline(timeout) - time.monotonic()
+            left = self.port.deadline(timeout) - time.monotonic()
             if left <= 0:
                 return None
             fut = asyncio.ensure_future(self._connect(frm, timeout=left, nccl=False))
@@ -465,7 +460,6 @@ class IpcPlane(_ProducerSide):
     ) -> str:
         """A request's descriptor is here (not staged): check it against the request and
         copy by the plane it names, or take the ordinary path."""
-        con = self.con
         n = len(host)
         _mark(request_id, "decoded")
         if desc.rid != request_id:
@@ -474,7 +468,9 @@ class IpcPlane(_ProducerSide):
 
         def drop_layers() -> None:
             if desc.plane == LAYERS:  # the layer messages the producer sends regardless
-                con._drop(request_id, [_layer_id(request_id, i) for i in range(L)], frm, deadline)
+                self.port.drop(
+                    request_id, [_layer_id(request_id, i) for i in range(L)], frm, deadline
+                )
 
         if desc.n != n:
             if desc.plane != "chunks":
@@ -611,7 +607,7 @@ class IpcPlane(_ProducerSide):
         (``_taken``)."""
         _mark(rid, "desc")
         self._stats.doorbell_hits += 1
-        self.con._drop(rid, [f"{rid}#ipc"], frm, deadline, late=not solo)
+        self.port.drop(rid, [f"{rid}#ipc"], frm, deadline, late=not solo)
         self._taken.pop(rid, None)
         self._taken[rid] = desc.lease
         if len(self._taken) > _MAX_TAKEN:
@@ -1023,7 +1019,6 @@ class IpcPlane(_ProducerSide):
         """Copy the request: one launch (``plane == "ipc"``), or one per chunk of layers
         as the producer's :class:`LayerReady` messages arrive (``LAYERS``). ``rung``:
         the descriptor came by the doorbell (the ok release says so)."""
-        con = self.con
         n = len(host)
         lay = self.layout
         layerwise = desc.plane == LAYERS
@@ -1044,9 +1039,8 @@ class IpcPlane(_ProducerSide):
             except IpcUnavailableError as exc:
                 self._count_fallback(exc.reason, desc.reply_to, str(exc))
                 self._release(desc, Release(desc.rid, False, fallback=True, reason=exc.reason))
-                await con.recv_request(
-                    desc.rid, host, timeout=max(0.0, deadline - time.monotonic()), _plain=True
-                )
+                left = max(0.0, deadline - time.monotonic())
+                await self.port.recv_plain(desc.rid, host, frm=None, timeout=left, layerwise=False)
                 return
         t0 = time.perf_counter()
         triton = self._mapper.use_triton()
@@ -1128,7 +1122,9 @@ class IpcPlane(_ProducerSide):
             _mark(desc.rid, "done")
         except BaseException as exc:
             if layerwise and got < L:  # the producer's later layer messages: dropped
-                con._drop(desc.rid, [_layer_id(desc.rid, i) for i in range(got, L)], frm, deadline)
+                self.port.drop(
+                    desc.rid, [_layer_id(desc.rid, i) for i in range(got, L)], frm, deadline
+                )
             if not launched:
                 self._copy_ended(m)
                 # nothing was launched with the slot: it may serve again, with new buffers
@@ -1190,7 +1186,7 @@ class IpcPlane(_ProducerSide):
         else:
             why = "cancelled" if isinstance(exc, asyncio.CancelledError) else "failed"
         self._release(desc, Release(desc.rid, False, reason=why))
-        self.con._stats.recv_failures += 1
+        self.port.recv_failed()
 
     async def _abort_launched(
         self, m: _Mapping, desc: Descriptor, g: int, sb: _SlotBufs, exc: BaseException
@@ -1211,7 +1207,7 @@ class IpcPlane(_ProducerSide):
         if not (timeout or isinstance(exc, asyncio.CancelledError)):
             reason = "failed"
         self._release(desc, Release(desc.rid, False, reason=reason))
-        self.con._stats.recv_failures += 1
+        self.port.recv_failed()
         if timeout and not isinstance(exc, TransferTimeoutError):
             raise TransferTimeoutError(
                 f"IPC copy of {desc.rid!r} did not finish within its deadline/lease"
@@ -1246,7 +1242,7 @@ class IpcPlane(_ProducerSide):
         self._release_soon(desc, rel)
         self._stats.requests_received += 1
         self._stats.bytes_received += self.layout.request_nbytes(desc.n)
-        self.con._received(desc.rid, 0, desc.n, t0)  # (no chunks: one copy by the plane)
+        self.port.received(desc.rid, desc.n, t0)  # (no chunks: one copy by the plane)
         _mark(desc.rid, "return")
 
     async def _next_layers(
@@ -1332,10 +1328,10 @@ class IpcPlane(_ProducerSide):
         t = m.tables.get((lo, hi))
         if t is None:
             if lo == 0 and hi == self.layout.num_layers:
-                t = (m.src_table, self.con.caches.ptr_table(range(lo, hi)))
+                t = (m.src_table, self.port.caches.ptr_table(range(lo, hi)))
             else:
                 src = [x.data_ptr() for x in m.src_layers[lo:hi]]
-                dst = [x.data_ptr() for x in self.con.caches.tensors[lo:hi]]
+                dst = [x.data_ptr() for x in self.port.caches.tensors[lo:hi]]
                 # from pinned memory, not blocking: a copy from pageable memory first
                 # waits for the stream's queued work -- a producer's forward, when a
                 # layer-wise push makes its first layer's table
@@ -1400,7 +1396,7 @@ class IpcPlane(_ProducerSide):
             self._drv.event_record(sb.done.cuda_event, stream)
             return
         if dev.type != "cuda":
-            dst = self.con.caches.raw(m.word)
+            dst = self.port.caches.raw(m.word)
             src = m.src_layers if whole else m.src_layers[lo:hi]
             _kernel.torch_pair_copy(
                 src, dst if whole else dst[lo:hi], lay.block_dim, ids[0], ids[1]
@@ -1422,7 +1418,7 @@ class IpcPlane(_ProducerSide):
                 if not ok:
                     raise ConfigError("IPC: request too large for one launch")
             else:
-                dst = self.con.caches.raw(m.word)
+                dst = self.port.caches.raw(m.word)
                 _kernel.torch_pair_copy(
                     m.src_layers[lo:hi], dst[lo:hi], lay.block_dim, ids[:n], ids[n : 2 * n]
                 )
@@ -1495,9 +1491,9 @@ class IpcPlane(_ProducerSide):
         """Stop: wait (bounded) for background messages and in-flight copies, then unmap."""
         self._closed = True
         end = time.monotonic() + timeout
-        if self.con._pull is not None:
+        if self.port.pull is not None:
             with contextlib.suppress(AiokvError):
-                self.con._pull.unpublish(HELLO)
+                self.port.pull.unpublish(HELLO)
         self._flush_releases()
         if self._background:
             await asyncio.wait(list(self._background), timeout=timeout)

@@ -159,7 +159,7 @@ class _ProducerSide(_PushSide):
     def _make_export(self) -> _Export:
         if self._export is not None:
             return self._export
-        tensors = self.con.caches.tensors
+        tensors = self.port.caches.tensors
         storages: list[torch.UntypedStorage] = []
         index: dict[int, int] = {}
         layers: list[tuple[int, int]] = []
@@ -217,7 +217,6 @@ class _ProducerSide(_PushSide):
         _offer_only: bool = False,
     ) -> None:
         _mark(request_id, "send")
-        con = self.con
         deadline, host = self._begin(request_id, block_ids, timeout, unique=False, what="send")
         n = len(host)
         _mark(request_id, "ids")
@@ -228,8 +227,8 @@ class _ProducerSide(_PushSide):
             return
         if reason or (n == 0 and not _offer_only):
             self._send_plain(request_id, n, to, deadline, reason)
-            await con.send_request(
-                request_id, host, to=to, timeout=max(0.0, deadline - time.monotonic()), _plain=True
+            await self.port.send_plain(
+                request_id, host, to=to, timeout=max(0.0, deadline - time.monotonic())
             )
             return
         try:
@@ -260,7 +259,7 @@ class _ProducerSide(_PushSide):
             rid=request_id,
             plane="ipc",
             n=n,
-            reply_to=str(getattr(con.engine, "address", "")),
+            reply_to=str(getattr(self.port.engine, "address", "")),
             token=export.offer.token,
             src=host,
             event=ev_handle,
@@ -272,8 +271,8 @@ class _ProducerSide(_PushSide):
         _mark(request_id, "built")
         ok = await self._post(request_id, desc, to, lease, [(slot, ev, ev_handle)])
         if not ok and not _offer_only:  # nothing was read: the ordinary way (from now on)
-            await con.send_request(
-                request_id, host, to=to, timeout=max(0.0, deadline - time.monotonic()), _plain=True
+            await self.port.send_plain(
+                request_id, host, to=to, timeout=max(0.0, deadline - time.monotonic())
             )
 
     async def _push(
@@ -302,8 +301,8 @@ class _ProducerSide(_PushSide):
         event = (slot, ev, ev_handle)
         if not await self._post_push(request_id, len(host), to, lease, pm, g, event, buf):
             # the consumer refused the push (nothing of it is used): the ordinary way
-            await self.con.send_request(
-                request_id, host, to=to, timeout=max(0.0, deadline - time.monotonic()), _plain=True
+            await self.port.send_plain(
+                request_id, host, to=to, timeout=max(0.0, deadline - time.monotonic())
             )
         return True
 
@@ -324,12 +323,11 @@ class _ProducerSide(_PushSide):
         _mark(request_id, "pushed")
         self._stats.pushed += 1
         slot, ev, handle = event
-        con = self.con
         desc = Descriptor(
             rid=request_id,
             plane=PUSH,
             n=n,
-            reply_to=str(getattr(con.engine, "address", "")),
+            reply_to=str(getattr(self.port.engine, "address", "")),
             token=pm.token,
             event=handle,
             event_slot=slot,
@@ -471,20 +469,19 @@ class _ProducerSide(_PushSide):
         still be reading. ``count_errors``: whether another error while waiting (a bad
         release) counts as a send failure -- ``wait_saved`` counts it, ``send_request``
         never did (tests/test_ipc_settle.py pins both)."""
-        con = self.con
         try:
             rel = await asyncio.shield(wait.fut)
         except asyncio.CancelledError:
             self._track(self._settle_cancelled(wait.fut, events, request_id))
-            con._stats.send_failures += 1
+            self.port.send_failed()
             raise
         except BaseException as exc:
             if count_errors or isinstance(exc, UNDELIVERED):
-                con._stats.send_failures += 1
+                self.port.send_failed()
             raise
         _mark(request_id, "released")
         if rel is None:
-            con._stats.send_failures += 1
+            self.port.send_failed()
             self._stats.lease_expired += 1
             lost = wait.lost
             raise TransferTimeoutError(
@@ -517,7 +514,7 @@ class _ProducerSide(_PushSide):
             self._count_fallback(reason, to)
             return False
         if not rel.ok:
-            con._stats.send_failures += 1
+            self.port.send_failed()
             raise TransferAbortedError(
                 f"IPC: the consumer {to} failed request {request_id!r}: {rel.reason}"
             )
@@ -532,7 +529,7 @@ class _ProducerSide(_PushSide):
         if request_id == PREPARE_RID:  # an offer alone: no request to count or report
             return True
         self._stats.requests_sent += 1
-        con._sent(request_id, 0, n_blocks, started)  # (no chunks: one copy by the plane)
+        self.port.sent(request_id, n_blocks, started)  # (no chunks: one copy by the plane)
         return True
 
     async def _await_release(self, rid: str, frm: str, lease: float) -> Release | None:
@@ -561,7 +558,7 @@ class _ProducerSide(_PushSide):
             self._free_events.extend(events)
         # blocks are free to reuse from here on (release, or lease + grace over)
         if rid != PREPARE_RID:
-            self.con._finished_sending.add(rid)
+            self.port.blocks_free(rid)
 
     def _hello(self, address: str) -> None:
         """``on_get`` of :data:`HELLO`: the consumer at ``address`` (an authenticated
@@ -619,14 +616,12 @@ class _ProducerSide(_PushSide):
         its event fired. Where the plane is off for this consumer the descriptor
         says ``"chunks"`` and the request takes the ordinary path from its first layer.
         """
-        con = self.con
-        con._check_open()
-        con._check_rid(request_id)
+        self.port.check_request(request_id)
         L = self.layout.num_layers
         if type(layer) is not int or not 0 <= layer < L:
             raise ConfigError(f"layer must be an int in [0, {L}), got {layer!r}")
         if request_id in self._plain_saves:
-            con.save_layer(request_id, layer, block_ids, to=to, timeout=timeout, _plain=True)
+            self.port.save_layer_plain(request_id, layer, block_ids, to=to, timeout=timeout)
             return
         sv = self._saves.get(request_id)
         if sv is not None and _same_ids(block_ids, sv.host):
@@ -636,7 +631,7 @@ class _ProducerSide(_PushSide):
         n = len(host)
         if sv is None:
             _mark(request_id, "send")  # (the request's first layer)
-            deadline = con._deadline(timeout)
+            deadline = self.port.deadline(timeout)
             reason = self.disabled or self._broken_to.get(to)
             export = None
             if not reason and n:
@@ -648,7 +643,7 @@ class _ProducerSide(_PushSide):
             if export is None:
                 self._send_plain(request_id, n, to, deadline, reason)
                 self._plain_saves.add(request_id)
-                con.save_layer(request_id, layer, host, to=to, timeout=timeout, _plain=True)
+                self.port.save_layer_plain(request_id, layer, host, to=to, timeout=timeout)
                 return
             lease = self._clock() + max(0.0, deadline - time.monotonic())
             pm = self._push_maps.get(to) if self.options.push else None
@@ -660,7 +655,7 @@ class _ProducerSide(_PushSide):
                 rid=request_id,
                 plane=LAYERS,
                 n=n,
-                reply_to=str(getattr(con.engine, "address", "")),
+                reply_to=str(getattr(self.port.engine, "address", "")),
                 token=export.offer.token,
                 src=host,
                 lease=lease,
@@ -780,8 +775,11 @@ class _ProducerSide(_PushSide):
         As with :meth:`send_request`, the blocks are the consumer's to read until its
         release or the lease (plus grace) is over: also when this raises (layers never
         saved, cancellation), the request joins ``finished_sending()`` only then."""
-        con = self.con
-        sv = self._saves.pop(request_id)
+        sv = self._saves.pop(request_id, None)
+        if sv is None:  # saved the ordinary way (or never saved: the ConfigError is its)
+            self._plain_saves.discard(request_id)
+            await self.port.wait_saved_plain(request_id)
+            return
         if sv.push is not None:
             return await self._push_saved(request_id, sv, sv.push)
         self._flush_layers(request_id, sv)
@@ -791,7 +789,7 @@ class _ProducerSide(_PushSide):
         if missing:
             # the consumer waits for them until the lease; what it read so far stays its
             self._track(self._settle_cancelled(sv.rel.fut, sv.events, request_id))
-            con._stats.send_failures += 1
+            self.port.send_failed()
             raise ConfigError(
                 f"request {request_id!r}: layers {missing[:8]}{'...' if len(missing) > 8 else ''} "
                 "were never saved"
@@ -814,7 +812,6 @@ class _ProducerSide(_PushSide):
         whole push. With a layer never saved (or a launch that failed) nothing is sent:
         the consumer's deadline ends its grant (docs/ipc.md, "Push mode"), and the
         request joins ``finished_sending()`` once the launches made have ended."""
-        con = self.con
         L = self.layout.num_layers
         missing = [i for i in range(L) if i not in sv.saved]
         slot, ev, handle = self._take_event()
@@ -825,7 +822,7 @@ class _ProducerSide(_PushSide):
             ps.error = ps.error or exc
         if missing or ps.error is not None:
             self._track(self._push_abandoned(request_id, sv, ps, (slot, ev, handle)))
-            con._stats.send_failures += 1
+            self.port.send_failed()
             if ps.error is not None:
                 raise ps.error
             raise ConfigError(
@@ -841,11 +838,10 @@ class _ProducerSide(_PushSide):
     async def _save_plain(self, request_id: str, sv: _IpcSave) -> None:
         """Every layer of ``sv`` the ordinary way (the connector's engine path; all
         are written by now), in what is left of its deadline, and wait for them."""
-        con = self.con
         left = max(0.0, sv.deadline - time.monotonic())
         for i in range(self.layout.num_layers):
-            con.save_layer(request_id, i, sv.host, to=sv.to, timeout=left, _plain=True)
-        await con.wait_saved(request_id)
+            self.port.save_layer_plain(request_id, i, sv.host, to=sv.to, timeout=left)
+        await self.port.wait_saved_plain(request_id)
 
     async def _push_abandoned(
         self, request_id: str, sv: _IpcSave, ps: _PushSave, event: tuple[int, Any, bytes]
@@ -865,4 +861,4 @@ class _ProducerSide(_PushSide):
             if ps.buf is not None:
                 self._push_done(ev, ps.buf)
             self._free_events.append(event)
-        self.con._finished_sending.add(request_id)
+        self.port.blocks_free(request_id)

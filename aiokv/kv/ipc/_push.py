@@ -277,7 +277,7 @@ class _PushSide(_PlaneBase):
         self._stats.pushes_received += 1
         self._stats.requests_received += 1
         self._stats.bytes_received += self.layout.request_nbytes(desc.n)
-        self.con._received(rid, 0, desc.n, t0)
+        self.port.received(rid, desc.n, t0)
         _mark(rid, "return")
         return "ipc"
 
@@ -367,11 +367,11 @@ class _PushSide(_PlaneBase):
                     rid,
                 )
         if not rung:  # the answer's engine copy, or the answer itself, still to come
-            self.con._drop(rid, [f"{rid}#ipc"], frm, time.monotonic() + 60.0)
+            self.port.drop(rid, [f"{rid}#ipc"], frm, time.monotonic() + 60.0)
         if desc is not None and desc.plane != "chunks":  # (the plane's: it waits for this)
             reason = "cancelled" if isinstance(exc, asyncio.CancelledError) else "failed"
             self._release(desc, Release(rid, False, reason=reason))
-        self.con._stats.recv_failures += 1
+        self.port.recv_failed()
         if isinstance(exc, (AiokvTimeoutError, asyncio.TimeoutError, TimeoutError)) and not (
             isinstance(exc, TransferTimeoutError)
         ):
@@ -445,7 +445,7 @@ class _PushSide(_PlaneBase):
             tid = f"{rid}#ipcgrant"
             raw = self.channel.recv_nowait(tid, frm=to)
             if raw is None:
-                self.con._drop(rid, [tid], to, deadline)
+                self.port.drop(rid, [tid], to, deadline)
                 if pm.bell is not None:  # one by the ring, later, is void too
                     pm.pulled[rid] = None
                     if len(pm.pulled) > _MAX_HELD:
@@ -606,7 +606,7 @@ class _PushSide(_PlaneBase):
             if int(ab[word]) == 0:
                 ids = buf.pin[: 2 * n].view(2, n)
                 _kernel.torch_pair_copy(
-                    self.con.caches.raw(pm.word)[lo:hi],
+                    self.port.caches.raw(pm.word)[lo:hi],
                     pm.src_layers[lo:hi],
                     self.layout.block_dim,
                     ids[0],

@@ -32,6 +32,7 @@ from ._wire import (
     StorageExport,
     encode_message,
 )
+from .lease import Lease
 from .options import IpcOptions, IpcStatistics
 
 if TYPE_CHECKING:
@@ -259,13 +260,16 @@ class AnswerWait:
     producer's wait for a lease's release): ``fut`` settles with the answer; a message
     of the request whose send failed settles it with that failure at once when the
     peer surely never took the message (:data:`UNDELIVERED`), else is kept in
-    ``lost`` (the message may have landed, so the wait goes on; its end names it)."""
+    ``lost`` (the message may have landed, so the wait goes on; its end names it).
+    ``lease`` is the request's lease (:mod:`aiokv.kv.ipc.lease`), which the wait's
+    outcome drives."""
 
-    __slots__ = ("fut", "lost")
+    __slots__ = ("fut", "lease", "lost")
 
     def __init__(self, fut: asyncio.Future[Any]) -> None:
         self.fut = fut
         self.lost: BaseException | None = None
+        self.lease = Lease()
 
     def message_failed(self, exc: BaseException) -> None:
         if self.fut.done():

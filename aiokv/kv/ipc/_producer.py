@@ -51,6 +51,7 @@ from ._wire import (
     layer_messages,
     probe_pattern,
 )
+from .lease import LeaseEvent, LeaseState
 
 
 @dataclass(slots=True, eq=False)
@@ -84,6 +85,20 @@ class _IpcSave:
     events: list[tuple[int, Any, bytes]] = field(default_factory=list)
     pending: list[tuple[int, bytes, int]] = field(default_factory=list)  # (layer, event, slot)
     push: _PushSave | None = None
+
+
+def _release_event(rel: Release | None) -> LeaseEvent:
+    """The lease event a consumer's release (None: none before lease + grace) is."""
+    if rel is None:
+        return LeaseEvent.LEASE_OVER
+    if rel.fallback:
+        return LeaseEvent.RELEASE_FALLBACK
+    return LeaseEvent.RELEASE_OK if rel.ok else LeaseEvent.RELEASE_FAILED
+
+
+def _error_event(exc: BaseException) -> LeaseEvent:
+    """The lease event the wait for a release ending with ``exc`` is."""
+    return LeaseEvent.UNDELIVERED if isinstance(exc, UNDELIVERED) else LeaseEvent.BAD_RELEASE
 
 
 def _answer_from(fut: asyncio.Future[Release | None], t: asyncio.Task[Release | None]) -> None:
@@ -469,18 +484,23 @@ class _ProducerSide(_PushSide):
         still be reading. ``count_errors``: whether another error while waiting (a bad
         release) counts as a send failure -- ``wait_saved`` counts it, ``send_request``
         never did (tests/test_ipc_settle.py pins both)."""
+        lease = wait.lease
         try:
             rel = await asyncio.shield(wait.fut)
         except asyncio.CancelledError:
-            self._track(self._settle_cancelled(wait.fut, events, request_id))
+            lease.handle(LeaseEvent.CANCEL)
+            self._track(self._settle_cancelled(wait, events, request_id))
             self.port.send_failed()
             raise
         except BaseException as exc:
-            if count_errors or isinstance(exc, UNDELIVERED):
+            if lease.handle(_error_event(exc)) is LeaseState.UNDELIVERED or count_errors:
                 self.port.send_failed()
             raise
         _mark(request_id, "released")
-        if rel is None:
+        state = lease.handle(_release_event(rel))
+        if lease.events_reusable:
+            self._free_events.extend(events)
+        if state is LeaseState.EXPIRED:
             self.port.send_failed()
             self._stats.lease_expired += 1
             lost = wait.lost
@@ -489,14 +509,14 @@ class _ProducerSide(_PushSide):
                 "(the consumer no longer reads the blocks)"
                 + (f"; a message of it failed: {lost!r}" if lost is not None else "")
             ) from lost
-        self._free_events.extend(events)
+        assert rel is not None
         if rel.fallback and rel.reason == PUSH_REFUSED:  # pull (and the ordinary way) goes on
             pm = self._push_maps.pop(to, None)
             if pm is not None:
                 self._close_push(pm)
             self._count_fallback(PUSH_REFUSED, to)
             return False
-        if rel.fallback:
+        if state is LeaseState.FALLBACK:
             reason = rel.reason or "consumer_refused"
             pm = self._push_maps.pop(to, None)  # (a consumer that lost our offer restarted:
             if pm is not None:  # its export we map is stale too; it offers its new one)
@@ -513,7 +533,7 @@ class _ProducerSide(_PushSide):
             # sending this consumer everything the ordinary way from now on
             self._count_fallback(reason, to)
             return False
-        if not rel.ok:
+        if state is LeaseState.FAILED:
             self.port.send_failed()
             raise TransferAbortedError(
                 f"IPC: the consumer {to} failed request {request_id!r}: {rel.reason}"
@@ -545,19 +565,19 @@ class _ProducerSide(_PushSide):
         return rel
 
     async def _settle_cancelled(
-        self,
-        rel_wait: asyncio.Future[Release | None],
-        events: list[tuple[int, Any, bytes]],
-        rid: str,
+        self, wait: AnswerWait, events: list[tuple[int, Any, bytes]], rid: str
     ) -> None:
+        """A request whose caller left (its lease CANCELLED): once the consumer's answer
+        (or the lease's end) ends the loan, its events serve again where the lease
+        says so and its blocks are free."""
         try:
-            rel = await rel_wait
-        except Exception:
-            rel = None
-        if rel is not None:
+            event = _release_event(await wait.fut)
+        except Exception as exc:
+            event = _error_event(exc)
+        wait.lease.handle(event)
+        if wait.lease.events_reusable:
             self._free_events.extend(events)
-        # blocks are free to reuse from here on (release, or lease + grace over)
-        if rid != PREPARE_RID:
+        if rid != PREPARE_RID:  # (blocks_free: release, or lease + grace over)
             self.port.blocks_free(rid)
 
     def _hello(self, address: str) -> None:
@@ -788,7 +808,8 @@ class _ProducerSide(_PushSide):
         assert sv.rel is not None
         if missing:
             # the consumer waits for them until the lease; what it read so far stays its
-            self._track(self._settle_cancelled(sv.rel.fut, sv.events, request_id))
+            sv.rel.lease.handle(LeaseEvent.CANCEL)
+            self._track(self._settle_cancelled(sv.rel, sv.events, request_id))
             self.port.send_failed()
             raise ConfigError(
                 f"request {request_id!r}: layers {missing[:8]}{'...' if len(missing) > 8 else ''} "

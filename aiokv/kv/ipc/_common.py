@@ -1,6 +1,6 @@
-"""The IPC plane's shared pieces (:mod:`aiokv.kv.ipc` re-exports the public ones): its
-options and statistics, the CUDA backend and the control channel, the per-request
-trace, and :class:`_PlaneBase` -- the state and the helpers both sides of a plane use.
+"""The IPC plane's shared pieces (:mod:`aiokv.kv.ipc` re-exports the public ones): the
+CUDA backend and the control channel, the per-request trace, the wait for a peer's
+answer (:class:`AnswerWait`), and :class:`_PlaneBase` -- the state and the helpers both sides of a plane use.
 The producer's side is :mod:`aiokv.kv.ipc._producer`, the consumer's is the rest of
 :class:`aiokv.kv.ipc.IpcPlane`."""
 

@@ -40,8 +40,10 @@ costs tens of µs on a GPU host); ``AIOKV_IPC_TRACE=1`` stamps its stages
 Modules: this one holds :class:`IpcPlane` with the consumer's side (mapping,
 doorbell poll, staged and ordinary launches, abort rules, release);
 :mod:`aiokv.kv.ipc._producer` the producer's side it inherits (export, events,
-descriptor, lease, layer-wise saving); :mod:`aiokv.kv.ipc._common` what both use
-(options, statistics, backend, channel, trace, helpers).
+descriptor, release wait, layer-wise saving); :mod:`aiokv.kv.ipc._common` what both use
+(backend, channel, trace, helpers). The plane meets its connector through
+:mod:`aiokv.kv.ipc.interfaces` and settles leases by :mod:`aiokv.kv.ipc.lease`
+(docs/ipc.md, "Structure").
 """
 
 from __future__ import annotations

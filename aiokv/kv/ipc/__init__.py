@@ -20,7 +20,8 @@ from ._common import (
     take_trace,
     unsupported_reason,
 )
-from ._plane import IpcPlane, doctor_report
+from ._doctor import doctor_report
+from ._plane import IpcPlane
 from ._wire import (
     LAYERS,
     Descriptor,

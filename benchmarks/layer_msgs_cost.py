@@ -19,7 +19,7 @@ import time
 
 import aiokv
 from aiokv.kv.ipc._common import EngineChannel
-from aiokv.kv.ipc._wire import LayerReady, layer_messages
+from aiokv.kv.ipc._wire_layers import LayerReady, layer_messages
 
 
 async def _main(layers: int, rounds: int) -> None:

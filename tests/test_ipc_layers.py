@@ -18,7 +18,7 @@ from test_ipc_plane import FakeBackend, FakeEvent, _desc_wire, connectors, lande
 from aiokv import LayoutMismatchError, RemoteProtocolError, TransferAbortedError
 from aiokv.kv import KVConnector, KVLayout
 from aiokv.kv.ipc import LAYERS, Descriptor, LayerReady, decode_message, encode_message
-from aiokv.kv.ipc._wire import layer_messages
+from aiokv.kv.ipc._wire_layers import layer_messages
 
 L = 4
 

@@ -25,13 +25,13 @@ from ._plane import IpcPlane
 from ._wire import (
     LAYERS,
     Descriptor,
-    LayerReady,
     Offer,
     Release,
     StorageExport,
     decode_message,
     encode_message,
 )
+from ._wire_layers import LayerReady
 from .options import IpcOptions, IpcStatistics
 
 __all__ = [

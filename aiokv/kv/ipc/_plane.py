@@ -108,12 +108,12 @@ from ._wire import (
     PUSH,
     REVOKED,
     Descriptor,
-    LayerReady,
     Offer,
     Release,
     decode_message,
     parse_revoke,
 )
+from ._wire_layers import LayerReady
 from .interfaces import ConnectorPort
 from .options import IpcOptions, IpcStatistics
 

@@ -48,9 +48,9 @@ from ._wire import (
     Offer,
     Release,
     decode_message,
-    layer_messages,
     probe_pattern,
 )
+from ._wire_layers import layer_messages
 from .lease import LeaseEvent, LeaseState
 
 

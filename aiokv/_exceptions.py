@@ -26,6 +26,7 @@ TimeoutError`` and ``except ConnectionError`` work as expected::
     │   ├── ExpiredError                     collected after the tensor's TTL ran out
     │   ├── NotPublishedError                GET for an id the producer does not publish
     │   └── TransferAbortedError             the transport (e.g. an NCCL communicator) was aborted
+    ├── IpcUnavailableError                  CUDA IPC cannot serve this peer (``.reason``)
     └── NcclError                            an NCCL call failed; ``.code`` and ``.code_name``
         └── NcclUnavailableError             no NCCL library could be loaded
 """
@@ -41,6 +42,7 @@ __all__ = [
     "DuplicateTensorError",
     "EngineClosedError",
     "ExpiredError",
+    "IpcUnavailableError",
     "LayoutMismatchError",
     "LocalProtocolError",
     "NcclError",
@@ -146,6 +148,15 @@ class NotPublishedError(TransferError):
 
 class TransferAbortedError(TransferError):
     """The data plane for this peer was aborted while the transfer was in flight."""
+
+
+class IpcUnavailableError(AiokvError):
+    """The KV layer's IPC plane cannot be used with this peer; the request falls back to
+    the ordinary transport (``reason`` says why, and names its fallback counter)."""
+
+    def __init__(self, reason: str, detail: str = "") -> None:
+        super().__init__(f"CUDA IPC unavailable: {reason}" + (f" ({detail})" if detail else ""))
+        self.reason = reason
 
 
 class NcclError(AiokvError):

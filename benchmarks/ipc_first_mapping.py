@@ -66,7 +66,7 @@ async def _consumer(conn: Any, device: str, n: int) -> dict[str, Any]:
     from aiokv.kv import ipc as ipc_mod
 
     phases: list[tuple[str, float]] = []
-    from aiokv.kv import _ipc_map
+    from aiokv.kv.ipc import _mapping as _ipc_map
 
     for cls, name in (
         (_ipc_map.AbortWords, "prepare"),

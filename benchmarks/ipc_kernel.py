@@ -5,7 +5,7 @@
 Two paged caches in the FlashAttention layout of docs/benchmarks.md (32 layers, 8
 KV heads, head dim 128, block 16, bf16) on ``cuda:0``, random block tables on each
 side (as in ``aiokv.kv.bench``); each request is ONE launch of
-:func:`aiokv.kv._ipc_kernel.launch_pair_copy` (what the consumer enqueues), timed
+:func:`aiokv.kv.ipc._kernel.launch_pair_copy` (what the consumer enqueues), timed
 with CUDA events over all requests of the workload, median of 5 runs. The
 reference moves the same bytes as one contiguous ``copy_`` per request. On one
 GPU both read and write HBM, so this is the kernel's own ceiling and overhead,
@@ -20,7 +20,7 @@ import statistics
 import torch
 
 from aiokv.kv import FlashAttentionLayout
-from aiokv.kv import _ipc_kernel as k
+from aiokv.kv.ipc import _kernel as k
 
 
 def run(name: str, requests: int, blocks: int, reps: int = 5) -> dict[str, object]:

@@ -1,5 +1,5 @@
 """What announcing a layer-wise request's layers costs the producer's loop: one
-message per run of layers saved in one loop pass (:func:`aiokv.kv._ipc_wire.layer_messages`,
+message per run of layers saved in one loop pass (:func:`aiokv.kv.ipc._wire.layer_messages`,
 what the plane sends) against one ``LayerReady`` per layer, over two real
 engines on 127.0.0.1 (the plane's :class:`EngineChannel`), no GPU.
 
@@ -18,8 +18,8 @@ import statistics
 import time
 
 import aiokv
-from aiokv.kv._ipc_common import EngineChannel
-from aiokv.kv._ipc_wire import LayerReady, layer_messages
+from aiokv.kv.ipc._common import EngineChannel
+from aiokv.kv.ipc._wire_layers import LayerReady, layer_messages
 
 
 async def _main(layers: int, rounds: int) -> None:

@@ -18,7 +18,7 @@ from test_ipc_push import push_pair
 from aiokv import EngineClosedError, TransferTimeoutError, _finesleep
 from aiokv._finesleep import FinePoll, TimerFd
 from aiokv.kv import IpcOptions
-from aiokv.kv import ipc as ipc_mod
+from aiokv.kv.ipc import _plane as ipc_mod
 
 
 @pytest.fixture(

@@ -1,6 +1,6 @@
 """The IPC plane's doorbell: descriptors through a shared-memory ring, on CPU.
 
-The ring (``aiokv.kv._doorbell``) on its own -- order, laps, MACs, torn slots, names
+The ring (``aiokv.kv.ipc._doorbell``) on its own -- order, laps, MACs, torn slots, names
 and files it refuses -- and the plane with it: the consumer takes a descriptor from
 the ring when it waits for it, the engine's copy is dropped, a ring with forged
 slots only costs the engine's latency, the ring's name is gone once the consumer
@@ -26,8 +26,8 @@ from test_ipc_plane import OPTS, FakeBackend, FakeEvent, connectors, landed, pai
 
 from aiokv import RemoteProtocolError, TransferTimeoutError
 from aiokv.kv import IpcOptions
-from aiokv.kv import _doorbell as db
 from aiokv.kv.ipc import Descriptor, IpcPlane, Offer
+from aiokv.kv.ipc import _doorbell as db
 
 pytestmark = pytest.mark.skipif(
     not os.path.isdir("/dev/shm") or sys.platform != "linux", reason="needs /dev/shm"
@@ -341,9 +341,9 @@ def _engine_sends(prod: Any) -> list[str]:
     plane = prod._ipc
     orig = plane._send_msg
 
-    def spy(tid: str, msg: Any, to: str, timeout: float) -> None:
+    def spy(tid: str, msg: Any, to: str, timeout: float, *wait: Any) -> None:
         sent.append(tid)
-        orig(tid, msg, to, timeout)
+        orig(tid, msg, to, timeout, *wait)
 
     plane._send_msg = spy
     return sent
@@ -464,7 +464,7 @@ async def test_a_late_backup_is_not_taken_for_a_new_request(monkeypatch: Any) ->
 async def test_the_wake_fifo_brings_a_waiting_consumer_at_once(monkeypatch: Any) -> None:
     """With no spinning and the timed poll pushed out to 5 s, only the wake FIFO can
     bring the ring's descriptor to the consumer before its 2 s deadline."""
-    from aiokv.kv import ipc as ipcmod
+    from aiokv.kv.ipc import _plane as ipcmod
 
     ring = _ringing("fa", "bfloat16", doorbell_spin_s=0, doorbell_backup_s=30)
     async with ring as (pl, p, c, a, b, prod, cons):
@@ -583,7 +583,7 @@ def test_a_ring_truncated_under_the_reader_does_not_kill_it() -> None:
 
 
 _READ = """
-import aiokv.kv._doorbell as db
+import aiokv.kv.ipc._doorbell as db
 try:
     db.BellReader({name!r}, bytes.fromhex({key!r}))
 except (OSError, ValueError) as exc:
@@ -592,7 +592,7 @@ except (OSError, ValueError) as exc:
 
 _TRUNCATE = """
 import os
-import aiokv.kv._doorbell as db
+import aiokv.kv.ipc._doorbell as db
 r = db.BellReader({name!r}, bytes.fromhex({key!r}))
 print(len(r.poll()))
 os.truncate({path!r}, 0)
@@ -611,7 +611,7 @@ async def test_a_restarted_consumer_is_offered_the_export_again() -> None:
     ordinary way from then on)."""
     async with _ringing("fa", "bfloat16", doorbell_backup_s=0.05) as (pl, p, c, a, b, prod, cons):
         old = cons._ipc
-        cons._ipc = IpcPlane(cons, old.options, backend=FakeBackend())  # the restart
+        cons._ipc = IpcPlane(cons._port, old.options, backend=FakeBackend())  # the restart
         await _move_waiting(prod, cons, a, b, "n1", [5], [9])  # no_offer: the ordinary way
         assert landed(pl, p, [5], c, [9])
         await _move_waiting(prod, cons, a, b, "n2", [6], [10])

@@ -17,8 +17,8 @@ from test_ipc_plane import FakeBackend, FakeEvent, _desc_wire, connectors, lande
 
 from aiokv import LayoutMismatchError, RemoteProtocolError, TransferAbortedError
 from aiokv.kv import KVConnector, KVLayout
-from aiokv.kv._ipc_wire import layer_messages
 from aiokv.kv.ipc import LAYERS, Descriptor, LayerReady, decode_message, encode_message
+from aiokv.kv.ipc._wire_layers import layer_messages
 
 L = 4
 
@@ -310,10 +310,10 @@ async def test_hostile_layer_message_copies_nothing() -> None:
         assert prod._ipc is not None
         send = prod._ipc._send_msg
 
-        def evil(tid: str, msg: Any, to: str, timeout: float) -> None:
+        def evil(tid: str, msg: Any, to: str, timeout: float, *wait: Any) -> None:
             if "#ipcL" in tid:
                 msg = dict(msg, marks=[[L + 7, *msg["marks"][0][1:]]])
-            send(tid, msg, to, timeout)
+            send(tid, msg, to, timeout, *wait)
 
         prod._ipc._send_msg = evil  # type: ignore[method-assign]
         recv = asyncio.create_task(
@@ -439,10 +439,10 @@ async def test_layers_saved_in_one_pass_go_in_one_message() -> None:
         send = prod._ipc._send_msg
         tids: list[str] = []
 
-        def spy(tid: str, msg: Any, to: str, timeout: float) -> None:
+        def spy(tid: str, msg: Any, to: str, timeout: float, *wait: Any) -> None:
             if "#ipcL" in tid:
                 tids.append(tid)
-            send(tid, msg, to, timeout)
+            send(tid, msg, to, timeout, *wait)
 
         prod._ipc._send_msg = spy  # type: ignore[method-assign]
         for rid, passes in [("one", [[0, 1, 2, 3]]), ("two", [[3, 0, 1], [2]])]:

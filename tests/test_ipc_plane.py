@@ -46,7 +46,6 @@ from aiokv.kv import (
     KVLayout,
 )
 from aiokv.kv import ipc as ipcmod
-from aiokv.kv._ipc_wire import MAX_MESSAGE_BYTES
 from aiokv.kv.ipc import (
     Descriptor,
     IpcPlane,
@@ -59,6 +58,7 @@ from aiokv.kv.ipc import (
     encode_message,
     unsupported_reason,
 )
+from aiokv.kv.ipc._wire import MAX_MESSAGE_BYTES
 
 OPTS = IpcOptions(trust_unauthenticated=True, grace_s=0.3)
 
@@ -154,8 +154,8 @@ def connectors(
 ) -> tuple[KVConnector, KVConnector]:
     prod = KVConnector(a, pl, p, ipc=opts)
     cons = KVConnector(b, cl, c, ipc=opts)
-    prod._ipc = IpcPlane(prod, opts, backend=pb or FakeBackend())
-    cons._ipc = IpcPlane(cons, opts, backend=cb or FakeBackend())
+    prod._ipc = IpcPlane(prod._port, opts, backend=pb or FakeBackend())
+    cons._ipc = IpcPlane(cons._port, opts, backend=cb or FakeBackend())
     return prod, cons
 
 
@@ -345,7 +345,7 @@ async def test_prepare_against_a_producer_without_the_plane_is_false_at_once() -
     async with pair(pl, pl) as (a, b):
         prod = KVConnector(a, pl, filled(pl, 1))  # no IPC plane: no hello published
         cons = KVConnector(b, pl, filled(pl, 2), ipc=OPTS)
-        cons._ipc = IpcPlane(cons, OPTS, backend=FakeBackend())
+        cons._ipc = IpcPlane(cons._port, OPTS, backend=FakeBackend())
         t0 = time.monotonic()
         assert not await cons.prepare(a.address, timeout=10)
         assert time.monotonic() - t0 < 5
@@ -726,6 +726,44 @@ async def test_layout_mismatch_is_an_error_not_a_fallback() -> None:
 
 
 @pytest.mark.anyio
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize("layerwise", [False, True])
+async def test_session_refused_for_layouts_fails_both_sides_at_once(layerwise: bool) -> None:
+    """Engines that check layouts at set-up, head_dim 8 against 4: the consumer's engine
+    refuses the producer's session, so the descriptor never lands. The producer's
+    send_request (or wait_saved) and the consumer's recv_request fail at once with
+    LayoutMismatchError -- not at the lease's end with a timeout -- and nothing is
+    written."""
+    pl = make_layout("fa", "bfloat16", 20)
+    cl = FlashAttentionLayout(pl.num_layers, 20, 4, 2, 4, "bfloat16")
+    p, c = filled(pl, 1), filled(cl, 2)
+    before = [t.clone() for t in c]
+    async with pair(pl, cl) as (a, b):
+        prod, cons = connectors(a, b, pl, p, cl, c)
+        t0 = time.monotonic()
+        recv = asyncio.create_task(
+            cons.recv_request("lm", [1, 2], frm=a.address, timeout=20, layerwise=layerwise)
+        )
+        with pytest.raises(LayoutMismatchError, match="field 'head_dim'"):
+            if layerwise:
+                for li in range(pl.num_layers):
+                    prod.save_layer("lm", li, [3, 4], to=b.address, timeout=20)
+                await prod.wait_saved("lm")
+            else:
+                await prod.send_request("lm", [3, 4], to=b.address, timeout=20)
+        with pytest.raises(LayoutMismatchError, match="field 'head_dim'"):
+            await recv
+        assert time.monotonic() - t0 < 5
+        assert all(torch.equal(x.view(torch.uint8), y.view(torch.uint8)) for x, y in zip(c, before))
+        assert prod.finished_sending() == set()
+        assert cons.finished_receiving() == set()
+        assert prod.statistics().send_failures == 1
+        assert b.statistics().bytes_received == 0
+        await prod.aclose()
+        await cons.aclose()
+
+
+@pytest.mark.anyio
 @pytest.mark.timeout(60)
 async def test_hostile_source_ids_never_copied() -> None:
     pl = make_layout("mla", "bfloat16", 10)
@@ -744,7 +782,7 @@ async def test_hostile_source_ids_never_copied() -> None:
             src=(3, 10),
             event=secrets.token_bytes(64),
             event_slot=0,
-            lease=ipcmod.time.monotonic() + 10,
+            lease=time.monotonic() + 10,
             offer=export.offer,
         )
         FakeBackend.events[desc.event] = FakeEvent()
@@ -873,7 +911,7 @@ def test_abort_words_are_never_shared_across_a_rollover() -> None:
     move named words of the new block that were also handed out fresh."""
     pl = make_layout("fa", "bfloat16", 8)
     con = KVConnector(_NoEngine(), pl, filled(pl, 0), ipc=OPTS)
-    plane = IpcPlane(con, OPTS, backend=FakeBackend())
+    plane = IpcPlane(con._port, OPTS, backend=FakeBackend())
 
     def word(x: Any) -> tuple[int, int]:  # (block of words, index)
         t, i = plane._words.word(x) if isinstance(x, int) else x
@@ -990,12 +1028,12 @@ async def test_mapping_an_export_does_not_stall_the_loop() -> None:
 def test_copy_geometry_is_in_the_mappings_words() -> None:
     """The kernel's strides are in the mapping's word size, the source's part stride from
     the producer's block count and the destination's from the consumer's."""
-    from aiokv.kv.ipc import _Mapping
+    from aiokv.kv.ipc._mapping import _Mapping
 
     mine = make_layout("fa", "bfloat16", 8)
     theirs = make_layout("fa", "bfloat16", 13)
     con = KVConnector(_NoEngine(), mine, filled(mine, 0), ipc=OPTS)
-    plane = IpcPlane(con, OPTS, backend=FakeBackend())
+    plane = IpcPlane(con._port, OPTS, backend=FakeBackend())
     seg = mine.segment_numel() * mine.itemsize
     m = _Mapping(1, theirs, [], [], torch.empty(0), 4, None, align=16)
     g = plane._mapper.geometry(m, n_pairs=3, n_layers=2, parts=2)
@@ -1033,7 +1071,7 @@ async def test_the_mapping_of_a_producer_that_is_gone_is_dropped() -> None:
         await dead.wait()
         old.pid = dead.pid  # the producer process has exited ...
         prod2 = KVConnector(a, pl, p, ipc=OPTS)  # ... and a new one offers its export
-        prod2._ipc = IpcPlane(prod2, OPTS, backend=FakeBackend())
+        prod2._ipc = IpcPlane(prod2._port, OPTS, backend=FakeBackend())
         await move(prod2, cons, a, b, "g1", [3], [4])
         assert landed(pl, p, [3], c, [4])
         assert list(cons._ipc._maps) != [old.token] and old.token not in cons._ipc._maps

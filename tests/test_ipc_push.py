@@ -27,9 +27,9 @@ from hypothesis import strategies as st
 from test_ipc_plane import OPTS, connectors, landed, pair
 
 from aiokv import RemoteProtocolError, TransferAbortedError, TransferTimeoutError
-from aiokv.kv._ipc_map import ABORT_WORDS
-from aiokv.kv._ipc_push import PUSH_REFUSED
-from aiokv.kv._ipc_wire import (
+from aiokv.kv.ipc._mapping import ABORT_WORDS
+from aiokv.kv.ipc._push import PUSH_REFUSED
+from aiokv.kv.ipc._wire import (
     LAYERS,
     PUSH,
     Descriptor,
@@ -428,7 +428,7 @@ async def test_a_grant_the_producer_cannot_use_is_answered_by_pull(bad: str) -> 
     async with push_pair() as (pl, p, c, a, b, prod, cons):
         send = cons._ipc._send_msg
 
-        def tamper(tid: str, msg: Any, to: str, timeout: float) -> None:
+        def tamper(tid: str, msg: Any, to: str, timeout: float, *wait: Any) -> None:
             if tid.endswith("#ipcgrant"):
                 msg = dict(msg)
                 if bad == "out_of_range":
@@ -439,7 +439,7 @@ async def test_a_grant_the_producer_cannot_use_is_answered_by_pull(bad: str) -> 
                     msg["until"] = time.monotonic() - 1
                 else:
                     msg["dst"] = struct.pack("<3I", 1, 2, 3)
-            send(tid, msg, to, timeout)
+            send(tid, msg, to, timeout, *wait)
 
         cons._ipc._send_msg = tamper
         t = await _granted(cons, "r1", [20, 21], a.address)
@@ -515,7 +515,7 @@ async def test_a_restarted_consumer_offers_its_new_export() -> None:
     async with push_pair() as (pl, p, c, a, b, prod, cons):
         old = cons._ipc
         old_token = prod._ipc._push_maps[b.address].token
-        cons._ipc = IpcPlane(cons, old.options, backend=FakeBackend())  # the restart
+        cons._ipc = IpcPlane(cons._port, old.options, backend=FakeBackend())  # the restart
         t = await _granted(cons, "n1", [9], a.address)  # no mapping here: no grant
         await prod.send_request("n1", [5], to=b.address, timeout=10)
         assert await t == "engine" and landed(pl, p, [5], c, [9])
@@ -634,7 +634,7 @@ async def test_prepare_also_hands_the_producer_our_export() -> None:
 
 
 def test_revoke_records_round_trip_and_are_checked() -> None:
-    from aiokv.kv._ipc_wire import REVOKE, REVOKED, parse_revoke, revoke_record
+    from aiokv.kv.ipc._wire import REVOKE, REVOKED, parse_revoke, revoke_record
 
     for magic in (REVOKE, REVOKED):
         b = revoke_record(magic, "r-7", 99)
@@ -648,7 +648,7 @@ def test_revoke_records_round_trip_and_are_checked() -> None:
 @settings(max_examples=300, deadline=None)
 @given(b=st.binary(max_size=80))
 def test_revoke_garbage_raises_only_the_protocol_error(b: bytes) -> None:
-    from aiokv.kv._ipc_wire import REVOKE, parse_revoke
+    from aiokv.kv.ipc._wire import REVOKE, parse_revoke
 
     try:
         parse_revoke(bytes((REVOKE,)) + b, REVOKE)
@@ -695,7 +695,7 @@ async def test_a_revoke_for_a_taken_grant_gets_no_answer() -> None:
         pm = prod._ipc._push_maps[b.address]
         t = await _granted(cons, "k3", [20], a.address)
         g, _ = prod._ipc._take_grant("k3", b.address, pm, 1, time.monotonic() + 5)
-        from aiokv.kv._ipc_wire import REVOKE, revoke_record
+        from aiokv.kv.ipc._wire import REVOKE, revoke_record
 
         (m,) = cons._ipc._maps.values()
         assert m.grant_bell is not None

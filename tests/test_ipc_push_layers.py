@@ -22,7 +22,7 @@ from test_ipc_plane import landed
 from test_ipc_push import _granted, push_pair, push_under_other_gids
 
 from aiokv import ConfigError, TransferTimeoutError
-from aiokv.kv._ipc_push import PUSH_REFUSED
+from aiokv.kv.ipc._push import PUSH_REFUSED
 
 
 def _layerwise(cons: Any, rid: str, dst: list[int], frm: str, timeout: float = 10) -> Any:

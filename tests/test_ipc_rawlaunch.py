@@ -12,8 +12,8 @@ from typing import Any
 
 import pytest
 
-from aiokv.kv import _cudrv
-from aiokv.kv._ipc_kernel import RawLaunch, pair_copy_args
+from aiokv.kv.ipc import _cudrv
+from aiokv.kv.ipc._kernel import RawLaunch, pair_copy_args
 
 NAMES = ["a_ptr", "b_ptr", "n", "big", "one", "K"]
 

@@ -71,24 +71,24 @@ async def producer(outcome: str) -> AsyncIterator[tuple[KVConnector, IpcPlane, S
     async with Engine(EngineConfig(layout=pl.to_wire())) as eng:
         con = KVConnector(eng, pl, filled(pl, 1), ipc=OPTS)
         ch = ScriptedChannel(outcome)
-        plane = IpcPlane(con, OPTS, backend=FakeBackend(), channel=ch)
+        plane = IpcPlane(con._port, OPTS, backend=FakeBackend(), channel=ch)
         con._ipc = plane
         plain: list[str] = []
 
+        # the plane's ordinary path is the connector port's *_plain calls, and only those
         async def plain_send(rid: str, ids: Any, **kw: Any) -> None:
-            assert kw.get("_plain") is True
             plain.append(f"send:{rid}")
 
         def plain_save(rid: str, layer: int, ids: Any, **kw: Any) -> None:
-            assert kw.get("_plain") is True
             plain.append(f"save:{rid}:{layer}")
 
         async def plain_wait(rid: str) -> None:
             plain.append(f"wait:{rid}")
 
-        con.send_request = plain_send  # type: ignore[method-assign]
-        con.save_layer = plain_save  # type: ignore[method-assign]
-        con.wait_saved = plain_wait  # type: ignore[method-assign]
+        port = con._port
+        port.send_plain = plain_send  # type: ignore[method-assign]
+        port.save_layer_plain = plain_save  # type: ignore[method-assign]
+        port.wait_saved_plain = plain_wait  # type: ignore[method-assign]
         con.plain_calls = plain  # type: ignore[attr-defined]
         try:
             yield con, plane, ch

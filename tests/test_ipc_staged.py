@@ -30,8 +30,8 @@ from _kvutil import filled, make_layout
 from test_ipc_plane import FakeBackend, FakeEvent, connectors, landed, pair
 
 from aiokv import NotPublishedError, RemoteProtocolError, TransferAbortedError
-from aiokv.kv import _ipc_kernel
 from aiokv.kv.ipc import Descriptor, IpcPlane
+from aiokv.kv.ipc import _kernel as _ipc_kernel
 
 pytestmark = pytest.mark.skipif(
     not os.path.isdir("/dev/shm") or sys.platform != "linux", reason="needs /dev/shm"
@@ -84,7 +84,7 @@ class FakeRaw:
             if int(ab[slot]):  # the kernel's check: aborted, nothing written
                 return
             ids = sb.pin[: 2 * n].view(2, n)
-            dst = plane.con.caches.raw(m.word)
+            dst = plane.port.caches.raw(m.word)
             _ipc_kernel.torch_pair_copy(m.src_layers, dst, plane.layout.block_dim, ids[0], ids[1])
 
         sb.done.pending.append(run)

@@ -293,12 +293,23 @@ GETATTR_ALLOWED: dict[tuple[str, str], str] = {
     ("cuda.py", 'lib = getattr(comm, "lib", None)'): "constant name",
     ("cuda.py", 'handle = getattr(comm, "handle", None)'): "constant name",
     (
-        "kv/_ipc_common.py",
+        "kv/ipc/_common.py",
         'if hip if hip is not None else getattr(torch.version, "hip", None):',
     ): "constant name",
-    ("kv/ipc.py", 'cfg = getattr(connector.engine, "config", None)'): "constant name",
-    ("kv/ipc.py", 'authenticated = getattr(cfg, "curve", None) is not None'): "constant name",
-    ("kv/_ipc_producer.py", 'reply_to=str(getattr(con.engine, "address", "")),'): "constant name",
+    ("kv/ipc/_plane.py", 'cfg = getattr(self.port.engine, "config", None)'): "constant name",
+    (
+        "kv/ipc/_plane.py",
+        'authenticated = getattr(cfg, "curve", None) is not None',
+    ): "constant name",
+    ("kv/ipc/_plane.py", 'connect = getattr(self.port.engine, "connect", None)'): "constant name",
+    (
+        "kv/ipc/_plane.py",
+        'connect if getattr(cfg, "layout", None) is not None else None',
+    ): "constant name",
+    (
+        "kv/ipc/_producer.py",
+        'reply_to=str(getattr(self.port.engine, "address", "")),',
+    ): "constant name",
 }
 
 

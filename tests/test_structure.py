@@ -156,7 +156,7 @@ ENV_READERS = {
     "_trace.py": "debugging timeline: must reach every process of a run (docs/design.md)",
     "nccl/library.py": "where to find libnccl (like LD_LIBRARY_PATH); load_library(path) too",
     "cuda.py": "reports CUDA's own CUDA_MODULE_LOADING, which aiokv does not set",
-    "kv/_ipc_common.py": "reports torch's own allocator settings, which aiokv does not set; "
+    "kv/ipc/_common.py": "reports torch's own allocator settings, which aiokv does not set; "
     "the IPC plane's debugging trace (AIOKV_IPC_TRACE), like _trace.py",
 }
 

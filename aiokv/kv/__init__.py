@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from ._triton import set_enabled as set_triton
 from .connector import ConnectorStatistics, KVConnector
-from .ipc import IpcOptions, IpcStatistics
+from .ipc.options import IpcOptions, IpcStatistics
 from .layouts import (
     DTYPES,
     FlashAttentionLayout,

@@ -202,6 +202,7 @@ async def _producer(a: dict[str, Any], chan: _Chan) -> dict[str, Any]:
     import aiokv
 
     from .connector import KVConnector
+    from .ipc import IpcPlane
 
     w = WORKLOADS[a["workload"]]
     device = torch.device("cuda:0" if a["transport"] in ("nccl", "ipc") else "cpu")
@@ -255,12 +256,13 @@ async def _producer(a: dict[str, Any], chan: _Chan) -> dict[str, Any]:
                 if cmd == "aiokv":
                     it = msg[2]
                     await asyncio.gather(*(one(f"i{it}r{r}", tables[r]) for r in range(w.requests)))
-                    if it == -1 and a["push"] and con._ipc is not None:
+                    plane = con._ipc
+                    if it == -1 and a["push"] and isinstance(plane, IpcPlane):
                         # the warm-up's releases carried the consumer's export: wait for
                         # its mapping (off the loop, seconds), so that the timed
                         # iterations after the next one find the consumer granting
                         for _ in range(600):
-                            if con._ipc._push_maps or con._ipc._push_failed:
+                            if plane._push_maps or plane._push_failed:
                                 break
                             await asyncio.sleep(0.05)
                 elif cmd == "raw":
@@ -309,7 +311,7 @@ async def _save_layers(
     over the layers, the ready event after the last share), then ``wait_saved``."""
     import torch
 
-    from ._ipc_common import _mark
+    from .ipc._common import _mark
 
     L = con.layout.num_layers
     if lead is not None:

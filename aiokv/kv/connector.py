@@ -91,7 +91,9 @@ from .._exceptions import (
     LayoutMismatchError,
     TransferTimeoutError,
 )
-from .ipc import IpcOptions, IpcPlane, IpcStatistics
+from .ipc import IpcPlane
+from .ipc.interfaces import Plane
+from .ipc.options import IpcOptions, IpcStatistics
 from .layouts import KVLayout, check_compatible, layout_from_wire
 from .ops import (
     BoundCaches,
@@ -287,7 +289,8 @@ class KVConnector:
         self._stats = ConnectorStatistics()
         self._closed = False
         # the same-host IPC plane (docs/ipc.md); None: the ordinary path only
-        self._ipc: IpcPlane | None = IpcPlane(self, ipc) if ipc is not None else None
+        self._port = _Port(self)
+        self._ipc: Plane | None = IpcPlane(self._port, ipc) if ipc is not None else None
 
     # ------------------------------------------------------------------ helpers
 
@@ -567,7 +570,6 @@ class KVConnector:
         *,
         to: str,
         timeout: float | None = None,
-        _plain: bool = False,
     ) -> None:
         """Send all layers of the request's blocks to the engine at ``to``.
 
@@ -579,9 +581,20 @@ class KVConnector:
         released when they do. With ``ipc=`` the request goes through the IPC plane
         (docs/ipc.md), which falls back to this path by itself.
         """
-        if self._ipc is not None and not _plain:
+        if self._ipc is not None:
             await self._ipc.send_request(request_id, block_ids, to=to, timeout=timeout)
-            return
+        else:
+            await self._send_ordinary(request_id, block_ids, to=to, timeout=timeout)
+
+    async def _send_ordinary(
+        self,
+        request_id: str,
+        block_ids: torch.Tensor | Sequence[int],
+        *,
+        to: str,
+        timeout: float | None,
+    ) -> None:
+        """:meth:`send_request` by the engine's transport."""
         self._check_open()
         self._check_rid(request_id)
         deadline = self._deadline(timeout)
@@ -628,7 +641,6 @@ class KVConnector:
         *,
         to: str,
         timeout: float | None = None,
-        _plain: bool = False,
     ) -> None:
         """Start sending one layer of a request (call after the layer's KV is written).
 
@@ -639,9 +651,21 @@ class KVConnector:
         With ``ipc=`` the layers go through the IPC plane where it works (an event
         per layer, one copy per layer on the consumer; docs/ipc.md).
         """
-        if self._ipc is not None and not _plain:
+        if self._ipc is not None:
             self._ipc.save_layer(request_id, layer, block_ids, to=to, timeout=timeout)
-            return
+        else:
+            self._save_layer_ordinary(request_id, layer, block_ids, to=to, timeout=timeout)
+
+    def _save_layer_ordinary(
+        self,
+        request_id: str,
+        layer: int,
+        block_ids: torch.Tensor | Sequence[int],
+        *,
+        to: str,
+        timeout: float | None,
+    ) -> None:
+        """:meth:`save_layer` by the engine's transport."""
         self._check_open()
         self._check_rid(request_id)
         if type(layer) is not int or not 0 <= layer < self.layout.num_layers:
@@ -699,10 +723,12 @@ class KVConnector:
         request is unknown. On success the request joins :meth:`finished_sending`.
         """
         if self._ipc is not None:
-            if self._ipc.owns_save(request_id):
-                await self._ipc.wait_saved(request_id)
-                return
-            self._ipc._plain_saves.discard(request_id)
+            await self._ipc.wait_saved(request_id)
+        else:
+            await self._wait_saved_ordinary(request_id)
+
+    async def _wait_saved_ordinary(self, request_id: str) -> None:
+        """:meth:`wait_saved` of layers saved by the engine's transport."""
         save = self._saves.pop(request_id, None)
         if save is None:
             raise ConfigError(f"no layers of {request_id!r} are being saved")
@@ -766,7 +792,6 @@ class KVConnector:
         frm: str | None = None,
         timeout: float | None = None,
         layerwise: bool = False,
-        _plain: bool = False,
     ) -> str:
         """Collect the request's KV and write it into the local cache at ``block_ids``.
 
@@ -793,10 +818,24 @@ class KVConnector:
         the deadline), so the blocks may be given to another request at once.
         Reusing the same ``request_id`` for a new request stops that drain.
         """
-        if self._ipc is not None and not _plain:
+        if self._ipc is not None:
             return await self._ipc.recv_request(
                 request_id, block_ids, frm=frm, timeout=timeout, layerwise=layerwise
             )
+        return await self._recv_ordinary(
+            request_id, block_ids, frm=frm, timeout=timeout, layerwise=layerwise
+        )
+
+    async def _recv_ordinary(
+        self,
+        request_id: str,
+        block_ids: torch.Tensor | Sequence[int],
+        *,
+        frm: str | None,
+        timeout: float | None,
+        layerwise: bool,
+    ) -> str:
+        """:meth:`recv_request` by the engine's transport."""
         self._check_open()
         self._check_rid(request_id)
         deadline = self._deadline(timeout)
@@ -1196,3 +1235,101 @@ class KVConnector:
 
     async def __aexit__(self, *exc: object) -> None:
         await self.aclose()
+
+
+class _Port:
+    """The connector as its IPC plane sees it (:class:`~aiokv.kv.ipc.interfaces.ConnectorPort`):
+    the caches, the argument checks, the ordinary path, the bookkeeping."""
+
+    def __init__(self, con: KVConnector) -> None:
+        self._con = con
+
+    @property
+    def engine(self) -> Any:
+        return self._con.engine
+
+    @property
+    def pull(self) -> Any:
+        return self._con._pull
+
+    @property
+    def layout(self) -> KVLayout:
+        return self._con.layout
+
+    @property
+    def caches(self) -> BoundCaches:
+        return self._con.caches
+
+    @property
+    def device(self) -> torch.device:
+        return self._con.device
+
+    def check_request(self, request_id: str) -> None:
+        self._con._check_open()
+        self._con._check_rid(request_id)
+
+    def deadline(self, timeout: float | None) -> float:
+        return self._con._deadline(timeout)
+
+    def host_ids(
+        self, block_ids: torch.Tensor | Sequence[int], *, unique: bool, what: str
+    ) -> torch.Tensor:
+        return self._con._host_ids(block_ids, unique=unique, what=what)
+
+    async def send_plain(
+        self, request_id: str, block_ids: Sequence[int], *, to: str, timeout: float
+    ) -> None:
+        await self._con._send_ordinary(request_id, block_ids, to=to, timeout=timeout)
+
+    def save_layer_plain(
+        self,
+        request_id: str,
+        layer: int,
+        block_ids: torch.Tensor | Sequence[int],
+        *,
+        to: str,
+        timeout: float | None,
+    ) -> None:
+        self._con._save_layer_ordinary(request_id, layer, block_ids, to=to, timeout=timeout)
+
+    async def wait_saved_plain(self, request_id: str) -> None:
+        await self._con._wait_saved_ordinary(request_id)
+
+    async def recv_plain(
+        self,
+        request_id: str,
+        block_ids: Sequence[int],
+        *,
+        frm: str | None,
+        timeout: float,
+        layerwise: bool,
+    ) -> None:
+        await self._con._recv_ordinary(
+            request_id, block_ids, frm=frm, timeout=timeout, layerwise=layerwise
+        )
+
+    def drop(
+        self,
+        request_id: str,
+        names: list[str],
+        frm: str | None,
+        deadline: float,
+        *,
+        late: bool = True,
+    ) -> None:
+        self._con._drop(request_id, names, frm, deadline, late=late)
+
+    def sent(self, request_id: str, n_blocks: int, started: float) -> None:
+        self._con._sent(request_id, 0, n_blocks, started)  # (no chunks: one copy)
+
+    def received(self, request_id: str, n_blocks: int, started: float) -> None:
+        self._con._received(request_id, 0, n_blocks, started)
+
+    def blocks_free(self, request_id: str) -> None:
+        self._con._finished_sending.add(request_id)
+
+    def send_failed(self) -> None:
+        self._con._stats.send_failures += 1
+
+    def recv_failed(self) -> None:
+        self._con._stats.recv_failures += 1

@@ -30,7 +30,7 @@ from aiokv.kv import (
     KVLayout,
     MLALayout,
 )
-from aiokv.kv.ipc import _pid_alive
+from aiokv.kv.ipc._mapping import _pid_alive
 
 OPTS = IpcOptions(trust_unauthenticated=True, grace_s=1.0)
 DTYPES = ["bfloat16", "float16", "float32", "float8_e4m3fn", "float8_e5m2", "int8", "uint8"]
@@ -629,6 +629,61 @@ async def restart_producer(role: str, d: str) -> dict[str, Any]:
     return out
 
 
+HD_PRODUCER = FlashAttentionLayout(4, 64, 16, 8, 128, "bfloat16")
+HD_CONSUMER = FlashAttentionLayout(4, 64, 16, 8, 64, "bfloat16")  # other head_dim
+
+
+async def layout_refused(role: str, d: str) -> dict[str, Any]:
+    """Engines that check layouts at set-up (``EngineConfig(layout=...)``), a producer of
+    head_dim 128 and a consumer of head_dim 64, IPC on both: each side's request fails at
+    once with LayoutMismatchError (the consumer's engine refuses the producer's session,
+    the producer's refuses the consumer's), and nothing lands in the consumer's cache."""
+    dev = device(role)
+    torch.cuda.set_device(dev)
+    lay = HD_PRODUCER if role == "producer" else HD_CONSUMER
+    cfg = aiokv.EngineConfig(
+        device=str(dev),
+        transport="auto",
+        timeouts=aiokv.Timeouts(transfer=60.0),
+        layout=lay.to_wire(),
+    )
+    out: dict[str, Any] = {}
+    async with aiokv.Engine(cfg) as eng:
+        peer = await addresses(d, role, eng)
+        if role == "producer":
+            _, caches = fill(lay, dev, 21)
+            con = KVConnector(eng, lay, caches, ipc=OPTS)
+            await _wait_for(d, "consumer_waits")
+            t0 = time.monotonic()
+            try:
+                await con.send_request("hd", [1, 2, 3], to=peer, timeout=120)
+                out["send"] = "ok"
+            except Exception as exc:
+                out["send"], out["send_msg"] = type(exc).__name__, str(exc)
+            out["send_s"] = time.monotonic() - t0
+            out["finished"] = sorted(con.finished_sending())
+            out["send_failures"] = con.statistics().send_failures
+        else:
+            big = zeroed(lay, dev)
+            con = KVConnector(eng, lay, list(big.unbind(0)), ipc=OPTS)
+            t0 = time.monotonic()
+            task = asyncio.ensure_future(con.recv_request("hd", [4, 5, 6], frm=peer, timeout=120))
+            _publish(d, "consumer_waits", "1")
+            try:
+                await task
+                out["recv"] = "ok"
+            except Exception as exc:
+                out["recv"], out["recv_msg"] = type(exc).__name__, str(exc)
+            out["recv_s"] = time.monotonic() - t0
+            await asyncio.sleep(1.0)  # anything late would have landed by now
+            torch.cuda.synchronize()
+            out["untouched"] = not bool(big.any())
+            out["finished"] = sorted(con.finished_receiving())
+        out.update(stats(con))
+        await con.aclose()
+    return out
+
+
 def main() -> None:
     role, scenario, d = sys.argv[1:4]
     if scenario == "expandable":
@@ -643,6 +698,7 @@ def main() -> None:
             "layers": layers,
             "layers_cancel": layers_cancel,
             "restart_producer": restart_producer,
+            "layout_refused": layout_refused,
         }[scenario]
         out = asyncio.run(fn(role, d))
     say(role=role, **out)

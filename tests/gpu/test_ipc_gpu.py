@@ -5,7 +5,7 @@ the mapping verification and every layout x dtype (bit-exact, odd lengths and
 odd geometry, untouched neighbours, the kernel ordered after the producer's
 stream), cancellation of a copy queued behind the producer's event, a killed
 producer, a killed consumer, a restarted producer (its old mapping dropped, its
-memory freed), and expandable segments.
+memory freed), expandable segments, and engines that refuse each other's layouts.
 """
 
 from __future__ import annotations
@@ -156,3 +156,20 @@ def test_a_restarted_producers_old_mapping_is_dropped(tmp_path: Path) -> None:
     assert c["watched"] and c["received"] == 2 and c["verified"] == 2, c
     assert c["dropped"] == 1 and not c["fallbacks"], c
     assert c["freed"] >= 0.9 * c["cache_bytes"], c
+
+
+@pytest.mark.timeout(120)
+def test_layout_mismatch_refused_fails_both_sides_at_once(tmp_path: Path) -> None:
+    """Engines with layouts and the IPC plane on both sides, head_dim 128 against 64:
+    the producer's send_request and the consumer's recv_request both fail within
+    seconds with LayoutMismatchError naming head_dim (not at their 120 s timeout with
+    TransferTimeoutError), and nothing is written."""
+    r = run_pair("layout_refused", tmp_path, timeout=100)
+    c, p = r["consumer"], r["producer"]
+    assert c is not None and p is not None
+    assert p["send"] == "LayoutMismatchError", p
+    assert c["recv"] == "LayoutMismatchError", c
+    assert "field 'head_dim'" in p["send_msg"] and "field 'head_dim'" in c["recv_msg"]
+    assert p["send_s"] < 10 and c["recv_s"] < 10, (p, c)
+    assert c["untouched"] and c["received"] == 0 and c["finished"] == []
+    assert p["finished"] == [] and p["sent"] == 0 and p["send_failures"] == 1

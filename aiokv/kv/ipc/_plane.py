@@ -31,7 +31,7 @@ Control messages travel as small uint8 CPU tensors carrying msgpack through the
 engine's public ``send_nowait``/``recv`` (tensor ids ``"{rid}#ipc"``,
 ``"{rid}#ipcL{first layer}"`` and ``"{rid}#ipcrel"``); every received field is checked
 before use. A request's descriptor also goes through a shared-memory *doorbell*
-ring (:mod:`aiokv.kv._doorbell`, named with its MAC key in the offer) that a waiting
+ring (:mod:`aiokv.kv.ipc._doorbell`, named with its MAC key in the offer) that a waiting
 consumer polls: it arrives ~0.35 ms sooner on an H200 host; the engine's copy
 stays the authority. The per-request path avoids allocations and most torch calls (each
 costs tens of µs on a GPU host); ``AIOKV_IPC_TRACE=1`` stamps its stages
@@ -39,9 +39,11 @@ costs tens of µs on a GPU host); ``AIOKV_IPC_TRACE=1`` stamps its stages
 
 Modules: this one holds :class:`IpcPlane` with the consumer's side (mapping,
 doorbell poll, staged and ordinary launches, abort rules, release);
-:mod:`aiokv.kv._ipc_producer` the producer's side it inherits (export, events,
-descriptor, lease, layer-wise saving); :mod:`aiokv.kv._ipc_common` what both use
-(options, statistics, backend, channel, trace, helpers).
+:mod:`aiokv.kv.ipc._producer` the producer's side it inherits (export, events,
+descriptor, release wait, layer-wise saving); :mod:`aiokv.kv.ipc._common` what both use
+(backend, channel, trace, helpers). The plane meets its connector through
+:mod:`aiokv.kv.ipc.interfaces` and settles leases by :mod:`aiokv.kv.ipc.lease`
+(docs/ipc.md, "Structure").
 """
 
 from __future__ import annotations
@@ -49,33 +51,34 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import functools
-import secrets
 import struct
-import sys
 import time
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Coroutine, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
-from .._blocking import in_daemon
-from .._common import _await_shielded, _time_left
-from .._exceptions import (
+from ..._blocking import in_daemon
+from ..._common import _await_shielded, _time_left
+from ..._exceptions import (
     AiokvError,
     AiokvTimeoutError,
     ConfigError,
     EngineClosedError,
+    IpcUnavailableError,
     LayoutMismatchError,
     NotPublishedError,
     RemoteProtocolError,
     TransferAbortedError,
     TransferTimeoutError,
 )
-from .._finesleep import FinePoll
-from . import _cudrv, _doorbell, _ipc_kernel
-from ._ipc_common import (
+from ..._finesleep import FinePoll
+from ..layouts import KVLayout, check_compatible
+from ..ops import _to_device
+from . import _cudrv, _doorbell, _kernel
+from ._common import (
     HELLO,
     NO_OFFER,
     PREPARE_RID,
@@ -84,8 +87,6 @@ from ._ipc_common import (
     ControlChannel,
     CudaBackend,
     EngineChannel,
-    IpcOptions,
-    IpcStatistics,
     _layer_id,
     _mark,
     _on,
@@ -93,57 +94,28 @@ from ._ipc_common import (
     boot_id,
     check_same_host,
     log,
-    take_trace,
     unsupported_reason,
 )
-from ._ipc_map import (
+from ._mapping import (
     AbortWords,
-    IpcUnavailableError,
     Mapper,
     _Mapping,
     _pid_alive,
 )
-from ._ipc_producer import _Export, _IpcSave, _ProducerSide
-from ._ipc_wire import (
+from ._producer import _Export, _IpcSave, _ProducerSide
+from ._wire import (
     LAYERS,
     PUSH,
     REVOKED,
     Descriptor,
-    LayerReady,
     Offer,
     Release,
-    StorageExport,
     decode_message,
-    encode_message,
     parse_revoke,
-    probe_pattern,
 )
-from .layouts import KVLayout, check_compatible
-from .ops import _to_device
-
-if TYPE_CHECKING:
-    from .connector import KVConnector
-
-__all__ = [
-    "HELLO",
-    "LAYERS",
-    "PREPARE_RID",
-    "ControlChannel",
-    "Descriptor",
-    "EngineChannel",
-    "IpcOptions",
-    "IpcPlane",
-    "IpcStatistics",
-    "IpcUnavailableError",
-    "LayerReady",
-    "Offer",
-    "Release",
-    "StorageExport",
-    "decode_message",
-    "encode_message",
-    "take_trace",
-    "unsupported_reason",
-]
+from ._wire_layers import LayerReady
+from .interfaces import ConnectorPort
+from .options import IpcOptions, IpcStatistics
 
 #: how long the consumer polls a producer's event without sleeping (a forward pass
 #: that ends within it is noticed within microseconds)
@@ -203,6 +175,30 @@ class _Staged:
     error: BaseException | None = None  # a launch call that failed after the upload
 
 
+async def _unless_refused(
+    request_id: str, check: asyncio.Future[None], recv: Coroutine[Any, Any, str]
+) -> str:
+    """Run ``recv`` (a request's receive); should ``check`` (the session to its producer
+    being opened) fail with :class:`~aiokv.LayoutMismatchError` first, cancel it (nothing
+    was copied yet: no descriptor came) and raise that. Cancelled, the receive's own
+    cancellation runs to its end before this returns."""
+    task = asyncio.ensure_future(recv)
+    try:
+        await asyncio.wait((task, check), return_when=asyncio.FIRST_COMPLETED)
+    except asyncio.CancelledError:
+        task.cancel()
+        await asyncio.wait((task,))
+        raise
+    if not task.done():
+        exc = None if check.cancelled() else check.exception()
+        if isinstance(exc, LayoutMismatchError):
+            task.cancel()
+            await asyncio.wait((task,))
+            if task.cancelled() or task.exception() is not None:
+                raise LayoutMismatchError(f"IPC: request {request_id!r}: {exc}", code=exc.code)
+    return await task
+
+
 def _engine_first(bell: asyncio.Future[Any], _: object) -> None:
     """The engine's receive of a descriptor ended before the ring gave it."""
     if not bell.done():
@@ -220,25 +216,25 @@ class IpcPlane(_ProducerSide):
 
     def __init__(
         self,
-        connector: KVConnector,
+        port: ConnectorPort,
         options: IpcOptions,
         *,
         backend: Backend | None = None,
         channel: ControlChannel | None = None,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
-        self.con = connector
+        self.port = port
         self.channel: ControlChannel = (
-            channel if channel is not None else EngineChannel(connector.engine)
+            channel if channel is not None else EngineChannel(self.port.engine)
         )
         self.options = options
-        self.layout = connector.layout
-        self.device = connector.device
+        self.layout = self.port.layout
+        self.device = self.port.device
         self.backend: Backend = backend if backend is not None else CudaBackend()
         self._clock = clock
         self._stats = IpcStatistics()
         self._boot_id = boot_id()
-        cfg = getattr(connector.engine, "config", None)
+        cfg = getattr(self.port.engine, "config", None)
         authenticated = getattr(cfg, "curve", None) is not None
         self.disabled = (
             unsupported_reason(self.device, authenticated=authenticated, options=options)
@@ -297,17 +293,23 @@ class IpcPlane(_ProducerSide):
         # consumers an offer-only request is going to -> whether another hello came
         self._offering: dict[str, bool] = {}
         self._preparing: dict[str, asyncio.Future[bool]] = {}  # producer -> prepare()
+        # producers whose engine accepted this engine's session, and sessions being opened
+        # (only where the engines check layouts at set-up: _session_check)
+        connect = getattr(self.port.engine, "connect", None)
+        self._connect: Callable[..., Awaitable[None]] | None = (
+            connect if getattr(cfg, "layout", None) is not None else None
+        )
+        self._session_up: set[str] = set()
+        self._session_opening: dict[str, asyncio.Future[None]] = {}
         self._init_push()
-        if not self.disabled and connector._pull is not None:
+        if not self.disabled and self.port.pull is not None:
             # consumers may ask for the offer ahead of their first request (prepare)
             with contextlib.suppress(AiokvError):
-                connector._pull.publish(
-                    HELLO, torch.zeros(1, dtype=torch.uint8), on_get=self._hello
-                )
+                self.port.pull.publish(HELLO, torch.zeros(1, dtype=torch.uint8), on_get=self._hello)
         self._mapper = Mapper(
             self.device,
             self.layout,
-            connector.caches,
+            self.port.caches,
             self.backend,
             options,
             self._drv,
@@ -326,7 +328,7 @@ class IpcPlane(_ProducerSide):
         export is mapped here; False when it cannot be (the plane is off on either
         side, or the request fell back: counted and logged as usual). Concurrent calls
         for one producer share one attempt."""
-        if self.disabled or self.con._pull is None:
+        if self.disabled or self.port.pull is None:
             return False
         if any(m.reply_to == frm and not m.broken for m in self._maps.values()):
             return True
@@ -338,10 +340,10 @@ class IpcPlane(_ProducerSide):
         return await asyncio.shield(fut)
 
     async def _prepare(self, frm: str, timeout: float | None) -> bool:
-        assert self.con._pull is not None
-        deadline = self.con._deadline(timeout)
+        assert self.port.pull is not None
+        deadline = self.port.deadline(timeout)
         try:
-            await self.con._pull.get(HELLO, frm=frm, timeout=_time_left(deadline))
+            await self.port.pull.get(HELLO, frm=frm, timeout=_time_left(deadline))
         except NotPublishedError:  # no IPC plane there
             return False
         plane = await self.recv_request(
@@ -350,6 +352,54 @@ class IpcPlane(_ProducerSide):
         return plane == "ipc"
 
     async def recv_request(
+        self,
+        request_id: str,
+        block_ids: torch.Tensor | Sequence[int],
+        *,
+        frm: str | None,
+        timeout: float | None,
+        layerwise: bool,
+    ) -> str:
+        """Receive a request from the producer at ``frm`` over the plane (or the ordinary
+        path); returns the plane that carried it (``"ipc"`` or ``"engine"``). Until this
+        engine's session to that producer is up (:meth:`_session_check`), the request
+        also fails at once with the producer's refusal of it."""
+        check = self._session_check(frm, timeout)
+        recv = self._recv_request(
+            request_id, block_ids, frm=frm, timeout=timeout, layerwise=layerwise
+        )
+        if check is None:
+            return await recv
+        return await _unless_refused(request_id, check, recv)
+
+    def _session_check(self, frm: str | None, timeout: float | None) -> asyncio.Future[None] | None:
+        """Where the engines check KV layouts at session set-up, the consumer opens its
+        own session to the producer (it carries the releases) as a request from it
+        begins: a producer whose layout does not match refuses it at once -- as this
+        consumer's engine refuses the producer's, which only that side learns of. The
+        default check compares every field but the block count, so both refuse or
+        neither. None once the session was up (or without such a check). The attempt
+        ends with the request's deadline at the latest (the next request tries again)."""
+        if frm is None or frm in self._session_up or self._connect is None:
+            return None
+        fut = self._session_opening.get(frm)
+        if fut is None:
+            left = self.port.deadline(timeout) - time.monotonic()
+            if left <= 0:
+                return None
+            fut = asyncio.ensure_future(self._connect(frm, timeout=left, nccl=False))
+            self._session_opening[frm] = fut
+            fut.add_done_callback(functools.partial(self._session_opened, frm))
+        return fut
+
+    def _session_opened(self, frm: str, fut: asyncio.Future[None]) -> None:
+        if self._session_opening.get(frm) is fut:
+            del self._session_opening[frm]
+        if not fut.cancelled() and fut.exception() is None:
+            self._session_up.add(frm)
+        # (a failure is retrieved; the next request from frm tries again)
+
+    async def _recv_request(
         self,
         request_id: str,
         block_ids: torch.Tensor | Sequence[int],
@@ -408,7 +458,6 @@ class IpcPlane(_ProducerSide):
     ) -> str:
         """A request's descriptor is here (not staged): check it against the request and
         copy by the plane it names, or take the ordinary path."""
-        con = self.con
         n = len(host)
         _mark(request_id, "decoded")
         if desc.rid != request_id:
@@ -417,7 +466,9 @@ class IpcPlane(_ProducerSide):
 
         def drop_layers() -> None:
             if desc.plane == LAYERS:  # the layer messages the producer sends regardless
-                con._drop(request_id, [_layer_id(request_id, i) for i in range(L)], frm, deadline)
+                self.port.drop(
+                    request_id, [_layer_id(request_id, i) for i in range(L)], frm, deadline
+                )
 
         if desc.n != n:
             if desc.plane != "chunks":
@@ -554,7 +605,7 @@ class IpcPlane(_ProducerSide):
         (``_taken``)."""
         _mark(rid, "desc")
         self._stats.doorbell_hits += 1
-        self.con._drop(rid, [f"{rid}#ipc"], frm, deadline, late=not solo)
+        self.port.drop(rid, [f"{rid}#ipc"], frm, deadline, late=not solo)
         self._taken.pop(rid, None)
         self._taken[rid] = desc.lease
         if len(self._taken) > _MAX_TAKEN:
@@ -871,7 +922,7 @@ class IpcPlane(_ProducerSide):
         ab, slot = self._words.word(g)
         sb = self._slot_bufs(g, n)
         programs, args = self._raw_args(m, sb.dev, ab, slot, n, 0, self.layout.num_layers)
-        if not 0 < programs <= _ipc_kernel.MAX_PROGRAMS:
+        if not 0 < programs <= _kernel.MAX_PROGRAMS:
             self._words.free.append(g)
             return None
         struct.pack_into(f"<{n}q", sb.mv, 8 * n, *host)  # destination ids: second half
@@ -966,7 +1017,6 @@ class IpcPlane(_ProducerSide):
         """Copy the request: one launch (``plane == "ipc"``), or one per chunk of layers
         as the producer's :class:`LayerReady` messages arrive (``LAYERS``). ``rung``:
         the descriptor came by the doorbell (the ok release says so)."""
-        con = self.con
         n = len(host)
         lay = self.layout
         layerwise = desc.plane == LAYERS
@@ -987,9 +1037,8 @@ class IpcPlane(_ProducerSide):
             except IpcUnavailableError as exc:
                 self._count_fallback(exc.reason, desc.reply_to, str(exc))
                 self._release(desc, Release(desc.rid, False, fallback=True, reason=exc.reason))
-                await con.recv_request(
-                    desc.rid, host, timeout=max(0.0, deadline - time.monotonic()), _plain=True
-                )
+                left = max(0.0, deadline - time.monotonic())
+                await self.port.recv_plain(desc.rid, host, frm=None, timeout=left, layerwise=False)
                 return
         t0 = time.perf_counter()
         triton = self._mapper.use_triton()
@@ -1071,7 +1120,9 @@ class IpcPlane(_ProducerSide):
             _mark(desc.rid, "done")
         except BaseException as exc:
             if layerwise and got < L:  # the producer's later layer messages: dropped
-                con._drop(desc.rid, [_layer_id(desc.rid, i) for i in range(got, L)], frm, deadline)
+                self.port.drop(
+                    desc.rid, [_layer_id(desc.rid, i) for i in range(got, L)], frm, deadline
+                )
             if not launched:
                 self._copy_ended(m)
                 # nothing was launched with the slot: it may serve again, with new buffers
@@ -1133,7 +1184,7 @@ class IpcPlane(_ProducerSide):
         else:
             why = "cancelled" if isinstance(exc, asyncio.CancelledError) else "failed"
         self._release(desc, Release(desc.rid, False, reason=why))
-        self.con._stats.recv_failures += 1
+        self.port.recv_failed()
 
     async def _abort_launched(
         self, m: _Mapping, desc: Descriptor, g: int, sb: _SlotBufs, exc: BaseException
@@ -1154,7 +1205,7 @@ class IpcPlane(_ProducerSide):
         if not (timeout or isinstance(exc, asyncio.CancelledError)):
             reason = "failed"
         self._release(desc, Release(desc.rid, False, reason=reason))
-        self.con._stats.recv_failures += 1
+        self.port.recv_failed()
         if timeout and not isinstance(exc, TransferTimeoutError):
             raise TransferTimeoutError(
                 f"IPC copy of {desc.rid!r} did not finish within its deadline/lease"
@@ -1189,7 +1240,7 @@ class IpcPlane(_ProducerSide):
         self._release_soon(desc, rel)
         self._stats.requests_received += 1
         self._stats.bytes_received += self.layout.request_nbytes(desc.n)
-        self.con._received(desc.rid, 0, desc.n, t0)  # (no chunks: one copy by the plane)
+        self.port.received(desc.rid, desc.n, t0)  # (no chunks: one copy by the plane)
         _mark(desc.rid, "return")
 
     async def _next_layers(
@@ -1275,10 +1326,10 @@ class IpcPlane(_ProducerSide):
         t = m.tables.get((lo, hi))
         if t is None:
             if lo == 0 and hi == self.layout.num_layers:
-                t = (m.src_table, self.con.caches.ptr_table(range(lo, hi)))
+                t = (m.src_table, self.port.caches.ptr_table(range(lo, hi)))
             else:
                 src = [x.data_ptr() for x in m.src_layers[lo:hi]]
-                dst = [x.data_ptr() for x in self.con.caches.tensors[lo:hi]]
+                dst = [x.data_ptr() for x in self.port.caches.tensors[lo:hi]]
                 # from pinned memory, not blocking: a copy from pageable memory first
                 # waits for the stream's queued work -- a producer's forward, when a
                 # layer-wise push makes its first layer's table
@@ -1300,7 +1351,7 @@ class IpcPlane(_ProducerSide):
         """``(programs, arguments)`` of the raw launch copying layers ``[lo, hi)`` of
         ``n`` block pairs whose ids are in ``ids``, abort word ``ab[slot]``."""
         st, dt = self._tables(m, lo, hi)
-        return _ipc_kernel.pair_copy_args(
+        return _kernel.pair_copy_args(
             st.data_ptr(),
             dt.data_ptr(),
             ids.data_ptr(),
@@ -1336,16 +1387,16 @@ class IpcPlane(_ProducerSide):
         if raw:  # ``stream`` is a raw handle; m.raw verified at mapping time
             assert m.raw is not None and self._drv is not None and sb.done is not None
             programs, args = self._raw_args(m, ids, ab, slot, n, lo, hi)
-            if programs > _ipc_kernel.MAX_PROGRAMS:
+            if programs > _kernel.MAX_PROGRAMS:
                 raise ConfigError("IPC: request too large for one launch")
             if programs:
                 m.raw.launch(programs, stream, args)
             self._drv.event_record(sb.done.cuda_event, stream)
             return
         if dev.type != "cuda":
-            dst = self.con.caches.raw(m.word)
+            dst = self.port.caches.raw(m.word)
             src = m.src_layers if whole else m.src_layers[lo:hi]
-            _ipc_kernel.torch_pair_copy(
+            _kernel.torch_pair_copy(
                 src, dst if whole else dst[lo:hi], lay.block_dim, ids[0], ids[1]
             )
             return
@@ -1354,7 +1405,7 @@ class IpcPlane(_ProducerSide):
                 stream.wait_event(ready)  # the producer's KV is written (GPU-side wait)
             if triton:
                 st, dt = self._tables(m, lo, hi)
-                ok = _ipc_kernel.launch_pair_copy(
+                ok = _kernel.launch_pair_copy(
                     st,
                     dt,
                     ids,
@@ -1365,8 +1416,8 @@ class IpcPlane(_ProducerSide):
                 if not ok:
                     raise ConfigError("IPC: request too large for one launch")
             else:
-                dst = self.con.caches.raw(m.word)
-                _ipc_kernel.torch_pair_copy(
+                dst = self.port.caches.raw(m.word)
+                _kernel.torch_pair_copy(
                     m.src_layers[lo:hi], dst[lo:hi], lay.block_dim, ids[:n], ids[n : 2 * n]
                 )
             assert sb.done is not None
@@ -1374,7 +1425,7 @@ class IpcPlane(_ProducerSide):
 
     def _poll(self) -> Any:
         if self._poller is None:
-            from ..cuda import ProgressPoller
+            from ...cuda import ProgressPoller
 
             self._poller = ProgressPoller()
         return self._poller
@@ -1438,9 +1489,9 @@ class IpcPlane(_ProducerSide):
         """Stop: wait (bounded) for background messages and in-flight copies, then unmap."""
         self._closed = True
         end = time.monotonic() + timeout
-        if self.con._pull is not None:
+        if self.port.pull is not None:
             with contextlib.suppress(AiokvError):
-                self.con._pull.unpublish(HELLO)
+                self.port.pull.unpublish(HELLO)
         self._flush_releases()
         if self._background:
             await asyncio.wait(list(self._background), timeout=timeout)
@@ -1472,89 +1523,3 @@ class _Fired:
 
     def query(self) -> bool:
         return True
-
-
-# --------------------------------------------------------------------------- doctor
-
-
-_PROBE_BYTES = 1 << 16
-
-
-def _export_probe_main() -> None:
-    """Child of :func:`doctor_report`: export a probe on ``cuda:ARGV1`` and hold it until
-    stdin closes (an export is only valid while its process lives)."""
-    import json
-
-    idx, nonce = int(sys.argv[1]), int(sys.argv[2])
-    dev = torch.device("cuda", idx)
-    t = probe_pattern(nonce, _PROBE_BYTES, dev)
-    torch.cuda.synchronize(dev)
-    e = CudaBackend().export(t.untyped_storage())
-    w = {k: (v.hex() if isinstance(v, bytes) else v) for k, v in e.to_wire().items()}
-    print(json.dumps(w), flush=True)
-    sys.stdin.read()
-
-
-def doctor_report(gpus: int, *, timeout: float = 60.0) -> list[str]:
-    """Lines for ``aiokv doctor``: whether CUDA IPC works from each visible GPU to each
-    (a child process exports a known pattern; this process maps it on every GPU and
-    compares), and what would keep the IPC plane off here."""
-    import json
-    import subprocess
-
-    lines = []
-    why = unsupported_reason(torch.device("cuda", 0), authenticated=True, options=IpcOptions())
-    lines.append(
-        "IPC plane    "
-        + ("usable here" if why is None else f"off: {why}")
-        + ("" if _ipc_kernel.available() else " (no Triton: torch-ops copy, host-waited)")
-    )
-    lines.append("             (row exports, column maps and reads a known pattern)")
-    nonce = secrets.randbits(40)
-    want_cache: dict[int, torch.Tensor] = {}
-    for i in range(gpus):
-        cells = []
-        proc = subprocess.Popen(
-            [
-                sys.executable,
-                "-c",
-                "from aiokv.kv.ipc import _export_probe_main as m; m()",
-                str(i),
-                str(nonce),
-            ],
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-        )
-        try:
-            assert proc.stdout is not None
-            line = proc.stdout.readline()
-            raw = json.loads(line) if line.startswith("{") else None
-            export = None
-            if raw is not None:
-                export = StorageExport.from_wire(
-                    {k: (bytes.fromhex(v) if isinstance(v, str) else v) for k, v in raw.items()}
-                )
-            for j in range(gpus):
-                if export is None:
-                    cells.append("  export failed")
-                    continue
-                dev = torch.device("cuda", j)
-                try:
-                    t = CudaBackend().open(export, dev)
-                    want = want_cache.get(j)
-                    if want is None:
-                        want = want_cache[j] = probe_pattern(nonce, _PROBE_BYTES, dev)
-                    ok = bool(torch.equal(t[:_PROBE_BYTES].clone(), want))
-                    cells.append(" yes" if ok else " WRONG DATA")
-                    del t
-                except Exception as exc:
-                    cells.append(f"  no ({type(exc).__name__}: {str(exc)[:60]})")
-        finally:
-            with contextlib.suppress(Exception):
-                proc.communicate(input="", timeout=timeout)
-            if proc.poll() is None:
-                proc.kill()
-        lines.append(f"  cuda:{i}   " + "".join(cells))
-    return lines

@@ -17,27 +17,29 @@ from typing import Any
 
 import torch
 
-from .._common import _time_left
-from .._exceptions import (
+from ..._common import _time_left
+from ..._exceptions import (
     AiokvError,
     ConfigError,
     RemoteProtocolError,
     TransferAbortedError,
     TransferTimeoutError,
 )
-from . import _doorbell, _ipc_kernel
-from ._ipc_common import (
+from . import _doorbell, _kernel
+from ._common import (
     NO_OFFER,
     PREPARE_RID,
     RING,
+    UNDELIVERED,
+    AnswerWait,
     _layer_id,
     _mark,
     _retrieve,
     log,
 )
-from ._ipc_map import _Mapping, seg_bytes
-from ._ipc_push import PUSH_REFUSED, _PushBuf, _PushSide
-from ._ipc_wire import (
+from ._mapping import _Mapping, seg_bytes
+from ._push import PUSH_REFUSED, _PushBuf, _PushSide
+from ._wire import (
     _PROBE_SEGMENTS,
     LAYERS,
     PUSH,
@@ -46,9 +48,10 @@ from ._ipc_wire import (
     Offer,
     Release,
     decode_message,
-    layer_messages,
     probe_pattern,
 )
+from ._wire_layers import layer_messages
+from .lease import LeaseEvent, LeaseState
 
 
 @dataclass(slots=True, eq=False)
@@ -69,7 +72,7 @@ class _PushSave:
 @dataclass(slots=True, eq=False)
 class _IpcSave:
     """A request being saved layer by layer over the plane (producer): pulled by the
-    consumer layer by layer (``rel_task`` waits for its release), or pushed (``push``;
+    consumer layer by layer (``rel`` waits for its release), or pushed (``push``;
     its descriptor and release come at ``wait_saved``)."""
 
     to: str
@@ -77,11 +80,45 @@ class _IpcSave:
     deadline: float
     lease: float
     started: float
-    rel_task: asyncio.Task[Release | None] | None
+    rel: AnswerWait | None
     saved: set[int] = field(default_factory=set)
     events: list[tuple[int, Any, bytes]] = field(default_factory=list)
     pending: list[tuple[int, bytes, int]] = field(default_factory=list)  # (layer, event, slot)
     push: _PushSave | None = None
+
+
+def _release_event(rel: Release | None) -> LeaseEvent:
+    """The lease event a consumer's release (None: none before lease + grace) is."""
+    if rel is None:
+        return LeaseEvent.LEASE_OVER
+    if rel.fallback:
+        return LeaseEvent.RELEASE_FALLBACK
+    return LeaseEvent.RELEASE_OK if rel.ok else LeaseEvent.RELEASE_FAILED
+
+
+def _error_event(exc: BaseException) -> LeaseEvent:
+    """The lease event the wait for a release ending with ``exc`` is."""
+    return LeaseEvent.UNDELIVERED if isinstance(exc, UNDELIVERED) else LeaseEvent.BAD_RELEASE
+
+
+def _answer_from(fut: asyncio.Future[Release | None], t: asyncio.Task[Release | None]) -> None:
+    """Hand the release receive's outcome to the wait for it (already settled: by a
+    message that failed; the outcome is retrieved and dropped)."""
+    if fut.done():
+        if not t.cancelled():
+            t.exception()
+    elif t.cancelled():
+        fut.cancel()
+    elif (exc := t.exception()) is not None:
+        fut.set_exception(exc)
+    else:
+        fut.set_result(t.result())
+
+
+def _stop_task(task: asyncio.Task[Any], _: object) -> None:
+    """The wait for a release ended (a message failed): stop receiving it."""
+    if not task.done():
+        task.cancel()
 
 
 def _same_ids(block_ids: object, host: tuple[int, ...]) -> bool:
@@ -137,7 +174,7 @@ class _ProducerSide(_PushSide):
     def _make_export(self) -> _Export:
         if self._export is not None:
             return self._export
-        tensors = self.con.caches.tensors
+        tensors = self.port.caches.tensors
         storages: list[torch.UntypedStorage] = []
         index: dict[int, int] = {}
         layers: list[tuple[int, int]] = []
@@ -151,7 +188,7 @@ class _ProducerSide(_PushSide):
         seg = seg_bytes(self.layout)
         nonce = secrets.randbits(62)
         probe = probe_pattern(nonce, _PROBE_SEGMENTS * seg, self.device)
-        word = _ipc_kernel.word_size(*(t.data_ptr() for t in tensors))
+        word = _kernel.word_size(*(t.data_ptr() for t in tensors))
         offer = Offer(
             token=secrets.randbits(62) | 1,
             boot_id=self._boot_id,
@@ -195,7 +232,6 @@ class _ProducerSide(_PushSide):
         _offer_only: bool = False,
     ) -> None:
         _mark(request_id, "send")
-        con = self.con
         deadline, host = self._begin(request_id, block_ids, timeout, unique=False, what="send")
         n = len(host)
         _mark(request_id, "ids")
@@ -206,8 +242,8 @@ class _ProducerSide(_PushSide):
             return
         if reason or (n == 0 and not _offer_only):
             self._send_plain(request_id, n, to, deadline, reason)
-            await con.send_request(
-                request_id, host, to=to, timeout=max(0.0, deadline - time.monotonic()), _plain=True
+            await self.port.send_plain(
+                request_id, host, to=to, timeout=max(0.0, deadline - time.monotonic())
             )
             return
         try:
@@ -238,7 +274,7 @@ class _ProducerSide(_PushSide):
             rid=request_id,
             plane="ipc",
             n=n,
-            reply_to=str(getattr(con.engine, "address", "")),
+            reply_to=str(getattr(self.port.engine, "address", "")),
             token=export.offer.token,
             src=host,
             event=ev_handle,
@@ -250,8 +286,8 @@ class _ProducerSide(_PushSide):
         _mark(request_id, "built")
         ok = await self._post(request_id, desc, to, lease, [(slot, ev, ev_handle)])
         if not ok and not _offer_only:  # nothing was read: the ordinary way (from now on)
-            await con.send_request(
-                request_id, host, to=to, timeout=max(0.0, deadline - time.monotonic()), _plain=True
+            await self.port.send_plain(
+                request_id, host, to=to, timeout=max(0.0, deadline - time.monotonic())
             )
 
     async def _push(
@@ -280,8 +316,8 @@ class _ProducerSide(_PushSide):
         event = (slot, ev, ev_handle)
         if not await self._post_push(request_id, len(host), to, lease, pm, g, event, buf):
             # the consumer refused the push (nothing of it is used): the ordinary way
-            await self.con.send_request(
-                request_id, host, to=to, timeout=max(0.0, deadline - time.monotonic()), _plain=True
+            await self.port.send_plain(
+                request_id, host, to=to, timeout=max(0.0, deadline - time.monotonic())
             )
         return True
 
@@ -302,12 +338,11 @@ class _ProducerSide(_PushSide):
         _mark(request_id, "pushed")
         self._stats.pushed += 1
         slot, ev, handle = event
-        con = self.con
         desc = Descriptor(
             rid=request_id,
             plane=PUSH,
             n=n,
-            reply_to=str(getattr(con.engine, "address", "")),
+            reply_to=str(getattr(self.port.engine, "address", "")),
             token=pm.token,
             event=handle,
             event_slot=slot,
@@ -349,17 +384,19 @@ class _ProducerSide(_PushSide):
             backup = asyncio.get_running_loop().call_later(
                 self.options.doorbell_backup_s, self._send_backup, tid, desc, to, lease
             )
-        else:
-            if offer is None:
-                self._ring(desc, to, solo=False)
-            self._send_msg(tid, desc.to_wire(), to, _time_left(lease, self._clock))
+        rel = self._wait_release(request_id, to, lease)
+        rel.fut.add_done_callback(functools.partial(self._released, to, backup))
+        if not ring_only:
+            rung = offer is None and self._ring(desc, to, solo=False)
+            # the engine alone carrying it, a failed send fails the wait for its release
+            # (with the ring's copy too, the consumer may be reading: the lease decides)
+            left = _time_left(lease, self._clock)
+            self._send_msg(tid, desc.to_wire(), to, left, None if rung else rel)
         _mark(request_id, "sent")
-        rel_task = asyncio.ensure_future(self._await_release(request_id, to, lease))
-        rel_task.add_done_callback(functools.partial(self._released, to, backup))
         return await self._settle_release(
             request_id,
             to,
-            rel_task,
+            rel,
             events,
             n_blocks=desc.n,
             started=t0,
@@ -398,8 +435,18 @@ class _ProducerSide(_PushSide):
             self._stats.doorbell_backups += 1
             self._send_msg(tid, desc.to_wire(), to, left)
 
+    def _wait_release(self, rid: str, to: str, lease: float) -> AnswerWait:
+        """The wait for the consumer's release of ``rid`` (:meth:`_await_release`, run as
+        a task) as an :class:`AnswerWait`, which the request's messages tell of their
+        failures: one the consumer never took ends it at once (and the receive)."""
+        fut: asyncio.Future[Release | None] = asyncio.get_running_loop().create_future()
+        task = asyncio.ensure_future(self._await_release(rid, to, lease))
+        task.add_done_callback(functools.partial(_answer_from, fut))
+        fut.add_done_callback(functools.partial(_stop_task, task))
+        return AnswerWait(fut)
+
     def _released(
-        self, to: str, backup: asyncio.TimerHandle | None, t: asyncio.Task[Release | None]
+        self, to: str, backup: asyncio.TimerHandle | None, t: asyncio.Future[Release | None]
     ) -> None:
         """The release of a request sent over the plane came (or never will): a pending
         engine copy is not needed; the consumer's release says whether it reads the
@@ -418,7 +465,7 @@ class _ProducerSide(_PushSide):
         self,
         request_id: str,
         to: str,
-        rel_task: asyncio.Task[Release | None],
+        wait: AnswerWait,
         events: list[tuple[int, Any, bytes]],
         *,
         n_blocks: int,
@@ -437,33 +484,39 @@ class _ProducerSide(_PushSide):
         still be reading. ``count_errors``: whether another error while waiting (a bad
         release) counts as a send failure -- ``wait_saved`` counts it, ``send_request``
         never did (tests/test_ipc_settle.py pins both)."""
-        con = self.con
+        lease = wait.lease
         try:
-            rel = await asyncio.shield(rel_task)
+            rel = await asyncio.shield(wait.fut)
         except asyncio.CancelledError:
-            self._track(self._settle_cancelled(rel_task, events, request_id))
-            con._stats.send_failures += 1
+            lease.handle(LeaseEvent.CANCEL)
+            self._track(self._settle_cancelled(wait, events, request_id))
+            self.port.send_failed()
             raise
-        except BaseException:
-            if count_errors:
-                con._stats.send_failures += 1
+        except BaseException as exc:
+            if lease.handle(_error_event(exc)) is LeaseState.UNDELIVERED or count_errors:
+                self.port.send_failed()
             raise
         _mark(request_id, "released")
-        if rel is None:
-            con._stats.send_failures += 1
+        state = lease.handle(_release_event(rel))
+        if lease.events_reusable:
+            self._free_events.extend(events)
+        if state is LeaseState.EXPIRED:
+            self.port.send_failed()
             self._stats.lease_expired += 1
+            lost = wait.lost
             raise TransferTimeoutError(
                 f"IPC: no release of {request_id!r} from {to} before its lease ran out "
                 "(the consumer no longer reads the blocks)"
-            )
-        self._free_events.extend(events)
+                + (f"; a message of it failed: {lost!r}" if lost is not None else "")
+            ) from lost
+        assert rel is not None
         if rel.fallback and rel.reason == PUSH_REFUSED:  # pull (and the ordinary way) goes on
             pm = self._push_maps.pop(to, None)
             if pm is not None:
                 self._close_push(pm)
             self._count_fallback(PUSH_REFUSED, to)
             return False
-        if rel.fallback:
+        if state is LeaseState.FALLBACK:
             reason = rel.reason or "consumer_refused"
             pm = self._push_maps.pop(to, None)  # (a consumer that lost our offer restarted:
             if pm is not None:  # its export we map is stale too; it offers its new one)
@@ -480,8 +533,8 @@ class _ProducerSide(_PushSide):
             # sending this consumer everything the ordinary way from now on
             self._count_fallback(reason, to)
             return False
-        if not rel.ok:
-            con._stats.send_failures += 1
+        if state is LeaseState.FAILED:
+            self.port.send_failed()
             raise TransferAbortedError(
                 f"IPC: the consumer {to} failed request {request_id!r}: {rel.reason}"
             )
@@ -496,7 +549,7 @@ class _ProducerSide(_PushSide):
         if request_id == PREPARE_RID:  # an offer alone: no request to count or report
             return True
         self._stats.requests_sent += 1
-        con._sent(request_id, 0, n_blocks, started)  # (no chunks: one copy by the plane)
+        self.port.sent(request_id, n_blocks, started)  # (no chunks: one copy by the plane)
         return True
 
     async def _await_release(self, rid: str, frm: str, lease: float) -> Release | None:
@@ -512,20 +565,20 @@ class _ProducerSide(_PushSide):
         return rel
 
     async def _settle_cancelled(
-        self,
-        rel_task: asyncio.Task[Release | None],
-        events: list[tuple[int, Any, bytes]],
-        rid: str,
+        self, wait: AnswerWait, events: list[tuple[int, Any, bytes]], rid: str
     ) -> None:
+        """A request whose caller left (its lease CANCELLED): once the consumer's answer
+        (or the lease's end) ends the loan, its events serve again where the lease
+        says so and its blocks are free."""
         try:
-            rel = await rel_task
-        except Exception:
-            rel = None
-        if rel is not None:
+            event = _release_event(await wait.fut)
+        except Exception as exc:
+            event = _error_event(exc)
+        wait.lease.handle(event)
+        if wait.lease.events_reusable:
             self._free_events.extend(events)
-        # blocks are free to reuse from here on (release, or lease + grace over)
-        if rid != PREPARE_RID:
-            self.con._finished_sending.add(rid)
+        if rid != PREPARE_RID:  # (blocks_free: release, or lease + grace over)
+            self.port.blocks_free(rid)
 
     def _hello(self, address: str) -> None:
         """``on_get`` of :data:`HELLO`: the consumer at ``address`` (an authenticated
@@ -583,14 +636,12 @@ class _ProducerSide(_PushSide):
         its event fired. Where the plane is off for this consumer the descriptor
         says ``"chunks"`` and the request takes the ordinary path from its first layer.
         """
-        con = self.con
-        con._check_open()
-        con._check_rid(request_id)
+        self.port.check_request(request_id)
         L = self.layout.num_layers
         if type(layer) is not int or not 0 <= layer < L:
             raise ConfigError(f"layer must be an int in [0, {L}), got {layer!r}")
         if request_id in self._plain_saves:
-            con.save_layer(request_id, layer, block_ids, to=to, timeout=timeout, _plain=True)
+            self.port.save_layer_plain(request_id, layer, block_ids, to=to, timeout=timeout)
             return
         sv = self._saves.get(request_id)
         if sv is not None and _same_ids(block_ids, sv.host):
@@ -600,7 +651,7 @@ class _ProducerSide(_PushSide):
         n = len(host)
         if sv is None:
             _mark(request_id, "send")  # (the request's first layer)
-            deadline = con._deadline(timeout)
+            deadline = self.port.deadline(timeout)
             reason = self.disabled or self._broken_to.get(to)
             export = None
             if not reason and n:
@@ -612,7 +663,7 @@ class _ProducerSide(_PushSide):
             if export is None:
                 self._send_plain(request_id, n, to, deadline, reason)
                 self._plain_saves.add(request_id)
-                con.save_layer(request_id, layer, host, to=to, timeout=timeout, _plain=True)
+                self.port.save_layer_plain(request_id, layer, host, to=to, timeout=timeout)
                 return
             lease = self._clock() + max(0.0, deadline - time.monotonic())
             pm = self._push_maps.get(to) if self.options.push else None
@@ -624,17 +675,18 @@ class _ProducerSide(_PushSide):
                 rid=request_id,
                 plane=LAYERS,
                 n=n,
-                reply_to=str(getattr(con.engine, "address", "")),
+                reply_to=str(getattr(self.port.engine, "address", "")),
                 token=export.offer.token,
                 src=host,
                 lease=lease,
                 offer=None if to in self._acked else export.offer,
                 can_push=pm is not None,
             )
-            self._send_msg(f"{request_id}#ipc", desc.to_wire(), to, _time_left(lease, self._clock))
-            rel_task = asyncio.ensure_future(self._await_release(request_id, to, lease))
-            rel_task.add_done_callback(_retrieve)
-            sv = _IpcSave(to, host, deadline, lease, time.perf_counter(), rel_task)
+            rel = self._wait_release(request_id, to, lease)
+            rel.fut.add_done_callback(_retrieve)
+            left = _time_left(lease, self._clock)
+            self._send_msg(f"{request_id}#ipc", desc.to_wire(), to, left, rel)
+            sv = _IpcSave(to, host, deadline, lease, time.perf_counter(), rel)
             self._saves[request_id] = sv
         elif sv.to != to or sv.host != host:
             raise ConfigError(
@@ -730,7 +782,7 @@ class _ProducerSide(_PushSide):
         left = max(0.0, sv.lease - self._clock())
         for lr in layer_messages(request_id, pending):
             try:
-                self._send_msg(_layer_id(lr.rid, lr.lo), lr.to_wire(), sv.to, left)
+                self._send_msg(_layer_id(lr.rid, lr.lo), lr.to_wire(), sv.to, left, sv.rel)
             except Exception as exc:  # engine closing: the consumer's lease runs out instead
                 log.warning(
                     "aiokv IPC plane: could not announce %r: %s", _layer_id(lr.rid, lr.lo), exc
@@ -743,18 +795,22 @@ class _ProducerSide(_PushSide):
         As with :meth:`send_request`, the blocks are the consumer's to read until its
         release or the lease (plus grace) is over: also when this raises (layers never
         saved, cancellation), the request joins ``finished_sending()`` only then."""
-        con = self.con
-        sv = self._saves.pop(request_id)
+        sv = self._saves.pop(request_id, None)
+        if sv is None:  # saved the ordinary way (or never saved: the ConfigError is its)
+            self._plain_saves.discard(request_id)
+            await self.port.wait_saved_plain(request_id)
+            return
         if sv.push is not None:
             return await self._push_saved(request_id, sv, sv.push)
         self._flush_layers(request_id, sv)
         L = self.layout.num_layers
         missing = [i for i in range(L) if i not in sv.saved]
-        assert sv.rel_task is not None
+        assert sv.rel is not None
         if missing:
             # the consumer waits for them until the lease; what it read so far stays its
-            self._track(self._settle_cancelled(sv.rel_task, sv.events, request_id))
-            con._stats.send_failures += 1
+            sv.rel.lease.handle(LeaseEvent.CANCEL)
+            self._track(self._settle_cancelled(sv.rel, sv.events, request_id))
+            self.port.send_failed()
             raise ConfigError(
                 f"request {request_id!r}: layers {missing[:8]}{'...' if len(missing) > 8 else ''} "
                 "were never saved"
@@ -762,7 +818,7 @@ class _ProducerSide(_PushSide):
         ok = await self._settle_release(
             request_id,
             sv.to,
-            sv.rel_task,
+            sv.rel,
             sv.events,
             n_blocks=len(sv.host),
             started=sv.started,
@@ -777,7 +833,6 @@ class _ProducerSide(_PushSide):
         whole push. With a layer never saved (or a launch that failed) nothing is sent:
         the consumer's deadline ends its grant (docs/ipc.md, "Push mode"), and the
         request joins ``finished_sending()`` once the launches made have ended."""
-        con = self.con
         L = self.layout.num_layers
         missing = [i for i in range(L) if i not in sv.saved]
         slot, ev, handle = self._take_event()
@@ -788,7 +843,7 @@ class _ProducerSide(_PushSide):
             ps.error = ps.error or exc
         if missing or ps.error is not None:
             self._track(self._push_abandoned(request_id, sv, ps, (slot, ev, handle)))
-            con._stats.send_failures += 1
+            self.port.send_failed()
             if ps.error is not None:
                 raise ps.error
             raise ConfigError(
@@ -804,11 +859,10 @@ class _ProducerSide(_PushSide):
     async def _save_plain(self, request_id: str, sv: _IpcSave) -> None:
         """Every layer of ``sv`` the ordinary way (the connector's engine path; all
         are written by now), in what is left of its deadline, and wait for them."""
-        con = self.con
         left = max(0.0, sv.deadline - time.monotonic())
         for i in range(self.layout.num_layers):
-            con.save_layer(request_id, i, sv.host, to=sv.to, timeout=left, _plain=True)
-        await con.wait_saved(request_id)
+            self.port.save_layer_plain(request_id, i, sv.host, to=sv.to, timeout=left)
+        await self.port.wait_saved_plain(request_id)
 
     async def _push_abandoned(
         self, request_id: str, sv: _IpcSave, ps: _PushSave, event: tuple[int, Any, bytes]
@@ -828,4 +882,4 @@ class _ProducerSide(_PushSide):
             if ps.buf is not None:
                 self._push_done(ev, ps.buf)
             self._free_events.append(event)
-        self.con._finished_sending.add(request_id)
+        self.port.blocks_free(request_id)

@@ -14,13 +14,13 @@ from typing import Any
 
 import torch
 
-from .._blocking import start_daemon
-from .._exceptions import AiokvError
-from . import _doorbell, _ipc_kernel
-from ._ipc_wire import _PROBE_SEGMENTS, ABORT_WORDS, Descriptor, Offer, PushOffer, probe_pattern
-from .layouts import KVLayout
+from ..._blocking import start_daemon
+from ..._exceptions import IpcUnavailableError
+from ..layouts import KVLayout
+from . import _doorbell, _kernel
+from ._wire import _PROBE_SEGMENTS, ABORT_WORDS, Descriptor, Offer, PushOffer, probe_pattern
 
-__all__ = ["ABORT_WORDS", "AbortWords", "IpcUnavailableError", "Mapper", "seg_bytes"]
+__all__ = ["ABORT_WORDS", "AbortWords", "Mapper", "seg_bytes"]
 
 log = logging.getLogger("aiokv.kv.ipc")
 
@@ -41,14 +41,6 @@ def _pid_alive(pid: int) -> bool:
 def seg_bytes(layout: KVLayout) -> int:
     """Bytes of one contiguous segment of a block (the kernel's unit)."""
     return layout.segment_numel() * layout.itemsize
-
-
-class IpcUnavailableError(AiokvError):
-    """IPC cannot be used with this peer; the request falls back (``reason`` says why)."""
-
-    def __init__(self, reason: str, detail: str = "") -> None:
-        super().__init__(f"CUDA IPC unavailable: {reason}" + (f" ({detail})" if detail else ""))
-        self.reason = reason
 
 
 @dataclass(slots=True, eq=False)
@@ -75,7 +67,7 @@ class _Mapping:
     # variant of the kernel in the middle of a request
     tables: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
     bell: _doorbell.BellReader | None = None  # the producer's doorbell ring, if any
-    raw: _ipc_kernel.RawLaunch | None = None  # the copy through cuLaunchKernel, verified
+    raw: _kernel.RawLaunch | None = None  # the copy through cuLaunchKernel, verified
     reply_to: str = ""  # the producer's engine (a ring message counts as from it)
     # ring records read before their request waited (request id -> the descriptor),
     # oldest first, at most the plane's limit: a late recv_request takes its own from here
@@ -320,21 +312,21 @@ class Mapper:
         want = probe_pattern(offer.nonce, nbytes, dev)
         if not torch.equal(probe[:nbytes], want):  # the consumer's memory, as it said
             raise IpcUnavailableError("verify_failed", "the consumer's probe did not read back")
-        wdt = _ipc_kernel.WORDS[m.word]
+        wdt = _kernel.WORDS[m.word]
         tgt = target[:nbytes]
         tgt.zero_()
         expect = want.view(_PROBE_SEGMENTS, -1).flip(0).reshape(-1)
         swap = torch.tensor([[1, 0], [0, 1]], dtype=torch.int64, device=dev)
         if dev.type != "cuda":  # (the CPU tests' fake: the torch copy)
             s2, d2 = want.view(_PROBE_SEGMENTS, -1), tgt.view(_PROBE_SEGMENTS, -1)
-            _ipc_kernel.torch_pair_copy([s2], [d2], 0, swap[0], swap[1])
+            _kernel.torch_pair_copy([s2], [d2], 0, swap[0], swap[1])
             if not torch.equal(tgt, expect):
                 raise IpcUnavailableError("verify_failed", "the push probe did not land")
             return
         untouched = torch.zeros(nbytes, dtype=torch.uint8, device=dev)
 
         def jit(st: torch.Tensor, dt: torch.Tensor, a: torch.Tensor, s: int) -> Any:
-            ok = _ipc_kernel.launch_pair_copy(st, dt, swap, a, s, **self._probe_geometry(m))
+            ok = _kernel.launch_pair_copy(st, dt, swap, a, s, **self._probe_geometry(m))
             if not ok:
                 raise IpcUnavailableError("grid_too_big")
             return ok
@@ -358,11 +350,11 @@ class Mapper:
             mine = self.caches
             seg = seg_bytes(self.layout)
             stride = self.layout.num_blocks * seg
-            word = _ipc_kernel.word_size(mine.max_word(), seg, stride)
-            align = _ipc_kernel.base_alignment(*(t.data_ptr() for t in mine.tensors))
+            word = _kernel.word_size(mine.max_word(), seg, stride)
+            align = _kernel.base_alignment(*(t.data_ptr() for t in mine.tensors))
             t0 = time.perf_counter()
             with torch.cuda.device(self.device):
-                _ipc_kernel.warm_pair_copy(
+                _kernel.warm_pair_copy(
                     self.device,
                     word=word,
                     seg_words=seg // word,
@@ -376,15 +368,11 @@ class Mapper:
             log.info("aiokv IPC plane: compiling the copy kernel ahead failed: %r", exc)
 
     def use_triton(self) -> bool:
-        return (
-            self.device.type == "cuda"
-            and not self.options.force_torch
-            and (_ipc_kernel.available())
-        )
+        return self.device.type == "cuda" and not self.options.force_torch and (_kernel.available())
 
     def geometry(
         self, m: _Mapping, *, n_pairs: int, n_layers: int, parts: int
-    ) -> _ipc_kernel.CopyGeometry:
+    ) -> _kernel.CopyGeometry:
         """The copy kernel's geometry arguments for mapping ``m`` (in ``m``'s words)."""
         seg = seg_bytes(self.layout)
         w = m.word
@@ -425,10 +413,8 @@ class Mapper:
         mine = self.caches
         word = min(offer.word, mine.max_word())
         seg = seg_bytes(self.layout)
-        word = _ipc_kernel.word_size(
-            word, seg, layout.num_blocks * seg, self.layout.num_blocks * seg
-        )
-        wdt = _ipc_kernel.WORDS[word]
+        word = _kernel.word_size(word, seg, layout.num_blocks * seg, self.layout.num_blocks * seg)
+        wdt = _kernel.WORDS[word]
         need = layout.layer_nbytes()
         src_layers = []
         for si, off in offer.layers:
@@ -439,7 +425,7 @@ class Mapper:
             src_layers.append(v.view(shape))
         table = torch.tensor([t.data_ptr() for t in src_layers], dtype=torch.int64).to(dev)
         stream = self.backend.new_stream(dev) if dev.type == "cuda" else None
-        align = _ipc_kernel.base_alignment(
+        align = _kernel.base_alignment(
             *(t.data_ptr() for t in src_layers), *(t.data_ptr() for t in mine.tensors)
         )
         m = _Mapping(offer.token, layout, storages, src_layers, table, word, stream, align)
@@ -456,7 +442,7 @@ class Mapper:
             raise IpcUnavailableError("map_size", "probe smaller than announced")
         want = probe_pattern(offer.nonce, _PROBE_SEGMENTS * seg, dev)
         w = m.word
-        wdt = _ipc_kernel.WORDS[w]
+        wdt = _kernel.WORDS[w]
         src = probe[: _PROBE_SEGMENTS * seg].view(wdt)
         out = torch.zeros(_PROBE_SEGMENTS * seg, dtype=torch.uint8, device=dev)
         untouched = torch.zeros_like(out)
@@ -466,7 +452,7 @@ class Mapper:
         if self.use_triton():
 
             def jit(st: torch.Tensor, dt: torch.Tensor, a: torch.Tensor, s: int) -> Any:
-                ok = _ipc_kernel.launch_pair_copy(st, dt, swap, a, s, **self._probe_geometry(m))
+                ok = _kernel.launch_pair_copy(st, dt, swap, a, s, **self._probe_geometry(m))
                 if not ok:
                     raise IpcUnavailableError("grid_too_big")
                 return ok
@@ -475,7 +461,7 @@ class Mapper:
         else:
             s2 = src.view(_PROBE_SEGMENTS, -1)
             d2 = dst.view(_PROBE_SEGMENTS, -1)
-            _ipc_kernel.torch_pair_copy([s2], [d2], 0, swap[0], swap[1])
+            _kernel.torch_pair_copy([s2], [d2], 0, swap[0], swap[1])
             if dev.type == "cuda":
                 torch.cuda.current_stream(dev).synchronize()
         expect = want.view(_PROBE_SEGMENTS, -1).flip(0).reshape(-1)
@@ -487,7 +473,7 @@ class Mapper:
             m.raw = self._try_raw(m, compiled, src, swap, expect, slots[2:])
         del probe
 
-    def _probe_geometry(self, m: _Mapping) -> _ipc_kernel.CopyGeometry:
+    def _probe_geometry(self, m: _Mapping) -> _kernel.CopyGeometry:
         return self.geometry(m, n_pairs=_PROBE_SEGMENTS, n_layers=1, parts=1)
 
     def _probe_copies(
@@ -529,20 +515,20 @@ class Mapper:
         swap: torch.Tensor,
         want: torch.Tensor,
         slots: list[int],
-    ) -> _ipc_kernel.RawLaunch | None:
-        """The verified kernel through :class:`~aiokv.kv._ipc_kernel.RawLaunch`: the same
+    ) -> _kernel.RawLaunch | None:
+        """The verified kernel through :class:`~aiokv.kv.ipc._kernel.RawLaunch`: the same
         probe copy (bit-exact) and abort check (writes nothing) through the driver, or
         None (any error or difference: requests then launch through Triton)."""
         dev = self.device
         seg = seg_bytes(self.layout)
         assert self._drv is not None
         try:
-            rl = _ipc_kernel.RawLaunch(compiled, self._drv)
+            rl = _kernel.RawLaunch(compiled, self._drv)
             outs = [torch.zeros(_PROBE_SEGMENTS * seg, dtype=torch.uint8, device=dev)
                     for _ in range(2)]  # fmt: skip
 
             def raw(st: torch.Tensor, dt: torch.Tensor, a: torch.Tensor, s: int) -> None:
-                programs, args = _ipc_kernel.pair_copy_args(
+                programs, args = _kernel.pair_copy_args(
                     st.data_ptr(), dt.data_ptr(), swap.data_ptr(), a.data_ptr(), dev, s,
                     **self._probe_geometry(m),
                 )  # fmt: skip

@@ -36,7 +36,7 @@ from typing import Any, TypedDict
 
 import torch
 
-from . import _triton
+from .. import _triton
 
 __all__ = [
     "WORDS",

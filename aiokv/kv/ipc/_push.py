@@ -36,14 +36,20 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from .._blocking import in_daemon
-from .._common import _time_left
-from .._exceptions import AiokvTimeoutError, RemoteProtocolError, TransferTimeoutError
-from . import _doorbell, _ipc_kernel
-from ._ipc_common import _mark, _PlaneBase, check_same_host, log
-from ._ipc_map import ABORT_WORDS, AbortWords, IpcUnavailableError, Mapper, _Mapping, _pid_alive
-from ._ipc_map import seg_bytes as _seg_bytes
-from ._ipc_wire import (
+from ..._blocking import in_daemon
+from ..._common import _time_left
+from ..._exceptions import (
+    AiokvTimeoutError,
+    IpcUnavailableError,
+    RemoteProtocolError,
+    TransferTimeoutError,
+)
+from ..layouts import check_compatible, layout_from_wire
+from . import _doorbell, _kernel
+from ._common import _mark, _PlaneBase, check_same_host, log
+from ._mapping import ABORT_WORDS, AbortWords, Mapper, _Mapping, _pid_alive
+from ._mapping import seg_bytes as _seg_bytes
+from ._wire import (
     LAYERS,
     PUSH,
     REVOKE,
@@ -56,11 +62,10 @@ from ._ipc_wire import (
     parse_revoke,
     revoke_record,
 )
-from .layouts import check_compatible, layout_from_wire
 
 if TYPE_CHECKING:
-    from ._ipc_producer import _Export
-    from .layouts import KVLayout
+    from ..layouts import KVLayout
+    from ._producer import _Export
 
 #: a fallback release's reason when the consumer refused a pushed request (under another
 #: grant, or with none): the producer stops pushing to it and sends this one the
@@ -272,7 +277,7 @@ class _PushSide(_PlaneBase):
         self._stats.pushes_received += 1
         self._stats.requests_received += 1
         self._stats.bytes_received += self.layout.request_nbytes(desc.n)
-        self.con._received(rid, 0, desc.n, t0)
+        self.port.received(rid, desc.n, t0)
         _mark(rid, "return")
         return "ipc"
 
@@ -362,11 +367,11 @@ class _PushSide(_PlaneBase):
                     rid,
                 )
         if not rung:  # the answer's engine copy, or the answer itself, still to come
-            self.con._drop(rid, [f"{rid}#ipc"], frm, time.monotonic() + 60.0)
+            self.port.drop(rid, [f"{rid}#ipc"], frm, time.monotonic() + 60.0)
         if desc is not None and desc.plane != "chunks":  # (the plane's: it waits for this)
             reason = "cancelled" if isinstance(exc, asyncio.CancelledError) else "failed"
             self._release(desc, Release(rid, False, reason=reason))
-        self.con._stats.recv_failures += 1
+        self.port.recv_failed()
         if isinstance(exc, (AiokvTimeoutError, asyncio.TimeoutError, TimeoutError)) and not (
             isinstance(exc, TransferTimeoutError)
         ):
@@ -440,7 +445,7 @@ class _PushSide(_PlaneBase):
             tid = f"{rid}#ipcgrant"
             raw = self.channel.recv_nowait(tid, frm=to)
             if raw is None:
-                self.con._drop(rid, [tid], to, deadline)
+                self.port.drop(rid, [tid], to, deadline)
                 if pm.bell is not None:  # one by the ring, later, is void too
                     pm.pulled[rid] = None
                     if len(pm.pulled) > _MAX_HELD:
@@ -600,8 +605,8 @@ class _PushSide(_PlaneBase):
         if self.device.type != "cuda":  # (the CPU tests' fake: the torch copy)
             if int(ab[word]) == 0:
                 ids = buf.pin[: 2 * n].view(2, n)
-                _ipc_kernel.torch_pair_copy(
-                    self.con.caches.raw(pm.word)[lo:hi],
+                _kernel.torch_pair_copy(
+                    self.port.caches.raw(pm.word)[lo:hi],
                     pm.src_layers[lo:hi],
                     self.layout.block_dim,
                     ids[0],
@@ -617,7 +622,7 @@ class _PushSide(_PlaneBase):
             if fresh:
                 self._drv.memcpy_htod_async(buf.dev.data_ptr(), buf.pin.data_ptr(), 16 * n, rs)
                 _mark(g.rid, "push:uploaded")
-            programs, args = _ipc_kernel.pair_copy_args(
+            programs, args = _kernel.pair_copy_args(
                 own.data_ptr(),
                 theirs.data_ptr(),
                 buf.dev.data_ptr(),
@@ -633,7 +638,7 @@ class _PushSide(_PlaneBase):
             with torch.cuda.device(self.device):
                 if fresh:
                     buf.dev.copy_(buf.pin, non_blocking=True)
-                if not _ipc_kernel.launch_pair_copy(own, theirs, buf.dev, ab, word, **geo):
+                if not _kernel.launch_pair_copy(own, theirs, buf.dev, ab, word, **geo):
                     raise IpcUnavailableError("grid_too_big")
         if ev is not None:
             self._record(ev)

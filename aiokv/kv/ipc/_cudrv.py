@@ -9,7 +9,7 @@ on handles torch created and owns:
 * ``cuEventRecord`` -- the producer's ready event, the consumer's completion event;
 * ``cuMemcpyHtoDAsync`` -- a request's block ids into the slot's device buffer;
 * ``cuLaunchKernel`` -- the Triton copy kernel's compiled function (see
-  :class:`aiokv.kv._ipc_kernel.RawLaunch`).
+  :class:`aiokv.kv.ipc._kernel.RawLaunch`).
 
 Streams are torch's (``torch._C._cuda_getCurrentRawStream``), so ordering is the
 caller's current stream exactly as with torch's own calls. ``libcuda.so.1`` is the

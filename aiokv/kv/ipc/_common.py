@@ -1,7 +1,7 @@
-"""The IPC plane's shared pieces (:mod:`aiokv.kv.ipc` re-exports the public ones): its
-options and statistics, the CUDA backend and the control channel, the per-request
-trace, and :class:`_PlaneBase` -- the state and the helpers both sides of a plane use.
-The producer's side is :mod:`aiokv.kv._ipc_producer`, the consumer's is the rest of
+"""The IPC plane's shared pieces (:mod:`aiokv.kv.ipc` re-exports the public ones): the
+CUDA backend and the control channel, the per-request trace, the wait for a peer's
+answer (:class:`AnswerWait`), and :class:`_PlaneBase` -- the state and the helpers both sides of a plane use.
+The producer's side is :mod:`aiokv.kv.ipc._producer`, the consumer's is the rest of
 :class:`aiokv.kv.ipc.IpcPlane`."""
 
 from __future__ import annotations
@@ -13,27 +13,30 @@ import logging
 import os
 import time
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
-from .._exceptions import (
+from ..._exceptions import (
     ConfigError,
-)
-from . import _cudrv
-from ._ipc_map import (
+    ConnectError,
+    ConnectTimeoutError,
     IpcUnavailableError,
+    NegotiateTimeoutError,
+    RefusedError,
 )
-from ._ipc_wire import (
+from ..layouts import KVLayout
+from . import _cudrv
+from ._wire import (
     Offer,
     StorageExport,
     encode_message,
 )
-from .layouts import KVLayout
+from .lease import Lease
+from .options import IpcOptions, IpcStatistics
 
 if TYPE_CHECKING:
-    from .connector import KVConnector
+    from .interfaces import ConnectorPort
 
 
 log = logging.getLogger("aiokv.kv.ipc")
@@ -85,116 +88,6 @@ def _on(stream: Any, device: torch.device) -> contextlib.AbstractContextManager[
 def _layer_id(rid: str, lo: int) -> str:
     """Tensor id of the :class:`LayerReady` message of the chunk starting at layer ``lo``."""
     return f"{rid}#ipcL{lo}"
-
-
-# --------------------------------------------------------------------------- options, stats
-
-
-@dataclass(frozen=True, slots=True)
-class IpcOptions:
-    """How a :class:`~aiokv.kv.KVConnector` uses the IPC plane (give both sides the same).
-
-    ``trust_unauthenticated``: IPC exposes the producer's cache allocation to the
-    consumer, so by default it is offered only when the engine authenticates its
-    peers (CURVE); set True only where every process that can reach the engine is
-    trusted (one host, one tenant). ``grace_s``: how long after a lease's deadline
-    the producer still keeps the blocks (a copy that started before the deadline
-    finishes within it). ``force_torch``: use the torch-ops copy instead of the
-    Triton kernel (see :mod:`aiokv.kv._ipc_kernel`).
-
-    ``doorbell``: the producer also writes each descriptor into a shared-memory ring
-    (:mod:`aiokv.kv._doorbell`) that the consumer polls while a ``recv_request``
-    waits -- spinning its loop (``sleep(0)``) for ``doorbell_spin_s`` after the call
-    began; after that a wake-up through a FIFO beside the ring brings the loop to it
-    (and a timed poll, should that fail). Until a consumer's release says it took a
-    descriptor from the ring, the engine carries every descriptor too; from then on
-    the ring alone does, and the engine's copy follows only if no release came
-    within ``doorbell_backup_s`` (docs/ipc.md, "Doorbell").
-
-    ``driver_calls``: make the per-request CUDA calls (the ready and completion
-    events' records, the ids' upload, the copy's launch) through the CUDA driver
-    directly instead of through torch's and Triton's Python wrappers, which cost
-    several times more on the request path (:mod:`aiokv.kv._cudrv`); the launch only
-    after the probe copy through it was bit-exact.
-
-    ``push``: push mode (docs/ipc.md, "Push"; give it both sides): the consumer also
-    exports its cache to the producer, and *grants* each whole request's blocks as it
-    allocates them; a producer that holds the grant when it sends copies the request
-    into the consumer's blocks itself, on its own stream right after its KV writes, so
-    the consumer only waits for that copy's end (no hop through its loop before the
-    copy). A request without a grant in time goes by pull, as without the option.
-    This lets the producer *write* the consumer's cache (pull only lets the consumer
-    read the producer's): turn it on only between processes that trust each other that
-    far.
-
-    ``gpu_wait``: when the producer's ready event has not fired yet as the request
-    arrives, let the consumer's copy stream wait for it on the GPU (the launch is
-    queued at once) instead of polling it from the host first. Faster by one poll,
-    but if the producer dies before its event fires, that stream waits forever:
-    the launch itself is harmless (its abort word is set), but a device-wide
-    ``torch.cuda.synchronize()`` in the consumer then never returns, nor does the
-    next first launch of a kernel under lazy module loading (docs/ipc.md). Off by default; consider it only where the producer's death
-    also ends the consumer.
-
-    ``event_poll_s``: a consumer's wait for a CUDA event (the producer's ready event,
-    a push's end, its own copy's end) queries it on every loop pass for 2 ms, then
-    every ``event_poll_s`` -- one timer for all the plane's waits
-    (:class:`aiokv._finesleep.FinePoll`; the loop's own timers end on whole
-    milliseconds). Shorter notices an event sooner (on average half of it after the
-    event) at more CPU while requests wait: measured 17-24% of one core of a 2-core CI
-    machine at 0.2 ms, 3-9% with the loop's 1 ms timer (docs/benchmarks.md,
-    "Waiting for CUDA events").
-    """
-
-    trust_unauthenticated: bool = False
-    grace_s: float = 1.0
-    force_torch: bool = False
-    gpu_wait: bool = False
-    doorbell: bool = True
-    doorbell_spin_s: float = 0.02
-    doorbell_backup_s: float = 0.05
-    driver_calls: bool = True
-    push: bool = False
-    event_poll_s: float = 0.0002
-
-    def __post_init__(self) -> None:
-        if not (isinstance(self.grace_s, (int, float)) and 0 < self.grace_s <= 600):
-            raise ConfigError(f"grace_s must be in (0, 600], got {self.grace_s!r}")
-        s = self.doorbell_spin_s
-        if not (isinstance(s, (int, float)) and 0 <= s <= 1):
-            raise ConfigError(f"doorbell_spin_s must be in [0, 1], got {s!r}")
-        b = self.doorbell_backup_s
-        if not (isinstance(b, (int, float)) and 0 < b <= 60):
-            raise ConfigError(f"doorbell_backup_s must be in (0, 60], got {b!r}")
-        e = self.event_poll_s
-        if not (isinstance(e, (int, float)) and 0 < e <= 0.01):
-            raise ConfigError(f"event_poll_s must be in (0, 0.01], got {e!r}")
-
-
-@dataclass(slots=True)
-class IpcStatistics:
-    """Counters of one plane. ``fallbacks`` counts requests sent the ordinary way
-    because IPC was unavailable, by reason."""
-
-    requests_sent: int = 0
-    requests_received: int = 0
-    bytes_received: int = 0
-    mappings_verified: int = 0
-    mapping_failures: int = 0
-    mappings_dropped: int = 0  # unmapped because their producer's process was gone
-    aborted: int = 0
-    lease_expired: int = 0
-    stuck_streams: int = 0
-    doorbell_hits: int = 0  # descriptors taken from the doorbell before the engine's
-    doorbell_rejected: int = 0  # ring slots whose MAC failed (or that made no sense)
-    doorbell_backups: int = 0  # producer: ring-only descriptors also sent by the engine late
-    staged_launches: int = 0  # consumer: copies staged at recv_request, then launched ...
-    ring_launches: int = 0  # ... of which by the ring's poll (the producer's event had fired)
-    grants: int = 0  # consumer: whole requests whose blocks it granted to the producer
-    pushed: int = 0  # producer: requests it copied into a consumer's granted blocks
-    pushes_received: int = 0  # consumer: requests the producer pushed
-    push_unsettled: int = 0  # consumer: aborted grants not known to be over in grace_s
-    fallbacks: dict[str, int] = field(default_factory=dict)
 
 
 # --------------------------------------------------------------------------- decisions
@@ -352,7 +245,42 @@ class EngineChannel:
         return self.engine.recv_nowait(tensor_id, frm=frm)
 
 
-def _retrieve(t: asyncio.Task[Any]) -> None:
+#: failures of a control message's send that prove the peer's engine never took it:
+#: the caller waiting on the peer's answer fails with it at once
+UNDELIVERED: tuple[type[BaseException], ...] = (
+    RefusedError,  # the peer refused the session (LayoutMismatchError ...) or the message
+    ConnectError,
+    ConnectTimeoutError,
+    NegotiateTimeoutError,
+)
+
+
+class AnswerWait:
+    """A caller's wait for the peer's answer to a request's control messages (the
+    producer's wait for a lease's release): ``fut`` settles with the answer; a message
+    of the request whose send failed settles it with that failure at once when the
+    peer surely never took the message (:data:`UNDELIVERED`), else is kept in
+    ``lost`` (the message may have landed, so the wait goes on; its end names it).
+    ``lease`` is the request's lease (:mod:`aiokv.kv.ipc.lease`), which the wait's
+    outcome drives."""
+
+    __slots__ = ("fut", "lease", "lost")
+
+    def __init__(self, fut: asyncio.Future[Any]) -> None:
+        self.fut = fut
+        self.lost: BaseException | None = None
+        self.lease = Lease()
+
+    def message_failed(self, exc: BaseException) -> None:
+        if self.fut.done():
+            return
+        if isinstance(exc, UNDELIVERED):
+            self.fut.set_exception(exc)
+        elif self.lost is None:
+            self.lost = exc
+
+
+def _retrieve(t: asyncio.Future[Any]) -> None:
     if not t.cancelled():
         t.exception()
 
@@ -361,7 +289,7 @@ class _PlaneBase:
     """What both sides of an :class:`~aiokv.kv.ipc.IpcPlane` share: set in its
     ``__init__``; helpers for messages, counters, block ids and the current stream."""
 
-    con: KVConnector
+    port: ConnectorPort
     channel: ControlChannel
     options: IpcOptions
     layout: KVLayout
@@ -398,9 +326,17 @@ class _PlaneBase:
         self._background.add(task)
         task.add_done_callback(self._background.discard)
 
-    def _send_msg(self, tensor_id: str, msg: Mapping[str, Any], to: str, timeout: float) -> None:
-        """Start sending a control message; a failure is logged (the peer's wait for it
-        runs into its deadline), never left unretrieved."""
+    def _send_msg(
+        self,
+        tensor_id: str,
+        msg: Mapping[str, Any],
+        to: str,
+        timeout: float,
+        waiter: AnswerWait | None = None,
+    ) -> None:
+        """Start sending a control message; a failure is never left unretrieved. It is
+        logged, and handed to ``waiter`` (:meth:`AnswerWait.message_failed`): the wait
+        of the caller for the peer's answer to this message."""
         h = self.channel.send(tensor_id, msg, to=to, timeout=timeout)
 
         async def reap() -> None:
@@ -408,6 +344,8 @@ class _PlaneBase:
                 await h
             except Exception as exc:
                 log.warning("aiokv IPC plane: sending %r to %s failed: %s", tensor_id, to, exc)
+                if waiter is not None:
+                    waiter.message_failed(exc)
 
         self._track(reap())
 
@@ -434,7 +372,7 @@ class _PlaneBase:
             if unique and len(set(ids)) != len(ids):
                 raise ConfigError(f"{what}: duplicate block ids")
             return ids
-        return tuple(self.con._host_ids(block_ids, unique=unique, what=what).tolist())
+        return tuple(self.port.host_ids(block_ids, unique=unique, what=what).tolist())
 
     def _begin(
         self,
@@ -447,10 +385,8 @@ class _PlaneBase:
     ) -> tuple[float, tuple[int, ...]]:
         """A request's start on either side (``what``: ``"send"`` or ``"recv"``): the
         connector open, the request id checked, its deadline, its checked block ids."""
-        con = self.con
-        con._check_open()
-        con._check_rid(request_id)
-        deadline = con._deadline(timeout)
+        self.port.check_request(request_id)
+        deadline = self.port.deadline(timeout)
         return deadline, self._ids(block_ids, unique=unique, what=f"{what}_request")
 
     async def _recv_plain(
@@ -463,20 +399,19 @@ class _PlaneBase:
     ) -> None:
         """The request the ordinary way (the connector's engine path), in what is left
         of its deadline."""
-        await self.con.recv_request(
+        await self.port.recv_plain(
             rid,
             host,
             frm=frm,
             timeout=max(0.0, deadline - time.monotonic()),
             layerwise=layerwise,
-            _plain=True,
         )
 
     def _ids_buffers(self, n: int) -> tuple[int, torch.Tensor, torch.Tensor, memoryview]:
         """New buffers for ``n`` block pairs' ids (``2 n`` int64, rounded up to a power of
         two, at least 64): ``(capacity, pinned host buffer, its device twin -- the host
         one itself on CPU --, a memoryview of the host one for struct.pack_into)``."""
-        from ..transport.tcp import tensor_buffer
+        from ...transport.tcp import tensor_buffer
 
         cap = max(64, 1 << max(0, 2 * n - 1).bit_length())
         cuda = self.device.type == "cuda"

@@ -133,7 +133,7 @@ def test_an_aborted_load_stops_and_frees_its_blocks(pd: dict[str, Any]) -> None:
     with socket.socket() as hole:
         hole.bind(("127.0.0.1", 0))
         hole.listen(8)
-        addr = "127.0.0.1:%d" % hole.getsockname()[1]
+        addr = f"127.0.0.1:{hole.getsockname()[1]}"
         params = {
             "do_remote_prefill": True,
             "remote_request_id": "nobody",

@@ -101,9 +101,7 @@ def describe_caches(
         if len(shape) == 5 and shape[1] == 2 and shape[2:] == (block_size, num_kv_heads, head_dim):
             layout = FlashInferLayout(L, shape[0], block_size, num_kv_heads, head_dim, dtype)
     else:
-        raise ConfigError(
-            f"AiokvConnector does not know the {where}; known: {', '.join(KNOWN)}"
-        )
+        raise ConfigError(f"AiokvConnector does not know the {where}; known: {', '.join(KNOWN)}")
     if layout is None:
         raise ConfigError(
             f"AiokvConnector: the {where} does not match that layout's shape; "

@@ -319,7 +319,9 @@ class _SchedulerSide:
         if mgr is None or prompt is None:
             return None
         n_tokens = len(prompt)
-        blocks = list(mgr.get_block_ids(request.request_id)[0][: -(-n_tokens // self.c._block_size)])
+        blocks = list(
+            mgr.get_block_ids(request.request_id)[0][: -(-n_tokens // self.c._block_size)]
+        )
         mode = self.c.settings.mode
         params = request.kv_transfer_params
         push_to = None if mode == "pull" else decode_address_of(request.request_id, params)
@@ -331,7 +333,9 @@ class _SchedulerSide:
                 request.request_id,
             )
         self._tokens[request.request_id] = n_tokens
-        return SendSpec(request.request_id, transfer_key(request.request_id, prompt), blocks, push_to)
+        return SendSpec(
+            request.request_id, transfer_key(request.request_id, prompt), blocks, push_to
+        )
 
     def build_meta(self, so: SchedulerOutput) -> AiokvMetadata:
         if self._producing:
@@ -458,7 +462,9 @@ class _WorkerSide:
             layout=layout.to_wire(),
             gc_freeze=False,  # vLLM's process: not ours to freeze
             timeouts=Timeouts(transfer=max(s.timeout, s.lease_seconds)),
-            limits=Limits(store_bytes=s.store_bytes, credit_bytes=min(64 << 20, s.store_bytes // 4)),
+            limits=Limits(
+                store_bytes=s.store_bytes, credit_bytes=min(64 << 20, s.store_bytes // 4)
+            ),
             nccl_max_channels=s.nccl_max_channels,
         )
         engine = Engine(cfg)

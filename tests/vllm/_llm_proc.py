@@ -101,9 +101,7 @@ def main() -> None:
                 res = llm.generate(
                     [{"prompt_token_ids": p} for p in cmd["prompts"]], sps, use_tqdm=False
                 )
-                answer(
-                    {"outputs": [out(o) for o in res], "seconds": time.monotonic() - t0}
-                )
+                answer({"outputs": [out(o) for o in res], "seconds": time.monotonic() - t0})
             elif op == "abort_while_loading":
                 s = sp(cmd["max_tokens"])
                 s.extra_args = {"kv_transfer_params": cmd["params"]}

@@ -96,7 +96,9 @@ class LLMProc:
         try:
             a = self._answers.get(timeout=timeout)
         except queue.Empty:
-            raise AssertionError(f"{self.name}: no answer in {timeout} s; log:\n" + self.tail()) from None
+            raise AssertionError(
+                f"{self.name}: no answer in {timeout} s; log:\n" + self.tail()
+            ) from None
         if a.get("event") == "eof":
             raise AssertionError(f"{self.name} exited; log:\n" + self.tail())
         if "error" in a:

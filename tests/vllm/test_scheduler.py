@@ -75,9 +75,7 @@ def make_scheduler(model: str, role: str) -> Scheduler:
         kv_cache_groups=[
             KVCacheGroupSpec(
                 ["layer"],
-                FullAttentionSpec(
-                    block_size=BS, num_kv_heads=1, head_size=32, dtype=torch.float32
-                ),
+                FullAttentionSpec(block_size=BS, num_kv_heads=1, head_size=32, dtype=torch.float32),
             )
         ],
     )

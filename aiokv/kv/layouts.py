@@ -1,4 +1,4 @@
-"""Paged KV-cache layouts: FlashAttention, FlashInfer and MLA.
+"""Paged KV-cache layouts: FlashAttention, FlashInfer, MLA and vLLM's CPU attention.
 
 A layout is a small frozen value object that describes ONE side's paged KV
 cache: how many layers, how many blocks of how many tokens, the per-token
@@ -11,9 +11,10 @@ Per-layer tensor shapes::
     FlashAttentionLayout  [2, num_blocks, block_size, num_kv_heads, head_dim]   (K/V outermost)
     FlashInferLayout      [num_blocks, 2, block_size, num_kv_heads, head_dim]
     MLALayout             [num_blocks, block_size, latent_dim]
+    CPUAttentionLayout    [num_blocks, num_kv_heads, block_size, 2 * head_dim]  (K|V per head)
 
 The transfer unit "block ``b`` of layer ``l``" is ``cache[:, b]`` (K and V of the
-block) for FlashAttention and ``cache[b]`` for the other two.
+block) for FlashAttention and ``cache[b]`` for the others.
 
 Wire data is untrusted: :func:`layout_from_wire` checks the kind, every field's
 type and range, and takes the dtype from an explicit allow-list (never
@@ -34,6 +35,7 @@ from .._exceptions import ConfigError, LayoutMismatchError
 
 __all__ = [
     "DTYPES",
+    "CPUAttentionLayout",
     "FlashAttentionLayout",
     "FlashInferLayout",
     "KVLayout",
@@ -322,8 +324,42 @@ class MLALayout(KVLayout):
         return self.block_size * self.latent_dim
 
 
+@dataclass(frozen=True, slots=True)
+class CPUAttentionLayout(KVLayout):
+    """vLLM's CPU attention backend: per layer ``[num_blocks, num_kv_heads, block_size,
+    2 * head_dim]``.
+
+    vLLM calls it ``LBHNC``; its kernels read each head's block as ``block_size`` rows
+    of K followed by ``block_size`` rows of V (the tensor viewed as
+    ``[num_blocks, num_kv_heads, 2 * block_size, head_dim]``). A block is one
+    contiguous run, as in FlashInfer, but the bytes inside are ordered differently,
+    so the two never match (the kind differs).
+    """
+
+    kind: ClassVar[str] = "cpu_attention"
+    block_dim: ClassVar[int] = 0
+    kv_parts: ClassVar[int] = 1
+
+    num_layers: int
+    num_blocks: int
+    block_size: int
+    num_kv_heads: int
+    head_dim: int
+    dtype: str = "bfloat16"
+
+    def __post_init__(self) -> None:
+        self._validate_fields()
+
+    def layer_shape(self) -> tuple[int, ...]:
+        return (self.num_blocks, self.num_kv_heads, self.block_size, 2 * self.head_dim)
+
+    def segment_numel(self) -> int:
+        return 2 * self.block_size * self.num_kv_heads * self.head_dim
+
+
 _KINDS: Mapping[str, type[KVLayout]] = {
-    cls.kind: cls for cls in (FlashAttentionLayout, FlashInferLayout, MLALayout)
+    cls.kind: cls
+    for cls in (FlashAttentionLayout, FlashInferLayout, MLALayout, CPUAttentionLayout)
 }
 
 

@@ -1,0 +1,657 @@
+"""AiokvConnector: vLLM's KV connector API (``KVConnectorBase_V1``) on aiokv.
+
+Load it by name (docs/vllm.md)::
+
+    kv_transfer_config={"kv_connector": "AiokvConnector",
+                        "kv_connector_module_path": "aiokv.vllm",
+                        "kv_role": "kv_producer" | "kv_consumer" | "kv_both"}
+
+Scheduler side (vLLM's engine core): a prefill request that asks for remote decode
+(``kv_transfer_params={"do_remote_decode": true}``) keeps its blocks when it finishes
+and answers with the parameters the decode needs (:mod:`aiokv.vllm._protocol`); a
+decode request carrying them waits for its KV (``WAITING_FOR_REMOTE_KVS``) instead of
+computing the prompt, and recomputes it when the parameters are not usable or the
+load fails (with ``kv_load_failure_policy="recompute"``; vLLM's default, "fail",
+ends the request with an error instead).
+
+Worker side: each worker runs an aiokv :class:`~aiokv.Engine` and a
+:class:`~aiokv.kv.KVConnector` over vLLM's paged caches on an event loop of its
+own thread; the synchronous calls only hand work to that loop. A prefill worker
+serves (pull) or sends (push) a finished request's blocks, a decode worker loads
+them between scheduler steps, and :meth:`AiokvConnector.get_transfer_results`
+reports what finished. Nothing waits inside vLLM's forward: the transfer of a
+request starts once its prefill finished, and the decode is scheduled once its KV
+is in place, so ``wait_for_layer_load`` and ``save_kv_layer`` have nothing to do.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import functools
+import logging
+import threading
+import time
+from collections.abc import Iterable
+from typing import TYPE_CHECKING, Any
+
+import torch
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorBase_V1,
+    KVConnectorHandshakeMetadata,
+    KVConnectorMetadata,
+    KVConnectorRole,
+    KVConnectorTransferResults,
+)
+
+from .._exceptions import AiokvError, ConfigError
+from ._layout import describe_caches
+from ._loop import LoopThread
+from ._protocol import (
+    PARAMS_VERSION,
+    LoadSpec,
+    SendSpec,
+    decode_address_of,
+    parse_remote,
+    transfer_key,
+    with_port_offset,
+)
+from ._settings import Settings, parse_settings
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+    from vllm.forward_context import ForwardContext
+    from vllm.v1.attention.backend import AttentionMetadata
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.kv_cache_interface import KVCacheConfig
+    from vllm.v1.request import Request
+
+    from ..engine import Engine
+    from ..kv import KVConnector, KVLayout
+
+__all__ = ["AiokvConnector", "AiokvHandshake", "AiokvMetadata"]
+
+log = logging.getLogger("aiokv.vllm")
+
+#: request statuses after which a prefill's KV is complete and worth handing on
+_DONE = ("FINISHED_LENGTH_CAPPED", "FINISHED_STOPPED")
+
+
+@dataclasses.dataclass
+class AiokvHandshake(KVConnectorHandshakeMetadata):  # type: ignore[misc]
+    """What a worker tells its scheduler: where its aiokv engine is reached."""
+
+    address: str
+    layout: dict[str, Any]
+
+
+@dataclasses.dataclass
+class AiokvMetadata(KVConnectorMetadata):  # type: ignore[misc]
+    """Scheduler -> worker, once per step: transfers to start."""
+
+    send: list[SendSpec] = dataclasses.field(default_factory=list)
+    load: list[LoadSpec] = dataclasses.field(default_factory=list)
+    #: prefill requests that ended otherwise than finished (aborted): stop handing on
+    cancel: list[str] = dataclasses.field(default_factory=list)
+
+
+class AiokvConnector(KVConnectorBase_V1):  # type: ignore[misc]
+    """vLLM KV connector over aiokv (see the module docstring and docs/vllm.md)."""
+
+    def __init__(
+        self,
+        vllm_config: VllmConfig,
+        role: KVConnectorRole,
+        kv_cache_config: KVCacheConfig | None = None,
+    ) -> None:
+        super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
+        cfg = self._kv_transfer_config
+        self.settings, warnings = parse_settings(cfg.kv_connector_extra_config)
+        for w in warnings:
+            log.warning("AiokvConnector: %s", w)
+        self._block_size: int = vllm_config.cache_config.block_size
+        self._tp_size: int = vllm_config.parallel_config.tensor_parallel_size
+        self._engine_id: str = str(cfg.engine_id)
+        self._sched: _SchedulerSide | None = None
+        self._worker: _WorkerSide | None = None
+        if role == KVConnectorRole.SCHEDULER:
+            self._sched = _SchedulerSide(self)
+        else:
+            self._worker = _WorkerSide(self, vllm_config)
+
+    # ------------------------------------------------------------------ scheduler side
+
+    def _s(self) -> _SchedulerSide:
+        if self._sched is None:
+            raise RuntimeError("AiokvConnector: a scheduler-side call on a worker")
+        return self._sched
+
+    def _w(self) -> _WorkerSide:
+        if self._worker is None:
+            raise RuntimeError("AiokvConnector: a worker-side call on the scheduler")
+        return self._worker
+
+    def get_num_new_matched_tokens(
+        self, request: Request, num_computed_tokens: int
+    ) -> tuple[int | None, bool]:
+        return self._s().matched(request, num_computed_tokens)
+
+    def update_state_after_alloc(
+        self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int
+    ) -> None:
+        self._s().after_alloc(request, blocks, num_external_tokens)
+
+    def on_new_request(self, request: Request) -> None:
+        self._s().new_request(request)
+
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
+        return self._s().build_meta(scheduler_output)
+
+    def request_finished(
+        self, request: Request, block_ids: list[int]
+    ) -> tuple[bool, dict[str, Any] | None]:
+        return self._s().finished(request, block_ids)
+
+    def set_xfer_handshake_metadata(
+        self, metadata: dict[int, KVConnectorHandshakeMetadata]
+    ) -> None:
+        self._s().handshake(metadata)
+
+    # ------------------------------------------------------------------ worker side
+
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        self._w().register(kv_caches)
+
+    def get_handshake_metadata(self) -> KVConnectorHandshakeMetadata | None:
+        return self._w().handshake_metadata()
+
+    def _meta(self) -> AiokvMetadata | None:
+        if not self.has_connector_metadata():
+            return None
+        meta = self._get_connector_metadata()
+        return meta if isinstance(meta, AiokvMetadata) else None
+
+    def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
+        meta = self._meta()
+        if meta is not None:
+            self._w().start_loads(meta)
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        return  # loads complete before their request is scheduled
+
+    def save_kv_layer(
+        self,
+        layer_name: str,
+        kv_layer: torch.Tensor,
+        attn_metadata: AttentionMetadata,
+        **kwargs: Any,
+    ) -> None:
+        return  # a request's KV moves whole once its prompt is computed (wait_for_save)
+
+    def wait_for_save(self) -> None:
+        # the step's forward has written the KV of the prompts it completed: hand them on
+        # (asynchronously; the blocks stay allocated until get_transfer_results says so)
+        meta = self._meta()
+        if meta is not None:
+            self._w().start_sends(meta)
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        r = self._w().results(finished_req_ids)
+        return r.finished_sending or None, r.finished_recving or None
+
+    def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
+        return self._w().results(finished_req_ids)
+
+    def shutdown(self) -> None:
+        if self._worker is not None:
+            self._worker.close()
+
+    # ------------------------------------------------------------------ for tests
+
+    def statistics(self) -> dict[str, Any]:
+        """Counters of this worker (loads, sends, failures, bytes)."""
+        return self._w().stats()
+
+
+# ============================================================================ scheduler
+
+
+class _SchedulerSide:
+    def __init__(self, c: AiokvConnector) -> None:
+        self.c = c
+        self.addresses: list[str] | None = None
+        self._computed: dict[str, int] = {}
+        self._producing: dict[str, Request] = {}  # prefill requests whose prompt is not done
+        self._handed: dict[str, SendSpec] = {}  # prefill requests being handed on
+        self._tokens: dict[str, int] = {}
+        self._send: list[SendSpec] = []
+        self._load: list[LoadSpec] = []
+        self._cancel: list[str] = []
+        self._warned_push = False
+
+    def handshake(self, metadata: dict[int, KVConnectorHandshakeMetadata]) -> None:
+        addrs = []
+        for rank in sorted(metadata):
+            m = metadata[rank]
+            if not isinstance(m, AiokvHandshake):
+                raise ConfigError(f"AiokvConnector: worker {rank} sent {type(m).__name__}")
+            addrs.append(m.address)
+        self.addresses = addrs
+        log.info("AiokvConnector: workers' aiokv engines at %s", addrs)
+
+    # ------------------------------------------------------------ decode side
+
+    def _remote(self, request: Request) -> tuple[Any, str | None]:
+        prompt = request.prompt_token_ids
+        return parse_remote(
+            request.kv_transfer_params,
+            prompt_len=len(prompt) if prompt is not None else 0,
+            block_size=self.c._block_size,
+            tp_size=self.c._tp_size,
+        )
+
+    def matched(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
+        remote, why = self._remote(request)
+        if remote is None:
+            if why is not None:
+                log.warning(
+                    "AiokvConnector: request %s recomputes its prompt: %s", request.request_id, why
+                )
+                request.kv_transfer_params["do_remote_prefill"] = False
+            return 0, False
+        count = remote.num_tokens - num_computed_tokens
+        if count <= 0 or num_computed_tokens % self.c._block_size:
+            return 0, False
+        self._computed[request.request_id] = num_computed_tokens
+        return count, True
+
+    def after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external: int) -> None:
+        params = request.kv_transfer_params
+        computed = self._computed.pop(request.request_id, None)
+        if not isinstance(params, dict) or not params.get("do_remote_prefill"):
+            return
+        remote, _ = self._remote(request)
+        params["do_remote_prefill"] = False  # one load per request, also after preemption
+        if remote is None or num_external <= 0 or computed is None:
+            return
+        ids = blocks.get_block_ids()[0]
+        skip = computed // self.c._block_size
+        n = len(remote.block_ids)
+        if len(ids) < n:
+            raise RuntimeError(
+                f"AiokvConnector: {request.request_id} got {len(ids)} blocks for {n} remote ones"
+            )
+        prompt = request.prompt_token_ids or []
+        self._load.append(
+            LoadSpec(
+                req_id=request.request_id,
+                key=transfer_key(remote.request_id, prompt[: remote.num_tokens]),
+                addresses=list(remote.addresses),
+                mode=remote.mode,
+                n_remote=n,
+                skip=skip,
+                block_ids=list(ids[skip:n]),
+            )
+        )
+
+    # ------------------------------------------------------------ prefill side
+
+    def new_request(self, request: Request) -> None:
+        params = request.kv_transfer_params
+        if (
+            isinstance(params, dict)
+            and params.get("do_remote_decode")
+            and request.prompt_token_ids is not None
+        ):
+            self._producing[request.request_id] = request
+
+    def _hand_on(self, request: Request) -> SendSpec | None:
+        """The request's prompt is computed once this step ran: what to hand on."""
+        if self.addresses is None:
+            log.warning(
+                "AiokvConnector: no worker engine address yet; %s is not handed on",
+                request.request_id,
+            )
+            return None
+        mgr = self.c._kv_cache_manager
+        prompt = request.prompt_token_ids
+        if mgr is None or prompt is None:
+            return None
+        n_tokens = len(prompt)
+        blocks = list(
+            mgr.get_block_ids(request.request_id)[0][: -(-n_tokens // self.c._block_size)]
+        )
+        mode = self.c.settings.mode
+        params = request.kv_transfer_params
+        push_to = None if mode == "pull" else decode_address_of(request.request_id, params)
+        if mode == "push" and push_to is None and not self._warned_push:
+            self._warned_push = True
+            log.warning(
+                "AiokvConnector: mode push, but %s names no decode (kv_transfer_params "
+                "'aiokv_decode' or ___decode_addr_ in the request id): it is pulled instead",
+                request.request_id,
+            )
+        self._tokens[request.request_id] = n_tokens
+        return SendSpec(
+            request.request_id, transfer_key(request.request_id, prompt), blocks, push_to
+        )
+
+    def build_meta(self, so: SchedulerOutput) -> AiokvMetadata:
+        if self._producing:
+            for rid, n in so.num_scheduled_tokens.items():
+                req = self._producing.get(rid)
+                if req is None or req.num_computed_tokens + n < req.num_prompt_tokens:
+                    continue
+                del self._producing[rid]
+                spec = self._hand_on(req)
+                if spec is not None:
+                    self._handed[rid] = spec
+                    self._send.append(spec)
+        meta = AiokvMetadata(send=self._send, load=self._load, cancel=self._cancel)
+        self._send, self._load, self._cancel = [], [], []
+        return meta
+
+    def finished(
+        self, request: Request, block_ids: list[int]
+    ) -> tuple[bool, dict[str, Any] | None]:
+        rid = request.request_id
+        self._computed.pop(rid, None)
+        self._producing.pop(rid, None)
+        spec = self._handed.pop(rid, None)
+        n_tokens = self._tokens.pop(rid, 0)
+        if spec is None:
+            return False, None
+        # the worker may be reading the blocks: they stay until it reports the request
+        if request.status.name not in _DONE:
+            self._cancel.append(rid)
+            return True, None
+        assert self.addresses is not None
+        host, _, port = self.addresses[0].rpartition(":")
+        return True, {
+            "do_remote_prefill": True,
+            "do_remote_decode": False,
+            "remote_engine_id": self.c._engine_id,
+            "remote_request_id": rid,
+            "remote_block_ids": spec.block_ids,
+            "remote_host": host,
+            "remote_port": int(port),
+            "remote_num_tokens": n_tokens,
+            "tp_size": self.c._tp_size,
+            "aiokv": PARAMS_VERSION,
+            "aiokv_mode": "pull" if spec.push_to is None else "push",
+            "aiokv_addresses": list(self.addresses),
+        }
+
+
+# ============================================================================ worker
+
+
+def _tp_rank() -> int:
+    from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
+
+    try:
+        return int(get_tensor_model_parallel_rank())
+    except AssertionError:  # no tensor-parallel group (a bare worker in tests)
+        return 0
+
+
+class _WorkerSide:
+    def __init__(self, c: AiokvConnector, vllm_config: VllmConfig) -> None:
+        self.c = c
+        self.settings: Settings = c.settings
+        self.vllm_config = vllm_config
+        self.rank = _tp_rank()
+        self.loop: LoopThread | None = None
+        self.engine: Engine | None = None
+        self.kv: KVConnector | None = None
+        self.layout: KVLayout | None = None
+        self.address: str | None = None
+        self._lock = threading.Lock()
+        self._tasks: dict[str, asyncio.Task[None]] = {}  # by request id (loop thread)
+        self._sending: set[str] = set()
+        self._sent: set[str] = set()  # done, not reported yet
+        self._loaded: set[str] = set()  # done (or cancelled), not reported yet
+        self._failed: set[str] = set()  # subset of _loaded
+        self._finished: set[str] = set()  # request ids vLLM said finished
+        self._stats: dict[str, Any] = {
+            "loads": 0,
+            "load_failures": 0,
+            "loads_cancelled": 0,
+            "sends": 0,
+            "send_failures": 0,
+            "blocks_loaded": 0,
+            "bytes_loaded": 0,
+        }
+
+    # ---------------------------------------------------------------- set-up
+
+    def register(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        mc = self.vllm_config.model_config
+        layout, tensors, _ = describe_caches(
+            kv_caches,
+            layout_name=self.vllm_config.cache_config.kv_cache_layout,
+            block_size=self.c._block_size,
+            num_kv_heads=mc.get_num_kv_heads(self.vllm_config.parallel_config),
+            head_dim=mc.get_head_size(),
+            use_mla=bool(getattr(mc, "use_mla", False)),
+        )
+        self.layout = layout
+        self.loop = LoopThread(f"aiokv-vllm-{self.rank}")
+        self.engine, self.kv = self.loop.call(self._start(layout, tensors), 60.0)
+        self.address = self.settings.advertised(self.engine.address, self.rank)
+        log.info(
+            "AiokvConnector: worker %d: aiokv engine at %s, layout %s, mode %s",
+            self.rank,
+            self.address,
+            layout.to_wire(),
+            self.settings.mode,
+        )
+
+    async def _start(
+        self, layout: KVLayout, tensors: list[torch.Tensor]
+    ) -> tuple[Engine, KVConnector]:
+        from .. import Engine, EngineConfig, Limits, Timeouts
+        from ..kv import KVConnector
+
+        s = self.settings
+        device = tensors[0].device
+        cfg = EngineConfig(
+            listen=s.address_for(self.rank),
+            device=str(device) if device.type == "cuda" else "cpu",
+            layout=layout.to_wire(),
+            gc_freeze=False,  # vLLM's process: not ours to freeze
+            timeouts=Timeouts(transfer=max(s.timeout, s.lease_seconds)),
+            limits=Limits(
+                store_bytes=s.store_bytes, credit_bytes=min(64 << 20, s.store_bytes // 4)
+            ),
+            nccl_max_channels=s.nccl_max_channels,
+        )
+        engine = Engine(cfg)
+        await engine.start()
+        kv = KVConnector(
+            engine, layout, tensors, chunk_bytes=s.chunk_bytes, staging_bytes=s.staging_bytes
+        )
+        return engine, kv
+
+    def handshake_metadata(self) -> AiokvHandshake | None:
+        if self.address is None or self.layout is None:
+            return None
+        return AiokvHandshake(self.address, self.layout.to_wire())
+
+    # ---------------------------------------------------------------- work
+
+    def _loop(self) -> LoopThread:
+        if self.loop is None:
+            raise RuntimeError("AiokvConnector: a transfer before register_kv_caches")
+        return self.loop
+
+    def start_loads(self, meta: AiokvMetadata) -> None:
+        if meta.load or meta.cancel:
+            loop = self._loop()
+            for spec in meta.load:
+                loop.soon(functools.partial(self._start_load, spec))
+            if meta.cancel:
+                loop.soon(functools.partial(self._cancel, set(meta.cancel)))
+
+    def start_sends(self, meta: AiokvMetadata) -> None:
+        if meta.send:
+            loop = self._loop()
+            for s in meta.send:
+                with self._lock:
+                    self._sending.add(s.req_id)
+                loop.soon(functools.partial(self._start_send, s))
+
+    def _start_send(self, s: SendSpec) -> None:
+        assert self.loop is not None
+        self._tasks[s.req_id] = self.loop.loop.create_task(self._send(s))
+
+    def _start_load(self, spec: LoadSpec) -> None:
+        """(loop thread) The load runs as a task known by its request id at once, so
+        that an abort that follows finds it."""
+        assert self.loop is not None
+        self._tasks[spec.req_id] = self.loop.loop.create_task(self._load(spec))
+
+    async def _send(self, s: SendSpec) -> None:
+        assert self.kv is not None
+        ok = False
+        t0 = time.perf_counter()
+        try:
+            if s.push_to is None:
+                to = await self.kv.serve_request(
+                    s.key, s.block_ids, timeout=self.settings.lease_seconds
+                )
+            else:
+                to = with_port_offset(s.push_to, self.rank)
+                await self.kv.send_request(s.key, s.block_ids, to=to, timeout=self.settings.timeout)
+            ok = True
+            log.debug(
+                "AiokvConnector: %s handed to %s in %.1f ms",
+                s.req_id,
+                to,
+                (time.perf_counter() - t0) * 1e3,
+            )
+        except asyncio.CancelledError:
+            log.debug("AiokvConnector: %s: handing on stopped (the request ended)", s.req_id)
+        except AiokvError as exc:
+            log.warning("AiokvConnector: %s was not handed on: %s", s.req_id, exc)
+        except Exception:
+            log.exception("AiokvConnector: %s was not handed on", s.req_id)
+        finally:
+            self._tasks.pop(s.req_id, None)
+            with self._lock:
+                self._sending.discard(s.req_id)
+                self._sent.add(s.req_id)
+                self._stats["sends" if ok else "send_failures"] += 1
+
+    async def _load(self, spec: LoadSpec) -> None:
+        assert self.kv is not None and self.layout is not None
+        outcome = "failed"
+        t0 = time.perf_counter()
+        frm = spec.addresses[self.rank]
+        try:
+            if spec.skip == 0:
+                await self._move(self.kv, spec, spec.block_ids, frm)
+            else:
+                await self._load_past_local_hit(spec, frm)
+            outcome = "ok"
+            log.debug(
+                "AiokvConnector: %s loaded %d blocks from %s in %.1f ms",
+                spec.req_id,
+                len(spec.block_ids),
+                frm,
+                (time.perf_counter() - t0) * 1e3,
+            )
+        except asyncio.CancelledError:
+            outcome = "cancelled"
+        except AiokvError as exc:
+            log.warning(
+                "AiokvConnector: %s could not load its KV from %s: %s", spec.req_id, frm, exc
+            )
+        except Exception:
+            log.exception("AiokvConnector: %s could not load its KV from %s", spec.req_id, frm)
+        finally:
+            self._tasks.pop(spec.req_id, None)
+            with self._lock:
+                self._loaded.add(spec.req_id)
+                if outcome == "ok":
+                    self._stats["loads"] += 1
+                    self._stats["blocks_loaded"] += len(spec.block_ids)
+                    self._stats["bytes_loaded"] += self.layout.request_nbytes(len(spec.block_ids))
+                elif outcome == "cancelled":
+                    self._stats["loads_cancelled"] += 1
+                else:
+                    self._failed.add(spec.req_id)
+                    self._stats["load_failures"] += 1
+
+    async def _move(
+        self, kv: KVConnector, spec: LoadSpec, ids: Iterable[int] | torch.Tensor, frm: str
+    ) -> None:
+        ids = list(ids) if not isinstance(ids, torch.Tensor) else ids
+        if spec.mode == "pull":
+            await kv.fetch_request(spec.key, ids, frm=frm, timeout=self.settings.timeout)
+        else:
+            await kv.recv_request(spec.key, ids, frm=frm, timeout=self.settings.timeout)
+
+    async def _load_past_local_hit(self, spec: LoadSpec, frm: str) -> None:
+        """The first ``skip`` remote blocks are in this cache already: the request is
+        received whole into a scratch cache and only the rest is copied in."""
+        from ..kv import KVConnector
+
+        assert self.kv is not None and self.layout is not None and self.engine is not None
+        lay = dataclasses.replace(self.layout, num_blocks=spec.n_remote)  # type: ignore[type-var]
+        scratch = lay.allocate(self.kv.device)
+        tmp = KVConnector(self.engine, lay, scratch, chunk_bytes=self.settings.chunk_bytes)
+        try:
+            await self._move(tmp, spec, range(spec.n_remote), frm)
+        finally:
+            await tmp.aclose()
+        src = torch.arange(spec.skip, spec.n_remote, dtype=torch.int64, device=self.kv.device)
+        dst = torch.tensor(spec.block_ids, dtype=torch.int64, device=self.kv.device)
+        bd = lay.block_dim
+        for s_l, d_l in zip(scratch, self.kv.caches.tensors):
+            d_l.index_copy_(bd, dst, s_l.index_select(bd, src))
+
+    def results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
+        out = KVConnectorTransferResults()
+        loop = self.loop
+        if loop is not None and finished_req_ids:
+            # a load whose request ended (aborted) stops; its blocks are reported
+            # once nothing writes them any more
+            loop.soon(functools.partial(self._cancel, set(finished_req_ids), loads_only=True))
+        with self._lock:
+            self._finished |= finished_req_ids & (self._sending | self._sent)
+            done = self._sent & self._finished
+            self._sent -= done
+            self._finished -= done
+            out.finished_sending = done
+            out.finished_recving, self._loaded = self._loaded, set()
+            out.failed_recving, self._failed = self._failed, set()
+        return out
+
+    def _cancel(self, ids: set[str], loads_only: bool = False) -> None:
+        for rid in ids:
+            task = self._tasks.get(rid)
+            if task is not None and not (loads_only and rid in self._sending):
+                task.cancel()
+
+    def stats(self) -> dict[str, Any]:
+        with self._lock:
+            return dict(self._stats)
+
+    def close(self) -> None:
+        loop, self.loop = self.loop, None
+        if loop is None:
+            return
+
+        async def down() -> None:
+            if self.kv is not None:
+                await self.kv.aclose()
+            if self.engine is not None:
+                await self.engine.aclose()
+
+        try:
+            loop.call(down(), 10.0)
+        except AiokvError:
+            pass
+        loop.stop()

@@ -85,7 +85,7 @@ def test_bench_transport_tcp_json() -> None:
 
 
 def test_doctor_exits_zero_without_gpu() -> None:
-    pytest.importorskip("aiokv.doctor")
+    pytest.importorskip("aiokv.cli.doctor")
     r = _aiokv("doctor")
     assert r.returncode == 0, r.stderr
     assert "torch" in r.stdout
@@ -98,14 +98,14 @@ def test_missing_part_is_a_clear_error(
     real = cli.importlib.import_module
 
     def fake_import(name: str, package: str | None = None) -> object:
-        if name == "aiokv.kv.bench":
+        if name == "aiokv.cli.bench.kv":
             raise ImportError("simulated: not installed")
         return real(name, package)
 
     monkeypatch.setattr(cli.importlib, "import_module", fake_import)
     rc = cli.main(["bench", "kv"])
     assert rc == 2
-    assert "aiokv.kv.bench is not available" in capsys.readouterr().err
+    assert "aiokv.cli.bench.kv is not available" in capsys.readouterr().err
 
 
 def test_help_and_router_import_do_not_import_torch() -> None:
@@ -113,7 +113,7 @@ def test_help_and_router_import_do_not_import_torch() -> None:
     code = (
         "import sys, contextlib, io\n"
         "from aiokv import cli\n"
-        "import aiokv.router\n"
+        "import aiokv.serving.router\n"
         "with contextlib.redirect_stdout(io.StringIO()), contextlib.suppress(SystemExit):\n"
         "    cli.main(['--help'])\n"
         "assert 'torch' not in sys.modules, 'torch was imported'\n"
@@ -140,7 +140,7 @@ def test_router_help_lists_its_options() -> None:
 
 def test_worker_help_has_texts() -> None:
     r = subprocess.run(
-        [sys.executable, "-m", "aiokv.demo.worker", "--help"],
+        [sys.executable, "-m", "aiokv.serving.demo.worker", "--help"],
         capture_output=True,
         text=True,
         timeout=60,

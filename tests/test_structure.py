@@ -174,7 +174,7 @@ def test_the_environment_is_read_only_by_entry_points() -> None:
 def test_nccl_knobs_are_config_fields_that_the_cli_sets_from_the_environment(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    from aiokv.cli import engine_overrides
+    from aiokv.envs import engine_overrides
 
     monkeypatch.setenv("AIOKV_NCCL_BLOCKING_OPS", "1")
     monkeypatch.setenv("AIOKV_NCCL_RECV_BATCH", "4,16")
@@ -189,8 +189,8 @@ def test_nccl_knobs_are_config_fields_that_the_cli_sets_from_the_environment(
 
 
 def test_triton_switch_is_an_argument_that_the_cli_sets_from_the_environment() -> None:
-    from aiokv.cli import apply_process_env
     from aiokv.kv import _triton, set_triton
+    from aiokv.kv._triton import apply_env as apply_process_env
 
     try:
         set_triton(True)

@@ -27,7 +27,7 @@ deregistration and re-registration of the same URL must carry. The worker's
 HTTP server must speak vLLM's ``kv_transfer_params`` contract: a prefill
 request carries ``{"do_remote_decode": true, ...}`` and the answer's
 ``kv_transfer_params`` reach the decode request unchanged (the demo worker,
-:mod:`aiokv.demo.worker`, is a complete example). Heartbeats are logged at
+:mod:`aiokv.serving.demo.worker`, is a complete example). Heartbeats are logged at
 debug level only.
 
 :func:`bind_socket` and :func:`serve_app` run an ASGI app under uvicorn on a
@@ -59,7 +59,7 @@ from typing import TYPE_CHECKING, Any, Literal
 import anyio
 import httpx
 
-from ._exceptions import AiokvError, ConfigError
+from aiokv._exceptions import AiokvError, ConfigError
 
 if TYPE_CHECKING:
     from aiokv import Engine, EngineConfig

@@ -17,10 +17,10 @@ instances and aiokv workers. One OpenAI request (``/v1/completions`` or
                            the same X-Request-Id ─────────────────────────► decode D
                    D pulls the KV from P, decodes, answers / streams ──► client
 
-Instances come from three sources (see :mod:`aiokv.router.registry`):
+Instances come from three sources (see :mod:`aiokv.serving.router.registry`):
 registration over HTTP (authenticated, see :class:`RouterConfig`), static
 ``--prefill`` / ``--decode`` URLs (health-probed with ``GET /v1/models``), and
-vLLM-style ZMQ discovery (:mod:`aiokv.router.discovery`).
+vLLM-style ZMQ discovery (:mod:`aiokv.serving.router.discovery`).
 
 A connection error or 5xx from either leg *before anything was streamed to the
 client* marks the instance unhealthy and retries the whole pair (fresh request
@@ -60,9 +60,9 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 
-from .._exceptions import ConfigError
-from .metrics import CONTENT_TYPE_LATEST, RouterMetrics
-from .registry import (
+from aiokv._exceptions import ConfigError
+from aiokv.serving.router.metrics import CONTENT_TYPE_LATEST, RouterMetrics
+from aiokv.serving.router.registry import (
     ANY_MODEL,
     POLICIES,
     IdentityError,
@@ -74,11 +74,11 @@ from .registry import (
     Role,
     UnknownModelError,
 )
-from .urls import UrlPolicy, UrlPolicyError, is_loopback_host
+from aiokv.serving.router.urls import UrlPolicy, UrlPolicyError, is_loopback_host
 
 __all__ = ["TOKEN_ENV", "RouterConfig", "RouterState", "create_app", "prefill_kv_params"]
 
-log = logging.getLogger("aiokv.router")
+log = logging.getLogger("aiokv.serving.router")
 
 COMPLETIONS = "/v1/completions"
 CHAT_COMPLETIONS = "/v1/chat/completions"
@@ -1264,7 +1264,7 @@ def create_app(config: RouterConfig | None = None) -> FastAPI:
             if cfg.prefill or cfg.decode:
                 tasks.append(asyncio.create_task(state.probe_static(), name="aiokv-router-probe"))
             if cfg.discovery is not None:
-                from .discovery import Discovery
+                from aiokv.serving.router.discovery import Discovery
 
                 disc = Discovery(state, cfg.discovery)
                 disc.bind()

@@ -1,8 +1,8 @@
 """KV transfer benchmark: :class:`~aiokv.kv.KVConnector` vs a raw baseline, same run.
 
-    python -m aiokv.kv.bench --workload short --transport nccl --json
-    python -m aiokv.kv.bench --workload tiny --transport tcp --json     # CPU smoke test
-    python -m aiokv.kv.bench --workload short --transport ipc --json     # same-host IPC plane
+    python -m aiokv.cli.bench.kv --workload short --transport nccl --json
+    python -m aiokv.cli.bench.kv --workload tiny --transport tcp --json     # CPU smoke test
+    python -m aiokv.cli.bench.kv --workload short --transport ipc --json     # same-host IPC plane
 
 Two processes (spawned), a producer and a consumer, each with an
 :class:`aiokv.Engine` and a paged cache in the FlashAttention layout of
@@ -79,7 +79,8 @@ from dataclasses import asdict, dataclass
 from multiprocessing.connection import Connection
 from typing import Any
 
-from ..cli import apply_process_env, engine_overrides
+from aiokv.envs import engine_overrides
+from aiokv.kv._triton import apply_env as apply_process_env
 
 __all__ = ["WORKLOADS", "Workload", "main"]
 
@@ -117,7 +118,7 @@ WORKLOADS: dict[str, Workload] = {
 
 
 def _layout(w: Workload) -> Any:
-    from .layouts import FlashAttentionLayout
+    from aiokv.kv.layouts import FlashAttentionLayout
 
     return FlashAttentionLayout(
         num_layers=w.num_layers,
@@ -200,8 +201,7 @@ async def _producer(a: dict[str, Any], chan: _Chan) -> dict[str, Any]:
     import torch
 
     import aiokv
-
-    from .connector import KVConnector
+    from aiokv.kv.connector import KVConnector
 
     w = WORKLOADS[a["workload"]]
     device = torch.device("cuda:0" if a["transport"] in ("nccl", "ipc") else "cpu")
@@ -309,7 +309,7 @@ async def _save_layers(
     over the layers, the ready event after the last share), then ``wait_saved``."""
     import torch
 
-    from ._ipc_common import _mark
+    from aiokv.kv._ipc_common import _mark
 
     L = con.layout.num_layers
     if lead is not None:
@@ -340,8 +340,7 @@ async def _consumer(a: dict[str, Any], chan: _Chan) -> dict[str, Any]:
     import torch
 
     import aiokv
-
-    from .connector import KVConnector
+    from aiokv.kv.connector import KVConnector
 
     w = WORKLOADS[a["workload"]]
     if a["transport"] == "nccl":
@@ -477,7 +476,7 @@ def _take_trace(a: dict[str, Any]) -> list[tuple[str, str, float]]:
     """The IPC plane's stamps of the latency requests (``--trace``)."""
     if a["transport"] != "ipc" or not a.get("trace"):
         return []
-    from . import ipc
+    from aiokv.kv import ipc
 
     return [x for x in ipc.take_trace() if x[0].startswith("lat")]
 
@@ -525,7 +524,7 @@ def _trace_summary(
 def _ipc_options(a: dict[str, Any]) -> Any:
     if a["transport"] != "ipc":
         return None
-    from .ipc import IpcOptions
+    from aiokv.kv.ipc import IpcOptions
 
     # both processes are this benchmark's own children on one host
     return IpcOptions(trust_unauthenticated=True, push=a["push"])
@@ -596,7 +595,7 @@ def _zmq_push(ep: str) -> Any:
 
 
 def _zmq_raw_push(sock: Any, buf: Any, n: int) -> None:
-    from ..transport.tcp import tensor_buffer
+    from aiokv.transport.tcp import tensor_buffer
 
     mv = tensor_buffer(buf)
     for _ in range(n):
@@ -650,7 +649,7 @@ def _pct(xs: list[float], p: float) -> float:
     return s[k]
 
 
-def main(argv: Sequence[str] | None = None, prog: str = "python -m aiokv.kv.bench") -> int:
+def main(argv: Sequence[str] | None = None, prog: str = "python -m aiokv.cli.bench.kv") -> int:
     ap = argparse.ArgumentParser(
         prog=prog,
         description="KV transfer benchmark: aiokv's KVConnector against a raw baseline "

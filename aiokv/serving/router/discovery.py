@@ -29,15 +29,15 @@ import msgpack
 import zmq
 import zmq.asyncio
 
-from .registry import ANY_MODEL, IdentityError, RegistryFullError, Role
-from .urls import UrlPolicyError, is_loopback_host
+from aiokv.serving.router.registry import ANY_MODEL, IdentityError, RegistryFullError, Role
+from aiokv.serving.router.urls import UrlPolicyError, is_loopback_host
 
 if TYPE_CHECKING:
-    from .app import RouterState
+    from aiokv.serving.router.app import RouterState
 
 __all__ = ["Discovery"]
 
-log = logging.getLogger("aiokv.router.discovery")
+log = logging.getLogger("aiokv.serving.router.discovery")
 
 _MAX_MESSAGE = 4096
 

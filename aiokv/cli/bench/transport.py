@@ -4,7 +4,7 @@
 baseline *in the same run, between the same two processes*:
 
 * this process is the sender; it spawns one receiver child
-  (``python -m aiokv.bench _receiver ...``) on loopback;
+  (``python -m aiokv.cli.bench.transport _receiver ...``) on loopback;
 * for every size and each of ``--reps`` repetitions it runs the aiokv phase
   (``--iters`` PUTs through :meth:`aiokv.Engine.send_nowait`, at most
   ``--window`` in flight; timed on the sender from the first send until the
@@ -43,7 +43,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequenc
 from dataclasses import dataclass, field
 from typing import Any
 
-from .cli import engine_overrides
+from aiokv.envs import engine_overrides
 
 __all__ = [
     "SizeResult",
@@ -304,7 +304,7 @@ def _spawn_receiver(
     argv = [
         sys.executable,
         "-m",
-        "aiokv.bench",
+        "aiokv.cli.bench.transport",
         "_receiver",
         "--transport",
         args.transport,
@@ -893,7 +893,7 @@ async def _child(ns: argparse.Namespace) -> None:
     watcher = asyncio.create_task(_watch_parent(ns.parent_pid))
     try:
         if ns.transport == "control":
-            from .bench_control import CHILD_OPS
+            from aiokv.cli.bench.control import CHILD_OPS
 
             await _tcp_child(ns, CHILD_OPS)
         else:
@@ -903,7 +903,7 @@ async def _child(ns: argparse.Namespace) -> None:
 
 
 def _receiver_main(argv: Sequence[str]) -> int:
-    p = argparse.ArgumentParser(prog="aiokv.bench _receiver")
+    p = argparse.ArgumentParser(prog="aiokv.cli.bench.transport _receiver")
     p.add_argument("--transport", choices=("tcp", "nccl", "control"), required=True)
     p.add_argument("--cmd-port", type=int, required=True)
     p.add_argument("--ack-port", type=int, required=True)
@@ -918,11 +918,11 @@ def _receiver_main(argv: Sequence[str]) -> int:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """``python -m aiokv.bench transport ...`` (same as ``aiokv bench transport``)."""
+    """``python -m aiokv.cli.bench.transport transport ...`` (same as ``aiokv bench transport``)."""
     args = list(sys.argv[1:] if argv is None else argv)
     if args and args[0] == "_receiver":
         return _receiver_main(args[1:])
-    p = argparse.ArgumentParser(prog="python -m aiokv.bench")
+    p = argparse.ArgumentParser(prog="python -m aiokv.cli.bench.transport")
     sub = p.add_subparsers(dest="what", required=True)
     add_transport_arguments(sub.add_parser("transport", help="engine vs raw data plane"))
     ns = p.parse_args(args)

@@ -1,7 +1,7 @@
 """A prefill or decode worker serving the demo model over an OpenAI-style API.
 
-    python -m aiokv.demo.worker --role prefill --router http://127.0.0.1:8000
-    python -m aiokv.demo.worker --role decode  --router http://127.0.0.1:8000
+    python -m aiokv.serving.demo.worker --role prefill --router http://127.0.0.1:8000
+    python -m aiokv.serving.demo.worker --role decode  --router http://127.0.0.1:8000
 
 The app's lifespan starts an :class:`aiokv.Engine` over the model's paged
 cache and keeps the worker registered with the router (:mod:`aiokv.serving`;
@@ -66,19 +66,20 @@ from typing import TYPE_CHECKING, Any, Literal, TypeVar
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from .._exceptions import AiokvError
-from ..cli import apply_process_env, engine_overrides
-from .sampling import ParameterError, Sampling
+from aiokv._exceptions import AiokvError
+from aiokv.envs import engine_overrides
+from aiokv.kv._triton import apply_env as apply_process_env
+from aiokv.serving.demo.sampling import ParameterError, Sampling
 
 if TYPE_CHECKING:
-    from .model import ModelConfig, TinyTransformer
+    from aiokv.serving.demo.model import ModelConfig, TinyTransformer
 
 __all__ = ["DEFAULT_MODEL_NAME", "KV_SECRET_ENV", "WorkerConfig", "create_app", "main"]
 
 #: the environment variable holding the engines' shared CURVE secret
 KV_SECRET_ENV = "AIOKV_KV_SECRET"
 
-log = logging.getLogger("aiokv.demo.worker")
+log = logging.getLogger("aiokv.serving.demo.worker")
 
 DEFAULT_MODEL_NAME = "aiokv-demo"
 T = TypeVar("T")
@@ -86,7 +87,7 @@ _MAX_BODY = 8 * 1024 * 1024  # above the router's default 4 MiB
 
 
 def _default_model() -> ModelConfig:
-    from .model import ModelConfig
+    from aiokv.serving.demo.model import ModelConfig
 
     return ModelConfig()
 
@@ -230,7 +231,7 @@ class _Worker:
     """State shared by the handlers of one worker app."""
 
     def __init__(self, cfg: WorkerConfig) -> None:
-        from . import model as model_mod
+        from aiokv.serving.demo import model as model_mod
 
         self.cfg = cfg
         self.mod = model_mod
@@ -262,7 +263,7 @@ class _Worker:
     @property
     def kv_address(self) -> str:
         """The engine's address as other machines reach it."""
-        from ..serving import _with_host
+        from aiokv.serving.lifespan import _with_host
 
         return _with_host(str(self.engine.address), self.cfg.advertise_host)
 
@@ -769,8 +770,7 @@ def create_app(cfg: WorkerConfig, url: str = "") -> FastAPI:
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         import aiokv
         from aiokv.kv import FlashAttentionLayout, IpcOptions, KVConnector
-
-        from ..serving import worker_lifespan
+        from aiokv.serving.lifespan import worker_lifespan
 
         mc = cfg.model
         w.model = await w.run(w.mod.TinyTransformer, mc, cfg.device)
@@ -912,7 +912,7 @@ async def _watch_parent(pid: int) -> None:
 
 
 async def _amain(args: argparse.Namespace) -> None:
-    from ..serving import bind_socket, serve_app, socket_url
+    from aiokv.serving.lifespan import bind_socket, serve_app, socket_url
 
     sock = bind_socket(args.host, args.port)
     url = socket_url(sock, args.advertise_host)
@@ -957,7 +957,7 @@ async def _amain(args: argparse.Namespace) -> None:
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
-        prog="python -m aiokv.demo.worker",
+        prog="python -m aiokv.serving.demo.worker",
         description="A prefill or decode worker of the aiokv demo model: an OpenAI-style "
         "HTTP server (/v1/completions, /v1/chat/completions) with an aiokv engine that "
         "moves the KV cache to the decode side. It registers with the router when "

@@ -48,7 +48,6 @@ import asyncio
 import contextlib
 import dataclasses
 import logging
-import os
 import socket
 import time
 from collections import OrderedDict
@@ -59,6 +58,7 @@ from typing import TYPE_CHECKING, Any, Literal
 import anyio
 import httpx
 
+from aiokv import envs
 from aiokv._exceptions import AiokvError, ConfigError
 
 if TYPE_CHECKING:
@@ -99,7 +99,7 @@ class WorkerRegistration:
     heartbeats: int = 0
     registered: asyncio.Event = field(default_factory=asyncio.Event)
     #: the router's shared token (``Authorization: Bearer``); default ``$AIOKV_ROUTER_TOKEN``
-    token: str | None = field(default_factory=lambda: os.environ.get(TOKEN_ENV) or None)
+    token: str | None = field(default_factory=lambda: envs.get(TOKEN_ENV) or None)
     #: the per-instance secret the router issued at the first registration: it proves
     #: this worker's identity on heartbeats, deregistration and re-registration
     instance_secret: str | None = None

@@ -43,6 +43,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequenc
 from dataclasses import dataclass, field
 from typing import Any
 
+from aiokv import envs
 from aiokv.envs import engine_overrides
 
 __all__ = [
@@ -175,7 +176,7 @@ def _defaults(args: argparse.Namespace) -> tuple[list[int], list[int]]:
 
 
 def _run_loop(coro: Any, loop: str, role: str = "sender") -> Any:
-    prof_dir = os.environ.get("AIOKV_BENCH_PROFILE")  # diagnostics: cProfile each process
+    prof_dir = envs.get("AIOKV_BENCH_PROFILE")  # diagnostics: cProfile each process
     prof = None
     if prof_dir:
         import cProfile
@@ -882,7 +883,7 @@ async def _watch_parent(pid: int | None) -> None:
 
 
 async def _child(ns: argparse.Namespace) -> None:
-    slow = os.environ.get("AIOKV_BENCH_SLOW_CALLBACK_MS")
+    slow = envs.get("AIOKV_BENCH_SLOW_CALLBACK_MS")
     if slow:  # diagnose loop stalls: asyncio logs every callback slower than this
         import logging
 

@@ -66,6 +66,7 @@ from typing import TYPE_CHECKING, Any, Literal, TypeVar
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
+from aiokv import envs
 from aiokv._exceptions import AiokvError
 from aiokv.envs import engine_overrides
 from aiokv.kv._triton import apply_env as apply_process_env
@@ -787,7 +788,7 @@ def create_app(cfg: WorkerConfig, url: str = "") -> FastAPI:
             w.m.allocator, w.mod.OutOfBlocksError, cfg.max_waiting, cfg.admit_timeout
         )
         # the layout is offered at connection set-up: incompatible peers are refused early
-        secret = cfg.kv_secret if cfg.kv_secret is not None else os.environ.get(KV_SECRET_ENV)
+        secret = cfg.kv_secret if cfg.kv_secret is not None else envs.get(KV_SECRET_ENV) or None
         engine_cfg = aiokv.EngineConfig(
             listen=cfg.kv_listen,
             device=cfg.device,

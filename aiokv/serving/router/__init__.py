@@ -25,6 +25,7 @@ import os
 import sys
 from collections.abc import Sequence
 
+from aiokv import envs
 from aiokv._exceptions import ConfigError
 from aiokv.serving.router.app import (
     TOKEN_ENV,
@@ -284,7 +285,7 @@ def config_from_args(args: argparse.Namespace) -> RouterConfig:
         max_body_bytes=args.max_body_bytes,
         max_concurrent_per_client=args.max_concurrent_per_client,
         upstream_timeout=args.upstream_timeout,
-        token=args.token or os.environ.get(TOKEN_ENV) or None,
+        token=args.token or envs.get(TOKEN_ENV) or None,
         allow_link_local=args.allow_link_local,
         prefill=tuple(args.prefill),
         decode=tuple(args.decode),

@@ -45,7 +45,6 @@ import contextlib
 import hmac
 import json
 import logging
-import os
 import secrets
 import time
 import uuid
@@ -60,6 +59,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 
+from aiokv import envs
 from aiokv._exceptions import ConfigError
 from aiokv.serving.router.metrics import CONTENT_TYPE_LATEST, RouterMetrics
 from aiokv.serving.router.registry import (
@@ -1448,4 +1448,4 @@ def create_app(config: RouterConfig | None = None) -> FastAPI:
 
 def token_from_env() -> str | None:
     """The router token from ``$AIOKV_ROUTER_TOKEN`` (``None`` when unset or empty)."""
-    return os.environ.get(TOKEN_ENV) or None
+    return envs.get(TOKEN_ENV) or None

@@ -192,3 +192,29 @@ def test_bench_help_is_clean(command: str, capsys: pytest.CaptureFixture[str]) -
     assert "python -m" not in text
     assert not any(mark in text for mark in ("``", ":class:", ":mod:", ":meth:", "~aiokv")), text
     assert _undocumented(text) == [], text
+
+
+@pytest.mark.timeout(120)
+def test_bench_receiver_imports_the_checkout_of_its_parent(tmp_path: Path) -> None:
+    """The receiver child finds this checkout's aiokv even when only the parent's sys.path
+    names it (no PYTHONPATH, started from elsewhere): the sender puts the folder that holds
+    the ``aiokv`` package first on the child's path."""
+    code = (
+        f"import sys; sys.path.insert(0, {str(ROOT)!r})\n"
+        "from aiokv.cli import main\n"
+        "sys.exit(main(['bench', 'transport', '--transport', 'tcp', '--json',"
+        " '--sizes', '0.0625', '--iters', '2', '--reps', '1']))\n"
+    )
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    env.setdefault("PYTHONWARNINGS", "ignore:Failed to initialize NumPy")
+    r = subprocess.run(
+        [sys.executable, "-c", code],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=110,
+        stdin=subprocess.DEVNULL,
+    )
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert json.loads(r.stdout.strip().splitlines()[-1])["transport"] == "tcp"

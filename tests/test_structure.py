@@ -145,7 +145,7 @@ def test_a_kv_layout_gets_the_kv_layers_check() -> None:
 #: files that may touch ``os.environ``, and why
 ENV_READERS = {
     "envs.py": "the registry of every AIOKV_* variable: the one place that reads them",
-    "cli/bench/transport.py": "entry point: hands its environment to the benchmark processes",
+    "cli/bench/common.py": "entry point: hands its environment to the benchmark receiver",
     "cli/bench/kv.py": "entry point: sets AIOKV_IPC_TRACE for its benchmark processes",
     "serving/demo/run.py": "entry point: hands the token and KV secret to the demo processes",
     "nccl/library.py": "the mapping that candidate_paths reads AIOKV_NCCL_SO_PATH from",

@@ -73,6 +73,7 @@ __all__ = [
     "deregister",
     "register_with_router",
     "serve_app",
+    "socket_url",
     "worker_lifespan",
 ]
 

@@ -46,7 +46,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from aiokv.cli.bench.transport import (
+from aiokv.cli.bench.common import (
     _aiokv_stream,
     _collect,
     _Control,
@@ -97,7 +97,7 @@ def _workloads(text: str) -> list[str]:
 
 def add_control_arguments(p: argparse.ArgumentParser) -> None:
     """Options of ``aiokv bench control``."""
-    p.set_defaults(transport="control")  # the receiver child's role (aiokv.cli.bench.transport._spawn_receiver)
+    p.set_defaults(transport="control")  # the receiver child's role (aiokv.cli.bench.common._spawn_receiver)
     p.add_argument("--json", action="store_true", help="one JSON line per workload")
     p.add_argument(
         "--loop", choices=("asyncio", "uvloop"), default="uvloop", help="event loop of both ends"

@@ -27,13 +27,7 @@ from collections.abc import Sequence
 
 from aiokv import envs
 from aiokv._exceptions import ConfigError
-from aiokv.serving.router.app import (
-    TOKEN_ENV,
-    RouterConfig,
-    RouterState,
-    create_app,
-    prefill_kv_params,
-)
+from aiokv.serving.router.config import TOKEN_ENV, RouterConfig, prefill_kv_params
 from aiokv.serving.router.registry import (
     POLICIES,
     Instance,
@@ -42,6 +36,8 @@ from aiokv.serving.router.registry import (
     Registry,
     UnknownModelError,
 )
+from aiokv.serving.router.routes import create_app
+from aiokv.serving.router.state import RouterState
 from aiokv.serving.router.urls import UrlPolicy, UrlPolicyError
 
 __all__ = [

@@ -23,17 +23,15 @@ from __future__ import annotations
 
 import hmac
 import logging
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import msgpack
 import zmq
 import zmq.asyncio
 
 from aiokv.serving.router.registry import ANY_MODEL, IdentityError, RegistryFullError, Role
+from aiokv.serving.router.state import RouterState
 from aiokv.serving.router.urls import UrlPolicyError, is_loopback_host
-
-if TYPE_CHECKING:
-    from aiokv.serving.router.app import RouterState
 
 __all__ = ["Discovery"]
 

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from aiokv._finesleep import FinePoll
-from aiokv.cli.bench.kv import _cycles_per_us
+from aiokv.cli.bench.kv_roles import _cycles_per_us
 from aiokv.kv import IpcOptions
 from aiokv.kv.ipc import IpcPlane
 

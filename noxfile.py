@@ -35,9 +35,10 @@ def _install(session: nox.Session, extra: str = "dev") -> None:
 
 @nox.session(python=PYTHON, reuse_venv=True)
 def lint(session: nox.Session) -> None:
-    """ruff check (no reformatting of anyone's files)."""
+    """ruff check (no reformatting of anyone's files); import-linter's layer and cycle contracts."""
     _install(session)
     session.run("ruff", "check", ".", *session.posargs)
+    session.run("lint-imports")
 
 
 @nox.session(python=PYTHON, reuse_venv=True)

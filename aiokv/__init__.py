@@ -1,7 +1,7 @@
 """aiokv: asyncio-native KV-cache and tensor transfer between serving processes.
 
 The public names are imported on first use (module ``__getattr__``), so that
-``import aiokv.router`` or ``aiokv --help`` does not pay for importing torch.
+``import aiokv.serving.router`` or ``aiokv --help`` does not pay for importing torch.
 The public subpackages load the same way: after ``import aiokv``,
 ``aiokv.kv.KVConnector`` and ``aiokv.serving.PeerWarmer`` work as written.
 """

@@ -29,9 +29,11 @@ import json
 import os
 import time
 
+from aiokv import envs
+
 __all__ = ["enable", "enabled", "mark"]
 
-_PREFIX = os.environ.get("AIOKV_TRACE", "")
+_PREFIX = envs.get("AIOKV_TRACE")
 enabled = bool(_PREFIX)
 _registered = False
 _events: list[tuple[str, str, int, float]] = []

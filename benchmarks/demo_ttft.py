@@ -2,7 +2,7 @@
 
     python benchmarks/demo_ttft.py --runs 8            # CPU demo, 16 prompts, one at a time
 
-Runs ``python -m aiokv.demo.run --prompts 16 --max-tokens 4 --device cpu
+Runs ``python -m aiokv.serving.demo.run --prompts 16 --max-tokens 4 --device cpu
 --concurrency 1`` (each run starts router and workers afresh), reads the TTFT
 column of its table and prints, per run, the first request's TTFT, the steady
 TTFT (median of requests 2..16) and their ratio, then the medians over runs.
@@ -22,7 +22,7 @@ _ROW = re.compile(r"│\s+\d+\s+│\s+\d+\s+│.*?│\s+([\d.]+)\s+│")
 def one_run(device: str, prompts: int) -> tuple[float, float]:
     argv = ["--prompts", str(prompts), "--max-tokens", "4", "--device", device]
     out = subprocess.run(
-        [sys.executable, "-m", "aiokv.demo.run", *argv, "--concurrency", "1"],
+        [sys.executable, "-m", "aiokv.serving.demo.run", *argv, "--concurrency", "1"],
         capture_output=True,
         text=True,
         timeout=300,

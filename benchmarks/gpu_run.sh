@@ -23,7 +23,7 @@
 #   --trace            with --bench kv: per-stage timings of each latency request (trace_ms)
 #   --raw-nccl         the raw NCCL send/recv baseline (benchmarks/raw_nccl.py, two GPUs)
 #   --doctor           aiokv doctor
-#   --demo             the demo on the GPUs (aiokv.demo.run --device auto)
+#   --demo             the demo on the GPUs (aiokv.serving.demo.run --device auto)
 #   --tag TAG          prefix of the output files (default: run)
 # Outputs go to $OUT (default ./gpu-out): TAG-env.txt, TAG-tests.txt, TAG-kv.jsonl,
 # TAG-nccl.jsonl, TAG-raw-nccl.jsonl, TAG-doctor.txt, TAG-demo.txt.
@@ -147,5 +147,5 @@ if [ "$DOCTOR" = 1 ]; then
   python3 -m aiokv doctor > "$OUT/$TAG-doctor.txt" 2>&1; tail -5 "$OUT/$TAG-doctor.txt"
 fi
 if [ "$DEMO" = 1 ]; then
-  timeout 60 python3 -m aiokv.demo.run --device auto > "$OUT/$TAG-demo.txt" 2>&1; tail -3 "$OUT/$TAG-demo.txt"
+  timeout 60 python3 -m aiokv.serving.demo.run --device auto > "$OUT/$TAG-demo.txt" 2>&1; tail -3 "$OUT/$TAG-demo.txt"
 fi

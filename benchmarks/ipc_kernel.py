@@ -4,7 +4,7 @@
 
 Two paged caches in the FlashAttention layout of docs/benchmarks.md (32 layers, 8
 KV heads, head dim 128, block 16, bf16) on ``cuda:0``, random block tables on each
-side (as in ``aiokv.kv.bench``); each request is ONE launch of
+side (as in ``aiokv.cli.bench.kv``); each request is ONE launch of
 :func:`aiokv.kv.ipc._kernel.launch_pair_copy` (what the consumer enqueues), timed
 with CUDA events over all requests of the workload, median of 5 runs. The
 reference moves the same bytes as one contiguous ``copy_`` per request. On one

@@ -9,7 +9,7 @@ token), ``AIOKV_PREFILL`` / ``AIOKV_DECODE`` (comma-separated static worker
 URLs, e.g. vLLM instances), ``AIOKV_POLICY`` (``round_robin`` or
 ``least_outstanding``), ``AIOKV_EVICT_AFTER`` (seconds). Registering workers
 use ``aiokv.serving.worker_lifespan`` or
-``python -m aiokv.demo.worker --role prefill --router http://127.0.0.1:8000``.
+``python -m aiokv.serving.demo.worker --role prefill --router http://127.0.0.1:8000``.
 Clients then talk OpenAI to the router:
 
     curl -s localhost:8000/v1/completions -H 'content-type: application/json' \\
@@ -26,7 +26,7 @@ from __future__ import annotations
 import os
 import sys
 
-from aiokv.router import TOKEN_ENV, RouterConfig, create_app, main
+from aiokv.serving.router import TOKEN_ENV, RouterConfig, create_app, main
 
 
 def _urls(name: str) -> tuple[str, ...]:

@@ -20,8 +20,8 @@ import pytest
 import torch
 
 import aiokv
-from aiokv.demo.model import TinyTransformer, chat_prompt, tokenize
-from aiokv.demo.worker import DEFAULT_MODEL_NAME
+from aiokv.serving.demo.model import TinyTransformer, chat_prompt, tokenize
+from aiokv.serving.demo.worker import DEFAULT_MODEL_NAME
 from tests._procs import free_port
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -122,7 +122,7 @@ def _recipe(tmp: Path) -> Iterator[str]:
             procs.append(
                 _spawn(
                     [
-                        *(py, "-m", "aiokv.demo.worker", "--role", role, "--router", router),
+                        *(py, "-m", "aiokv.serving.demo.worker", "--role", role, "--router", router),
                         *("--host", "0.0.0.0", "--advertise-host", "127.0.0.1"),
                     ],
                     tmp / f"{role}.log",

@@ -16,7 +16,7 @@ from typing import Any
 import pytest
 
 from aiokv import cli
-from aiokv.bench_control import TARGETS, WORKLOADS
+from aiokv.cli.bench.control import TARGETS, WORKLOADS
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = ["--reps", "2", "--lat-iters", "20", "--rate-iters", "60", "--stream-iters", "8"]
@@ -106,7 +106,7 @@ def test_bad_workload_is_refused() -> None:
 
 
 def _row(workload: str, ratio: float) -> dict[str, Any]:
-    from aiokv.bench_control import _passed
+    from aiokv.cli.bench.control import _passed
 
     op, bound = TARGETS[workload]
     return {
@@ -121,7 +121,7 @@ def _row(workload: str, ratio: float) -> dict[str, Any]:
 def test_check_turns_a_missed_target_into_a_failure(
     monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    import aiokv.bench_control as bc
+    import aiokv.cli.bench.control as bc
 
     rows = [_row("send4k", 1.1), _row("rate4k", 0.2)]  # rate4k misses its >= 0.5
 

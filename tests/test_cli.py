@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib
 import json
 import os
 import subprocess
@@ -10,9 +11,9 @@ from pathlib import Path
 
 import pytest
 
-from aiokv import cli
-
 ROOT = Path(__file__).resolve().parents[1]
+#: the command's module (the attribute aiokv.cli.main is the console-script function)
+cli = importlib.import_module("aiokv.cli.main")
 KEYS = {"transport", "size_bytes", "iters", "aiokv_gbps", "raw_gbps", "ratio", "max_loop_stall_ms"}
 
 
@@ -85,7 +86,7 @@ def test_bench_transport_tcp_json() -> None:
 
 
 def test_doctor_exits_zero_without_gpu() -> None:
-    pytest.importorskip("aiokv.doctor")
+    pytest.importorskip("aiokv.cli.doctor")
     r = _aiokv("doctor")
     assert r.returncode == 0, r.stderr
     assert "torch" in r.stdout
@@ -98,14 +99,14 @@ def test_missing_part_is_a_clear_error(
     real = cli.importlib.import_module
 
     def fake_import(name: str, package: str | None = None) -> object:
-        if name == "aiokv.kv.bench":
+        if name == "aiokv.cli.bench.kv":
             raise ImportError("simulated: not installed")
         return real(name, package)
 
     monkeypatch.setattr(cli.importlib, "import_module", fake_import)
     rc = cli.main(["bench", "kv"])
     assert rc == 2
-    assert "aiokv.kv.bench is not available" in capsys.readouterr().err
+    assert "aiokv.cli.bench.kv is not available" in capsys.readouterr().err
 
 
 def test_help_and_router_import_do_not_import_torch() -> None:
@@ -113,7 +114,7 @@ def test_help_and_router_import_do_not_import_torch() -> None:
     code = (
         "import sys, contextlib, io\n"
         "from aiokv import cli\n"
-        "import aiokv.router\n"
+        "import aiokv.serving.router\n"
         "with contextlib.redirect_stdout(io.StringIO()), contextlib.suppress(SystemExit):\n"
         "    cli.main(['--help'])\n"
         "assert 'torch' not in sys.modules, 'torch was imported'\n"
@@ -140,7 +141,7 @@ def test_router_help_lists_its_options() -> None:
 
 def test_worker_help_has_texts() -> None:
     r = subprocess.run(
-        [sys.executable, "-m", "aiokv.demo.worker", "--help"],
+        [sys.executable, "-m", "aiokv.serving.demo.worker", "--help"],
         capture_output=True,
         text=True,
         timeout=60,
@@ -191,3 +192,29 @@ def test_bench_help_is_clean(command: str, capsys: pytest.CaptureFixture[str]) -
     assert "python -m" not in text
     assert not any(mark in text for mark in ("``", ":class:", ":mod:", ":meth:", "~aiokv")), text
     assert _undocumented(text) == [], text
+
+
+@pytest.mark.timeout(120)
+def test_bench_receiver_imports_the_checkout_of_its_parent(tmp_path: Path) -> None:
+    """The receiver child finds this checkout's aiokv even when only the parent's sys.path
+    names it (no PYTHONPATH, started from elsewhere): the sender puts the folder that holds
+    the ``aiokv`` package first on the child's path."""
+    code = (
+        f"import sys; sys.path.insert(0, {str(ROOT)!r})\n"
+        "from aiokv.cli import main\n"
+        "sys.exit(main(['bench', 'transport', '--transport', 'tcp', '--json',"
+        " '--sizes', '0.0625', '--iters', '2', '--reps', '1']))\n"
+    )
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    env.setdefault("PYTHONWARNINGS", "ignore:Failed to initialize NumPy")
+    r = subprocess.run(
+        [sys.executable, "-c", code],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=110,
+        stdin=subprocess.DEVNULL,
+    )
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert json.loads(r.stdout.strip().splitlines()[-1])["transport"] == "tcp"

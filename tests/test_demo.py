@@ -1,6 +1,6 @@
 """The real stack: router + prefill and decode workers (model, Engine, KVConnector) over loopback.
 
-``test_demo_cli`` runs ``aiokv.demo.run.main`` in a subprocess (which starts
+``test_demo_cli`` runs ``aiokv.serving.demo.run.main`` in a subprocess (which starts
 router and workers as processes of its own) and needs exit status 0: every
 disaggregated output equals single-process generation.
 """
@@ -24,12 +24,12 @@ import pytest
 import torch
 
 import aiokv.kv
-from aiokv.demo.model import TinyTransformer, chat_prompt, tokenize
-from aiokv.demo.worker import DEFAULT_MODEL_NAME, WorkerConfig
-from aiokv.demo.worker import create_app as create_worker_app
-from aiokv.router import RouterConfig
-from aiokv.router import create_app as create_router_app
-from aiokv.serving import bind_socket, serve_app, socket_url
+from aiokv.serving.demo.model import TinyTransformer, chat_prompt, tokenize
+from aiokv.serving.demo.worker import DEFAULT_MODEL_NAME, WorkerConfig
+from aiokv.serving.demo.worker import create_app as create_worker_app
+from aiokv.serving.lifespan import bind_socket, serve_app, socket_url
+from aiokv.serving.router import RouterConfig
+from aiokv.serving.router import create_app as create_router_app
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -46,7 +46,7 @@ def anyio_backend() -> str:
 @needs_connector
 @pytest.mark.timeout(120)
 def test_demo_cli() -> None:
-    code = "import sys; from aiokv.demo.run import main; sys.exit(main(sys.argv[1:]))"
+    code = "import sys; from aiokv.serving.demo.run import main; sys.exit(main(sys.argv[1:]))"
     proc = subprocess.Popen(
         [sys.executable, "-c", code, "--prompts", "2", "--max-tokens", "4", "--device", "cpu"],
         cwd=ROOT,
@@ -268,7 +268,7 @@ async def test_worker_logs_heartbeats_only_at_debug(tmp_path: Path) -> None:
     """At ``--log-level info`` a registered worker's log stays quiet between requests."""
     async with running(create_router_app(RouterConfig())) as router_url:
         async with httpx.AsyncClient(base_url=router_url, timeout=10) as client:
-            argv = [sys.executable, "-m", "aiokv.demo.worker", "--role", "decode"]
+            argv = [sys.executable, "-m", "aiokv.serving.demo.worker", "--role", "decode"]
             argv += ["--router", router_url, "--heartbeat-interval", "0.05"]
             argv += ["--log-level", "info"]
             proc = await asyncio.to_thread(

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from aiokv.demo.model import (
+from aiokv.serving.demo.model import (
     BOS,
     BlockAllocator,
     ModelConfig,

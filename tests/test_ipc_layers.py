@@ -533,7 +533,7 @@ async def test_block_ids_checked_in_python_as_the_connector_does() -> None:
 
 
 def test_trace_summary() -> None:
-    from aiokv.kv.bench import _trace_summary
+    from aiokv.cli.bench.kv import _trace_summary
 
     prod = [("lat0", "send", 1.0), ("lat0", "sent", 1.0002), ("lat1", "send", 2.0)]
     cons = [("lat0", "desc", 1.0005), ("lat1", "desc", 2.0007), ("x", "desc", 0.0)]

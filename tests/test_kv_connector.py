@@ -446,7 +446,7 @@ def test_bench_tiny_tcp_json() -> None:
         [
             sys.executable,
             "-m",
-            "aiokv.kv.bench",
+            "aiokv.cli.bench.kv",
             "--transport",
             "tcp",
             "--workload",
@@ -496,7 +496,7 @@ def test_bench_layerwise_latency_requests_tcp() -> None:
     over the engine), and land bit-exact."""
     env = {**os.environ, "PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", "")}
     r = subprocess.run(
-        [sys.executable, "-m", "aiokv.kv.bench", "--transport", "tcp", "--workload", "tiny",
+        [sys.executable, "-m", "aiokv.cli.bench.kv", "--transport", "tcp", "--workload", "tiny",
          "--json", "--iters", "1", "--latency-n", "5", "--layerwise"],
         capture_output=True, text=True, timeout=110, env=env, cwd=ROOT,
     )  # fmt: skip
@@ -519,8 +519,7 @@ def test_bench_layerwise_latency_requests_tcp() -> None:
 def test_bench_refuses_a_gpu_lead_it_cannot_use(
     args: list[str], capsys: pytest.CaptureFixture[str]
 ) -> None:
-    from aiokv.kv import bench
-
+    from aiokv.cli.bench import kv as bench
     with pytest.raises(SystemExit) as e:
         bench.main(args)
     assert e.value.code == 2 and "--gpu-lead-us" in capsys.readouterr().err

@@ -22,14 +22,14 @@ import httpx
 import pytest
 import torch
 
-from aiokv.demo import model as model_mod
-from aiokv.demo.model import ModelConfig, TinyTransformer, tokenize
-from aiokv.demo.run import make_prompts
-from aiokv.demo.worker import DEFAULT_MODEL_NAME, WorkerConfig
-from aiokv.demo.worker import create_app as create_worker_app
-from aiokv.router import RouterConfig
-from aiokv.router import create_app as create_router_app
-from aiokv.serving import bind_socket, socket_url
+from aiokv.serving.demo import model as model_mod
+from aiokv.serving.demo.model import ModelConfig, TinyTransformer, tokenize
+from aiokv.serving.demo.run import make_prompts
+from aiokv.serving.demo.worker import DEFAULT_MODEL_NAME, WorkerConfig
+from aiokv.serving.demo.worker import create_app as create_worker_app
+from aiokv.serving.lifespan import bind_socket, socket_url
+from aiokv.serving.router import RouterConfig
+from aiokv.serving.router import create_app as create_router_app
 from tests.test_demo import running
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -24,15 +24,15 @@ import pytest
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from aiokv.router import Registry, RouterConfig, create_app
-from aiokv.router.registry import NoInstanceError, UnknownModelError
-from aiokv.serving import (
+from aiokv.serving.lifespan import (
     WorkerRegistration,
     bind_socket,
     register_with_router,
     serve_app,
     socket_url,
 )
+from aiokv.serving.router import Registry, RouterConfig, create_app
+from aiokv.serving.router.registry import NoInstanceError, UnknownModelError
 
 MODEL = "fake-model"
 #: what vLLM's toy proxy puts in the prefill request (NixlConnector / MooncakeConnector)

@@ -14,7 +14,7 @@ import httpx
 import pytest
 from test_router import FakeWorker, cluster, completion, running, wait_until, wait_until_async
 
-from aiokv.router import RouterConfig, create_app, serve_async
+from aiokv.serving.router import RouterConfig, create_app, serve_async
 
 
 @pytest.fixture
@@ -91,7 +91,7 @@ async def test_slow_clients_are_closed_at_their_deadlines_and_logged_quietly(
     cfg = RouterConfig(header_timeout=1.0, body_timeout=1.0)
     records = _Records()
     async with served(tmp_path, cfg) as url:
-        for name in ("uvicorn.error", "aiokv.router", "uvicorn"):
+        for name in ("uvicorn.error", "aiokv.serving.router", "uvicorn"):
             logging.getLogger(name).addHandler(records)
         try:
             port = int(url.rsplit(":", 1)[1])
@@ -112,7 +112,7 @@ async def test_slow_clients_are_closed_at_their_deadlines_and_logged_quietly(
             async with httpx.AsyncClient(base_url=url, timeout=5) as client:
                 assert (await client.get("/healthz")).status_code == 503
         finally:
-            for name in ("uvicorn.error", "aiokv.router", "uvicorn"):
+            for name in ("uvicorn.error", "aiokv.serving.router", "uvicorn"):
                 logging.getLogger(name).removeHandler(records)
     loud = [r for r in records.records if r.levelno >= logging.WARNING]
     assert loud == [], [r.getMessage() for r in loud]
@@ -129,7 +129,7 @@ TOKEN = "deployment-token-0123456789abcdef"
 async def test_an_unreachable_static_worker_is_logged_with_its_reason_and_shown_in_healthz(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
-    caplog.set_level(logging.INFO, "aiokv.router")
+    caplog.set_level(logging.INFO, "aiokv.serving.router")
     cfg = RouterConfig(
         prefill=("http://127.0.0.1:1",), decode=("http://127.0.0.1:1",), probe_interval=0.2
     )
@@ -248,7 +248,7 @@ async def test_unknown_routes_and_wrong_methods_get_openai_errors() -> None:
 async def test_listening_log_names_the_real_bind(
     tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
-    caplog.set_level(logging.INFO, "aiokv.router")
+    caplog.set_level(logging.INFO, "aiokv.serving.router")
     async with served(tmp_path, RouterConfig(), host="0.0.0.0") as url:
         port = url.rsplit(":", 1)[1]
         await wait_until(lambda: "listening" in caplog.text)

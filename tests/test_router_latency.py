@@ -21,8 +21,8 @@ import time
 import pytest
 from test_demo import demo_cluster
 
-from aiokv.demo.worker import DEFAULT_MODEL_NAME
-from aiokv.serving import bind_socket
+from aiokv.serving.demo.worker import DEFAULT_MODEL_NAME
+from aiokv.serving.lifespan import bind_socket
 
 P50_BOUND_S = 0.020
 

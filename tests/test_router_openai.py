@@ -11,8 +11,8 @@ import openai
 import pytest
 from test_demo import demo_cluster, needs_connector
 
-from aiokv.demo.model import TinyTransformer, chat_prompt, detokenize, tokenize
-from aiokv.demo.worker import DEFAULT_MODEL_NAME
+from aiokv.serving.demo.model import TinyTransformer, chat_prompt, detokenize, tokenize
+from aiokv.serving.demo.worker import DEFAULT_MODEL_NAME
 
 pytestmark = [needs_connector, pytest.mark.anyio]
 

@@ -19,8 +19,8 @@ from fastapi import FastAPI, Request
 from fastapi.responses import Response
 from test_router import MODEL, FakeWorker, cluster, completion, running
 
-from aiokv.router import RouterConfig, create_app
-from aiokv.serving import WorkerRegistration, register_with_router
+from aiokv.serving.lifespan import WorkerRegistration, register_with_router
+from aiokv.serving.router import RouterConfig, create_app
 
 TOKEN = "s3cret-token-for-tests-0123456789"
 
@@ -101,7 +101,7 @@ async def test_worker_helper_uses_token_from_environment(monkeypatch: pytest.Mon
 @pytest.mark.anyio
 @pytest.mark.timeout(30)
 async def test_without_token_only_loopback_may_register(caplog: pytest.LogCaptureFixture) -> None:
-    caplog.set_level(logging.WARNING, logger="aiokv.router")
+    caplog.set_level(logging.WARNING, logger="aiokv.serving.router")
     app = create_app(RouterConfig())
     async with running(app):  # the start-up says registration is loopback-only
         pass
@@ -188,7 +188,7 @@ HOSTILE_KV = [
 
 
 def test_url_policy_unit() -> None:
-    from aiokv.router import UrlPolicy, UrlPolicyError
+    from aiokv.serving.router import UrlPolicy, UrlPolicyError
 
     pol = UrlPolicy()
     for url in HOSTILE_URLS:

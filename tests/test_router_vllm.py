@@ -29,7 +29,7 @@ import zmq.asyncio
 from fastapi.responses import JSONResponse
 from test_router import MODEL, VLLM_PREFILL_PARAMS, FakeWorker, running
 
-from aiokv.router import RouterConfig, create_app
+from aiokv.serving.router import RouterConfig, create_app
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -307,7 +307,7 @@ async def test_zmq_discovery() -> None:
 @pytest.mark.anyio
 @pytest.mark.timeout(30)
 async def test_zmq_discovery_refuses_remote_peers_and_registered_urls() -> None:
-    from aiokv.router.discovery import Discovery
+    from aiokv.serving.router.discovery import Discovery
 
     app = create_app(RouterConfig(token="t" * 20))
     state = app.state.router

@@ -254,14 +254,19 @@ GETATTR_ALLOWED: dict[tuple[str, str], str] = {
         'self._count_error(getattr(exc, "code", "protocol"))',
     ): "constant attribute name on our own exception",
     (
-        "cli.py",
+        "cli/main.py",
         "fn = getattr(mod, attr, None)",
     ): "CLI entry point named by the local user's command line, not the wire",
-    ("router/app.py", "if getattr(self, name) <= 0:"): "config field names from a literal tuple",
-    ("router/app.py", "if getattr(self, name) < 1:"): "config field names from a literal tuple",
-    ("doctor.py", 'hip_v = getattr(torch.version, "hip", None)'): "constant name",
-    ("demo/worker.py", 'closer = getattr(w.connector, "aclose", None)'): "constant name",
-    ("demo/run.py", 'close = getattr(f, "close", None)'): "constant name",
+    (
+        "serving/router/config.py",
+        "if getattr(self, name) <= 0:",
+    ): "config field names from a literal tuple",
+    (
+        "serving/router/config.py",
+        "if getattr(self, name) < 1:",
+    ): "config field names from a literal tuple",
+    ("cli/doctor.py", 'hip_v = getattr(torch.version, "hip", None)'): "constant name",
+    ("serving/demo/run.py", 'close = getattr(f, "close", None)'): "constant name",
     (
         "nccl/comm.py",
         "rc = int(getattr(self._lib, fn_name)(ptr, count, dt, peer, handle, stream.cuda_stream))",

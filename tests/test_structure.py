@@ -142,23 +142,20 @@ def test_a_kv_layout_gets_the_kv_layers_check() -> None:
 
 # -- every knob in the config; the environment is read by the entry points only --------
 
-#: files that may read the environment, and why
+#: files that may touch ``os.environ``, and why
 ENV_READERS = {
-    "cli.py": "the command line: translates AIOKV_* variables into config fields",
-    "bench.py": "entry point (benchmark processes)",
-    "bench_control.py": "entry point (benchmark processes)",
-    "kv/bench.py": "entry point (benchmark processes)",
-    "demo/run.py": "entry point (demo)",
-    "demo/worker.py": "entry point (demo worker)",
-    "router/__init__.py": "entry point (router command line)",
-    "router/app.py": "entry point (router's token default)",
-    "serving.py": "the router token shared by router and workers: a secret, kept out of argv",
-    "_trace.py": "debugging timeline: must reach every process of a run (docs/design.md)",
-    "nccl/library.py": "where to find libnccl (like LD_LIBRARY_PATH); load_library(path) too",
+    "envs.py": "the registry of every AIOKV_* variable: the one place that reads them",
+    "cli/bench/common.py": "entry point: hands its environment to the benchmark receiver",
+    "cli/bench/kv.py": "entry point: sets AIOKV_IPC_TRACE for its benchmark processes",
+    "serving/demo/run.py": "entry point: hands the token and KV secret to the demo processes",
+    "nccl/library.py": "the mapping that candidate_paths reads AIOKV_NCCL_SO_PATH from",
     "cuda.py": "reports CUDA's own CUDA_MODULE_LOADING, which aiokv does not set",
-    "kv/ipc/_common.py": "reports torch's own allocator settings, which aiokv does not set; "
-    "the IPC plane's debugging trace (AIOKV_IPC_TRACE), like _trace.py",
+    "kv/ipc/_common.py": "reports torch's own allocator settings, which aiokv does not set",
 }
+
+#: files that still read an AIOKV_* variable themselves instead of through aiokv.envs:
+#: the IPC plane's trace switch (the KV layer's files move onto aiokv.envs.flag)
+_DIRECT_AIOKV_READERS: set[str] = set()
 
 
 def test_the_environment_is_read_only_by_entry_points() -> None:
@@ -171,10 +168,81 @@ def test_the_environment_is_read_only_by_entry_points() -> None:
     assert [r for r in readers if r not in ENV_READERS] == []
 
 
+def _direct_aiokv_reads(path: Path) -> list[str]:
+    """Each read of an ``AIOKV_*`` variable from an environment mapping in ``path``:
+    ``environ.get(X)``, ``environ[X]`` (loaded), ``getenv(X)``, with ``X`` a literal or a
+    module constant."""
+    tree = ast.parse(path.read_text())
+    consts = {
+        t.id: node.value.value
+        for node in tree.body
+        if isinstance(node, ast.Assign)
+        and isinstance(node.value, ast.Constant)
+        and isinstance(node.value.value, str)
+        for t in node.targets
+        if isinstance(t, ast.Name)
+    }
+
+    def aiokv_name(arg: ast.expr) -> bool:
+        if isinstance(arg, ast.Constant) and isinstance(arg.value, str):
+            return arg.value.startswith("AIOKV_")
+        return isinstance(arg, ast.Name) and consts.get(arg.id, "").startswith("AIOKV_")
+
+    out = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Call) and node.args and aiokv_name(node.args[0]):
+            f = node.func
+            if (
+                isinstance(f, ast.Attribute)
+                and f.attr == "get"
+                and "environ" in ast.unparse(f.value)
+            ) or ast.unparse(f).endswith("getenv"):
+                out.append(ast.unparse(node))
+        elif (
+            isinstance(node, ast.Subscript)
+            and isinstance(node.ctx, ast.Load)
+            and "environ" in ast.unparse(node.value)
+            and aiokv_name(node.slice)
+        ):
+            out.append(ast.unparse(node))
+    return out
+
+
+def test_only_the_registry_reads_aiokv_variables() -> None:
+    """Every other module calls ``aiokv.envs.get`` / ``flag``, which refuse unregistered
+    names; a direct ``os.environ`` read of an AIOKV_* variable would bypass the registry."""
+    pkg = ROOT / "aiokv"
+    direct = {
+        p.relative_to(pkg).as_posix(): _direct_aiokv_reads(p)
+        for p in pkg.rglob("*.py")
+        if p.name != "envs.py" or p.parent != pkg
+    }
+    assert {k for k, v in direct.items() if v} == _DIRECT_AIOKV_READERS, direct
+    from aiokv import envs
+
+    with pytest.raises(KeyError, match="not a registered"):
+        envs.get("AIOKV_NOT_A_VARIABLE")
+    assert envs.get("AIOKV_TRACE", {"AIOKV_TRACE": " /tmp/x "}) == "/tmp/x"
+    assert envs.flag("AIOKV_IPC_TRACE", {"AIOKV_IPC_TRACE": "0"}) is False
+    assert envs.flag("AIOKV_IPC_TRACE", {"AIOKV_IPC_TRACE": "1"}) is True
+
+
+def test_the_docs_list_exactly_the_registered_variables() -> None:
+    import re
+
+    from aiokv.envs import VARIABLES
+
+    text = (ROOT / "docs" / "api.md").read_text()
+    section = text.split("## Environment variables", 1)[1].split("\n## ", 1)[0]
+    rows = re.findall(r"^\| `(AIOKV_[A-Z_]+)", section, flags=re.M)
+    assert len(rows) == len(set(rows)), rows
+    assert sorted(rows) == sorted(VARIABLES)
+
+
 def test_nccl_knobs_are_config_fields_that_the_cli_sets_from_the_environment(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    from aiokv.cli import engine_overrides
+    from aiokv.envs import engine_overrides
 
     monkeypatch.setenv("AIOKV_NCCL_BLOCKING_OPS", "1")
     monkeypatch.setenv("AIOKV_NCCL_RECV_BATCH", "4,16")
@@ -189,8 +257,8 @@ def test_nccl_knobs_are_config_fields_that_the_cli_sets_from_the_environment(
 
 
 def test_triton_switch_is_an_argument_that_the_cli_sets_from_the_environment() -> None:
-    from aiokv.cli import apply_process_env
     from aiokv.kv import _triton, set_triton
+    from aiokv.kv._triton import apply_env as apply_process_env
 
     try:
         set_triton(True)
@@ -204,12 +272,12 @@ def test_triton_switch_is_an_argument_that_the_cli_sets_from_the_environment() -
 
 
 def test_the_cli_applies_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
-    from aiokv import cli
+    from aiokv.cli import main
     from aiokv.kv import _triton, set_triton
 
     monkeypatch.setenv("AIOKV_DISABLE_TRITON", "1")
     try:
-        assert cli.main(["doctor"]) in (0, 1)
+        assert main(["doctor"]) in (0, 1)
         assert _triton.available() is False
     finally:
         set_triton(True)
@@ -299,3 +367,20 @@ async def test_each_side_dispatches_every_control_message_through_its_table() ->
         cs = a._clients[b.address]
         assert set(cs.handlers) == _sent_by(Role.SERVER)
         assert set(b._server._handlers) == _sent_by(Role.CLIENT) - {Hello, DataHeader}
+
+
+# -- module size: one concern a module, small enough to read in one sitting -------------
+
+#: the packages held to the limit (the engine core and the KV layer are split separately)
+_SIZED_PACKAGES = ("serving", "cli")
+_MAX_MODULE_LINES = 800
+
+
+def test_serving_and_cli_modules_stay_under_the_size_limit() -> None:
+    big = {
+        p.relative_to(ROOT).as_posix(): n
+        for pkg in _SIZED_PACKAGES
+        for p in (ROOT / "aiokv" / pkg).rglob("*.py")
+        if (n := len(p.read_text().splitlines())) > _MAX_MODULE_LINES
+    }
+    assert big == {}

@@ -20,7 +20,7 @@ from fastapi.responses import JSONResponse
 from test_demo import demo_cluster, needs_connector
 
 import aiokv
-from aiokv.serving import PeerWarmer, WorkerRegistration, _peer_addresses
+from aiokv.serving.lifespan import PeerWarmer, WorkerRegistration, _peer_addresses
 
 
 @pytest.fixture
@@ -175,9 +175,9 @@ def test_peer_addresses_pick_the_other_role_of_the_same_model() -> None:
 async def test_the_router_connects_to_a_newly_registered_worker_before_routing_to_it() -> None:
     from test_router import running
 
-    from aiokv.router import RouterConfig
-    from aiokv.router import create_app as create_router_app
-    from aiokv.serving import register_with_router
+    from aiokv.serving.lifespan import register_with_router
+    from aiokv.serving.router import RouterConfig
+    from aiokv.serving.router import create_app as create_router_app
 
     peers: list[tuple[str, int]] = []
     worker = FastAPI()
@@ -209,9 +209,9 @@ async def test_the_router_connects_to_a_newly_registered_worker_before_routing_t
 async def test_a_failing_on_peers_callback_does_not_stop_the_heartbeat() -> None:
     from test_router import running
 
-    from aiokv.router import RouterConfig
-    from aiokv.router import create_app as create_router_app
-    from aiokv.serving import register_with_router
+    from aiokv.serving.lifespan import register_with_router
+    from aiokv.serving.router import RouterConfig
+    from aiokv.serving.router import create_app as create_router_app
 
     calls = 0
 

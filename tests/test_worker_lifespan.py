@@ -13,8 +13,8 @@ import pytest
 from test_router import running
 
 import aiokv
-from aiokv.router import RouterConfig, create_app
-from aiokv.serving import worker_lifespan
+from aiokv.serving.lifespan import worker_lifespan
+from aiokv.serving.router import RouterConfig, create_app
 
 TOKEN = "worker-lifespan-token-0123456789"
 
@@ -87,7 +87,7 @@ async def test_url_held_by_a_previous_registration_is_retried_not_fatal() -> Non
 
 def test_subpackages_are_reachable_after_import_aiokv() -> None:
     code = (
-        "import aiokv; aiokv.serving.PeerWarmer; aiokv.kv.KVConnector; aiokv.router.create_app"
+        "import aiokv; aiokv.serving.PeerWarmer; aiokv.kv.KVConnector; aiokv.serving.router.create_app"
     )
     proc = subprocess.run(
         [sys.executable, "-c", code], capture_output=True, text=True, timeout=60

@@ -18,11 +18,12 @@ base address is ``table[li]`` (int64 data_ptr), at word offset
 from __future__ import annotations
 
 import functools
+from collections.abc import Mapping
 from typing import Any
 
 import torch
 
-__all__ = ["available", "launch_copy", "set_enabled"]
+__all__ = ["apply_env", "available", "launch_copy", "set_enabled"]
 
 _BLOCK_BYTES = 8192  # bytes per program
 _MAX_PROGRAMS = 2**31 - 1
@@ -81,6 +82,14 @@ def set_enabled(enabled: bool) -> None:
     """
     global _enabled
     _enabled = bool(enabled)
+
+
+def apply_env(environ: Mapping[str, str] | None = None) -> None:
+    """Turn the kernels off when ``AIOKV_DISABLE_TRITON`` is set (for entry points)."""
+    from aiokv import envs
+
+    if envs.flag("AIOKV_DISABLE_TRITON", environ):
+        set_enabled(False)
 
 
 def available() -> bool:

@@ -353,7 +353,7 @@ def candidate_paths(env: dict[str, str] | None = None) -> list[tuple[str, str]]:
     environ = os.environ if env is None else env
     soname = _soname()
     out: list[tuple[str, str]] = []
-    override = environ.get(ENV_SO_PATH)
+    override = importlib.import_module("aiokv.envs").get(ENV_SO_PATH, environ)
     if override:
         p = Path(override)
         out.append(("env", str(p / soname) if p.is_dir() else override))

@@ -17,7 +17,7 @@ import types
 import torch
 
 import aiokv
-from aiokv.cli import engine_overrides
+from aiokv.envs import engine_overrides
 
 DTYPES = [
     torch.bfloat16,

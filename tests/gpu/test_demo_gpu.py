@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
-CODE = "import sys; from aiokv.demo.run import main; sys.exit(main(sys.argv[1:]))"
+CODE = "import sys; from aiokv.serving.demo.run import main; sys.exit(main(sys.argv[1:]))"
 
 
 def _demo(*extra: str) -> str:

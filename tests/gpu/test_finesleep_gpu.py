@@ -14,8 +14,8 @@ import pytest
 import torch
 
 from aiokv._finesleep import FinePoll
+from aiokv.cli.bench.kv_roles import _cycles_per_us
 from aiokv.kv import IpcOptions
-from aiokv.kv.bench import _cycles_per_us
 from aiokv.kv.ipc import IpcPlane
 
 pytestmark = [pytest.mark.gpu, pytest.mark.timeout(120)]

@@ -78,7 +78,7 @@ def test_bench_latency_from_the_gpu_ready(layerwise: bool) -> None:
     env = {**os.environ, "PYTHONPATH": root + os.pathsep + os.environ.get("PYTHONPATH", "")}
     lead = 3200 if layerwise else 500
     r = subprocess.run(
-        [sys.executable, "-m", "aiokv.kv.bench", "--transport", "ipc", "--workload", "tiny",
+        [sys.executable, "-m", "aiokv.cli.bench.kv", "--transport", "ipc", "--workload", "tiny",
          "--json", "--iters", "1", "--latency-n", "30", "--latency-gap-ms", "2",
          "--gpu-lead-us", str(lead), "--push", *(["--layerwise"] if layerwise else [])],
         capture_output=True, text=True, timeout=250, env=env, cwd=root,

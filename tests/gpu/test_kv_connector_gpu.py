@@ -135,7 +135,7 @@ def test_gpu_bench_tiny() -> None:
         [
             sys.executable,
             "-m",
-            "aiokv.kv.bench",
+            "aiokv.cli.bench.kv",
             "--transport",
             "nccl",
             "--workload",

@@ -17,6 +17,8 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
+from aiokv import envs
+
 from ..._exceptions import (
     ConfigError,
     ConnectError,
@@ -60,7 +62,7 @@ PREPARE_RID = "aiokv#ipc-prepare"
 #: per-request timestamps, ``(request id, stage, time.perf_counter())``, kept only when
 #: ``AIOKV_IPC_TRACE`` is set (``aiokv bench kv --transport ipc`` reports them):
 #: ``perf_counter`` is ``CLOCK_MONOTONIC``, so the two processes' stamps compare.
-_trace: list[tuple[str, str, float]] | None = [] if os.environ.get("AIOKV_IPC_TRACE") else None
+_trace: list[tuple[str, str, float]] | None = [] if envs.flag("AIOKV_IPC_TRACE") else None
 
 
 def _mark(rid: str, stage: str) -> None:

@@ -23,21 +23,19 @@ from __future__ import annotations
 
 import hmac
 import logging
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import msgpack
 import zmq
 import zmq.asyncio
 
-from .registry import ANY_MODEL, IdentityError, RegistryFullError, Role
-from .urls import UrlPolicyError, is_loopback_host
-
-if TYPE_CHECKING:
-    from .app import RouterState
+from aiokv.serving.router.registry import ANY_MODEL, IdentityError, RegistryFullError, Role
+from aiokv.serving.router.state import RouterState
+from aiokv.serving.router.urls import UrlPolicyError, is_loopback_host
 
 __all__ = ["Discovery"]
 
-log = logging.getLogger("aiokv.router.discovery")
+log = logging.getLogger("aiokv.serving.router.discovery")
 
 _MAX_MESSAGE = 4096
 

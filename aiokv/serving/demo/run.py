@@ -42,12 +42,12 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from .model import TinyTransformer, detokenize, tokenize
-from .worker import DEFAULT_MODEL_NAME
+from aiokv.serving.demo.model import TinyTransformer, detokenize, tokenize
+from aiokv.serving.demo.worker import DEFAULT_MODEL_NAME
 
 __all__ = ["RequestResult", "main", "make_prompts"]
 
-_ROUTER_CODE = "import sys; from aiokv.router import main; sys.exit(main(sys.argv[1:]))"
+_ROUTER_CODE = "import sys; from aiokv.serving.router import main; sys.exit(main(sys.argv[1:]))"
 _SENTENCES = [
     "The quick brown fox jumps over the lazy dog.",
     "Disaggregated serving splits prefill from decode.",
@@ -344,7 +344,7 @@ async def _run(args: argparse.Namespace, children: Children, console: Console) -
             [
                 sys.executable,
                 "-m",
-                "aiokv.demo.worker",
+                "aiokv.serving.demo.worker",
                 "--role",
                 role,
                 "--router",

@@ -1,236 +1,50 @@
-"""A prefill or decode worker serving the demo model over an OpenAI-style API.
-
-    python -m aiokv.demo.worker --role prefill --router http://127.0.0.1:8000
-    python -m aiokv.demo.worker --role decode  --router http://127.0.0.1:8000
-
-The app's lifespan starts an :class:`aiokv.Engine` over the model's paged
-cache and keeps the worker registered with the router (:mod:`aiokv.serving`;
-the router token comes from ``--router-token`` or ``$AIOKV_ROUTER_TOKEN``).
-
-The worker speaks vLLM's disaggregation contract, so the router treats it
-like a vLLM instance running NixlConnector. ``kv_transfer_params`` in a
-request body select the leg:
-
-``{"do_remote_decode": true, ...}`` (prefill, sent with ``max_tokens: 1``)
-    prefill the prompt, keep its KV blocks and hold them for the decode side to
-    pull (:meth:`aiokv.kv.KVConnector.serve_request`), and answer with the first
-    token and ``kv_transfer_params`` ``{do_remote_prefill: true, do_remote_decode:
-    false, remote_engine_id, remote_host, remote_port (the engine's address),
-    remote_block_ids, remote_request_id, num_tokens, num_blocks, first_token,
-    transfer_bytes, prefill_seconds}``. The blocks are freed once the decode side
-    has them, when it declines them (it refused the request: it GETs the
-    request's ``"#decline"`` ticket), or after ``kv_timeout`` seconds.
-``{"do_remote_prefill": true, "remote_host", "remote_port", ...}`` (decode)
-    allocate blocks, fetch the KV from the prefill's engine straight into them
-    (:meth:`~aiokv.kv.KVConnector.fetch_request`), decode greedily (SSE when
-    ``stream`` is true). The response carries ``x-aiokv-transfer-seconds`` /
-    ``x-aiokv-transfer-bytes`` / ``x-aiokv-kv-plane`` (``ipc`` or ``engine``) headers.
-
-On CUDA the connector uses the same-host IPC plane (docs/ipc.md) where it works
-(both workers on one host, authenticated engines: ``--kv-secret`` or
-``$AIOKV_KV_SECRET``, the same on both), else the engine's transport (NCCL or
-TCP). ``--no-ipc`` turns the plane off.
-
-The request id is the ``X-Request-Id`` header (one is made up without it).
-Without ``kv_transfer_params`` the worker serves the request on its own.
-Every response choice carries ``token_ids`` (the toy tokenizer is lossy).
-
-Admission is by KV blocks: a request takes every block it will need (prompt and
-``max_tokens``) before it computes, so a stream never runs out midway. When they are
-not free it waits, first come first served, up to ``admit_timeout`` seconds with at
-most ``max_waiting`` others, then gets 503 ``out_of_kv_blocks`` with ``Retry-After``
-(the router takes that as load, not failure). A request that needs more blocks than
-the cache has gets 400. A stream that fails midway ends with an error event and
-``[DONE]``.
-Model compute runs on one dedicated thread, so the event loop never blocks.
-torch is imported only when the worker starts, so ``--help`` is quick.
+"""A demo worker's engine side: the model, its KV blocks, the aiokv connector, and the
+prefill / decode work behind the HTTP routes.
 """
 
 from __future__ import annotations
 
-import argparse
 import asyncio
-import collections
 import contextlib
 import json
 import logging
-import os
-import sys
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Literal, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
-from fastapi import FastAPI, Request
+from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from .._exceptions import AiokvError
-from ..cli import apply_process_env, engine_overrides
-from .sampling import ParameterError, Sampling
+from aiokv._exceptions import AiokvError
+from aiokv.serving.demo.admission import (
+    _MAX_DECLINES,
+    RETRY_AFTER,
+    _Admission,
+    _BadRequest,
+    _err,
+    _int,
+    _Overloaded,
+    _str,
+    decline_name,
+)
+from aiokv.serving.demo.config import _MAX_BODY, WorkerConfig
+from aiokv.serving.demo.sampling import ParameterError, Sampling
 
 if TYPE_CHECKING:
-    from .model import ModelConfig, TinyTransformer
+    from aiokv.serving.demo.model import TinyTransformer
 
-__all__ = ["DEFAULT_MODEL_NAME", "KV_SECRET_ENV", "WorkerConfig", "create_app", "main"]
+log = logging.getLogger("aiokv.serving.demo.worker")
 
-#: the environment variable holding the engines' shared CURVE secret
-KV_SECRET_ENV = "AIOKV_KV_SECRET"
-
-log = logging.getLogger("aiokv.demo.worker")
-
-DEFAULT_MODEL_NAME = "aiokv-demo"
 T = TypeVar("T")
-_MAX_BODY = 8 * 1024 * 1024  # above the router's default 4 MiB
-
-
-def _default_model() -> ModelConfig:
-    from .model import ModelConfig
-
-    return ModelConfig()
-
-
-@dataclass(frozen=True, slots=True)
-class WorkerConfig:
-    role: Literal["prefill", "decode"]
-    router_url: str | None = None
-    model_name: str = DEFAULT_MODEL_NAME
-    model: ModelConfig = field(default_factory=_default_model)
-    device: str = "cpu"
-    transport: str = "auto"
-    kv_listen: str = "127.0.0.1:0"
-    heartbeat_interval: float = 0.5
-    kv_timeout: float = 30.0
-    default_max_tokens: int = 16
-    router_token: str | None = None  # default: $AIOKV_ROUTER_TOKEN
-    #: host other machines reach the engine at (when it listens on a wildcard)
-    advertise_host: str | None = None
-    #: the engines' shared CURVE secret (default: $AIOKV_KV_SECRET; none: no CURVE)
-    kv_secret: str | None = None
-    #: on CUDA, the same-host IPC plane where it works (docs/ipc.md)
-    ipc: bool = True
-    #: a request waits this long for its KV blocks, with at most ``max_waiting`` others
-    admit_timeout: float = 20.0
-    max_waiting: int = 256
-
-
-#: the ``Retry-After`` (seconds) of an overloaded worker's 503
-RETRY_AFTER = 1
-#: declines of refused prefilled requests in flight at once (beyond: the prefill's
-#: ``kv_timeout`` frees those blocks)
-_MAX_DECLINES = 64
-
-
-def decline_name(request_id: str) -> str:
-    """The once-published ticket a decode worker GETs to tell the prefill that it
-    refused ``request_id``: the prefill frees the request's blocks at once."""
-    return f"{request_id}#decline"
-
-
-class _Overloaded(Exception):
-    """No KV blocks for a request within the admission bounds."""
-
-
-class _Admission:
-    """KV-block admission: requests wait first come first served for their blocks.
-
-    ``take`` runs on the event loop; ``pump`` (after blocks were freed, on the loop)
-    hands free blocks to the waiters in order, so a large request is not starved by
-    smaller ones behind it.
-    """
-
-    def __init__(
-        self, allocator: Any, out_of_blocks: type[Exception], max_waiting: int, timeout: float
-    ) -> None:
-        self.allocator = allocator
-        self.out_of_blocks = out_of_blocks
-        self.max_waiting = max_waiting
-        self.timeout = timeout
-        self.waiters: collections.deque[tuple[int, asyncio.Future[list[int]]]] = collections.deque()
-        self.refused = 0
-        self.waited = 0
-
-    async def take(self, n: int) -> list[int]:
-        if n > self.allocator.num_blocks:
-            raise _BadRequest(
-                400,
-                f"the request needs {n} KV blocks; the cache has {self.allocator.num_blocks}",
-                "context_length_exceeded",
-            )
-        if not self.waiters and n <= self.allocator.num_free:
-            with contextlib.suppress(self.out_of_blocks):
-                return list(self.allocator.allocate(n))
-        if len(self.waiters) >= self.max_waiting:
-            self.refused += 1
-            raise _Overloaded(f"no KV blocks free and {len(self.waiters)} requests waiting")
-        fut: asyncio.Future[list[int]] = asyncio.get_running_loop().create_future()
-        entry = (n, fut)
-        self.waiters.append(entry)
-        self.waited += 1
-        try:
-            return await asyncio.wait_for(asyncio.shield(fut), self.timeout)
-        except BaseException as exc:
-            # timed out or cancelled: leave the queue; blocks granted meanwhile go back
-            with contextlib.suppress(ValueError):
-                self.waiters.remove(entry)
-            if fut.done() and not fut.cancelled():
-                self.allocator.free(fut.result())
-            else:
-                fut.cancel()
-            self.pump()
-            if isinstance(exc, TimeoutError):
-                self.refused += 1
-                raise _Overloaded(f"no {n} KV blocks free within {self.timeout:g}s") from None
-            raise
-
-    def pump(self) -> None:
-        while self.waiters:
-            n, fut = self.waiters[0]
-            if fut.done():
-                self.waiters.popleft()
-                continue
-            if n > self.allocator.num_free:
-                return
-            self.waiters.popleft()
-            fut.set_result(list(self.allocator.allocate(n)))
-
-
-class _BadRequest(Exception):
-    def __init__(self, status: int, message: str, code: str) -> None:
-        super().__init__(message)
-        self.status, self.message, self.code = status, message, code
-
-
-def _err(
-    status: int, message: str, code: str, etype: str = "invalid_request_error"
-) -> JSONResponse:
-    return JSONResponse({"error": {"message": message, "type": etype, "code": code}}, status)
-
-
-def _int(params: dict[str, Any], key: str, lo: int = 0) -> int:
-    v = params.get(key)
-    if not isinstance(v, int) or isinstance(v, bool) or v < lo:
-        raise _BadRequest(
-            400, f"kv_transfer_params.{key} must be an integer >= {lo}", "invalid_kv_params"
-        )
-    return v
-
-
-def _str(params: dict[str, Any], key: str) -> str:
-    v = params.get(key)
-    if not isinstance(v, str) or not v:
-        raise _BadRequest(
-            400, f"kv_transfer_params.{key} must be a non-empty string", "invalid_kv_params"
-        )
-    return v
 
 
 class _Worker:
     """State shared by the handlers of one worker app."""
 
     def __init__(self, cfg: WorkerConfig) -> None:
-        from . import model as model_mod
+        from aiokv.serving.demo import model as model_mod
 
         self.cfg = cfg
         self.mod = model_mod
@@ -262,7 +76,7 @@ class _Worker:
     @property
     def kv_address(self) -> str:
         """The engine's address as other machines reach it."""
-        from ..serving import _with_host
+        from aiokv.serving.lifespan import _with_host
 
         return _with_host(str(self.engine.address), self.cfg.advertise_host)
 
@@ -759,297 +573,3 @@ def _sampled(resp: Response, sampling: Sampling, chat: bool, n_prompt: int) -> R
     data = sampling.finish(json.loads(bytes(resp.body)), chat)
     headers = {k: v for k, v in resp.headers.items() if k not in ("content-length", "content-type")}
     return JSONResponse(data, headers=headers)
-
-
-def create_app(cfg: WorkerConfig, url: str = "") -> FastAPI:
-    """The worker app; ``url`` is this worker's own base URL as the router should call it."""
-    w = _Worker(cfg)
-
-    @contextlib.asynccontextmanager
-    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        import aiokv
-        from aiokv.kv import FlashAttentionLayout, IpcOptions, KVConnector
-
-        from ..serving import worker_lifespan
-
-        mc = cfg.model
-        w.model = await w.run(w.mod.TinyTransformer, mc, cfg.device)
-        w.layout = FlashAttentionLayout(
-            num_layers=mc.num_layers,
-            num_blocks=mc.num_blocks,
-            block_size=mc.block_size,
-            num_kv_heads=mc.num_kv_heads,
-            head_dim=mc.head_dim,
-            dtype="float32",
-        )
-        await w.run(w.warm_model)
-        w.admission = _Admission(
-            w.m.allocator, w.mod.OutOfBlocksError, cfg.max_waiting, cfg.admit_timeout
-        )
-        # the layout is offered at connection set-up: incompatible peers are refused early
-        secret = cfg.kv_secret if cfg.kv_secret is not None else os.environ.get(KV_SECRET_ENV)
-        engine_cfg = aiokv.EngineConfig(
-            listen=cfg.kv_listen,
-            device=cfg.device,
-            transport=cfg.transport,
-            layout=w.layout.to_wire(),
-            curve=aiokv.CurveConfig.from_secret(secret) if secret else None,
-            **engine_overrides(),
-        )
-
-        use_ipc = cfg.ipc and w.m.device.type == "cuda"
-
-        async def on_engine(engine: Any) -> None:
-            w.engine = engine
-            w.con = KVConnector(
-                engine, w.layout, w.m.kv_caches, ipc=IpcOptions() if use_ipc else None
-            )
-
-        async def prepare(peer: str) -> None:
-            # a decode worker maps each prefill's cache as soon as the router lists it
-            # (IPC plane), so the first request does not wait for that
-            if await w.con.prepare(peer):
-                log.info("IPC plane: %s's cache mapped ahead", peer)
-
-        try:
-            async with worker_lifespan(
-                engine_cfg,
-                router_url=cfg.router_url,
-                role=cfg.role,
-                url=url,
-                model=cfg.model_name,
-                heartbeat_interval=cfg.heartbeat_interval,
-                on_engine=on_engine,
-                token=cfg.router_token,
-                max_model_len=mc.max_positions,
-                kv_host=cfg.advertise_host,
-                after_connect=prepare if use_ipc and cfg.role == "decode" else None,
-            ) as handle:
-                w.warmer = handle.warmer
-                log.info("%s worker up: http %s, kv %s", cfg.role, url, w.engine.address)
-                try:
-                    yield
-                finally:
-                    for t in list(w.serving):
-                        t.cancel()
-                    await asyncio.gather(*w.serving, return_exceptions=True)
-                    await w.con.aclose()
-        finally:
-            w.executor.shutdown(wait=False, cancel_futures=True)
-
-    app = FastAPI(title=f"aiokv demo {cfg.role} worker", lifespan=lifespan)
-    app.state.worker = w
-
-    @app.post("/v1/completions")
-    async def completions(request: Request) -> Response:
-        return await w.handle(request, chat=False)
-
-    @app.post("/v1/chat/completions")
-    async def chat_completions(request: Request) -> Response:
-        return await w.handle(request, chat=True)
-
-    @app.get("/v1/models")
-    async def models() -> Response:
-        return JSONResponse(
-            {
-                "object": "list",
-                "data": [
-                    {
-                        "id": cfg.model_name,
-                        "object": "model",
-                        "owned_by": "aiokv",
-                        "max_model_len": cfg.model.max_positions,
-                    }
-                ],
-            }
-        )
-
-    @app.get("/healthz")
-    async def healthz() -> Response:
-        return JSONResponse(
-            {
-                "status": "ok",
-                "role": cfg.role,
-                "kv_address": w.kv_address if w.engine else None,
-                "free_blocks": w.m.allocator.num_free,
-                "warm_peers": w.warmer.warm_peers if w.warmer is not None else [],
-            }
-        )
-
-    @app.get("/stats")
-    async def stats() -> Response:
-        st = w.engine.statistics() if w.engine is not None else None
-        data: dict[str, Any] = {}
-        if st is not None:
-            import dataclasses
-
-            data = {
-                k: v for k, v in dataclasses.asdict(st).items() if isinstance(v, (int, float, str))
-            }
-        adm = w.admission
-        kv_blocks = (
-            {
-                "total": adm.allocator.num_blocks,
-                "free": adm.allocator.num_free,
-                "waiting": len(adm.waiters),
-                "waited": adm.waited,
-                "refused": adm.refused,
-            }
-            if adm is not None
-            else {}
-        )
-        return JSONResponse({"role": cfg.role, "engine": data, "kv_blocks": kv_blocks})
-
-    return app
-
-
-async def _watch_parent(pid: int) -> None:
-    while True:
-        await asyncio.sleep(0.5)
-        if os.getppid() != pid:
-            break
-    log.warning("parent %d is gone; exiting", pid)
-
-
-async def _amain(args: argparse.Namespace) -> None:
-    from ..serving import bind_socket, serve_app, socket_url
-
-    sock = bind_socket(args.host, args.port)
-    url = socket_url(sock, args.advertise_host)
-    cfg = WorkerConfig(
-        role=args.role,
-        router_url=args.router,
-        model_name=args.model_name,
-        device=args.device,
-        transport=args.transport,
-        kv_listen=args.kv_listen or f"{args.host}:0",
-        heartbeat_interval=args.heartbeat_interval,
-        router_token=args.router_token,
-        advertise_host=args.advertise_host,
-        kv_secret=args.kv_secret,
-        ipc=not args.no_ipc,
-    )
-
-    def on_started() -> None:
-        if args.ready_file:
-            tmp = args.ready_file + ".tmp"
-            with open(tmp, "w") as f:
-                f.write(url)
-            os.replace(tmp, args.ready_file)
-
-    tasks = [
-        asyncio.create_task(
-            serve_app(create_app(cfg, url), sock, log_level=args.log_level, on_started=on_started)
-        )
-    ]
-    if args.parent_pid:
-        tasks.append(asyncio.create_task(_watch_parent(args.parent_pid)))
-    try:
-        await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
-    finally:
-        for t in tasks:
-            t.cancel()
-        for t in tasks:
-            with contextlib.suppress(asyncio.CancelledError):
-                await t
-        sock.close()
-
-
-def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
-        prog="python -m aiokv.demo.worker",
-        description="A prefill or decode worker of the aiokv demo model: an OpenAI-style "
-        "HTTP server (/v1/completions, /v1/chat/completions) with an aiokv engine that "
-        "moves the KV cache to the decode side. It registers with the router when "
-        "--router is given; the router may also list it with --prefill/--decode.",
-    )
-    p.add_argument(
-        "--role", choices=("prefill", "decode"), required=True, help="which leg this worker serves"
-    )
-    p.add_argument(
-        "--router", default=None, metavar="URL", help="router base URL to register with (optional)"
-    )
-    p.add_argument(
-        "--router-token",
-        default=None,
-        metavar="TOKEN",
-        help="the router's registration token (default $AIOKV_ROUTER_TOKEN)",
-    )
-    p.add_argument("--host", default="127.0.0.1", help="HTTP listen address (default %(default)s)")
-    p.add_argument("--port", type=int, default=0, help="HTTP port (default 0: a free one)")
-    p.add_argument(
-        "--advertise-host",
-        default=None,
-        help="host other machines reach this worker (HTTP and KV engine) at; needed when "
-        "--host is a wildcard such as 0.0.0.0 (default: the listen address; the KV engine "
-        "of a wildcard listen announces the host's outward address)",
-    )
-    p.add_argument(
-        "--kv-listen",
-        default=None,
-        metavar="HOST:PORT",
-        help="the engine's listen address for KV transfers (default HOST:0)",
-    )
-    p.add_argument(
-        "--model-name", default=DEFAULT_MODEL_NAME, help="model name served (default %(default)s)"
-    )
-    p.add_argument("--device", default="cpu", help="cpu or cuda:N (default %(default)s)")
-    p.add_argument(
-        "--transport",
-        default="auto",
-        choices=("auto", "tcp", "nccl"),
-        help="KV transport: auto picks NCCL for CUDA tensors when both sides can",
-    )
-    p.add_argument(
-        "--kv-secret",
-        default=None,
-        metavar="SECRET",
-        help="shared secret of the KV engines (CURVE authentication and encryption; at least "
-        f"16 bytes, the same on every worker; default ${KV_SECRET_ENV}, unset: none). The "
-        "same-host IPC plane is used only between authenticated engines",
-    )
-    p.add_argument(
-        "--no-ipc",
-        action="store_true",
-        help="on CUDA, never use the same-host IPC plane (NCCL or TCP only)",
-    )
-    p.add_argument(
-        "--heartbeat-interval",
-        type=float,
-        default=0.5,
-        help="seconds between heartbeats to the router (default %(default)s)",
-    )
-    p.add_argument(
-        "--threads", type=int, default=1, help="torch intra-op threads (1 = reproducible)"
-    )
-    p.add_argument("--ready-file", default=None, help="write this worker's URL here once serving")
-    p.add_argument("--parent-pid", type=int, default=None, help=argparse.SUPPRESS)
-    p.add_argument(
-        "--log-level",
-        default="warning",
-        help="debug, info, warning, error (heartbeats are logged at debug)",
-    )
-    return p
-
-
-def main(argv: Sequence[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
-    logging.basicConfig(
-        level=args.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s"
-    )
-    if args.log_level.lower() != "debug":
-        # httpx logs every request at info, heartbeats included
-        logging.getLogger("httpx").setLevel(logging.WARNING)
-    import torch
-
-    apply_process_env()
-    torch.set_num_threads(args.threads)
-    if args.device.startswith("cuda"):
-        torch.cuda.set_device(torch.device(args.device))
-    with contextlib.suppress(KeyboardInterrupt):
-        asyncio.run(_amain(args))
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

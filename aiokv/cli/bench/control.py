@@ -3,7 +3,7 @@
 Small transfers are bound by control, not by bytes, so this benchmark puts
 the engine beside the cheapest thing that could move the same bytes between
 the same two processes: raw ``zmq.asyncio`` sockets. It reuses the machinery
-of ``aiokv bench transport`` (:mod:`aiokv.bench`): this process sends, one
+of ``aiokv bench transport`` (:mod:`aiokv.cli.bench.transport`): this process sends, one
 receiver child on loopback receives, and a control channel of their own tells
 the child what comes next. Three workloads:
 
@@ -46,7 +46,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from .bench import (
+from aiokv.cli.bench.common import (
     _aiokv_stream,
     _collect,
     _Control,
@@ -58,7 +58,7 @@ from .bench import (
     _with_receiver,
     raw_sockets,
 )
-from .cli import engine_overrides
+from aiokv.envs import engine_overrides
 
 __all__ = ["CHILD_OPS", "TARGETS", "WORKLOADS", "add_control_arguments", "control_main"]
 
@@ -97,7 +97,7 @@ def _workloads(text: str) -> list[str]:
 
 def add_control_arguments(p: argparse.ArgumentParser) -> None:
     """Options of ``aiokv bench control``."""
-    p.set_defaults(transport="control")  # the receiver child's role (aiokv.bench._spawn_receiver)
+    p.set_defaults(transport="control")  # the receiver child's role (aiokv.cli.bench.common._spawn_receiver)
     p.add_argument("--json", action="store_true", help="one JSON line per workload")
     p.add_argument(
         "--loop", choices=("asyncio", "uvloop"), default="uvloop", help="event loop of both ends"
@@ -452,7 +452,7 @@ async def _workload(s: _Sender, workload: str) -> dict[str, Any]:
     """Warm-up pair, then ``--reps`` pairs of raw and engine blocks, interleaved."""
     import torch
 
-    from .transport.tcp import tensor_buffer
+    from aiokv.transport.tcp import tensor_buffer
 
     t = torch.full((_SIZE[workload],), 0xA5, dtype=torch.uint8)
     buf = tensor_buffer(t)
@@ -585,9 +585,9 @@ def control_main(args: argparse.Namespace) -> int:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """``python -m aiokv.bench_control ...`` (same as ``aiokv bench control``)."""
+    """``python -m aiokv.cli.bench.control ...`` (same as ``aiokv bench control``)."""
     p = argparse.ArgumentParser(
-        prog="python -m aiokv.bench_control", description=DESCRIPTION, epilog=TARGETS_TEXT
+        prog="python -m aiokv.cli.bench.control", description=DESCRIPTION, epilog=TARGETS_TEXT
     )
     add_control_arguments(p)
     return control_main(p.parse_args(argv))

@@ -3,7 +3,7 @@ speaks vLLM's disaggregation protocol (``kv_transfer_params``), with
 authenticated registration + heartbeats, static worker lists, vLLM-style ZMQ
 discovery, eviction, xPyD selection, retries and Prometheus metrics.
 
-    from aiokv.router import RouterConfig, create_app, serve
+    from aiokv.serving.router import RouterConfig, create_app, serve
     app = create_app(RouterConfig(token=...))      # any ASGI server
     serve("0.0.0.0", 8000, RouterConfig(...))      # or run it here
 
@@ -25,10 +25,20 @@ import os
 import sys
 from collections.abc import Sequence
 
-from .._exceptions import ConfigError
-from .app import TOKEN_ENV, RouterConfig, RouterState, create_app, prefill_kv_params
-from .registry import POLICIES, Instance, NoInstanceError, Policy, Registry, UnknownModelError
-from .urls import UrlPolicy, UrlPolicyError
+from aiokv import envs
+from aiokv._exceptions import ConfigError
+from aiokv.serving.router.config import TOKEN_ENV, RouterConfig, prefill_kv_params
+from aiokv.serving.router.registry import (
+    POLICIES,
+    Instance,
+    NoInstanceError,
+    Policy,
+    Registry,
+    UnknownModelError,
+)
+from aiokv.serving.router.routes import create_app
+from aiokv.serving.router.state import RouterState
+from aiokv.serving.router.urls import UrlPolicy, UrlPolicyError
 
 __all__ = [
     "POLICIES",
@@ -73,8 +83,8 @@ async def serve_async(
     URL is written there (atomically). ``parent_pid``: exit when that
     process is no longer our parent (for supervisors that may die hard).
     """
-    from ..serving import bind_socket, serve_app, socket_url
-    from .deadlines import deadline_protocol
+    from aiokv.serving.lifespan import bind_socket, serve_app, socket_url
+    from aiokv.serving.router.deadlines import deadline_protocol
 
     sock = bind_socket(host, port)
     wildcard = host in ("0.0.0.0", "::")
@@ -94,7 +104,7 @@ async def serve_async(
         where = socket_url(sock)
         if wildcard:
             where += f" (every interface; {url} from this host)"
-        logging.getLogger("aiokv.router").info("router listening on %s", where)
+        logging.getLogger("aiokv.serving.router").info("router listening on %s", where)
         if ready_file:
             tmp = ready_file + ".tmp"
             with open(tmp, "w") as f:
@@ -271,7 +281,7 @@ def config_from_args(args: argparse.Namespace) -> RouterConfig:
         max_body_bytes=args.max_body_bytes,
         max_concurrent_per_client=args.max_concurrent_per_client,
         upstream_timeout=args.upstream_timeout,
-        token=args.token or os.environ.get(TOKEN_ENV) or None,
+        token=args.token or envs.get(TOKEN_ENV) or None,
         allow_link_local=args.allow_link_local,
         prefill=tuple(args.prefill),
         decode=tuple(args.decode),

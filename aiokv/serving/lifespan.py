@@ -27,7 +27,7 @@ deregistration and re-registration of the same URL must carry. The worker's
 HTTP server must speak vLLM's ``kv_transfer_params`` contract: a prefill
 request carries ``{"do_remote_decode": true, ...}`` and the answer's
 ``kv_transfer_params`` reach the decode request unchanged (the demo worker,
-:mod:`aiokv.demo.worker`, is a complete example). Heartbeats are logged at
+:mod:`aiokv.serving.demo.worker`, is a complete example). Heartbeats are logged at
 debug level only.
 
 :func:`bind_socket` and :func:`serve_app` run an ASGI app under uvicorn on a
@@ -48,7 +48,6 @@ import asyncio
 import contextlib
 import dataclasses
 import logging
-import os
 import socket
 import time
 from collections import OrderedDict
@@ -59,7 +58,8 @@ from typing import TYPE_CHECKING, Any, Literal
 import anyio
 import httpx
 
-from ._exceptions import AiokvError, ConfigError
+from aiokv import envs
+from aiokv._exceptions import AiokvError, ConfigError
 
 if TYPE_CHECKING:
     from aiokv import Engine, EngineConfig
@@ -73,6 +73,7 @@ __all__ = [
     "deregister",
     "register_with_router",
     "serve_app",
+    "socket_url",
     "worker_lifespan",
 ]
 
@@ -99,7 +100,7 @@ class WorkerRegistration:
     heartbeats: int = 0
     registered: asyncio.Event = field(default_factory=asyncio.Event)
     #: the router's shared token (``Authorization: Bearer``); default ``$AIOKV_ROUTER_TOKEN``
-    token: str | None = field(default_factory=lambda: os.environ.get(TOKEN_ENV) or None)
+    token: str | None = field(default_factory=lambda: envs.get(TOKEN_ENV) or None)
     #: the per-instance secret the router issued at the first registration: it proves
     #: this worker's identity on heartbeats, deregistration and re-registration
     instance_secret: str | None = None

@@ -48,7 +48,7 @@ def doctor(out: TextIO | None = None) -> int:
         for i in range(gpus):
             p = torch.cuda.get_device_properties(i)
             say(f"  cuda:{i}     {p.name}, {p.total_memory / 2**30:.0f} GiB")
-        from .cuda import module_loading
+        from aiokv.cuda import module_loading
 
         mode = module_loading()
         say(f"module load  {mode} (CUDA_MODULE_LOADING)")
@@ -68,8 +68,8 @@ def doctor(out: TextIO | None = None) -> int:
                         cells.append(" yes" if ok else "  no")
                 say(f"  cuda:{i}   " + "".join(cells))
 
-    from ._finesleep import TimerFd
-    from .kv import IpcOptions
+    from aiokv._finesleep import TimerFd
+    from aiokv.kv import IpcOptions
 
     if TimerFd.available():
         ms = IpcOptions().event_poll_s * 1e3
@@ -78,13 +78,13 @@ def doctor(out: TextIO | None = None) -> int:
         say("event waits  no timerfd: waits past their spin query on the loop's 1 ms timer")
 
     if gpus:
-        from .kv.ipc import doctor_report
+        from aiokv.kv.ipc import doctor_report
 
         for line in doctor_report(gpus):
             say(line)
 
-    from ._exceptions import NcclError
-    from .nccl.library import find_library, load_library
+    from aiokv._exceptions import NcclError
+    from aiokv.nccl.library import find_library, load_library
 
     try:
         handle, path, attempts = find_library()

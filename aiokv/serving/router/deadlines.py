@@ -30,7 +30,7 @@ from uvicorn.protocols.http.h11_impl import H11Protocol
 
 __all__ = ["deadline_protocol"]
 
-log = logging.getLogger("aiokv.router")
+log = logging.getLogger("aiokv.serving.router")
 
 
 class _DeadlineH11Protocol(H11Protocol):

@@ -4,97 +4,31 @@ Every subcommand imports what it needs only when it runs, so ``aiokv --help``
 is fast and one missing optional part (say, the router's FastAPI extra) never
 breaks the others: it prints a clear error and exits 2 instead.
 
-Environment variables are read here and by the other command-line entry points
-(benchmarks, demo worker, router) only; the library takes every knob as an
-argument. :func:`engine_overrides` turns the engine's variables into
-:class:`~aiokv.EngineConfig` fields and :func:`apply_process_env` applies the
-process-wide switches:
-
-``AIOKV_NCCL_BLOCKING_OPS=1``
-    ``EngineConfig.nccl_blocking_ops=True``
-``AIOKV_NCCL_RECV_BATCH="count,MiB"``
-    ``EngineConfig.nccl_recv_batch`` / ``nccl_recv_batch_bytes``
-``AIOKV_DISABLE_TRITON=1``
-    :func:`aiokv.kv.set_triton` ``(False)``: the torch-ops copies instead of the Triton kernels
-``AIOKV_TRACE=prefix``
-    read by :mod:`aiokv._trace` itself at import (see there why); ``aiokv._trace.enable``
-    does the same from code
+Environment variables: :mod:`aiokv.envs` lists every one; the entry points turn the
+engine's into config fields (:func:`aiokv.envs.engine_overrides`) and apply the
+process-wide switches.
 """
 
 from __future__ import annotations
 
 import argparse
 import importlib
-import os
 import sys
 import warnings
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
-__all__ = [
-    "ENV_DISABLE_TRITON",
-    "ENV_NCCL_BLOCKING_OPS",
-    "ENV_NCCL_RECV_BATCH",
-    "apply_process_env",
-    "build_parser",
-    "engine_overrides",
-    "main",
-    "parse_recv_batch",
-]
+from aiokv import envs
 
-ENV_NCCL_BLOCKING_OPS = "AIOKV_NCCL_BLOCKING_OPS"
-ENV_NCCL_RECV_BATCH = "AIOKV_NCCL_RECV_BATCH"
-ENV_DISABLE_TRITON = "AIOKV_DISABLE_TRITON"
-
-
-def parse_recv_batch(raw: str) -> tuple[int, int]:
-    """``"count,MiB"`` (e.g. ``"8,128"``) as ``(transfers, bytes)``. Raises ConfigError."""
-    from ._exceptions import ConfigError
-
-    try:
-        count_s, mib_s = raw.split(",")
-        count, mib = int(count_s), float(mib_s)
-    except ValueError:
-        raise ConfigError(
-            f'{ENV_NCCL_RECV_BATCH} must be "count,MiB" (e.g. "8,128"), got {raw!r}'
-        ) from None
-    if count < 1 or not mib > 0:
-        raise ConfigError(f"{ENV_NCCL_RECV_BATCH}: count >= 1 and MiB > 0, got {raw!r}")
-    return count, max(1, int(mib * (1 << 20)))
-
-
-def engine_overrides(environ: Mapping[str, str] | None = None) -> dict[str, Any]:
-    """The :class:`~aiokv.EngineConfig` fields the environment sets (``os.environ`` by default).
-
-    For entry points: ``EngineConfig(..., **engine_overrides())``. Unset variables set
-    nothing, so the config's own defaults apply.
-    """
-    env = os.environ if environ is None else environ
-    out: dict[str, Any] = {}
-    blocking = env.get(ENV_NCCL_BLOCKING_OPS, "").strip()
-    if blocking:
-        out["nccl_blocking_ops"] = blocking == "1"
-    batch = env.get(ENV_NCCL_RECV_BATCH, "").strip()
-    if batch:
-        out["nccl_recv_batch"], out["nccl_recv_batch_bytes"] = parse_recv_batch(batch)
-    return out
-
-
-def apply_process_env(environ: Mapping[str, str] | None = None) -> None:
-    """Apply the process-wide switches the environment sets (``AIOKV_DISABLE_TRITON``)."""
-    env = os.environ if environ is None else environ
-    if env.get(ENV_DISABLE_TRITON, "") not in ("", "0"):
-        from .kv._triton import set_enabled  # imported only when asked: it needs torch
-
-        set_enabled(False)
+__all__ = ["build_parser", "main"]
 
 
 # torch warns on import when numpy is absent; aiokv does not need numpy.
 warnings.filterwarnings("ignore", message="Failed to initialize NumPy")
 
 _EXTRA_HINT = {
-    "aiokv.demo.run": "pip install 'aiokv[demo]'",
-    "aiokv.router": "pip install 'aiokv[router]'",
+    "aiokv.serving.demo.run": "pip install 'aiokv[demo]'",
+    "aiokv.serving.router": "pip install 'aiokv[router]'",
 }
 
 
@@ -154,7 +88,7 @@ def build_parser() -> argparse.ArgumentParser:
     bench = sub.add_parser("bench", help="benchmarks")
     bsub = bench.add_subparsers(dest="bench", metavar="WHAT")
     bsub.required = True
-    from .bench import add_transport_arguments
+    from aiokv.cli.bench.transport import add_transport_arguments
 
     add_transport_arguments(
         bsub.add_parser(
@@ -162,7 +96,7 @@ def build_parser() -> argparse.ArgumentParser:
             help="engine vs raw data plane (pyzmq / NCCL), two processes, same run",
         )
     )
-    from .bench_control import DESCRIPTION, TARGETS_TEXT, add_control_arguments
+    from aiokv.cli.bench.control import DESCRIPTION, TARGETS_TEXT, add_control_arguments
 
     add_control_arguments(
         bsub.add_parser(
@@ -182,22 +116,22 @@ def build_parser() -> argparse.ArgumentParser:
 def _run(args: argparse.Namespace) -> int:
     cmd = args.command
     if cmd == "demo":
-        return int(_load("aiokv.demo.run", "main")(list(args.argv)) or 0)
+        return int(_load("aiokv.serving.demo.run", "main")(list(args.argv)) or 0)
     if cmd == "router":
-        return int(_load("aiokv.router", "main")(list(args.argv)) or 0)
+        return int(_load("aiokv.serving.router", "main")(list(args.argv)) or 0)
     if cmd == "doctor":
-        return int(_load("aiokv.doctor", "doctor")() or 0)
+        return int(_load("aiokv.cli.doctor", "doctor")() or 0)
     if cmd == "bench":
         if args.bench == "transport":
-            from .bench import transport_main
+            from aiokv.cli.bench.transport import transport_main
 
             return transport_main(args)
         if args.bench == "control":
-            from .bench_control import control_main
+            from aiokv.cli.bench.control import control_main
 
             return control_main(args)
         if args.bench == "kv":
-            return int(_load("aiokv.kv.bench", "main")(list(args.argv), "aiokv bench kv") or 0)
+            return int(_load("aiokv.cli.bench.kv", "main")(list(args.argv), "aiokv bench kv") or 0)
     raise AssertionError(f"unhandled command {cmd!r}")  # pragma: no cover
 
 
@@ -215,7 +149,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.command is None:
         parser.print_help()
         return 2
-    apply_process_env()
+    if envs.flag("AIOKV_DISABLE_TRITON"):
+        from aiokv.kv._triton import apply_env  # imports torch: only when asked
+
+        apply_env()
     try:
         return _run(args)
     except _MissingPart as exc:

@@ -17,7 +17,7 @@ from prometheus_client import (
     generate_latest,
 )
 
-from .registry import Instance
+from aiokv.serving.router.registry import Instance
 
 __all__ = ["CONTENT_TYPE_LATEST", "RouterMetrics"]
 

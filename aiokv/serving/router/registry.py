@@ -43,7 +43,7 @@ from collections.abc import Callable, Collection, Iterator
 from dataclasses import dataclass, field
 from typing import Literal
 
-from .._exceptions import ConfigError
+from aiokv._exceptions import ConfigError
 
 __all__ = [
     "ANY_MODEL",

@@ -2,8 +2,8 @@
 
 * ``anyio_backend``: every ``@pytest.mark.anyio`` test runs on asyncio (debug
   mode) and on uvloop. Test modules may override it.
-* helpers (free port, seeded tensors, bit-exact compare) live in ``_procs.py``.
-* :class:`Child` / ``spawn``: run a role of ``tests/_procs.py`` in a subprocess
+* helpers (free port, seeded tensors, bit-exact compare) live in ``support/procs.py``.
+* :class:`Child` / ``spawn``: run a role of ``tests/support/procs.py`` in a subprocess
   (``sys.executable``), read its JSON event lines without blocking the loop,
   and always kill it (SIGKILL) at the end of the test.
 """
@@ -56,7 +56,7 @@ def anyio_backend(request: pytest.FixtureRequest) -> Any:
 
 
 class Child:
-    """A ``tests/_procs.py`` role in a subprocess, speaking JSON lines on stdout."""
+    """A ``tests/support/procs.py`` role in a subprocess, speaking JSON lines on stdout."""
 
     def __init__(self, role: str, **args: Any) -> None:
         env = dict(os.environ)
@@ -65,7 +65,7 @@ class Child:
         env.setdefault("OMP_NUM_THREADS", "1")
         self.role = role
         self.proc = subprocess.Popen(
-            [sys.executable, "-u", str(TESTS / "_procs.py"), role, json.dumps(args)],
+            [sys.executable, "-u", str(TESTS / "support" / "procs.py"), role, json.dumps(args)],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,

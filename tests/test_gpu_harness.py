@@ -1,6 +1,6 @@
 """The GPU tests' worker harness on CPU: bounded waits and a stack dump on a hang.
 
-tests/gpu/ only runs on a GPU host; its line reader (tests/_procs.py) is
+tests/gpu/ only runs on a GPU host; its line reader (tests/support/procs.py) is
 plain Python, so it is checked here, where CI runs.
 """
 
@@ -11,7 +11,7 @@ import sys
 import time
 
 import pytest
-from _procs import LineReader
+from support.procs import LineReader
 
 CHILD = r"""
 import faulthandler, signal, sys, time

@@ -25,7 +25,7 @@ ids are claimed while queued       a tensor id may not be reserved twice by one
 the heads of all of them. The engine decides whether a reservation fits (the
 ``grant`` callback of :meth:`AdmissionQueue.pump`, which reserves the room
 when it answers True); this module only keeps the order. Tested without
-sockets in ``tests/test_admission.py`` against a plain reference model.
+sockets in ``tests/protocol/test_admission_queue.py`` against a plain reference model.
 """
 
 from __future__ import annotations

@@ -16,7 +16,7 @@ from typing import Any
 
 import pytest
 import torch
-from _procs import LineReader
+from support.procs import LineReader
 
 pytestmark = [
     pytest.mark.multi_gpu,

@@ -483,7 +483,7 @@ class _ProducerSide(_PushSide):
         the pool) only at the release or once lease + grace are over: the consumer may
         still be reading. ``count_errors``: whether another error while waiting (a bad
         release) counts as a send failure -- ``wait_saved`` counts it, ``send_request``
-        never did (tests/test_ipc_settle.py pins both)."""
+        never did (tests/kv/ipc/test_ipc_settle.py pins both)."""
         lease = wait.lease
         try:
             rel = await asyncio.shield(wait.fut)

@@ -21,7 +21,7 @@ from typing import Any, Literal
 import httpx
 import pytest
 import torch
-from tests.test_demo import running
+from test_demo import running
 
 from aiokv.serving.demo import model as model_mod
 from aiokv.serving.demo.model import ModelConfig, TinyTransformer, tokenize

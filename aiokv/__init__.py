@@ -15,8 +15,9 @@ from ._exceptions import *  # noqa: F403
 from ._exceptions import __all__ as _exc_all
 
 if TYPE_CHECKING:
+    from aiokv.engine import Engine, EngineStatistics, TransferHandle
+
     from ._config import CurveConfig, EngineConfig, LayoutCheck, Limits, Timeouts
-    from .engine import Engine, EngineStatistics, TransferHandle
 
 __version__ = "0.1.0"
 

@@ -17,6 +17,14 @@ __all__ = ["CurveConfig", "EngineConfig", "LayoutCheck", "Limits", "Timeouts", "
 #: engine holding ``mine``, else the reason (see :attr:`EngineConfig.layout_check`)
 LayoutCheck = Callable[[Mapping[str, str | int], Mapping[str, str | int]], str | None]
 
+#: the default :data:`LayoutCheck`, registered by :mod:`aiokv.kv.layouts` at its import
+_DEFAULT_LAYOUT_CHECK: dict[str, LayoutCheck] = {}
+
+
+def register_default_layout_check(check: LayoutCheck) -> None:
+    """Make ``check`` the layout check of configs that set a layout but no check."""
+    _DEFAULT_LAYOUT_CHECK["kv"] = check
+
 KiB = 1024
 MiB = 1024 * KiB
 GiB = 1024 * MiB
@@ -249,7 +257,8 @@ class EngineConfig:
     #: ``layout.to_wire()`` if yours objects to a KVLayout.)
     layout: dict[str, str | int] | None = None
     #: whether a peer's layout is compatible with :attr:`layout` (see :data:`LayoutCheck`);
-    #: None with a layout set: the KV layer's :func:`aiokv.kv.engine_layout_check`. It
+    #: None with a layout set: the KV layer's :func:`aiokv.kv.engine_layout_check`, which
+    #: :mod:`aiokv.kv` registers when imported (ConfigError if it is not). It
     #: also validates :attr:`layout` itself at construction (``check(layout, layout)``).
     layout_check: LayoutCheck | None = None
     # gc.freeze() at start: everything alive then (torch's ~170k objects, the app's) leaves
@@ -302,11 +311,14 @@ class EngineConfig:
                 raise ConfigError(f"layout.to_wire() must give a dict, got {type(lay).__name__}")
         check = self.layout_check
         if check is None:
-            # the default is the KV layer's, imported only when a layout is set (it needs
-            # torch); the engine itself never imports aiokv.kv
-            from .kv.layouts import engine_layout_check
-
-            check = engine_layout_check
+            # the default is the KV layer's, which registers itself when aiokv.kv is
+            # imported (a KVLayout comes from there); the engine never imports aiokv.kv
+            check = _DEFAULT_LAYOUT_CHECK.get("kv")
+            if check is None:
+                raise ConfigError(
+                    "layout given without layout_check: import aiokv.kv (its "
+                    "engine_layout_check is the default) or pass layout_check="
+                )
         elif not callable(check):
             raise ConfigError(f"layout_check must be callable, got {type(check).__name__}")
         err = check(lay, lay)

@@ -31,7 +31,7 @@ def rss_mib() -> float:
 def worker(rank: int, ctas: list[int], q_in: mp.Queue, q_out: mp.Queue) -> None:  # type: ignore[type-arg]
     import torch
 
-    from aiokv.nccl.comm import Communicator, get_unique_id
+    from aiokv.gpu.nccl.comm import Communicator, get_unique_id
 
     dev = torch.device(f"cuda:{rank}")
     torch.cuda.set_device(dev)

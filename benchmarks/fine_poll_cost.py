@@ -17,7 +17,7 @@ import random
 import statistics
 import time
 
-from aiokv._finesleep import FinePoll
+from aiokv._runtime.waiter import FinePoll
 
 
 async def _run(kind: str, n_waits: int, interval: float, dur: float = 1.0) -> str:

@@ -33,7 +33,7 @@ def _worker(
 ) -> None:
     import torch
 
-    from aiokv.nccl.library import NcclLibrary, load_library
+    from aiokv.gpu.nccl.library import NcclLibrary, load_library
 
     lib = load_library()
     torch.cuda.set_device(rank)
@@ -150,7 +150,7 @@ def main(argv: list[str] | None = None) -> int:
     if torch.cuda.device_count() < 2:
         print(json.dumps({"skipped": f"needs 2 GPUs, found {torch.cuda.device_count()}"}))
         return 0
-    from aiokv.nccl import get_unique_id
+    from aiokv.gpu.nccl import get_unique_id
 
     uid = get_unique_id().hex()
     env = dict(os.environ)

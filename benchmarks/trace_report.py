@@ -3,7 +3,7 @@
     AIOKV_TRACE=/tmp/t python -m aiokv bench transport ...   # or any two-process run
     python benchmarks/trace_report.py /tmp/t.*.json [--json]
 
-For every transfer seen by both ends it takes the steps (see aiokv/_trace.py)
+For every transfer seen by both ends it takes the steps (see aiokv/_runtime/trace.py)
 and prints, per hop, the median and p90 in microseconds, plus how many
 transfers each end had in flight on average. Both processes must have run on
 one host (perf_counter is CLOCK_MONOTONIC there, shared by processes).

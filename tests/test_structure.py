@@ -37,7 +37,12 @@ def _imports(path: Path) -> set[str]:
 
 
 #: the engine core: the engine and its two peer sides
-_ENGINE_FILES = ("engine.py", "_client.py", "_server.py", "_common.py")
+_ENGINE_FILES = (
+    "engine/engine.py",
+    "engine/client.py",
+    "engine/server.py",
+    "_runtime/deadlines.py",
+)
 
 
 @pytest.mark.parametrize("name", _ENGINE_FILES)
@@ -148,8 +153,8 @@ ENV_READERS = {
     "cli/bench/common.py": "entry point: hands its environment to the benchmark receiver",
     "cli/bench/kv.py": "entry point: sets AIOKV_IPC_TRACE for its benchmark processes",
     "serving/demo/run.py": "entry point: hands the token and KV secret to the demo processes",
-    "nccl/library.py": "the mapping that candidate_paths reads AIOKV_NCCL_SO_PATH from",
-    "cuda.py": "reports CUDA's own CUDA_MODULE_LOADING, which aiokv does not set",
+    "gpu/nccl/library.py": "the mapping that candidate_paths reads AIOKV_NCCL_SO_PATH from",
+    "gpu/cuda.py": "reports CUDA's own CUDA_MODULE_LOADING, which aiokv does not set",
     "kv/ipc/_common.py": "reports torch's own allocator settings, which aiokv does not set",
 }
 
@@ -292,7 +297,7 @@ def test_zmq_errors_map_onto_the_aiokv_tree() -> None:
     import zmq
 
     from aiokv import EngineClosedError, PeerLostError, TransferAbortedError
-    from aiokv._zmqerr import channel_error, listen_error
+    from aiokv._runtime.zmqerr import channel_error, listen_error
 
     lost = channel_error(zmq.ZMQError(errno.EHOSTUNREACH), "control channel to h:1")
     assert type(lost) is PeerLostError and str(lost).startswith("control channel to h:1 failed")

@@ -48,7 +48,7 @@ def doctor(out: TextIO | None = None) -> int:
         for i in range(gpus):
             p = torch.cuda.get_device_properties(i)
             say(f"  cuda:{i}     {p.name}, {p.total_memory / 2**30:.0f} GiB")
-        from aiokv.cuda import module_loading
+        from aiokv.gpu.cuda import module_loading
 
         mode = module_loading()
         say(f"module load  {mode} (CUDA_MODULE_LOADING)")
@@ -68,7 +68,7 @@ def doctor(out: TextIO | None = None) -> int:
                         cells.append(" yes" if ok else "  no")
                 say(f"  cuda:{i}   " + "".join(cells))
 
-    from aiokv._finesleep import TimerFd
+    from aiokv._runtime.finesleep import TimerFd
     from aiokv.kv import IpcOptions
 
     if TimerFd.available():
@@ -84,7 +84,7 @@ def doctor(out: TextIO | None = None) -> int:
             say(line)
 
     from aiokv._exceptions import NcclError
-    from aiokv.nccl.library import find_library, load_library
+    from aiokv.gpu.nccl.library import find_library, load_library
 
     try:
         handle, path, attempts = find_library()

@@ -81,8 +81,9 @@ from typing import Any, Protocol, TypeVar, runtime_checkable
 
 import torch
 
-from .._blocking import in_pool
-from .._common import _time_left
+from aiokv._runtime.deadlines import _time_left
+from aiokv._runtime.threads import in_pool
+
 from .._exceptions import (
     AiokvError,
     AiokvTimeoutError,
@@ -454,7 +455,7 @@ class KVConnector:
 
     async def _copy(self, fn: Callable[[], T], nbytes: int) -> T:
         """Run a cache copy: inline on GPU (async on the stream) or for small CPU copies,
-        else on aiokv's shared pool for short CPU work (:mod:`aiokv._blocking`). On
+        else on aiokv's shared pool for short CPU work (:mod:`aiokv._runtime.threads`). On
         cancellation, wait for a running copy to finish."""
         if self.device.type != "cpu" or nbytes < self.thread_min_bytes:
             return fn()

@@ -31,6 +31,7 @@ from typing import Any, ClassVar
 
 import torch
 
+from .._config import register_default_layout_check
 from .._exceptions import ConfigError, LayoutMismatchError
 
 __all__ = [
@@ -445,3 +446,6 @@ def check_compatible(producer: KVLayout, consumer: KVLayout) -> None:
                 f"KV layout mismatch in field {name!r}: producer={a!r} consumer={b!r}",
                 code="layout_mismatch",
             )
+
+
+register_default_layout_check(engine_layout_check)

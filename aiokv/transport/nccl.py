@@ -7,8 +7,8 @@ in grant order; so both ends post the same sequence of operations whatever
 the concurrency above them, and a dead peer stalls only its own stream.
 
 Completion is never waited for on the loop: an event is recorded after the
-posted operations and the engine's :class:`~aiokv.cuda.ProgressPoller` (one
-client of the loop's waiter, :mod:`aiokv._waiter`) resolves the future when it fires (or fails it when the communicator
+posted operations and the engine's :class:`~aiokv.gpu.cuda.ProgressPoller` (one
+client of the loop's waiter, :mod:`aiokv._runtime.waiter`) resolves the future when it fires (or fails it when the communicator
 reports an error or is aborted).
 
 Stream ordering: :func:`capture_ready` records an event on the caller's
@@ -29,10 +29,11 @@ from dataclasses import dataclass
 
 import torch
 
+from aiokv.gpu.cuda import ProgressPoller, record_event
+from aiokv.gpu.nccl.comm import Communicator
+
 from .._config import DEFAULT_NCCL_RECV_BATCH, DEFAULT_NCCL_RECV_BATCH_BYTES
 from .._exceptions import TransferAbortedError
-from ..cuda import ProgressPoller, record_event
-from ..nccl.comm import Communicator
 from ..protocol.messages import DataHeader, TensorSpec
 from .tcp import torch_dtype
 
@@ -298,7 +299,7 @@ def nccl_available(device: str) -> tuple[bool, str]:
     try:
         if not torch.cuda.is_available():
             return False, "CUDA is not available"
-        from ..nccl.library import load_library
+        from aiokv.gpu.nccl.library import load_library
 
         lib = load_library()
         lib.require_nonblocking()

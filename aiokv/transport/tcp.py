@@ -14,14 +14,14 @@ per tensor that limit had to be the largest tensor (2 GiB by default), so a
 stranger who never authenticated could make the engine hold that much. With
 1 MiB frames the data port's limit is the control port's. With CURVE each frame
 grows on the wire (zmq checks the encrypted frame), so both ports' limits then add
-:data:`aiokv._zsock.CURVE_FRAME_OVERHEAD`.
+:data:`aiokv._runtime.zsock.CURVE_FRAME_OVERHEAD`.
 
 The receiver checks the frame count and every frame's length against the
 granted specs before it allocates anything. A one-frame tensor is wrapped with
 ``torch.frombuffer`` (no copy). A larger one is reassembled: allocated once,
 each frame copied in and dropped. Up to :data:`INLINE_ASSEMBLY_BYTES` per
 message that happens on the event loop; a larger message is copied on aiokv's one
-ordered copy thread (:func:`aiokv._blocking.in_order`; ``ctypes.memmove`` releases
+ordered copy thread (:func:`aiokv._runtime.threads.in_order`; ``ctypes.memmove`` releases
 the GIL) and lands when it is done.
 
 Why not receive into preallocated tensors? libzmq always receives into a
@@ -41,9 +41,10 @@ from typing import Any
 import torch
 import zmq
 
-from .._blocking import in_order
+from aiokv._runtime.threads import in_order
+from aiokv._runtime.zsock import LoopSocket
+
 from .._exceptions import RemoteProtocolError, TransferAbortedError
-from .._zsock import LoopSocket
 from ..protocol.messages import ALLOWED_DTYPES, DATA_FRAME_BYTES, DataHeader, TensorSpec
 
 __all__ = [

@@ -67,7 +67,8 @@ if TYPE_CHECKING:
     from vllm.v1.kv_cache_interface import KVCacheConfig
     from vllm.v1.request import Request
 
-    from ..engine import Engine
+    from aiokv.engine import Engine
+
     from ..kv import KVConnector, KVLayout
 
 __all__ = ["AiokvConnector", "AiokvHandshake", "AiokvMetadata"]

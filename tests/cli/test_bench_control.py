@@ -95,7 +95,7 @@ def test_table_on_asyncio_with_profiles(tmp_path: Path) -> None:
         out = io.StringIO()
         stats = pstats.Stats(str(tmp_path / f"profile-send4k-{side}.prof"), stream=out)
         fn = "send" if side == "sender" else "recv"
-        stats.print_stats(rf"aiokv[/\\]engine\.py:\d+\({fn}\)")
+        stats.print_stats(rf"aiokv[/\\]engine[/\\]engine\.py:\d+\({fn}\)")
         assert re.search(rf"engine\.py:\d+\({fn}\)", out.getvalue()), out.getvalue()
 
 

@@ -246,11 +246,11 @@ GETATTR_ALLOWED: dict[tuple[str, str], str] = {
         "v = getattr(msg, name)",
     ): "encode: field names of our own message class (cached per class)",
     (
-        "_client.py",
+        "engine/client.py",
         'self.count_error(getattr(exc, "code", "protocol"))',
     ): "constant attribute name on our own exception",
     (
-        "_server.py",
+        "engine/server.py",
         'self._count_error(getattr(exc, "code", "protocol"))',
     ): "constant attribute name on our own exception",
     (
@@ -268,20 +268,20 @@ GETATTR_ALLOWED: dict[tuple[str, str], str] = {
     ("cli/doctor.py", 'hip_v = getattr(torch.version, "hip", None)'): "constant name",
     ("serving/demo/run.py", 'close = getattr(f, "close", None)'): "constant name",
     (
-        "nccl/comm.py",
+        "gpu/nccl/comm.py",
         "rc = int(getattr(self._lib, fn_name)(ptr, count, dt, peer, handle, stream.cuda_stream))",
     ): "fn_name is 'ncclSend' or 'ncclRecv' chosen by the code",
     (
-        "nccl/library.py",
+        "gpu/nccl/library.py",
         "_dt = getattr(torch, _name, None)",
     ): "dtype names from a literal table at import",
-    ("nccl/library.py", 'return bool(getattr(torch.version, "hip", None))'): "constant name",
+    ("gpu/nccl/library.py", 'return bool(getattr(torch.version, "hip", None))'): "constant name",
     (
-        "nccl/library.py",
+        "gpu/nccl/library.py",
         "f = getattr(handle, fn.name)",
     ): "NCCL symbol names from the binding's own table",
     (
-        "nccl/library.py",
+        "gpu/nccl/library.py",
         "def __getattr__(self, name: str) -> Any:",
     ): "a __getattr__ definition, not a lookup",
     ("kv/layouts.py", "v = getattr(self, f.name)"): "dataclass field names",
@@ -291,12 +291,14 @@ GETATTR_ALLOWED: dict[tuple[str, str], str] = {
         "a, b = getattr(producer, name), getattr(consumer, name)",
     ): "field names from a literal tuple",
     ("kv/connector.py", "timeout = getattr("): "constant names",
+    ("vllm/__init__.py", "value = getattr(module, name)"): "lazy export of a fixed name list",
+    ("vllm/connector.py", 'use_mla=bool(getattr(mc, "use_mla", False)),'): "constant name",
     (
         "kv/connector.py",
         'getattr(getattr(self.engine, "config", None), "timeouts", None),',
     ): "constant names",
-    ("cuda.py", 'lib = getattr(comm, "lib", None)'): "constant name",
-    ("cuda.py", 'handle = getattr(comm, "handle", None)'): "constant name",
+    ("gpu/cuda.py", 'lib = getattr(comm, "lib", None)'): "constant name",
+    ("gpu/cuda.py", 'handle = getattr(comm, "handle", None)'): "constant name",
     (
         "kv/ipc/_common.py",
         'if hip if hip is not None else getattr(torch.version, "hip", None):',

@@ -29,7 +29,7 @@ import zmq.asyncio
 from support.procs import same_bytes
 
 import aiokv
-import aiokv._client as client_mod
+import aiokv.engine.client as client_mod
 from aiokv.protocol import messages as m
 from aiokv.protocol.codec import Codec
 from aiokv.transport import tcp

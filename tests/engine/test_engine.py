@@ -345,7 +345,7 @@ async def test_send_cancelled_after_its_ack_counts_no_failure(
 ) -> None:
     """A cancel that reaches ``send()`` after its transfer completed (same loop pass as the
     ACK) propagates as asyncio does, but the transfer is not called failed or withdrawn."""
-    import aiokv._client as client_mod
+    import aiokv.engine.client as client_mod
 
     async with engines(cfg(), cfg()) as (a, b):
         await a.connect(b.address)

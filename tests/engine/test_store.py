@@ -11,7 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import aiokv
-from aiokv.store import PeerRef, ReceiveStore
+from aiokv.engine.store import PeerRef, ReceiveStore
 
 pytestmark = pytest.mark.timeout(60)
 

@@ -15,7 +15,7 @@ import time
 import pytest
 
 import aiokv
-from aiokv.store import PeerRef, ReceiveStore
+from aiokv.engine.store import PeerRef, ReceiveStore
 
 pytestmark = pytest.mark.timeout(60)
 

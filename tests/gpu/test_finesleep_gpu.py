@@ -13,7 +13,7 @@ import types
 import pytest
 import torch
 
-from aiokv._finesleep import FinePoll
+from aiokv._runtime.waiter import FinePoll
 from aiokv.cli.bench.kv_roles import _cycles_per_us
 from aiokv.kv import IpcOptions
 from aiokv.kv.ipc import IpcPlane

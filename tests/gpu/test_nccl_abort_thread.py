@@ -1,4 +1,4 @@
-"""An NCCL communicator's abort runs on ``aiokv._blocking``'s daemon thread (fake NCCL, CPU)."""
+"""An NCCL communicator's abort runs on ``aiokv._runtime.threads``'s daemon thread (fake NCCL, CPU)."""
 
 from __future__ import annotations
 

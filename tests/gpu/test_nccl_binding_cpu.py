@@ -30,9 +30,9 @@ from aiokv._exceptions import (
     NcclUnavailableError,
     TransferAbortedError,
 )
-from aiokv.cuda import ProgressPoller
-from aiokv.nccl import library as L
-from aiokv.nccl.comm import Communicator, get_unique_id
+from aiokv.gpu.cuda import ProgressPoller
+from aiokv.gpu.nccl import library as L
+from aiokv.gpu.nccl.comm import Communicator, get_unique_id
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -718,7 +718,7 @@ async def test_poller_stop_fails_pending() -> None:
 
 def test_poller_touch_spins_then_parks() -> None:
     """touch() keeps the loop spinning with nothing registered, for about its window, then parks."""
-    from aiokv.cuda import ProgressPoller
+    from aiokv.gpu.cuda import ProgressPoller
 
     async def main() -> tuple[int, int, float]:
         p = ProgressPoller(spin_s=0.0)

@@ -1,4 +1,4 @@
-"""Two processes, two GPUs, one :class:`aiokv.nccl.Communicator` each.
+"""Two processes, two GPUs, one :class:`aiokv.gpu.nccl.Communicator` each.
 
 The test process makes the unique id and starts this file as a script twice
 (``python test_nccl_comm_gpu.py MODE RANK UID_HEX``); each worker prints one
@@ -65,8 +65,8 @@ def _as_bytes(t: torch.Tensor) -> torch.Tensor:
 
 
 async def _exchange(rank: int, uid: bytes) -> dict[str, Any]:
-    from aiokv.cuda import ProgressPoller, record_event
-    from aiokv.nccl import Communicator, load_library
+    from aiokv.gpu.cuda import ProgressPoller, record_event
+    from aiokv.gpu.nccl import Communicator, load_library
 
     lib = load_library()
     dev = torch.device("cuda", rank)
@@ -136,8 +136,8 @@ def _set_flag(flag: Path) -> None:
 
 async def _abort(rank: int, uid: bytes, flag: Path) -> dict[str, Any]:
     from aiokv._exceptions import TransferAbortedError
-    from aiokv.cuda import ProgressPoller, record_event
-    from aiokv.nccl import Communicator
+    from aiokv.gpu.cuda import ProgressPoller, record_event
+    from aiokv.gpu.nccl import Communicator
 
     dev = torch.device("cuda", rank)
     torch.cuda.set_device(dev)
@@ -253,7 +253,7 @@ def _worker_main(argv: list[str]) -> None:
 
 
 def _run_pair(mode: str, *extra: str, timeout: float = 120) -> list[dict[str, Any]]:
-    from aiokv.nccl import get_unique_id
+    from aiokv.gpu.nccl import get_unique_id
 
     uid = get_unique_id().hex()
     env = dict(os.environ)

@@ -29,8 +29,8 @@ from support.hooks import after_landing
 
 import aiokv
 from aiokv import ConfigError, Engine, EngineConfig, LayoutMismatchError, Timeouts
+from aiokv.engine.store import ReceiveStore
 from aiokv.kv import FlashAttentionLayout, KVConnector, KVLayout, MLALayout
-from aiokv.store import ReceiveStore
 
 pytestmark = [pytest.mark.anyio, pytest.mark.timeout(60)]
 

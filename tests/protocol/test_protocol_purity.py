@@ -157,10 +157,7 @@ def test_dtype_from_wire_is_looked_up_in_a_table() -> None:
     wire_side = [
         *_py(PROTOCOL),
         *_py(PKG / "transport"),
-        PKG / "engine.py",
-        PKG / "_client.py",
-        PKG / "_server.py",
-        PKG / "store.py",
+        *_py(PKG / "engine"),
     ]
     for path in wire_side:
         tree = ast.parse(path.read_text())

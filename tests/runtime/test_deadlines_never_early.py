@@ -18,7 +18,7 @@ import torch
 from support.procs import engines
 
 import aiokv
-from aiokv._common import _await_shielded
+from aiokv._runtime.deadlines import _await_shielded
 
 pytestmark = [pytest.mark.anyio, pytest.mark.timeout(30)]
 EARLY = 0.03

@@ -1,4 +1,4 @@
-"""``aiokv._finesleep``: ``TimerFd`` (a timerfd the loop watches) and ``FinePoll``
+"""``aiokv._runtime.finesleep``: ``TimerFd`` (a timerfd the loop watches) and ``FinePoll``
 (one ticking task for many waits), and the IPC plane's event waits past their spin
 that use them: an event is noticed within a fraction of a millisecond, where the
 loop's own sleeps (whole milliseconds) noticed it ~1 ms late."""
@@ -15,8 +15,10 @@ from typing import Any
 import pytest
 from support.fakeevents import _FiresAt
 
-from aiokv import EngineClosedError, _finesleep
-from aiokv._finesleep import FinePoll, TimerFd
+from aiokv import EngineClosedError
+from aiokv._runtime import finesleep as _finesleep
+from aiokv._runtime.finesleep import TimerFd
+from aiokv._runtime.waiter import FinePoll
 from aiokv.kv import IpcOptions
 
 

@@ -1,4 +1,4 @@
-"""aiokv._blocking: the threads module (daemon calls, the bounded pool, the ordered copy
+"""aiokv._runtime.threads: the threads module (daemon calls, the bounded pool, the ordered copy
 thread), and the parts of aiokv that use it."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from aiokv import _blocking
+from aiokv._runtime import threads as _blocking
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -147,7 +147,7 @@ def test_blocking_work_goes_through_the_helper_only() -> None:
     library = [
         p
         for p in pkg.rglob("*.py")
-        if not p.name.startswith("bench") and "demo" not in p.parts and p.name != "_blocking.py"
+        if "bench" not in p.parts and "demo" not in p.parts and p.relative_to(pkg).as_posix() != "_runtime/threads.py"
     ]
     offenders = []
     for p in library:
@@ -161,5 +161,10 @@ def test_blocking_work_goes_through_the_helper_only() -> None:
             if needle in text:
                 offenders.append(f"{p.relative_to(pkg)}: {needle}")
     # the loop watchdog is a monitor that lives as long as the engine, not blocking work
-    # (aiokv._blocking's docstring lists it); the TCP frame assembler is _blocking.in_order
-    assert sorted(offenders) == ["_watchdog.py: threading.Thread("]
+    # (aiokv._runtime.threads's docstring lists it); the TCP frame assembler is _blocking.in_order
+    # and the vLLM connector's worker runs the engine's event loop on a thread of its own
+    # (vLLM calls the connector synchronously from its forward)
+    assert sorted(offenders) == [
+        "_runtime/watchdog.py: threading.Thread(",
+        "vllm/_loop.py: threading.Thread(",
+    ]

@@ -68,7 +68,7 @@ def test_trace_records_every_step_of_both_ends_and_the_report_joins_them(
 @pytest.mark.timeout(60)
 def test_no_trace_without_the_variable(tmp_path: Path) -> None:
     env = {k: v for k, v in os.environ.items() if k != "AIOKV_TRACE"}
-    code = "import aiokv._trace as t; print(t.enabled)"
+    code = "import aiokv._runtime.trace as t; print(t.enabled)"
     out = subprocess.run(
         [sys.executable, "-c", code],
         env=env,
@@ -85,7 +85,7 @@ def test_no_trace_without_the_variable(tmp_path: Path) -> None:
 def test_enable_from_code_traces_without_the_variable(tmp_path: Path) -> None:
     env = {k: v for k, v in os.environ.items() if k != "AIOKV_TRACE"}
     prefix = tmp_path / "fn"
-    code = "import sys, aiokv._trace as t; t.enable(sys.argv[2]); " + CHILD.replace(
+    code = "import sys, aiokv._runtime.trace as t; t.enable(sys.argv[2]); " + CHILD.replace(
         "import asyncio, sys, torch, aiokv", "import asyncio, torch, aiokv"
     )
     subprocess.run(

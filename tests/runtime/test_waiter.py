@@ -1,4 +1,4 @@
-"""``aiokv._waiter``: the one waiter per event loop, and the guarantees its docstring
+"""``aiokv._runtime.waiter``: the one waiter per event loop, and the guarantees its docstring
 states (deadline honoured and never early, spin while due soon, one timer and one fd
 per loop, nothing left when idle or after the loop closed, cancellation), on asyncio
 and on uvloop."""
@@ -13,8 +13,8 @@ from typing import Any
 
 import pytest
 
-from aiokv import _finesleep
-from aiokv._waiter import Waiter, waiter_for
+from aiokv._runtime import finesleep as _finesleep
+from aiokv._runtime.waiter import Waiter, waiter_for
 
 
 @pytest.fixture(

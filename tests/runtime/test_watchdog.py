@@ -14,7 +14,7 @@ import time
 import pytest
 
 import aiokv
-from aiokv._watchdog import LoopWatchdog
+from aiokv._runtime.watchdog import LoopWatchdog
 
 pytestmark = [pytest.mark.anyio, pytest.mark.timeout(30)]
 

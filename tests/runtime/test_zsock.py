@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 import zmq
 
-from aiokv._zsock import LoopSocket, Outbox
+from aiokv._runtime.zsock import LoopSocket, Outbox
 
 pytestmark = [pytest.mark.anyio, pytest.mark.timeout(30)]
 
@@ -224,7 +224,7 @@ async def test_direct_multipart_send_and_receive_match_pyzmq() -> None:
     """send_parts/recv_parts (the backend called directly) keep multipart framing: a
     part that is not a buffer fails before anything was sent, so the next message
     is not glued to half of the bad one."""
-    from aiokv._zsock import recv_parts, send_parts
+    from aiokv._runtime.zsock import recv_parts, send_parts
 
     ctx: zmq.Context[Any] = zmq.Context()
     a, b = await _pair(ctx)

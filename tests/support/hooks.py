@@ -8,7 +8,7 @@ from typing import Any
 
 import pytest
 
-from aiokv.store import ReceiveStore
+from aiokv.engine.store import ReceiveStore
 
 
 def after_landing(

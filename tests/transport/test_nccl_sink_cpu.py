@@ -21,8 +21,8 @@ import torch
 import aiokv
 import aiokv.transport.nccl as nccl_mod
 from aiokv import TransferAbortedError
-from aiokv.cuda import ProgressPoller
 from aiokv.envs import engine_overrides, parse_recv_batch
+from aiokv.gpu.cuda import ProgressPoller
 from aiokv.protocol.messages import TensorSpec
 
 MiB = 1 << 20

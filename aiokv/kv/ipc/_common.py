@@ -432,3 +432,12 @@ class _PlaneBase:
     def _on_device(self) -> bool:
         """Whether this plane's device is the current one (its context is current)."""
         return bool(torch.cuda.current_device() == self._dev_index)
+
+
+@dataclasses.dataclass(slots=True, eq=False)
+class _Export:
+    """What the producer exported to consumers (one per plane)."""
+
+    offer: Offer
+    probe: torch.Tensor
+    storages: list[torch.UntypedStorage]

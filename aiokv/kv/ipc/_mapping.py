@@ -14,7 +14,8 @@ from typing import Any
 
 import torch
 
-from ..._blocking import start_daemon
+from aiokv._runtime.threads import start_daemon
+
 from ..._exceptions import IpcUnavailableError
 from ..layouts import KVLayout
 from . import _doorbell, _kernel

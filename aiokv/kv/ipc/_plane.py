@@ -60,8 +60,10 @@ from typing import Any
 
 import torch
 
-from ..._blocking import in_daemon
-from ..._common import _await_shielded, _time_left
+from aiokv._runtime.deadlines import _await_shielded, _time_left
+from aiokv._runtime.threads import in_daemon
+from aiokv._runtime.waiter import FinePoll
+
 from ..._exceptions import (
     AiokvError,
     AiokvTimeoutError,
@@ -74,7 +76,6 @@ from ..._exceptions import (
     TransferAbortedError,
     TransferTimeoutError,
 )
-from ..._finesleep import FinePoll
 from ..layouts import KVLayout, check_compatible
 from ..ops import _to_device
 from . import _cudrv, _doorbell, _kernel
@@ -87,6 +88,7 @@ from ._common import (
     ControlChannel,
     CudaBackend,
     EngineChannel,
+    _Export,
     _layer_id,
     _mark,
     _on,
@@ -102,7 +104,7 @@ from ._mapping import (
     _Mapping,
     _pid_alive,
 )
-from ._producer import _Export, _IpcSave, _ProducerSide
+from ._producer import _IpcSave, _ProducerSide
 from ._wire import (
     LAYERS,
     PUSH,
@@ -1425,7 +1427,7 @@ class IpcPlane(_ProducerSide):
 
     def _poll(self) -> Any:
         if self._poller is None:
-            from ...cuda import ProgressPoller
+            from aiokv.gpu.cuda import ProgressPoller
 
             self._poller = ProgressPoller()
         return self._poller
@@ -1437,7 +1439,7 @@ class IpcPlane(_ProducerSide):
         between queries) for the first ``_READY_SPIN_S`` -- a copy or the end of a
         forward within it is noticed a pass after it -- then every
         ``options.event_poll_s`` with the plane's other waits
-        (:class:`~aiokv._finesleep.FinePoll`, a timerfd: the loop's own sleeps end on
+        (:class:`~aiokv._runtime.finesleep.FinePoll`, a timerfd: the loop's own sleeps end on
         whole milliseconds, which noticed an event 0.5 ms late on average).
         Nothing stays registered afterwards (a dead producer's event never fires)."""
         spin_until = time.monotonic() + _READY_SPIN_S

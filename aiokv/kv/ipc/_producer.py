@@ -17,7 +17,8 @@ from typing import Any
 
 import torch
 
-from ..._common import _time_left
+from aiokv._runtime.deadlines import _time_left
+
 from ..._exceptions import (
     AiokvError,
     ConfigError,
@@ -32,6 +33,7 @@ from ._common import (
     RING,
     UNDELIVERED,
     AnswerWait,
+    _Export,
     _layer_id,
     _mark,
     _retrieve,
@@ -131,15 +133,6 @@ def _same_ids(block_ids: object, host: tuple[int, ...]) -> bool:
     elif type(block_ids) is not list and type(block_ids) is not tuple:
         return False
     return len(block_ids) == len(host) and tuple(block_ids) == host
-
-
-@dataclass(slots=True, eq=False)
-class _Export:
-    """What the producer exported to consumers (one per plane)."""
-
-    offer: Offer
-    probe: torch.Tensor
-    storages: list[torch.UntypedStorage]
 
 
 class _ProducerSide(_PushSide):

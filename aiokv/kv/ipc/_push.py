@@ -36,8 +36,9 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from ..._blocking import in_daemon
-from ..._common import _time_left
+from aiokv._runtime.deadlines import _time_left
+from aiokv._runtime.threads import in_daemon
+
 from ..._exceptions import (
     AiokvTimeoutError,
     IpcUnavailableError,
@@ -65,7 +66,7 @@ from ._wire import (
 
 if TYPE_CHECKING:
     from ..layouts import KVLayout
-    from ._producer import _Export
+    from ._common import _Export
 
 #: a fallback release's reason when the consumer refused a pushed request (under another
 #: grant, or with none): the producer stops pushing to it and sends this one the

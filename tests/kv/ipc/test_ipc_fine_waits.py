@@ -1,4 +1,4 @@
-"""The IPC plane's event waits past their spin use ``aiokv._finesleep``: an event is
+"""The IPC plane's event waits past their spin use ``aiokv._runtime.finesleep``: an event is
 noticed within a fraction of a millisecond, where the loop's own sleeps (whole
 milliseconds) noticed it ~1 ms late."""
 

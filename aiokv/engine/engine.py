@@ -1,16 +1,16 @@
 """The engine: lifecycle, the public API, its client sessions and the receive store.
 
-An :class:`Engine` has two peer sides. Its server side (:mod:`aiokv._server`)
+An :class:`Engine` has two peer sides. Its server side (:mod:`aiokv.engine.server`)
 listens on a control ROUTER (``config.listen``) and a data ROUTER of its own port,
 and receives: one server session per peer that sends to it. Its client side
-(:mod:`aiokv._client`) opens, lazily, one *client session* per peer it sends to:
+(:mod:`aiokv.engine.client`) opens, lazily, one *client session* per peer it sends to:
 a DEALER for control messages and a second DEALER for data, connected to the
 peer's two ports. Data flows client -> server inside a session; a peer that
 sends back uses its own client session. Every wait is an awaited future resolved
 on the loop: by the engine's tasks (the socket readers, the housekeeping loop,
 the connection monitors, a poster per client session) or by the loop's waiter
-(:mod:`aiokv._waiter`: CUDA events, NCCL states). Calls that block run on the
-threads of :mod:`aiokv._blocking` (NCCL init and abort, zmq's ``term``); the loop
+(:mod:`aiokv._runtime.waiter`: CUDA events, NCCL states). Calls that block run on the
+threads of :mod:`aiokv._runtime.threads` (NCCL init and abort, zmq's ``term``); the loop
 never waits for them.
 
 The rules the design keeps (see docs/design.md):
@@ -42,15 +42,8 @@ import torch
 import zmq
 import zmq.asyncio
 
-from . import _blocking
-from ._client import TransferHandle, _ClientSession, _OutXfer, _XferWatch
-from ._common import (
-    _await_shielded,
-    _Deadline,
-    _retrieve,
-)
-from ._config import EngineConfig, advertised_address, parse_address
-from ._exceptions import (
+from aiokv._config import EngineConfig, advertised_address, parse_address
+from aiokv._exceptions import (
     AiokvError,
     AiokvTimeoutError,
     ConfigError,
@@ -64,21 +57,28 @@ from ._exceptions import (
     TransferTimeoutError,
     UsageError,
 )
-from ._server import _Server
-from ._zmqerr import listen_error
-from .cuda import _resolve
-from .protocol.codec import Codec, WireLimits
-from .protocol.messages import (
+from aiokv._runtime import threads as _blocking
+from aiokv._runtime.deadlines import (
+    _await_shielded,
+    _Deadline,
+    _retrieve,
+)
+from aiokv._runtime.zmqerr import listen_error
+from aiokv.engine.client import TransferHandle, _ClientSession, _OutXfer, _XferWatch
+from aiokv.engine.server import _Server
+from aiokv.engine.store import ReceiveStore, StoreStatistics
+from aiokv.gpu.cuda import _resolve
+from aiokv.protocol.codec import Codec, WireLimits
+from aiokv.protocol.messages import (
     Get,
     GetReply,
     TensorSpec,
 )
-from .store import ReceiveStore, StoreStatistics
-from .transport.tcp import as_tensor, dtype_name
+from aiokv.transport.tcp import as_tensor, dtype_name
 
 if TYPE_CHECKING:
-    from ._watchdog import LoopWatchdog
-    from .cuda import ProgressPoller
+    from aiokv._runtime.watchdog import LoopWatchdog
+    from aiokv.gpu.cuda import ProgressPoller
 
 __all__ = ["Engine", "EngineStatistics", "TransferHandle"]
 
@@ -284,15 +284,15 @@ class Engine:
         if self.config.gc_freeze:
             gc.freeze()
         if self.config.transport != "tcp":
-            from .transport.nccl import nccl_available
+            from aiokv.transport.nccl import nccl_available
 
             self._nccl_ok, self._nccl_why = nccl_available(self.config.device)
             if self.config.transport == "nccl" and not self._nccl_ok:
                 self._started = False
                 raise ConfigError(f"transport='nccl' but NCCL cannot be used: {self._nccl_why}")
             if self._nccl_ok:
-                from .cuda import preload_copy_kernels
-                from .nccl.library import mapped_dtypes
+                from aiokv.gpu.cuda import preload_copy_kernels
+                from aiokv.gpu.nccl.library import mapped_dtypes
 
                 # before any communicator: a first launch later could wait on NCCL kernels
                 preload_copy_kernels(torch.device(self.config.device), mapped_dtypes())
@@ -349,7 +349,7 @@ class Engine:
         self._server.close_sockets()
         ctx = self._ctx
         # term() waits for lingering sockets (forever if one never flushes): never on
-        # the loop, and on a daemon thread of its own (aiokv._blocking says why)
+        # the loop, and on a daemon thread of its own (aiokv._runtime.threads says why)
         await asyncio.wait_for(
             _blocking.in_daemon(ctx.term, "aiokv-zmq-term"),
             timeout=self.config.timeouts.linger + 1.0,
@@ -407,14 +407,14 @@ class Engine:
 
     def _get_poller(self) -> ProgressPoller:
         if self._poller is None:
-            from .cuda import ProgressPoller
+            from aiokv.gpu.cuda import ProgressPoller
 
             # Spin (yielding) for 20 ms after any activity: a completion past the spin
             # waits for the waiter's next tick and a wake-up from epoll (benchmarks.md).
             # The poller registers with the loop's one waiter, which the IPC plane's
             # waits share: one timer and one spin callback for the loop, not one each.
             self._poller = ProgressPoller(spin_s=0.02)
-            from ._watchdog import LoopWatchdog
+            from aiokv._runtime.watchdog import LoopWatchdog
 
             poller = self._poller
             self._watchdog = LoopWatchdog(
@@ -871,7 +871,7 @@ class Engine:
         if any(cuda):
             if not all(cuda):
                 raise ConfigError("one transfer cannot mix CPU and CUDA tensors")
-            from .transport.nccl import capture_ready
+            from aiokv.transport.nccl import capture_ready
 
             devs = {t.device for t in tensors}
             if len(devs) != 1:
@@ -881,7 +881,7 @@ class Engine:
 
     async def _to_host(self, st: _Staged) -> list[torch.Tensor]:
         """TCP fallback for CUDA tensors: copy into pinned host memory without blocking the loop."""
-        from .cuda import record_event
+        from aiokv.gpu.cuda import record_event
 
         dev = st.tensors[0].device
         stream = torch.cuda.Stream(device=dev)  # type: ignore[no-untyped-call]

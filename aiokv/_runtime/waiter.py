@@ -11,7 +11,7 @@ returning -- is "ask a non-blocking query until it is true or a deadline passes"
   ``time.monotonic()`` reached ``deadline``; an exception ``query`` raises is
   raised there.
 * :meth:`Waiter.add` -- the same, as a callback the waiter calls at its ticks (what
-  :class:`aiokv.cuda.ProgressPoller` uses to ask all its CUDA events and NCCL
+  :class:`aiokv.gpu.cuda.ProgressPoller` uses to ask all its CUDA events and NCCL
   error states in one pass, and to keep a buffer alive past a cancelled wait).
 
 How a wait is asked, cheapest first:
@@ -25,7 +25,7 @@ How a wait is asked, cheapest first:
    query up to ``max_interval`` (default: ``interval``, fixed).
    All waits share ONE periodic timer whose period is the smallest interval
    of the waits registered: a ``timerfd`` the loop watches
-   (:class:`aiokv._finesleep.TimerFd`; µs resolution, since the loop's own timers
+   (:class:`aiokv._runtime.finesleep.TimerFd`; µs resolution, since the loop's own timers
    end on whole milliseconds) or, where there is none, the loop's ``call_later``.
    A wait whose interval is longer than the period is asked at the first tick at
    least half a period after its last query.
@@ -66,9 +66,9 @@ import weakref
 from collections.abc import Callable
 from typing import Any
 
-from ._finesleep import TimerFd, close_box
+from aiokv._runtime.finesleep import TimerFd, close_box
 
-__all__ = ["DEFAULT_INTERVAL_S", "WaitEntry", "Waiter", "waiter_for"]
+__all__ = ["DEFAULT_INTERVAL_S", "FinePoll", "WaitEntry", "Waiter", "waiter_for"]
 
 #: the tick of a wait that names none: a quarter of the loop's own timer resolution
 DEFAULT_INTERVAL_S = 0.00025
@@ -386,3 +386,47 @@ class Waiter:
         handle, self._handle = self._handle, None
         if handle is not None:
             handle.cancel()
+
+
+class FinePoll:
+    """Waits for conditions (a CUDA event's ``query``) by asking them every
+    ``interval_s``: a name for :meth:`aiokv._runtime.waiter.Waiter.wait_until` on the running
+    loop's waiter, whose ONE periodic timer serves every wait of the loop (see
+    :mod:`aiokv._runtime.waiter`: N waits cost one loop wake-up per tick, not N; the waiting
+    task resumes in the loop pass after the tick that ended it; a wait that gives up
+    leaves nothing registered; the timer stops when no wait is left). What this
+    adds: :meth:`aclose` fails the waits of this poll still registered, and
+    :attr:`ticks` counts the ticks at which its waits were asked."""
+
+    def __init__(self, interval_s: float) -> None:
+        self.interval_s = interval_s
+        self._waiter: Waiter | None = None
+        self._last_tick = -1
+        self.ticks = 0
+
+    @property
+    def waiting(self) -> int:
+        return 0 if self._waiter is None else len(self._waiter.futures_of(self))
+
+    @property
+    def ticking(self) -> bool:
+        """Whether the loop's waiter runs a timer (only while some wait is registered)."""
+        return self._waiter is not None and self._waiter.ticking
+
+    async def wait(self, query: Callable[[], Any], timeout: float) -> bool:
+        """True once ``query()`` was true, False once ``timeout`` seconds passed
+        (noticed at the tick after); an exception ``query`` raises is raised here."""
+        if timeout <= 0:
+            return False
+        waiter = self._waiter = waiter_for()
+        return await waiter.wait_until(
+            query, time.monotonic() + timeout, interval=self.interval_s, _owner=self
+        )
+
+    async def aclose(self, error: BaseException | None = None) -> None:
+        """Waits of this poll still registered fail with ``error`` now (None: they go
+        on to their own ends). A later wait works as before."""
+        if error is not None and self._waiter is not None:
+            for fut in self._waiter.futures_of(self):
+                if not fut.done():
+                    fut.set_exception(error)

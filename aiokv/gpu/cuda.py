@@ -1,7 +1,7 @@
 """CUDA events and streams seen from asyncio: futures resolved when GPU work ends.
 
 :class:`ProgressPoller` is how the engine's NCCL transfers learn that GPU work
-finished; it is one client of the loop's waiter (:mod:`aiokv._waiter`), whose other
+finished; it is one client of the loop's waiter (:mod:`aiokv._runtime.waiter`), whose other
 clients (the IPC plane's event waits, NCCL's settle polls) ask their own queries.
 It never calls ``synchronize()``: it asks each registered event ``query()``
 (a non-blocking ``cudaEventQuery``) and each communicator with waiters its
@@ -41,8 +41,8 @@ from typing import Any, Protocol, runtime_checkable
 
 import torch
 
-from ._exceptions import EngineClosedError, NcclError, TransferAbortedError
-from ._waiter import WaitEntry, Waiter, waiter_for
+from aiokv._exceptions import EngineClosedError, NcclError, TransferAbortedError
+from aiokv._runtime.waiter import WaitEntry, Waiter, waiter_for
 
 __all__ = [
     "AsyncErrorSource",
@@ -69,7 +69,7 @@ class EventLike(Protocol):
 
 @runtime_checkable
 class AsyncErrorSource(Protocol):
-    """What the poller needs of a communicator (see :class:`aiokv.nccl.Communicator`)."""
+    """What the poller needs of a communicator (see :class:`aiokv.gpu.nccl.Communicator`)."""
 
     @property
     def aborted(self) -> bool: ...
@@ -164,7 +164,7 @@ class PollerStats:
 
 
 class ProgressPoller:
-    """Turns CUDA events into resolved futures, on its loop's :mod:`aiokv._waiter`.
+    """Turns CUDA events into resolved futures, on its loop's :mod:`aiokv._runtime.waiter`.
 
     ``wait(event, comm)`` returns a future; it is resolved when ``event.query()``
     is true, or failed when ``comm`` reports an asynchronous error or was aborted.

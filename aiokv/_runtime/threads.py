@@ -33,10 +33,10 @@ call cannot be interrupted -- and the result is dropped, also when the loop is g
 by then.
 
 The one other thread is a monitor, not work: the engine's loop watchdog
-(:mod:`aiokv._watchdog`), one daemon thread per engine with NCCL sessions, which
+(:mod:`aiokv._runtime.watchdog`), one daemon thread per engine with NCCL sessions, which
 wakes every ``beat_s`` to read the loop's heartbeat and ends with the engine or its
 loop. (Waits for a condition -- a CUDA event, an NCCL state, a call's end -- are
-not threads: :mod:`aiokv._waiter` asks them from the loop.)
+not threads: :mod:`aiokv._runtime.waiter` asks them from the loop.)
 """
 
 from __future__ import annotations

@@ -17,7 +17,7 @@ thread was tried on 2x H200: ``ncclCommAbort`` did not free
 a loop stuck in a first kernel launch, so the engine only reports.
 
 The thread only reads two numbers and calls ``report``. It is the one thread
-aiokv starts outside :mod:`aiokv._blocking` (a monitor, not work; that module's
+aiokv starts outside :mod:`aiokv._runtime.threads` (a monitor, not work; that module's
 docstring lists it): one per engine with NCCL sessions, a daemon that ends with
 :meth:`LoopWatchdog.stop` or when it sees its loop closed.
 """

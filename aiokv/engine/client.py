@@ -21,17 +21,8 @@ import torch
 import zmq
 import zmq.asyncio
 
-from . import _trace
-from ._common import (
-    _DATA_CAP,
-    _PLAIN_USER,
-    MAX_FRAMES_PER_MESSAGE,
-    _await_shielded,
-    _Deadline,
-    _retrieve,
-)
-from ._config import parse_address
-from ._exceptions import (
+from aiokv._config import parse_address
+from aiokv._exceptions import (
     AiokvError,
     ConnectError,
     ConnectTimeoutError,
@@ -46,11 +37,20 @@ from ._exceptions import (
     TransferError,
     TransferTimeoutError,
 )
-from ._zmqerr import channel_error
-from ._zsock import LoopSocket, Outbox, max_msg_size, monitor_socket
-from .cuda import _resolve
-from .protocol.credit import CreditAccount
-from .protocol.messages import (
+from aiokv._runtime import trace as _trace
+from aiokv._runtime.deadlines import (
+    _DATA_CAP,
+    _PLAIN_USER,
+    MAX_FRAMES_PER_MESSAGE,
+    _await_shielded,
+    _Deadline,
+    _retrieve,
+)
+from aiokv._runtime.zmqerr import channel_error
+from aiokv._runtime.zsock import LoopSocket, Outbox, max_msg_size, monitor_socket
+from aiokv.gpu.cuda import _resolve
+from aiokv.protocol.credit import CreditAccount
+from aiokv.protocol.messages import (
     DATA_FRAME_BYTES,
     PROTOCOL_VERSION,
     Ack,
@@ -77,8 +77,8 @@ from .protocol.messages import (
     Withdraw,
     Withdrawn,
 )
-from .protocol.session import Role, Session, SessionState, XferState
-from .transport.tcp import (
+from aiokv.protocol.session import Role, Session, SessionState, XferState
+from aiokv.transport.tcp import (
     TcpSource,
     fits_put,
     tensor_buffer,
@@ -86,8 +86,8 @@ from .transport.tcp import (
 )
 
 if TYPE_CHECKING:
-    from .engine import Engine
-    from .transport.nccl import NcclSource
+    from aiokv.engine.engine import Engine
+    from aiokv.transport.nccl import NcclSource
 
 __all__ = ["TransferHandle"]
 
@@ -168,7 +168,7 @@ class _ClientSession:
         self.stats = engine._stats
         self.count_error = engine._count_error
         self.granted_now = engine._granted_now  # a resolved future: "no room to wait for"
-        self.trace_id = engine.engine_id  # this (sending) engine's id, for aiokv._trace
+        self.trace_id = engine.engine_id  # this (sending) engine's id, for aiokv._runtime.trace
         self.sess = Session(Role.CLIENT, engine._codec)
         ctx = engine._sctx
         ctrl = ctx.socket(zmq.DEALER)
@@ -415,8 +415,8 @@ class _ClientSession:
             raise ConnectTimeoutError(f"NCCL set-up with {self.address} timed out") from None
 
     async def _setup_nccl(self, fut: asyncio.Future[None], timeout: float) -> None:
-        from .nccl.comm import Communicator, get_unique_id
-        from .transport.nccl import NcclSource
+        from aiokv.gpu.nccl.comm import Communicator, get_unique_id
+        from aiokv.transport.nccl import NcclSource
 
         e = self.engine
         try:

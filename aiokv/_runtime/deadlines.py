@@ -1,7 +1,7 @@
 """Small helpers the engine and both of its peer sides share (no state of their own).
 
 They live apart from :mod:`aiokv.engine` because the client side
-(:mod:`aiokv._client`) and the server side (:mod:`aiokv._server`) need them and
+(:mod:`aiokv.engine.client`) and the server side (:mod:`aiokv.engine.server`) need them and
 the engine imports both sides.
 """
 
@@ -27,7 +27,7 @@ def _time_left(deadline: float, clock: Callable[[], float] = time.monotonic) -> 
     (a caller's ``timeout=0``, or a deadline that ran out between two steps)."""
     left = deadline - clock()
     if left <= 0:
-        from ._exceptions import TransferTimeoutError
+        from aiokv._exceptions import TransferTimeoutError
 
         raise TransferTimeoutError("the request's deadline is over")
     return left

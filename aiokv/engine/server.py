@@ -27,15 +27,8 @@ import torch
 import zmq
 import zmq.asyncio
 
-from . import _trace
-from ._common import (
-    _DATA_CAP,
-    _PLAIN_USER,
-    MAX_FRAMES_PER_MESSAGE,
-    _retrieve,
-)
-from ._config import EngineConfig, parse_address
-from ._exceptions import (
+from aiokv._config import EngineConfig, parse_address
+from aiokv._exceptions import (
     AiokvError,
     DuplicateTensorError,
     PeerLostError,
@@ -43,12 +36,20 @@ from ._exceptions import (
     TransferAbortedError,
     TransferTimeoutError,
 )
-from ._zmqerr import channel_error
-from ._zsock import LoopSocket, Outbox, max_msg_size, monitor_socket
-from .protocol.admission import AdmissionQueue, PeerBounds, PeerQueue
-from .protocol.codec import MAX_ACKS, TOKEN_BYTES, Codec, WireError
-from .protocol.credit import CreditLedger
-from .protocol.messages import (
+from aiokv._runtime import trace as _trace
+from aiokv._runtime.deadlines import (
+    _DATA_CAP,
+    _PLAIN_USER,
+    MAX_FRAMES_PER_MESSAGE,
+    _retrieve,
+)
+from aiokv._runtime.zmqerr import channel_error
+from aiokv._runtime.zsock import LoopSocket, Outbox, max_msg_size, monitor_socket
+from aiokv.engine.store import PeerRef, ReceiveStore
+from aiokv.protocol.admission import AdmissionQueue, PeerBounds, PeerQueue
+from aiokv.protocol.codec import MAX_ACKS, TOKEN_BYTES, Codec, WireError
+from aiokv.protocol.credit import CreditLedger
+from aiokv.protocol.messages import (
     DATA_FRAME_BYTES,
     PROTOCOL_VERSION,
     Ack,
@@ -77,9 +78,8 @@ from .protocol.messages import (
     Withdraw,
     Withdrawn,
 )
-from .protocol.session import Role, Session, SessionState
-from .store import PeerRef, ReceiveStore
-from .transport.tcp import (
+from aiokv.protocol.session import Role, Session, SessionState
+from aiokv.transport.tcp import (
     FrameTensor,
     TcpSink,
     frames_to_tensors,
@@ -87,8 +87,8 @@ from .transport.tcp import (
 )
 
 if TYPE_CHECKING:
-    from .engine import Engine, EngineStatistics
-    from .transport.nccl import NcclSink
+    from aiokv.engine.engine import Engine, EngineStatistics
+    from aiokv.transport.nccl import NcclSink
 
 log = logging.getLogger("aiokv")
 
@@ -214,7 +214,7 @@ class _ServerSession:
     def __init__(self, server: _Server, rid: bytes, user: str | None) -> None:
         self.rid = rid
         self.user = user  # CURVE public key of the peer, when CURVE is on
-        self.trace_id = ""  # the engine id the peer announced (aiokv._trace joins on it)
+        self.trace_id = ""  # the engine id the peer announced (aiokv._runtime.trace joins on it)
         self.sess = Session(Role.SERVER, server._codec)
         self.peer: PeerRef | None = None
         self.token = secrets.token_bytes(16)
@@ -973,8 +973,8 @@ class _Server:
             self._spawn(self._setup_server_nccl(ss, msg))
 
     async def _setup_server_nccl(self, ss: _ServerSession, msg: NcclSetup) -> None:
-        from .nccl.comm import Communicator
-        from .transport.nccl import NcclSink
+        from aiokv.gpu.nccl.comm import Communicator
+        from aiokv.transport.nccl import NcclSink
 
         device = torch.device(self.config.device)
         try:

@@ -35,7 +35,7 @@ from typing import Any
 
 import torch
 
-from .._exceptions import NcclError, NcclUnavailableError
+from aiokv._exceptions import NcclError, NcclUnavailableError
 
 __all__ = [
     "CONFIG_LAYOUT_VERSION",

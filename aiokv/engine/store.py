@@ -29,8 +29,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from ._config import DEFAULT_STORE_TENSORS
-from ._exceptions import (
+from aiokv._config import DEFAULT_STORE_TENSORS
+from aiokv._exceptions import (
     ConfigError,
     DuplicateTensorError,
     ExpiredError,

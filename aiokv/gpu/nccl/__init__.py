@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from .comm import Communicator, get_unique_id
-from .library import (
+from aiokv.gpu.nccl.comm import Communicator, get_unique_id
+from aiokv.gpu.nccl.library import (
     DTYPE_MAP,
     ENV_SO_PATH,
     LoadAttempt,

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import zmq
 
-from ._exceptions import AiokvError, ConfigError, EngineClosedError, PeerLostError
+from aiokv._exceptions import AiokvError, ConfigError, EngineClosedError, PeerLostError
 
 __all__ = ["channel_error", "listen_error"]
 

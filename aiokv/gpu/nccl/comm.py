@@ -2,11 +2,11 @@
 
 Nothing here blocks the loop: the communicator is created non-blocking
 (``ncclConfig_t.blocking = 0``) and its state is polled with
-``ncclCommGetAsyncError`` by the loop's waiter (:mod:`aiokv._waiter`).
+``ncclCommGetAsyncError`` by the loop's waiter (:mod:`aiokv._runtime.waiter`).
 ``send``/``recv`` only enqueue work on a CUDA stream and return at once;
 completion is found by recording a CUDA event after them (see
-:class:`aiokv.cuda.ProgressPoller`). Blocking calls (a blocking init, the warm-up,
-``ncclCommAbort``) run on daemon threads of :mod:`aiokv._blocking`.
+:class:`aiokv.gpu.cuda.ProgressPoller`). Blocking calls (a blocking init, the warm-up,
+``ncclCommAbort``) run on daemon threads of :mod:`aiokv._runtime.threads`.
 
 Non-blocking mode detail: an enqueue call (or ``ncclGroupEnd``) may return
 ``ncclInProgress`` — typically the first operation to a peer, while NCCL
@@ -28,10 +28,10 @@ from typing import Any
 
 import torch
 
-from .._blocking import in_daemon, start_daemon
-from .._exceptions import AiokvTimeoutError, ConfigError, NcclError, TransferAbortedError
-from .._waiter import waiter_for
-from .library import IN_PROGRESS, SUCCESS, NcclLibrary, load_library, result_name
+from aiokv._exceptions import AiokvTimeoutError, ConfigError, NcclError, TransferAbortedError
+from aiokv._runtime.threads import in_daemon, start_daemon
+from aiokv._runtime.waiter import waiter_for
+from aiokv.gpu.nccl.library import IN_PROGRESS, SUCCESS, NcclLibrary, load_library, result_name
 
 __all__ = ["Communicator", "get_unique_id"]
 
@@ -241,7 +241,7 @@ class Communicator:
             ) from None
 
     async def _poll_until_settled(self, deadline: float, what: str, spin_s: float = 0.0) -> None:
-        """Wait (the loop's :mod:`~aiokv._waiter`) until ``ncclCommGetAsyncError``
+        """Wait (the loop's :mod:`~aiokv._runtime.waiter`) until ``ncclCommGetAsyncError``
         is no longer in progress; raise its error, or :class:`AiokvTimeoutError` at
         ``deadline``.
 

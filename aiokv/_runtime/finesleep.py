@@ -12,7 +12,7 @@ consumer grants, so waits, before the producer sends).
 :class:`TimerFd` arms a periodic ``timerfd`` (``CLOCK_MONOTONIC``, nanosecond
 resolution, the kernel's timer slack aside) and calls back when it turns readable
 through ``loop.add_reader``: the loop sleeps in ``epoll_wait`` as before and wakes
-within tens of µs of each tick. The loop's one :class:`aiokv._waiter.Waiter` runs
+within tens of µs of each tick. The loop's one :class:`aiokv._runtime.waiter.Waiter` runs
 its ticks on one such timer (and on the loop's own ``call_later``, whole
 milliseconds, where ``timerfd`` is missing: not Linux); :class:`FinePoll` is a name
 for its fixed-interval waits.
@@ -29,15 +29,11 @@ import asyncio
 import ctypes
 import ctypes.util
 import os
-import time
 import weakref
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-if TYPE_CHECKING:
-    from ._waiter import Waiter
-
-__all__ = ["FinePoll", "TimerFd"]
+__all__ = ["TimerFd"]
 
 _CLOCK_MONOTONIC = 1
 _TFD_NONBLOCK = os.O_NONBLOCK
@@ -153,49 +149,3 @@ def close_box(box: list[int]) -> None:
     fd, box[0] = box[0], -1
     if fd >= 0:
         os.close(fd)
-
-
-class FinePoll:
-    """Waits for conditions (a CUDA event's ``query``) by asking them every
-    ``interval_s``: a name for :meth:`aiokv._waiter.Waiter.wait_until` on the running
-    loop's waiter, whose ONE periodic timer serves every wait of the loop (see
-    :mod:`aiokv._waiter`: N waits cost one loop wake-up per tick, not N; the waiting
-    task resumes in the loop pass after the tick that ended it; a wait that gives up
-    leaves nothing registered; the timer stops when no wait is left). What this
-    adds: :meth:`aclose` fails the waits of this poll still registered, and
-    :attr:`ticks` counts the ticks at which its waits were asked."""
-
-    def __init__(self, interval_s: float) -> None:
-        self.interval_s = interval_s
-        self._waiter: Waiter | None = None
-        self._last_tick = -1
-        self.ticks = 0
-
-    @property
-    def waiting(self) -> int:
-        return 0 if self._waiter is None else len(self._waiter.futures_of(self))
-
-    @property
-    def ticking(self) -> bool:
-        """Whether the loop's waiter runs a timer (only while some wait is registered)."""
-        return self._waiter is not None and self._waiter.ticking
-
-    async def wait(self, query: Callable[[], Any], timeout: float) -> bool:
-        """True once ``query()`` was true, False once ``timeout`` seconds passed
-        (noticed at the tick after); an exception ``query`` raises is raised here."""
-        if timeout <= 0:
-            return False
-        from ._waiter import waiter_for  # (the waiter imports TimerFd from here)
-
-        waiter = self._waiter = waiter_for()
-        return await waiter.wait_until(
-            query, time.monotonic() + timeout, interval=self.interval_s, _owner=self
-        )
-
-    async def aclose(self, error: BaseException | None = None) -> None:
-        """Waits of this poll still registered fail with ``error`` now (None: they go
-        on to their own ends). A later wait works as before."""
-        if error is not None and self._waiter is not None:
-            for fut in self._waiter.futures_of(self):
-                if not fut.done():
-                    fut.set_exception(error)

@@ -268,7 +268,7 @@ async def test_get_reply_goes_only_to_the_requesting_session(anyio_backend: Any)
         aiokv.Engine() as evil,
     ):
         pub.publish("secret", torch.arange(10.0))
-        cs = await evil._client(pub.address, aiokv.engine._Deadline(5))
+        cs = await evil._client(pub.address, aiokv.engine.engine._Deadline(5))
         replies = []
         for req in range(1, 301):
             fut: asyncio.Future[m.GetReply] = asyncio.get_running_loop().create_future()

@@ -42,7 +42,6 @@ def _args(router_url: str, **kw: object) -> dict[str, object]:
     ("listen", "kw", "status"),
     [
         ("127.0.0.1:0", {"token": "wrong-token-of-enough-length"}, "HTTP 401"),
-        ("0.0.0.0:0", {}, "HTTP 400"),  # a wildcard KV address, no kv_host: policy refuses it
         ("127.0.0.1:0", {"url": "http://169.254.169.254"}, "HTTP 400"),  # link-local URL
     ],
 )
@@ -58,6 +57,19 @@ async def test_refused_registration_fails_the_start(
         async with httpx.AsyncClient(base_url=url) as c:
             listed = await c.get("/instances", headers={"authorization": f"Bearer {TOKEN}"})
         assert listed.json()["instances"] == []
+
+
+@pytest.mark.anyio
+@pytest.mark.timeout(30)
+async def test_a_wildcard_listen_without_kv_host_registers_a_concrete_address() -> None:
+    # the engine announces its outward address, never the wildcard it listens on, so the
+    # router's policy (which refuses a wildcard KV address) accepts the registration
+    async with running(create_app(RouterConfig(token=TOKEN))) as url:
+        async with worker_lifespan(aiokv.EngineConfig(listen="0.0.0.0:0"), **_args(url)) as w:
+            reg = w.registration
+            assert reg is not None and reg.instance_id is not None
+            host = reg.kv_address.rpartition(":")[0]
+            assert host not in ("0.0.0.0", "::", "") and reg.kv_address == w.engine.address
 
 
 @pytest.mark.anyio

@@ -64,7 +64,8 @@ from aiokv._runtime.deadlines import (
     _retrieve,
 )
 from aiokv._runtime.zmqerr import listen_error
-from aiokv.engine.client import TransferHandle, _ClientSession, _OutXfer, _XferWatch
+from aiokv.engine.client import _ClientSession, _OutXfer
+from aiokv.engine.handle import TransferHandle, _XferWatch
 from aiokv.engine.server import _Server
 from aiokv.engine.store import ReceiveStore, StoreStatistics
 from aiokv.gpu.cuda import _resolve

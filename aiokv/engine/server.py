@@ -457,7 +457,8 @@ class _Server:
                 self._expire_grants(ss, now)
             if ss.credit_held:
                 self._forget_expired_credit(ss, now)
-            if now - ss.last_recv <= T.heartbeat_timeout:
+            # frames of its still wait in the inbox: this end is behind, the peer is not silent
+            if ss.inbox or now - ss.last_recv <= T.heartbeat_timeout:
                 ss.suspect = False
             elif ss.suspect:  # second look, as for client sessions
                 self._drop_server(ss, PeerLostError(f"no heartbeat from {ss.name}"), lost=True)

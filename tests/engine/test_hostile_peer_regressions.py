@@ -218,6 +218,29 @@ async def test_reservations_per_session_are_bounded_granted_included(
         assert len(refused) == 500 and all(r.code == "busy" for r in refused)
 
 
+@pytest.mark.timeout(30)
+async def test_a_session_with_frames_waiting_in_its_inbox_is_not_judged_silent(
+    anyio_backend: Any, zctx: zmq.asyncio.Context
+) -> None:
+    """A peer that sent a backlog and waits for the replies is live while this end is
+    still handling its frames, however long past the heartbeat timeout that takes."""
+    async with aiokv.Engine() as eng:
+        s, _ = await _hello(zctx, eng.address, "backlog", "127.0.0.1:9")
+        (ss,) = eng._server._servers.values()
+        # a frame that arrived and waits for its turn
+        ss.inbox.append(
+            zmq.Frame(CODEC.encode(m.Reserve(1, "tcp", (m.TensorSpec("b", "uint8", (0,)),))))
+        )
+        later = time.monotonic() + 10 * eng.config.timeouts.heartbeat_timeout
+        eng._server.housekeep(later)
+        eng._server.housekeep(later + 1)  # the second look drops a silent session
+        assert eng._server._servers.get(ss.rid) is ss
+        assert eng.statistics().peers_lost == 0
+        eng._server._wait_turn(ss)
+        (g,) = await _next(s)
+        assert isinstance(g, m.Grant) and g.xfer == 1
+
+
 # ---------------------------------------------------------------- 12: identity claims
 
 

@@ -44,7 +44,9 @@ _LAZY = {
     "EngineStatistics": ".engine",
     "TransferHandle": ".engine",
 }
-_SUBMODULES = frozenset({"bench", "cli", "kv", "nccl", "router", "serving", "store"})
+_SUBMODULES = frozenset(
+    {"cli", "engine", "envs", "gpu", "kv", "protocol", "serving", "transport", "vllm"}
+)
 
 
 def __getattr__(name: str) -> Any:

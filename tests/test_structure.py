@@ -389,3 +389,20 @@ def test_serving_and_cli_modules_stay_under_the_size_limit() -> None:
         if (n := len(p.read_text().splitlines())) > _MAX_MODULE_LINES
     }
     assert big == {}
+
+
+def test_the_lazy_subpackages_of_aiokv_are_the_real_ones() -> None:
+    # ``aiokv.<name>`` loads a subpackage on first use; a name that is not one is an
+    # AttributeError (hasattr works), never an ImportError of a module moved away
+    code = """
+import aiokv
+for name in sorted(aiokv._SUBMODULES):
+    getattr(aiokv, name)
+for gone in ("router", "bench", "store", "nccl", "demo"):
+    assert not hasattr(aiokv, gone), gone
+print("ok")
+"""
+    out = subprocess.run(
+        [sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120
+    )
+    assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr[-3000:]

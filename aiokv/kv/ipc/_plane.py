@@ -1439,7 +1439,7 @@ class IpcPlane(_ProducerSide):
         between queries) for the first ``_READY_SPIN_S`` -- a copy or the end of a
         forward within it is noticed a pass after it -- then every
         ``options.event_poll_s`` with the plane's other waits
-        (:class:`~aiokv._runtime.finesleep.FinePoll`, a timerfd: the loop's own sleeps end on
+        (:class:`~aiokv._runtime.waiter.FinePoll`, a timerfd: the loop's own sleeps end on
         whole milliseconds, which noticed an event 0.5 ms late on average).
         Nothing stays registered afterwards (a dead producer's event never fires)."""
         spin_until = time.monotonic() + _READY_SPIN_S

@@ -53,18 +53,17 @@ class IpcOptions:
     but if the producer dies before its event fires, that stream waits forever:
     the launch itself is harmless (its abort word is set), but a device-wide
     ``torch.cuda.synchronize()`` in the consumer then never returns, nor does the
-    next first launch of a kernel under lazy module loading (runs s10-ipc-r1, r3,
-    r4; docs/ipc.md). Off by default; consider it only where the producer's death
+    next first launch of a kernel under lazy module loading (seen in three runs on an
+    H200 host; docs/ipc.md). Off by default; consider it only where the producer's death
     also ends the consumer.
 
     ``event_poll_s``: a consumer's wait for a CUDA event (the producer's ready event,
     a push's end, its own copy's end) queries it on every loop pass for 2 ms, then
     every ``event_poll_s`` -- one timer for all the plane's waits
-    (:class:`aiokv._runtime.finesleep.FinePoll`; the loop's own timers end on whole
+    (:class:`aiokv._runtime.waiter.FinePoll`; the loop's own timers end on whole
     milliseconds). Shorter notices an event sooner (on average half of it after the
     event) at more CPU while requests wait: measured 17-24% of one core of a 2-core CI
-    machine at 0.2 ms, 3-9% with the loop's 1 ms timer (docs/benchmarks.md,
-    "Session 19").
+    machine at 0.2 ms, 3-9% with the loop's 1 ms timer (docs/benchmarks.md).
     """
 
     trust_unauthenticated: bool = False

@@ -22,12 +22,13 @@ from typing import Any, Literal
 import httpx
 import pytest
 import torch
+from support.serve import running
 
 import aiokv.kv
 from aiokv.serving.demo.model import TinyTransformer, chat_prompt, tokenize
 from aiokv.serving.demo.worker import DEFAULT_MODEL_NAME, WorkerConfig
 from aiokv.serving.demo.worker import create_app as create_worker_app
-from aiokv.serving.lifespan import bind_socket, serve_app, socket_url
+from aiokv.serving.lifespan import bind_socket, socket_url
 from aiokv.serving.router import RouterConfig
 from aiokv.serving.router import create_app as create_router_app
 
@@ -74,27 +75,6 @@ def test_demo_cli() -> None:
     assert "2/2 outputs equal single-process generate" in text, text
 
 
-@contextlib.asynccontextmanager
-async def running(app: Any, sock: Any = None) -> AsyncIterator[str]:
-    sock = sock or bind_socket("127.0.0.1", 0)
-    started = asyncio.Event()
-    task = asyncio.create_task(serve_app(app, sock, on_started=started.set))
-    try:
-        waiter = asyncio.create_task(started.wait())
-        done, _ = await asyncio.wait(
-            {waiter, task}, timeout=30, return_when=asyncio.FIRST_COMPLETED
-        )
-        if waiter not in done:
-            waiter.cancel()
-            if task.done():
-                task.result()
-            raise RuntimeError("server did not start")
-        yield socket_url(sock)
-    finally:
-        task.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await task
-        sock.close()
 
 
 @contextlib.asynccontextmanager

@@ -23,6 +23,7 @@ import httpx
 import pytest
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from support import serve
 
 from aiokv.serving.lifespan import (
     WorkerRegistration,
@@ -159,28 +160,9 @@ class FakeWorker:
         return app
 
 
-@contextlib.asynccontextmanager
-async def running(app: Any) -> AsyncIterator[str]:
+def running(app: Any) -> contextlib.AbstractAsyncContextManager[str]:
     """Serve an ASGI app with uvicorn on a free loopback port; yield its URL."""
-    sock = bind_socket("127.0.0.1", 0)
-    started = asyncio.Event()
-    task = asyncio.create_task(serve_app(app, sock, on_started=started.set))
-    try:
-        waiter = asyncio.create_task(started.wait())
-        done, _ = await asyncio.wait(
-            {waiter, task}, timeout=10, return_when=asyncio.FIRST_COMPLETED
-        )
-        if waiter not in done:
-            waiter.cancel()
-            if task.done():
-                task.result()
-            raise RuntimeError("server did not start")
-        yield socket_url(sock)
-    finally:
-        task.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await task
-        sock.close()
+    return serve.running(app, start_timeout=10)
 
 
 @contextlib.asynccontextmanager
@@ -625,7 +607,7 @@ async def subprocess_worker(
     role: str, name: str, router_url: str, tmp: Path
 ) -> AsyncIterator[tuple[subprocess.Popen[bytes], str]]:
     ready = anyio.Path(tmp / f"{name}.ready")
-    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join((str(ROOT), str(ROOT / "tests"))))
     proc = await asyncio.to_thread(
         subprocess.Popen,
         [sys.executable, __file__, role, name, router_url, str(ready)],

@@ -290,11 +290,11 @@ GETATTR_ALLOWED: dict[tuple[str, str], str] = {
         "kv/layouts.py",
         "a, b = getattr(producer, name), getattr(consumer, name)",
     ): "field names from a literal tuple",
-    ("kv/connector.py", "timeout = getattr("): "constant names",
+    ("kv/_connector_base.py", "timeout = getattr("): "constant names",
     ("vllm/__init__.py", "value = getattr(module, name)"): "lazy export of a fixed name list",
     ("vllm/connector.py", 'use_mla=bool(getattr(mc, "use_mla", False)),'): "constant name",
     (
-        "kv/connector.py",
+        "kv/_connector_base.py",
         'getattr(getattr(self.engine, "config", None), "timeouts", None),',
     ): "constant names",
     ("gpu/cuda.py", 'lib = getattr(comm, "lib", None)'): "constant name",

@@ -1,0 +1,184 @@
+"""The wire form of a KV request: chunk and tensor names, the chunk plan, the request
+header (JSON in a CPU uint8 tensor) and pull mode's ticket, and the checks the
+consumer runs on each before it writes anything (see :mod:`aiokv.kv.connector`).
+"""
+
+from __future__ import annotations
+
+import json
+
+import torch
+
+from .._exceptions import LayoutMismatchError
+from .layouts import KVLayout, check_compatible, layout_from_wire
+from .ops import LayerChunker, StagingSlice
+
+#: version of the request header (see the module docstring)
+_HEADER_VERSION = 1
+#: the packing order of gathered blocks (:mod:`aiokv.kv.ops`); bump when it changes
+PACKING = "aiokv-kv-1"
+#: version of pull mode's ticket (see :meth:`KVConnector.serve_request`)
+_TICKET_VERSION = 1
+
+
+def _pulled_offset(header_len: int) -> int:
+    """Where the blocks start in a whole pulled request: after the u32 header length
+    and the header, padded to a multiple of 16 bytes."""
+    return -(-(4 + header_len) // 16) * 16
+
+
+#: a request header is at most this many bytes (the consumer refuses larger ones)
+MAX_HEADER_BYTES = 4096
+
+
+class _RequestCodec:
+    """Names, plan, header and ticket of a request, from this side's layout and
+    ``chunk_bytes`` (the connector's; see :class:`~aiokv.kv.KVConnector`)."""
+
+    layout: KVLayout
+    chunk_bytes: int
+    device: torch.device
+
+    def chunk_plan(self, n_blocks: int) -> list[StagingSlice]:
+        """The chunks a request of ``n_blocks`` blocks travels in (same on both sides)."""
+        if n_blocks == 0:
+            return []
+        return LayerChunker(self.layout, n_blocks).chunks(max_bytes=self.chunk_bytes)
+
+    @staticmethod
+    def chunk_name(request_id: str, index: int) -> str:
+        return f"{request_id}#kv{index}"
+
+    @staticmethod
+    def layer_name(request_id: str, layer: int) -> str:
+        return f"{request_id}#L{layer}"
+
+    @staticmethod
+    def ticket_name(request_id: str) -> str:
+        """Pull mode: the id of the request's ticket the producer publishes."""
+        return f"{request_id}#pull"
+
+    @staticmethod
+    def header_name(request_id: str) -> str:
+        return f"{request_id}#kvh"
+
+    def _header_bytes(self, n_blocks: int, mode: str) -> bytes:
+        """The request header (see the module docstring): JSON."""
+        body = {
+            "v": _HEADER_VERSION,
+            "packing": PACKING,
+            "layout": self.layout.to_wire(),
+            "mode": mode,
+            "n_blocks": n_blocks,
+            "chunk_bytes": self.chunk_bytes,
+        }
+        return json.dumps(body, separators=(",", ":"), sort_keys=True).encode()
+
+    def _header(self, n_blocks: int, mode: str) -> torch.Tensor:
+        """The request header as a CPU uint8 tensor."""
+        return torch.frombuffer(bytearray(self._header_bytes(n_blocks, mode)), dtype=torch.uint8)
+
+    def _check_header(
+        self, request_id: str, raw: torch.Tensor, n_blocks: int, layerwise: bool
+    ) -> None:
+        """Raise LayoutMismatchError unless the producer's header matches this side."""
+        name = self.header_name(request_id)
+
+        def bad(why: str, code: str = "layout_mismatch") -> LayoutMismatchError:
+            return LayoutMismatchError(f"KV request {request_id!r}: {why}", code=code)
+
+        if (
+            raw.dtype != torch.uint8
+            or raw.dim() != 1
+            or raw.numel() > MAX_HEADER_BYTES
+            or raw.device.type != "cpu"
+        ):
+            raise bad(f"{name!r} is not an aiokv KV request header")
+        try:
+            h = json.loads(bytes(raw.tolist()))
+            if type(h) is not dict:
+                raise ValueError("not an object")
+            producer = layout_from_wire(h.get("layout"))
+        except Exception as exc:  # untrusted bytes: whatever is wrong, it is a mismatch
+            raise bad(f"unreadable header {name!r} ({type(exc).__name__}: {exc})"[:300]) from None
+        if h.get("v") != _HEADER_VERSION or h.get("packing") != PACKING:
+            raise bad(
+                f"the producer packs blocks as {h.get('packing')!r:.40} (header v{h.get('v')!r:.8}), "
+                f"this side as {PACKING!r} (v{_HEADER_VERSION})"
+            )
+        check_compatible(producer, self.layout)
+        mode = "layers" if layerwise else "chunks"
+        if h.get("mode") != mode:
+            raise bad(
+                f"the producer sent {h.get('mode')!r:.20} but the consumer expects {mode!r} "
+                "(send_request pairs with recv_request(layerwise=False), save_layer with "
+                "layerwise=True)",
+                "kv_mode_mismatch",
+            )
+        theirs = h.get("n_blocks")
+        if type(theirs) is not int or theirs != n_blocks:
+            raise bad(
+                f"the producer sent {theirs!r:.20} blocks, the consumer expects {n_blocks} "
+                "blocks: the two sides disagree on the number of blocks of the request",
+                "kv_size_mismatch",
+            )
+        cb = h.get("chunk_bytes")
+        if type(cb) is not int or cb <= 0:
+            raise bad(f"bad chunk_bytes {cb!r:.20} in the header")
+        if not layerwise and n_blocks and cb != self.chunk_bytes:
+            mine = [s.layers for s in self.chunk_plan(n_blocks)]
+            plan = LayerChunker(self.layout, n_blocks).chunks(max_bytes=cb)
+            if [s.layers for s in plan] != mine:
+                raise bad(
+                    f"the producer's chunk_bytes {cb} splits the request into {len(plan)} "
+                    f"chunks, this side's chunk_bytes {self.chunk_bytes} into {len(mine)}: "
+                    "chunk_bytes must be equal on both sides",
+                    "kv_size_mismatch",
+                )
+
+    def _check_chunk(
+        self, name: str, t: torch.Tensor, n_layers: int, n_blocks: int
+    ) -> torch.Tensor:
+        """The chunk as a 1-D uint8 buffer on the cache device, or LayoutMismatchError."""
+        row = n_blocks * self.layout.block_nbytes()
+        want = n_layers * row
+        got = t.numel() * t.element_size()
+        shape = tuple(t.shape)
+        ok = t.dtype == torch.uint8 and (shape == (n_layers, row) or shape == (want,))
+        if not ok:
+            raise LayoutMismatchError(
+                f"KV chunk {name!r} has dtype {t.dtype} and shape {shape} ({got} bytes); "
+                f"expected uint8 ({n_layers}, {row}) = {n_layers} layers x {n_blocks} blocks x "
+                f"{self.layout.block_nbytes()} bytes ({want} bytes). The two sides disagree on "
+                "the number of blocks of the request, on chunk_bytes, or on the KV layout",
+                code="kv_size_mismatch",
+            )
+        if not t.is_contiguous():
+            t = t.contiguous()
+        t = t.reshape(-1)
+        if t.device != self.device:
+            t = t.to(self.device, non_blocking=True)
+        elif t.is_cuda:
+            t.record_stream(torch.cuda.current_stream(t.device))
+        return t
+
+    @staticmethod
+    def _check_ticket(request_id: str, frm: str, raw: torch.Tensor, n: int) -> None:
+        """A small pull ticket this side can read, for ``n`` blocks (else
+        LayoutMismatchError, ``kv_size_mismatch``)."""
+        if (
+            raw.dtype != torch.int64
+            or raw.dim() != 1
+            or raw.numel() < 2
+            or int(raw[0]) != _TICKET_VERSION
+        ):
+            raise LayoutMismatchError(
+                f"request {request_id!r}: {frm} sent a ticket this side cannot read "
+                f"({raw.dtype}, shape {tuple(raw.shape)})",
+                code="kv_size_mismatch",
+            )
+        if int(raw[1]) != n:
+            raise LayoutMismatchError(
+                f"request {request_id!r}: {frm} holds {int(raw[1])} blocks, {n} were given here",
+                code="kv_size_mismatch",
+            )

@@ -1,11 +1,15 @@
 """The wire form of a KV request: chunk and tensor names, the chunk plan, the request
-header (JSON in a CPU uint8 tensor) and pull mode's ticket, and the checks the
-consumer runs on each before it writes anything (see :mod:`aiokv.kv.connector`).
+header (JSON in a CPU uint8 tensor), a step batch's header and pull mode's ticket, and
+the checks the consumer runs on each before it writes anything (see
+:mod:`aiokv.kv.connector`).
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
+import struct
+from collections.abc import Container, Sequence
 
 import torch
 
@@ -29,6 +33,8 @@ def _pulled_offset(header_len: int) -> int:
 
 #: a request header is at most this many bytes (the consumer refuses larger ones)
 MAX_HEADER_BYTES = 4096
+#: a batch's header (one entry per request) is at most this many bytes
+MAX_BATCH_HEADER_BYTES = 1 << 20
 
 
 class _RequestCodec:
@@ -182,3 +188,108 @@ class _RequestCodec:
                 f"request {request_id!r}: {frm} holds {int(raw[1])} blocks, {n} were given here",
                 code="kv_size_mismatch",
             )
+
+    # -- a step batch (see KVConnector.send_requests)
+
+    @staticmethod
+    def batch_name(request_ids: Sequence[str]) -> str:
+        """The id of a batch's first tensor (its header; on a CPU cache also its first
+        chunk): named by the SET of its request ids, whatever their order."""
+        ids = sorted(request_ids)
+        digest = hashlib.blake2b("\0".join(ids).encode(), digest_size=8).hexdigest()
+        return f"{ids[0]}#kvb{digest}"
+
+    @staticmethod
+    def batch_chunk_name(base: str, index: int) -> str:
+        """Chunk ``index`` of a batch, when it does not travel with the header."""
+        return f"{base}#{index}"
+
+    def _batch_prefix(self, entries: Sequence[tuple[str, int]], inline: bool) -> bytes:
+        """A batch's header as it opens its first tensor: ``<u32 length>``, JSON (the
+        requests it carries, in packing order, with their block counts; whether chunk 0
+        follows it in the same tensor), zero padding to a multiple of 16 bytes."""
+        body = {
+            "v": _HEADER_VERSION,
+            "packing": PACKING,
+            "layout": self.layout.to_wire(),
+            "mode": "batch",
+            "chunk_bytes": self.chunk_bytes,
+            "inline": inline,
+            "requests": [[rid, n] for rid, n in entries],
+        }
+        header = json.dumps(body, separators=(",", ":"), sort_keys=True).encode()
+        return (struct.pack("<I", len(header)) + header).ljust(_pulled_offset(len(header)), b"\0")
+
+    def _check_batch_header(
+        self, name: str, raw: torch.Tensor, wanted: Container[str]
+    ) -> tuple[list[tuple[str, int]], bool, int]:
+        """``(entries, inline, offset)`` of a batch's first tensor: the requests it
+        carries with their block counts (each one of ``wanted``, none twice), whether
+        chunk 0 follows the header, and where. LayoutMismatchError unless the producer's
+        layout and chunk plan match this side's."""
+
+        def bad(why: str, code: str = "layout_mismatch") -> LayoutMismatchError:
+            return LayoutMismatchError(f"KV batch {name!r}: {why}", code=code)
+
+        if raw.dtype != torch.uint8 or raw.dim() != 1 or raw.device.type != "cpu":
+            raise bad("its first tensor is not an aiokv batch header")
+        if raw.numel() < 4:
+            raise bad("its first tensor is too short")
+        (hlen,) = struct.unpack("<I", bytes(raw[:4].tolist()))
+        off = _pulled_offset(hlen)
+        if hlen > MAX_BATCH_HEADER_BYTES or off > raw.numel():
+            raise bad(f"the header length {hlen} is out of range")
+        try:
+            h = json.loads(bytes(raw[4 : 4 + hlen].tolist()))
+            if type(h) is not dict:
+                raise ValueError("not an object")
+            producer = layout_from_wire(h.get("layout"))
+        except Exception as exc:  # untrusted bytes: whatever is wrong, it is a mismatch
+            raise bad(f"unreadable header ({type(exc).__name__}: {exc})"[:300]) from None
+        if h.get("v") != _HEADER_VERSION or h.get("packing") != PACKING:
+            raise bad(
+                f"the producer packs blocks as {h.get('packing')!r:.40} (header v{h.get('v')!r:.8}), "
+                f"this side as {PACKING!r} (v{_HEADER_VERSION})"
+            )
+        check_compatible(producer, self.layout)
+        if h.get("mode") != "batch":
+            raise bad(f"the producer sent {h.get('mode')!r:.20}, not a batch", "kv_mode_mismatch")
+        inline = h.get("inline")
+        reqs = h.get("requests")
+        if type(inline) is not bool or type(reqs) is not list:
+            raise bad("malformed header")
+        entries: list[tuple[str, int]] = []
+        seen: set[str] = set()
+        for e in reqs:
+            if (
+                type(e) is not list
+                or len(e) != 2
+                or type(e[0]) is not str
+                or type(e[1]) is not int
+                or not 0 <= e[1] < 1 << 31
+            ):
+                raise bad(f"malformed request entry {e!r:.80}")
+            if e[0] in seen or e[0] not in wanted:
+                raise bad(
+                    f"the producer's batch holds request {e[0]!r:.80} "
+                    + ("twice" if e[0] in seen else "that this side did not ask for")
+                )
+            seen.add(e[0])
+            entries.append((e[0], e[1]))
+        total = sum(n for _, n in entries)
+        cb = h.get("chunk_bytes")
+        if type(cb) is not int or cb <= 0:
+            raise bad(f"bad chunk_bytes {cb!r:.20} in the header")
+        if total and cb != self.chunk_bytes:
+            mine = [s.layers for s in self.chunk_plan(total)]
+            plan = LayerChunker(self.layout, total).chunks(max_bytes=cb)
+            if [s.layers for s in plan] != mine:
+                raise bad(
+                    f"the producer's chunk_bytes {cb} splits the batch into {len(plan)} "
+                    f"chunks, this side's chunk_bytes {self.chunk_bytes} into {len(mine)}: "
+                    "chunk_bytes must be equal on both sides",
+                    "kv_size_mismatch",
+                )
+        if not (inline and total) and raw.numel() != off:
+            raise bad(f"the header tensor holds {raw.numel() - off} bytes past the header")
+        return entries, inline, off

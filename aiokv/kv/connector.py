@@ -54,6 +54,14 @@ when they land, and chunks not yet announced by the producer are collected and
 dropped in the background until the request's deadline (at least the engine's
 transfer timeout) -- so the blocks may be handed to another request at once.
 
+Step batches
+------------
+:meth:`KVConnector.send_requests` / :meth:`KVConnector.recv_requests` move all the
+requests a scheduler step hands over for one peer as one batch: one gather over one
+index tensor of all their blocks, one transfer (on a CPU cache; on a CUDA cache the
+header and the blocks go as two), each request's outcome reported on its own. The wire
+form: :mod:`aiokv.kv._batched_path`.
+
 Devices
 -------
 On CUDA, gathers and scatters are enqueued on the CURRENT stream and nothing
@@ -67,12 +75,13 @@ still waits for its copy to finish before it releases memory or returns).
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 import torch
 
 from .._exceptions import ConfigError
+from ._batched_path import BatchItem, BatchResults, _BatchedPath
 from ._connector_base import (
     ConnectorStatistics,
     EngineLike,
@@ -91,7 +100,7 @@ from .ops import BoundCaches, StagingPool
 __all__ = ["ConnectorStatistics", "EngineLike", "KVConnector"]
 
 
-class KVConnector(_PullPath):
+class KVConnector(_BatchedPath, _PullPath):
     """Moves paged KV blocks of requests between engines (see the module docstring).
 
     ``engine``: a started :class:`aiokv.Engine`. ``layout``: this side's
@@ -263,6 +272,93 @@ class KVConnector(_PullPath):
             )
         return await self._recv_ordinary(
             request_id, block_ids, frm=frm, timeout=timeout, layerwise=layerwise
+        )
+
+    async def send_requests(
+        self,
+        requests: Iterable[BatchItem],
+        *,
+        to: str,
+        timeout: float | None = None,
+    ) -> BatchResults:
+        """Send a step's requests to the engine at ``to`` as ONE batch.
+
+        ``requests``: ``(request_id, block_ids)`` pairs, as :meth:`send_request` takes
+        them. Their blocks are gathered with one index tensor into one staging buffer
+        and travel as one transfer (the header with them; a batch larger than
+        ``chunk_bytes`` in chunks of whole layers, pipelined; on a CUDA cache the header
+        is a transfer of its own). The consumer takes it with :meth:`recv_requests` of
+        the same request ids (in any order).
+
+        Returns ``{request_id: None or its error}`` in the order given; the requests
+        mapped to None were sent and join :meth:`finished_sending`. Per request: block
+        ids that fail :meth:`send_request`'s checks, or a request already being sent,
+        map to their :class:`~aiokv.ConfigError` and stay out of the batch -- the
+        others go (the consumer learns which were left out). All-or-nothing: the
+        transfer itself -- a timeout, a dead or refusing peer maps every request it
+        carried to that one error. Raises, with nothing sent, on a malformed call (a
+        request id twice, something else than pairs: :class:`~aiokv.ConfigError`) or a
+        closed connector; an empty batch returns ``{}`` at once and sends nothing.
+        Cancellation propagates as for :meth:`send_request`.
+
+        With ``ipc=`` every request goes its own way through the IPC plane (the plane
+        moves requests one by one), each outcome in the map.
+        """
+        if self._ipc is None:
+            return await self._send_batch(requests, to=to, timeout=timeout)
+        self._check_open()
+        items = self._batch_items(requests, "send_requests")
+        plane = self._ipc
+        return await self._each(
+            items, [plane.send_request(r, ids, to=to, timeout=timeout) for r, ids in items]
+        )
+
+    async def recv_requests(
+        self,
+        requests: Iterable[BatchItem],
+        *,
+        frm: str | None = None,
+        timeout: float | None = None,
+    ) -> BatchResults:
+        """Receive a batch sent with :meth:`send_requests` and write each request into
+        this cache at its ``block_ids`` (THIS side's, distinct, not shared between
+        requests of the batch).
+
+        ``requests``: the same request ids the producer batched (any order), with this
+        side's block ids. Everything waits under one deadline (``timeout``, default the
+        engine's transfer timeout). The batch's header is checked first (layout, chunk
+        plan: :class:`~aiokv.LayoutMismatchError`); then the blocks of every request
+        that lands here are written with one scatter per chunk.
+
+        Returns ``{request_id: None or its error}`` in the order given; the requests
+        mapped to None are in place and join :meth:`finished_receiving`. Per request:
+        bad block ids or a request already being received (:class:`~aiokv.ConfigError`),
+        another block count than the producer's (:class:`~aiokv.LayoutMismatchError`,
+        ``code`` ``"kv_size_mismatch"``), a request the producer left out
+        (:class:`~aiokv.TransferError`): nothing of it is written, the others land.
+        All-or-nothing: the transfer and the header -- a timeout, an incompatible
+        layout or chunk plan, a chunk of the wrong size map every request to that one
+        error (blocks scattered before it hold data; treat them as not received) and
+        the batch's leftovers are dropped as :meth:`recv_request`'s are. Raises, with
+        nothing received, on a malformed call (a request id twice, two requests sharing
+        a block: :class:`~aiokv.ConfigError`) or a closed connector; an empty batch
+        returns ``{}`` at once. Cancellation propagates as for :meth:`recv_request`
+        (nothing is scattered after it arrived).
+
+        With ``ipc=`` every request is received on its own (:meth:`recv_request`), each
+        outcome in the map.
+        """
+        if self._ipc is None:
+            return await self._recv_batch(requests, frm=frm, timeout=timeout)
+        self._check_open()
+        items = self._batch_items(requests, "recv_requests")
+        plane = self._ipc
+        return await self._each(
+            items,
+            [
+                plane.recv_request(r, ids, frm=frm, timeout=timeout, layerwise=False)
+                for r, ids in items
+            ],
         )
 
     async def prepare(self, peer: str, *, timeout: float | None = None) -> bool:

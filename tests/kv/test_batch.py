@@ -296,3 +296,36 @@ async def test_with_the_ipc_plane_a_batch_goes_request_by_request() -> None:
             await prod.send_requests([("z", [1]), ("z", [2])], to=b.address)
         await prod.aclose()
         await cons.aclose()
+
+
+@pytest.mark.anyio
+@pytest.mark.timeout(60)
+async def test_a_cancelled_batch_writes_nothing_and_leaves_nothing_in_the_store() -> None:
+    lay = make_layout("fi", "float32", num_blocks=40, num_layers=4)
+    sizes = [2, 3]
+    one_layer = sum(sizes) * lay.block_nbytes()
+    src, dst = tables(sizes, lay.num_blocks, 1), tables(sizes, lay.num_blocks, 2)
+    p, c = filled(lay, 3), filled(lay, 4)
+    before = [t.view(torch.uint8).clone() for t in c]
+    async with pair(lay) as (a, b):
+        prod = KVConnector(a, lay, p, chunk_bytes=one_layer)  # 4 chunks
+        cons = KVConnector(b, lay, c, chunk_bytes=one_layer)
+        task = asyncio.create_task(cons.recv_requests([("k0", dst[0]), ("k1", dst[1])], timeout=10))
+        await asyncio.sleep(0.1)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        sent = await prod.send_requests([("k0", src[0]), ("k1", src[1])], to=b.address)
+        assert sent == {"k0": None, "k1": None}  # the producer's side is done
+        end = asyncio.get_running_loop().time() + 5
+        while True:  # the late batch is collected and dropped, not left in the store
+            st = b.statistics().store
+            assert st is not None
+            if st.held_tensors == st.pending_tensors == st.held_bytes == 0 and st.collected >= 4:
+                break  # (the header with chunk 0, then chunks 1-3)
+            assert asyncio.get_running_loop().time() < end, f"store not empty: {st}"
+            await asyncio.sleep(0.01)
+        for t, old in zip(c, before, strict=True):
+            assert torch.equal(t.view(torch.uint8), old)
+        assert cons.finished_receiving() == set() and cons.statistics().recv_failures == 2
+        await cons.aclose()

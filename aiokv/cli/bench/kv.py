@@ -8,7 +8,9 @@ Two processes (spawned), a producer and a consumer, each with an
 :class:`aiokv.Engine` and a paged cache in the FlashAttention layout of
 ``docs/benchmarks.md`` (Llama-3-8B geometry: 32 layers, 8 KV heads, head dim 128,
 block 16, bf16). Workloads: ``short`` 64 requests x 256 tokens, ``long`` 16 x
-4096, ``tiny`` 4 layers, 8 x 64 tokens, float32 (CPU smoke test). Block tables
+4096, ``tiny`` 4 layers, 8 x 64 tokens, float32 (CPU smoke test), ``steps`` 4
+layers, 2 KV heads x 64, float16, 64 x 32 tokens (many small requests: the host
+cost per request and per scheduler step). Block tables
 are random permutations of a cache 25 % larger than needed, different on each
 side. ``--transport nccl`` puts the producer on ``cuda:0`` and the consumer on
 ``cuda:1``; ``tcp`` uses CPU caches; ``ipc`` uses the same-host IPC plane
@@ -54,6 +56,15 @@ then ``wait_saved``; the consumer waits with ``layerwise=True``): in the through
 phase all of a request's layers in one loop pass, as a forward saves them; the latency requests each
 layer after its share of the GPU lead when one is given, so that the last layer's save
 comes at the ready.
+
+``--batch N``: the producer hands the requests over in scheduler steps of ``N``, one
+step after the other, each step as ONE batch (``send_requests``; the consumer waits
+with one ``recv_requests`` per step); with ``--one-by-one`` the same steps, each
+request of a step by its own ``send_request`` / ``recv_request``. (With ``--transport
+ipc`` the connector moves a batch request by request: the IPC plane has no batch
+form.) ``producer_host_ms_per_step`` / ``consumer_host_ms_per_step``: the CPU time of
+each process's event-loop thread (``time.thread_time``) over the throughput
+iteration, divided by the steps (without ``--batch``: by the requests), medians.
 
 Output (``--json``): one JSON line with ``workload, transport, aiokv_gbps,
 raw_gbps, ratio, ok, p50_ms, p99_ms`` and details. GB/s are 1e9 bytes/s;
@@ -142,7 +153,8 @@ def main(argv: Sequence[str] | None = None, prog: str = "python -m aiokv.cli.ben
         "between two processes with paged caches in the FlashAttention layout; every "
         "block is checked bit-exactly. Exit status 0 iff the check passed.",
         epilog="Workloads: short = 64 requests x 256 tokens, long = 16 x 4096 (Llama-3-8B "
-        "geometry, bf16), tiny = 4 layers, 8 x 64 tokens, float32 (a CPU smoke test). "
+        "geometry, bf16), tiny = 4 layers, 8 x 64 tokens, float32 (a CPU smoke test), "
+        "steps = 4 layers, 64 x 32 tokens, float16 (small requests: the host cost per step). "
         "Method and figures: docs/benchmarks.md.",
     )
     ap.add_argument(
@@ -217,6 +229,20 @@ def main(argv: Sequence[str] | None = None, prog: str = "python -m aiokv.cli.ben
         "--gpu-lead-us each layer after its share of the lead",
     )
     ap.add_argument(
+        "--batch",
+        type=int,
+        default=0,
+        metavar="N",
+        help="hand the requests over in scheduler steps of N requests, one step after the "
+        "other, each step as one batch (send_requests / recv_requests); reports the host "
+        "CPU time per step (default: every request on its own, --concurrency at once)",
+    )
+    ap.add_argument(
+        "--one-by-one",
+        action="store_true",
+        help="with --batch: the same steps, each request by its own send_request",
+    )
+    ap.add_argument(
         "--push",
         action="store_true",
         help="ipc: push mode (the consumer grants its blocks, the producer copies); give "
@@ -252,6 +278,10 @@ def main(argv: Sequence[str] | None = None, prog: str = "python -m aiokv.cli.ben
         ap.error("--latency-gap-ms must be in [0, 10000]")
     if not 0 <= args.gpu_lead_us <= 1_000_000:
         ap.error("--gpu-lead-us must be in [0, 1000000]")
+    if args.batch < 0 or (args.one_by_one and not args.batch):
+        ap.error("--batch must be >= 1 (--one-by-one needs --batch)")
+    if args.batch and args.layerwise:
+        ap.error("--batch moves whole requests; it cannot be combined with --layerwise")
     if args.gpu_lead_us and args.transport == "tcp":
         ap.error("--gpu-lead-us needs a GPU transport (ipc, nccl)")
     loop = args.loop
@@ -308,6 +338,8 @@ def main(argv: Sequence[str] | None = None, prog: str = "python -m aiokv.cli.ben
         "gpus": gpus,
         "trace": bool(args.trace),
         "push": bool(args.push),
+        "batch": args.batch,
+        "one_by_one": bool(args.one_by_one),
     }
     if args.push and args.transport != "ipc":
         ap.error("--push needs --transport ipc")
@@ -366,6 +398,7 @@ def main(argv: Sequence[str] | None = None, prog: str = "python -m aiokv.cli.ben
                 or not ipc_stats.get("requests_received")
             ):
                 c["ok"] = False  # an IPC run that did not use IPC measured something else
+        steps = -(-w.requests // args.batch) if args.batch else w.requests
         t_aiokv = statistics.median(c["aiokv_s"])
         t_raw = statistics.median(c["raw_s"])
         lat = [(e - s) * 1e3 for s, e in zip(c["lat_start"], c["lat_end"])]
@@ -414,6 +447,13 @@ def main(argv: Sequence[str] | None = None, prog: str = "python -m aiokv.cli.ben
             chunk_bytes=chunk,
             staging_bytes=staging,
             concurrency=args.concurrency,
+            batch=args.batch,
+            one_by_one=bool(args.one_by_one),
+            steps=steps,
+            producer_host_ms_per_step=round(
+                statistics.median(got["producer"][1]["host_s"]) / steps * 1e3, 4
+            ),
+            consumer_host_ms_per_step=round(statistics.median(c["host_s"]) / steps * 1e3, 4),
             loop=loop,
             pid=os.getpid(),
         )

@@ -45,7 +45,20 @@ WORKLOADS: dict[str, Workload] = {
     "short": Workload(32, 8, 128, 16, "bfloat16", 64, 256),
     "long": Workload(32, 8, 128, 16, "bfloat16", 16, 4096),
     "tiny": Workload(4, 8, 128, 16, "float32", 8, 64),
+    "steps": Workload(4, 2, 64, 16, "float16", 64, 32),
 }
+
+
+def _steps(requests: int, batch: int) -> list[range]:
+    """The requests of each scheduler step (``--batch``), in order."""
+    return [range(s, min(s + batch, requests)) for s in range(0, requests, batch)]
+
+
+def _raise_first(results: dict[str, Exception | None]) -> None:
+    """A batch call's first failure, raised (the benchmark moves only good requests)."""
+    for exc in results.values():
+        if exc is not None:
+            raise exc
 
 
 # --------------------------------------------------------------------------- shared helpers
@@ -167,6 +180,7 @@ async def _producer(a: dict[str, Any], chan: _Chan) -> dict[str, Any]:
             ipc=_ipc_options(a),
         )
         sem = asyncio.Semaphore(a["concurrency"])
+        host_s: list[float] = []  # CPU time of this (the loop's) thread per iteration
         lead = lead_cycles = None
         if a["gpu_lead_us"]:
             lead = tuple(torch.cuda.Event(enable_timing=True) for _ in range(2))  # type: ignore[no-untyped-call]
@@ -189,7 +203,22 @@ async def _producer(a: dict[str, Any], chan: _Chan) -> dict[str, Any]:
                     break
                 if cmd == "aiokv":
                     it = msg[2]
-                    await asyncio.gather(*(one(f"i{it}r{r}", tables[r]) for r in range(w.requests)))
+                    c0 = time.thread_time()
+                    if a["batch"]:  # scheduler steps, one after the other
+                        for step in _steps(w.requests, a["batch"]):
+                            reqs = [(f"i{it}r{r}", tables[r]) for r in step]
+                            if a["one_by_one"]:
+                                await asyncio.gather(
+                                    *(con.send_request(rid, ids, to=to) for rid, ids in reqs)
+                                )
+                            else:
+                                _raise_first(await con.send_requests(reqs, to=to))
+                    else:
+                        await asyncio.gather(
+                            *(one(f"i{it}r{r}", tables[r]) for r in range(w.requests))
+                        )
+                    if it >= 0:
+                        host_s.append(time.thread_time() - c0)
                     plane = con._ipc
                     if it == -1 and a["push"] and isinstance(plane, IpcPlane):
                         # the warm-up's releases carried the consumer's export: wait for
@@ -231,6 +260,7 @@ async def _producer(a: dict[str, Any], chan: _Chan) -> dict[str, Any]:
             if push is not None:
                 push.close(linger=0)
         out["connector"] = asdict(con.statistics())
+        out["host_s"] = host_s
         out["trace"] = _take_trace(a)
         await con.aclose()
     _raw_teardown(pg)
@@ -318,7 +348,14 @@ async def _consumer(a: dict[str, Any], chan: _Chan) -> dict[str, Any]:
     pull, raw_ep = _zmq_pull() if a["raw"] == "zmq" else (None, "")
     raw_dst = torch.empty(req_bytes, dtype=torch.uint8, device=device)
     raw_local = torch.empty(req_bytes, dtype=torch.uint8, device=device).random_(0, 256)
-    res: dict[str, Any] = {"aiokv_s": [], "raw_s": [], "ok": True, "lat_end": [], "lat_ret": []}
+    res: dict[str, Any] = {
+        "aiokv_s": [],
+        "raw_s": [],
+        "ok": True,
+        "lat_end": [],
+        "lat_ret": [],
+        "host_s": [],  # CPU time of this (the loop's) thread per iteration
+    }
     async with aiokv.Engine(cfg) as eng:
         chan.send("addr", eng.address, raw_ep)
         con = KVConnector(eng, layout, caches, chunk_bytes=a["chunk_bytes"], ipc=_ipc_options(a))
@@ -326,18 +363,32 @@ async def _consumer(a: dict[str, Any], chan: _Chan) -> dict[str, Any]:
             for it in range(-1, a["iters"]):  # iteration -1 warms up (sessions, NCCL, kernels)
                 big.zero_()
                 _sync(device)
-                tasks = [
-                    asyncio.ensure_future(
-                        con.recv_request(f"i{it}r{r}", tables[r], layerwise=a["layerwise"])
-                    )
-                    for r in range(w.requests)
-                ]
+                c0 = time.thread_time()
+                tasks: list[asyncio.Future[Any]]
+                if a["batch"] and not a["one_by_one"]:
+                    tasks = [
+                        asyncio.ensure_future(
+                            con.recv_requests([(f"i{it}r{r}", tables[r]) for r in step])
+                        )
+                        for step in _steps(w.requests, a["batch"])
+                    ]
+                else:
+                    tasks = [
+                        asyncio.ensure_future(
+                            con.recv_request(f"i{it}r{r}", tables[r], layerwise=a["layerwise"])
+                        )
+                        for r in range(w.requests)
+                    ]
                 await asyncio.sleep(0.005 if a["push"] else 0)  # (push: grants land first)
                 t0 = time.perf_counter()
                 chan.send("cmd", "aiokv", it)
-                await asyncio.gather(*tasks)
+                for got in await asyncio.gather(*tasks):
+                    if isinstance(got, dict):
+                        _raise_first(got)
                 _sync(device)
                 t1 = time.perf_counter()
+                if it >= 0:
+                    res["host_s"].append(time.thread_time() - c0)
                 await chan.recv("ack")
                 ok = check(range(w.requests))
                 res["ok"] = res["ok"] and ok

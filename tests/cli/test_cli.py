@@ -85,6 +85,33 @@ def test_bench_transport_tcp_json() -> None:
     assert len(row["aiokv_gbps_all"]) == len(row["raw_gbps_all"]) == 3
 
 
+@pytest.mark.timeout(120)
+def test_bench_kv_in_steps_of_batches() -> None:
+    r = _aiokv(
+        "bench",
+        "kv",
+        "--workload",
+        "steps",
+        "--batch",
+        "16",
+        "--iters",
+        "2",
+        "--latency-n",
+        "2",
+        "--latency-warmup",
+        "1",
+        "--json",
+        timeout=110,
+    )
+    assert r.returncode == 0, r.stderr[-3000:]
+    row = json.loads(r.stdout.strip().splitlines()[-1])
+    assert row["ok"] is True and row["batch"] == 16 and row["one_by_one"] is False
+    assert row["steps"] == 4 and row["requests"] == 64
+    assert row["producer_host_ms_per_step"] > 0 and row["consumer_host_ms_per_step"] > 0
+    bad = _aiokv("bench", "kv", "--one-by-one")
+    assert bad.returncode == 2 and "--one-by-one needs --batch" in bad.stderr
+
+
 def test_doctor_exits_zero_without_gpu() -> None:
     pytest.importorskip("aiokv.cli.doctor")
     r = _aiokv("doctor")

@@ -129,6 +129,46 @@ async def test_gpu_size_mismatch_scatters_nothing() -> None:
         assert all(int(t.view(torch.uint8).count_nonzero()) == 0 for t in c)
 
 
+@pytest.mark.anyio
+@pytest.mark.parametrize("kind", ["fa", "mla"])
+@pytest.mark.parametrize("chunk_mib", [64, 1])
+async def test_gpu_batch_bit_exact(kind: str, chunk_mib: int) -> None:
+    """A step batch over NCCL: the header a CPU transfer, the blocks on the GPUs; one
+    request with another block count on the consumer fails alone (the others are picked
+    out of each chunk on the device)."""
+    pl = make_layout(kind, "bfloat16", 300)
+    cl = make_layout(kind, "bfloat16", 257)
+    p = filled(pl, "cuda:0", 5)
+    c = cl.allocate("cuda:1", zero=True)
+    perm = rand_ids(257, 257, 7)
+    sizes = [16, 3, 9, 16, 1, 12, 7, 16]
+    srcs = [rand_ids(n, 300, 30 + r) for r, n in enumerate(sizes)]
+    dsts, at = [], 0
+    for n in sizes:
+        dsts.append(perm[at : at + n])
+        at += n
+    dsts[2] = dsts[2][:8]  # the consumer expects 8 blocks of request 2, the producer sends 9
+    async with Engine(cfg(pl, "cuda:0")) as a, Engine(cfg(cl, "cuda:1")) as b:
+        prod = KVConnector(a, pl, p, chunk_bytes=chunk_mib << 20)
+        cons = KVConnector(b, cl, c, chunk_bytes=chunk_mib << 20)
+        recv = asyncio.ensure_future(
+            cons.recv_requests([(f"b{r}", d) for r, d in enumerate(dsts)], frm=a.address)
+        )
+        sent = await prod.send_requests([(f"b{r}", s) for r, s in enumerate(srcs)], to=b.address)
+        got = await recv
+        torch.cuda.synchronize("cuda:1")
+        assert set(sent.values()) == {None}
+        assert isinstance(got.pop("b2"), LayoutMismatchError) and set(got.values()) == {None}
+        for r in range(len(sizes)):
+            if r != 2:
+                assert same(pl, p, srcs[r], c, dsts[r]), f"request {r} differs"
+        untouched = torch.tensor(dsts[2], device="cuda:1")
+        for t in c:  # nothing of the refused request was written
+            assert (
+                int(t.view(torch.uint8).index_select(cl.block_dim, untouched).count_nonzero()) == 0
+            )
+
+
 def test_gpu_bench_tiny() -> None:
     env = {**os.environ, "PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", "")}
     r = subprocess.run(

@@ -1,8 +1,10 @@
 """The client side of a session: this engine sends, the peer receives.
 
 A :class:`_ClientSession` is this engine's session to one peer (a control and a
-data DEALER); :class:`~aiokv.engine.outgoing._OutXfer` is one transfer it sends (``send`` and ``send_nowait`` hand the caller a
-:class:`~aiokv.engine.handle.TransferHandle`).
+data DEALER; its NCCL plane is :mod:`aiokv.engine.client_nccl`);
+:class:`~aiokv.engine.outgoing._OutXfer` is one transfer it sends (``send`` and
+``send_nowait`` hand the caller a :class:`~aiokv.engine.handle.TransferHandle`). The
+session holds its engine as a :class:`~aiokv.engine.interfaces.ClientOwner`.
 """
 
 from __future__ import annotations

@@ -14,12 +14,7 @@ from abc import abstractmethod
 import torch
 import zmq
 
-from aiokv._exceptions import (
-    AiokvError,
-    ConnectError,
-    ConnectTimeoutError,
-    PeerLostError,
-)
+from aiokv._exceptions import AiokvError, ConnectError, ConnectTimeoutError, PeerLostError
 from aiokv._runtime import trace as _trace
 from aiokv._runtime.deadlines import _await_shielded, _retrieve
 from aiokv._runtime.zmqerr import channel_error

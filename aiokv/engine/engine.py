@@ -13,6 +13,10 @@ the connection monitors, a poster per client session) or by the loop's waiter
 threads of :mod:`aiokv._runtime.threads` (NCCL init and abort, zmq's ``term``); the loop
 never waits for them.
 
+Its GET mode (``publish``, ``get``) is a base class of its own
+(:mod:`aiokv.engine.getmode`). Its sessions, its server side and its handles hold it
+as the protocols of :mod:`aiokv.engine.interfaces`, never as an :class:`Engine`.
+
 The rules the design keeps (see docs/design.md):
 
 * reserve before launch: nothing is put on the wire before the receiver's

@@ -2,10 +2,15 @@
 
 :class:`_Server` owns the listening sockets (the control ROUTER, the data ROUTER
 and, without CURVE, the data port's ZAP handler), every peer's
-:class:`_ServerSession` and their indexes, the admission queue and per-peer
-bounds, standing credit and its ACKs, landing, GET serving, and the server half
-of housekeeping. The engine hands it what it needs (config, codec, store,
-statistics; the loop and zmq contexts at start) and keeps the public API.
+:class:`~aiokv.engine.server_state._ServerSession` and their indexes, the admission
+queue and per-peer bounds, standing credit and its ACKs, landing, GET serving, and
+the server half of housekeeping. It is made of parts, one concern each: its state
+(:mod:`aiokv.engine.server_state`), its connections
+(:mod:`aiokv.engine.server_connections`), admission and granting
+(:mod:`aiokv.engine.server_granting`); this module holds its lifecycle, the control
+port, NCCL set-up, GET serving and dropping a session. The engine hands it what it
+needs (config, codec, store, statistics; the loop and zmq contexts at start), and
+the server holds the engine as a :class:`~aiokv.engine.interfaces.ServerOwner`.
 """
 
 from __future__ import annotations
@@ -22,14 +27,8 @@ import zmq
 import zmq.asyncio
 
 from aiokv._config import EngineConfig, parse_address
-from aiokv._exceptions import (
-    AiokvError,
-    PeerLostError,
-    RemoteProtocolError,
-)
-from aiokv._runtime.deadlines import (
-    MAX_FRAMES_PER_MESSAGE,
-)
+from aiokv._exceptions import AiokvError, PeerLostError, RemoteProtocolError
+from aiokv._runtime.deadlines import MAX_FRAMES_PER_MESSAGE
 from aiokv._runtime.zsock import LoopSocket, max_msg_size, monitor_socket
 from aiokv.engine.interfaces import ServerOwner
 from aiokv.engine.server_connections import (

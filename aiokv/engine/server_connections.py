@@ -19,26 +19,13 @@ import time
 import zmq
 import zmq.asyncio
 
-from aiokv._exceptions import (
-    PeerLostError,
-    RemoteProtocolError,
-)
-from aiokv._runtime.deadlines import (
-    _DATA_CAP,
-    _PLAIN_USER,
-)
+from aiokv._exceptions import PeerLostError, RemoteProtocolError
+from aiokv._runtime.deadlines import _DATA_CAP, _PLAIN_USER
 from aiokv.engine.server_state import _ServerBase, _ServerSession
 from aiokv.engine.store import PeerRef
 from aiokv.protocol.codec import TOKEN_BYTES, WireError
 from aiokv.protocol.credit import CreditLedger
-from aiokv.protocol.messages import (
-    PROTOCOL_VERSION,
-    DataHello,
-    ErrorMsg,
-    Hello,
-    Message,
-    Welcome,
-)
+from aiokv.protocol.messages import PROTOCOL_VERSION, DataHello, ErrorMsg, Hello, Message, Welcome
 
 __all__: list[str] = []
 

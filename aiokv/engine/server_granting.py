@@ -26,9 +26,7 @@ from aiokv._exceptions import (
     TransferTimeoutError,
 )
 from aiokv._runtime import trace as _trace
-from aiokv._runtime.deadlines import (
-    _retrieve,
-)
+from aiokv._runtime.deadlines import _retrieve
 from aiokv.engine.server_state import _InXfer, _ServerBase, _ServerSession
 from aiokv.engine.store import PeerRef
 from aiokv.protocol.codec import MAX_ACKS
@@ -50,11 +48,7 @@ from aiokv.protocol.messages import (
 )
 from aiokv.protocol.session import SessionState
 from aiokv.transport.base import SinkLink
-from aiokv.transport.tcp import (
-    FrameTensor,
-    frames_to_tensors,
-    put_frame_count,
-)
+from aiokv.transport.tcp import FrameTensor, frames_to_tensors, put_frame_count
 
 __all__: list[str] = []
 

@@ -27,9 +27,7 @@ import zmq
 import zmq.asyncio
 
 from aiokv._config import EngineConfig
-from aiokv._runtime.deadlines import (
-    MAX_FRAMES_PER_MESSAGE,
-)
+from aiokv._runtime.deadlines import MAX_FRAMES_PER_MESSAGE
 from aiokv._runtime.zmqerr import channel_error
 from aiokv._runtime.zsock import LoopSocket, Outbox
 from aiokv.engine.interfaces import ServerOwner
@@ -38,16 +36,10 @@ from aiokv.engine.store import PeerRef, ReceiveStore
 from aiokv.protocol.admission import AdmissionQueue, PeerBounds, PeerQueue
 from aiokv.protocol.codec import Codec
 from aiokv.protocol.credit import CreditLedger
-from aiokv.protocol.messages import (
-    Message,
-    Reserve,
-    TensorSpec,
-)
+from aiokv.protocol.messages import Message, Reserve, TensorSpec
 from aiokv.protocol.session import Role, Session
 from aiokv.transport.base import DeviceSink, MessageSink
-from aiokv.transport.tcp import (
-    TcpSink,
-)
+from aiokv.transport.tcp import TcpSink
 
 __all__: list[str] = []
 

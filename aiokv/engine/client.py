@@ -1,8 +1,10 @@
 """The client side of a session: this engine sends, the peer receives.
 
 A :class:`_ClientSession` is this engine's session to one peer (a control and a
-data DEALER); :class:`_OutXfer` is one transfer it sends (``send`` and ``send_nowait`` hand the caller a
-:class:`~aiokv.engine.handle.TransferHandle`).
+data DEALER; its NCCL plane is :mod:`aiokv.engine.client_nccl`);
+:class:`~aiokv.engine.outgoing._OutXfer` is one transfer it sends (``send`` and
+``send_nowait`` hand the caller a :class:`~aiokv.engine.handle.TransferHandle`). The
+session holds its engine as a :class:`~aiokv.engine.interfaces.ClientOwner`.
 """
 
 from __future__ import annotations
@@ -14,8 +16,7 @@ import logging
 import time
 from collections import deque
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 import zmq
@@ -46,7 +47,9 @@ from aiokv._runtime.deadlines import (
 )
 from aiokv._runtime.zmqerr import channel_error
 from aiokv._runtime.zsock import LoopSocket, Outbox, max_msg_size, monitor_socket
-from aiokv.gpu.cuda import _resolve
+from aiokv.engine.client_nccl import _NcclPlane
+from aiokv.engine.interfaces import ClientOwner
+from aiokv.engine.outgoing import _OutXfer
 from aiokv.protocol.credit import CreditAccount
 from aiokv.protocol.messages import (
     DATA_FRAME_BYTES,
@@ -64,7 +67,6 @@ from aiokv.protocol.messages import (
     Hello,
     Message,
     NcclReady,
-    NcclSetup,
     Ping,
     Pong,
     Refuse,
@@ -76,16 +78,13 @@ from aiokv.protocol.messages import (
     Withdrawn,
 )
 from aiokv.protocol.session import Role, Session, SessionState, XferState
+from aiokv.transport.base import DeviceSource, MessageSource
 from aiokv.transport.tcp import (
     TcpSource,
     fits_put,
     tensor_buffer,
     tensor_frames,
 )
-
-if TYPE_CHECKING:
-    from aiokv.engine.engine import Engine
-    from aiokv.transport.nccl import NcclSource
 
 __all__: list[str] = []
 
@@ -114,64 +113,24 @@ def _data_port(caps: Sequence[str]) -> int | None:
     return None
 
 
-@dataclass(slots=True, eq=False)
-class _OutXfer:
-    xfer: int
-    specs: list[TensorSpec]
-    tensors: list[torch.Tensor]
-    granted: asyncio.Future[int]
-    done: asyncio.Future[None]
-    seq: int = -1
-    transport: str = "tcp"
-    ready: Any = None  # CUDA event: the producer's stream reached the send
-    sent: Any = None  # NCCL: future of the send's completion on this side
-    released: asyncio.Future[None] | None = None  # set once nothing reads the tensors any more
-    put: bool = False  # protocol v2: sent on standing credit (PUT), settled by an ACK
-    waited: bool = True  # its caller awaits it now (send, send_many): ACK at once
-    ack_now: bool = True  # the PUT asked for its ACK at once (else ACK_REQ may follow)
-    posted: bool = False
-    abandoned: bool = False
-    nbytes: int = 0
-    strided: bool = False  # a tensor is a non-contiguous CPU view: made dense when posted
-
-    def dense(self) -> list[torch.Tensor]:
-        """The tensors as posted: a strided view is copied now, after the grant (or
-        with the credit in hand), never for a transfer the receiver refuses."""
-        if self.strided:
-            self.tensors = [t if t.is_contiguous() else t.contiguous() for t in self.tensors]
-            self.strided = False
-        return self.tensors
-
-    def release_when_idle(self) -> None:
-        """Resolve ``released`` once the data plane is done with the source buffers."""
-        rel = self.released
-        if rel is None or rel.done():
-            return
-        sent = self.sent
-        if sent is not None and not sent.done():
-            sent.add_done_callback(lambda _f: _resolve(rel))
-        else:
-            rel.set_result(None)
-
-
-class _ClientSession:
+class _ClientSession(_NcclPlane):
     """This engine's session to one peer: it sends data, the peer receives."""
 
-    def __init__(self, engine: Engine, address: str) -> None:
-        self.engine = engine  # its client table, statistics, poller, tasks
+    def __init__(self, owner: ClientOwner, address: str) -> None:
+        self.owner = owner  # the engine that opened it (what it may use: ClientOwner)
         self.address = address
-        # what the per-transfer path uses, bound once (no engine._x chains per transfer)
-        self.loop = engine._loop
-        self.codec = engine._codec
-        self.stats = engine._stats
-        self.count_error = engine._count_error
-        self.granted_now = engine._granted_now  # a resolved future: "no room to wait for"
-        self.trace_id = engine.engine_id  # this (sending) engine's id, for aiokv._runtime.trace
-        self.sess = Session(Role.CLIENT, engine._codec)
-        ctx = engine._sctx
+        # what the per-transfer path uses, bound once (no look-ups on the owner per transfer)
+        self.loop = owner._loop
+        self.codec = owner._codec
+        self.stats = owner._stats
+        self.count_error = owner._count_error
+        self.granted_now = owner._granted_now  # a resolved future: "no room to wait for"
+        self.trace_id = owner.engine_id  # this (sending) engine's id, for aiokv._runtime.trace
+        self.sess = Session(Role.CLIENT, owner._codec)
+        ctx = owner._sctx
         ctrl = ctx.socket(zmq.DEALER)
         data = ctx.socket(zmq.DEALER)
-        linger = int(engine.config.timeouts.linger * 1000)
+        linger = int(owner.config.timeouts.linger * 1000)
         for s in (ctrl, data):
             s.setsockopt(zmq.LINGER, linger)
             s.setsockopt(zmq.IMMEDIATE, 1)
@@ -179,10 +138,10 @@ class _ClientSession:
             s.setsockopt(zmq.RCVHWM, 0)
             s.setsockopt(
                 zmq.MAXMSGSIZE,
-                max_msg_size(engine.config.limits.max_frame_bytes, engine.config.curve is not None),
+                max_msg_size(owner.config.limits.max_frame_bytes, owner.config.curve is not None),
             )
-        engine._apply_curve_client(ctrl, address)
-        engine._apply_curve_client(data, address)
+        owner._apply_curve_client(ctrl, address)
+        owner._apply_curve_client(data, address)
         host, port = parse_address(address)
         self.host = f"[{host}]" if ":" in host else host
         # A zmq DEALER reconnects by itself; a peer that restarted on the same port
@@ -193,7 +152,7 @@ class _ClientSession:
         # end the session set-up at once rather than at the connect deadline.
         self.monitor = monitor_socket(
             ctrl,
-            engine._ctx,
+            owner._ctx,
             zmq.EVENT_DISCONNECTED | zmq.EVENT_CONNECT_RETRIED | zmq.EVENT_CONNECTED,
         )
         self.refused_since: float | None = None
@@ -201,11 +160,11 @@ class _ClientSession:
         # the data socket connects once WELCOME named the data port and the token (open)
         self.ctrl = LoopSocket(ctrl, self._on_ctrl, self._on_socket_error)
         self.data = LoopSocket(data, None, self._on_socket_error)
-        self.source = TcpSource(self.data)
-        self.nccl: NcclSource | None = None
+        self.source: MessageSource = TcpSource(self.data)
+        self.nccl: DeviceSource | None = None
         self.nccl_setup: asyncio.Future[None] | None = None
         self.nccl_ready: asyncio.Future[NcclReady] | None = None
-        self.welcome: asyncio.Future[Welcome] = engine._loop.create_future()
+        self.welcome: asyncio.Future[Welcome] = owner._loop.create_future()
         self.welcome.add_done_callback(_retrieve)
         self.xfers: dict[int, _OutXfer] = {}
         self.gets: dict[int, asyncio.Future[GetReply]] = {}
@@ -257,7 +216,7 @@ class _ClientSession:
     @property
     def peer_id(self) -> str | None:
         """The peer's identity: its CURVE key when CURVE is on, else the id it announced."""
-        cc = self.engine.config.curve
+        cc = self.owner.config.curve
         if cc is not None:
             key = cc.server_keys.get(self.address, cc.default_server_key)
             return "curve:" + key.decode() if key else None
@@ -265,7 +224,7 @@ class _ClientSession:
         return w.engine_id if w else None
 
     async def open(self, timeout: float) -> None:
-        e = self.engine
+        e = self.owner
         self.tasks.append(
             asyncio.create_task(self._poster(), name=f"aiokv-client-poster-{self.address}")
         )
@@ -309,7 +268,7 @@ class _ClientSession:
         if port is None:
             raise ConnectError(f"{self.address} announced no data port")
         sock = self.data.sock
-        if self.engine.config.curve is None:
+        if self.owner.config.curve is None:
             sock.setsockopt(zmq.PLAIN_USERNAME, _PLAIN_USER)
             sock.setsockopt(zmq.PLAIN_PASSWORD, w.token.hex().encode())
         sock.connect(f"tcp://{self.host}:{port}")
@@ -399,66 +358,6 @@ class _ClientSession:
             return self.welcome.result().capabilities
         return ()
 
-    async def ensure_nccl(self, timeout: float) -> None:
-        """Create this session's communicator (rank 0 here, rank 1 at the peer) once."""
-        if self.nccl is not None:
-            return
-        if self.nccl_setup is None:
-            self.nccl_setup = asyncio.get_running_loop().create_future()
-            self.nccl_setup.add_done_callback(_retrieve)
-            self.engine._spawn(self._setup_nccl(self.nccl_setup, timeout))
-        try:
-            await _await_shielded(self.nccl_setup, timeout)
-        except TimeoutError:
-            raise ConnectTimeoutError(f"NCCL set-up with {self.address} timed out") from None
-
-    async def _setup_nccl(self, fut: asyncio.Future[None], timeout: float) -> None:
-        from aiokv.gpu.nccl.comm import Communicator, get_unique_id
-        from aiokv.transport.nccl import NcclSource
-
-        e = self.engine
-        try:
-            uid = get_unique_id()
-            self.nccl_ready = asyncio.get_running_loop().create_future()
-            self.nccl_ready.add_done_callback(_retrieve)
-            self._send_ctrl(self.sess.send(NcclSetup(1, uid)))
-            device = torch.device(e.config.device)
-            blocking = e.config.nccl_blocking_ops
-            comm = await Communicator.create(
-                uid,
-                0,
-                2,
-                device,
-                timeout=timeout,
-                max_ctas=e.config.nccl_max_channels,
-                blocking_ops=blocking,
-            )
-            if blocking:
-                await comm.warmup(timeout)
-            try:
-                ready = await _await_shielded(self.nccl_ready, timeout)
-            except BaseException:
-                comm.abort()
-                raise
-            if not ready.ok:
-                comm.abort()
-                raise ConnectError(f"{self.address} could not set up NCCL: {ready.detail}")
-            if self.dead is not None:
-                comm.abort()
-                raise PeerLostError(f"session with {self.address} is gone")
-            self.nccl = NcclSource(comm, e._get_poller(), device)
-            fut.set_result(None)
-        except BaseException as exc:
-            self.nccl_setup = None
-            if not fut.done():
-                fut.set_exception(
-                    exc
-                    if isinstance(exc, AiokvError)
-                    else ConnectError(f"NCCL set-up failed: {exc}")
-                )
-            if isinstance(exc, asyncio.CancelledError):
-                raise
-
     def _reserve(self, x: _OutXfer) -> None:
         x.posted = True
         if x.transport == "tcp" and self.credit.credit_bytes:
@@ -470,7 +369,7 @@ class _ClientSession:
         if _trace.enabled:
             _trace.mark("start", self.trace_id, x.xfer)
         if x.transport == "nccl":
-            self.engine._get_poller().touch()  # the GRANT is read on a spinning loop
+            self.owner._get_poller().touch()  # the GRANT is read on a spinning loop
 
     def _post_put(self, x: _OutXfer) -> None:
         # the receiver answers at once if the caller waits, or if nothing else is in
@@ -740,35 +639,6 @@ class _ClientSession:
     def _on_bye(self, msg: Bye) -> None:
         self.fail(PeerLostError(f"{self.address} closed the session"))
 
-    def _on_nccl_ready(self, msg: NcclReady) -> None:
-        if self.nccl_ready is not None and not self.nccl_ready.done():
-            self.nccl_ready.set_result(msg)
-
-    async def _poster(self) -> None:
-        """Posts granted NCCL transfers (TCP ones leave straight from the GRANT).
-
-        Everything granted meanwhile goes out as one NCCL group, in grant order.
-        """
-        try:
-            while True:
-                batch = [await self.post_queue.get()]
-                while not self.post_queue.empty() and len(batch) < 64:
-                    batch.append(self.post_queue.get_nowait())
-                for b in batch:
-                    self.sess.note_sent(DataHeader(b.xfer, b.seq, len(b.specs)))
-                assert self.nccl is not None
-                sent = await self.nccl.post_many([(b.tensors, b.ready) for b in batch])
-                sent.add_done_callback(_retrieve)
-                for b in batch:
-                    b.sent = sent
-                    if _trace.enabled:
-                        _trace.mark("posted", self.trace_id, b.xfer)
-                batch = []  # while waiting for the next grant this frame holds no tensors
-        except asyncio.CancelledError:
-            raise
-        except (zmq.ZMQError, AiokvError) as exc:
-            self.fail(channel_error(exc, f"data channel to {self.address}"))
-
     def ping(self, now: float) -> None:
         self.last_ping = now
         self._send_ctrl(self.sess.send(Ping(next(self.nonce))))
@@ -780,7 +650,7 @@ class _ClientSession:
         self.dead = exc
         self.outbox.close()  # what this session had queued dies with it
         self.data_out.close()
-        e = self.engine
+        e = self.owner
         if not self.welcome.done():
             self.welcome.set_exception(
                 exc if isinstance(exc, AiokvError) else ConnectError(str(exc))
@@ -805,8 +675,7 @@ class _ClientSession:
         for t in self.tasks:
             if t is not asyncio.current_task():
                 t.cancel()
-        if e._clients.get(self.address) is self:
-            del e._clients[self.address]
+        e._forget_client(self.address, self)
         if isinstance(exc, PeerLostError):
             e._stats.peers_lost += 1
         e._spawn(self._close_sockets())
@@ -825,7 +694,7 @@ class _ClientSession:
                     now = time.monotonic()
                     if self.refused_since is None:
                         self.refused_since = now
-                    elif now - self.refused_since >= self.engine.config.timeouts.connect_retry:
+                    elif now - self.refused_since >= self.owner.config.timeouts.connect_retry:
                         self.fail(
                             ConnectError(
                                 f"{self.address} refused every connection for "

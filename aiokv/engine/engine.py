@@ -13,6 +13,10 @@ the connection monitors, a poster per client session) or by the loop's waiter
 threads of :mod:`aiokv._runtime.threads` (NCCL init and abort, zmq's ``term``); the loop
 never waits for them.
 
+Its GET mode (``publish``, ``get``) is a base class of its own
+(:mod:`aiokv.engine.getmode`). Its sessions, its server side and its handles hold it
+as the protocols of :mod:`aiokv.engine.interfaces`, never as an :class:`Engine`.
+
 The rules the design keeps (see docs/design.md):
 
 * reserve before launch: nothing is put on the wire before the receiver's
@@ -33,9 +37,7 @@ import gc
 import logging
 import secrets
 import time
-from collections import OrderedDict
-from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Awaitable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -51,9 +53,7 @@ from aiokv._exceptions import (
     ConnectTimeoutError,
     EngineClosedError,
     NegotiateTimeoutError,
-    NotPublishedError,
     PeerLostError,
-    TransferAbortedError,
     TransferTimeoutError,
     UsageError,
 )
@@ -64,15 +64,17 @@ from aiokv._runtime.deadlines import (
     _retrieve,
 )
 from aiokv._runtime.zmqerr import listen_error
-from aiokv.engine.client import _ClientSession, _OutXfer
+from aiokv.engine.client import _ClientSession
+from aiokv.engine.getmode import _GetMode
 from aiokv.engine.handle import TransferHandle, _XferWatch
+from aiokv.engine.outgoing import _OutXfer
 from aiokv.engine.server import _Server
-from aiokv.engine.store import ReceiveStore, StoreStatistics
+from aiokv.engine.staging import _STRIDED, _prepare, _Staged
+from aiokv.engine.statistics import EngineStatistics
+from aiokv.engine.store import ReceiveStore
 from aiokv.gpu.cuda import _resolve
 from aiokv.protocol.codec import Codec, WireLimits
 from aiokv.protocol.messages import (
-    Get,
-    GetReply,
     TensorSpec,
 )
 from aiokv.transport.tcp import as_tensor, dtype_name
@@ -86,106 +88,6 @@ __all__ = ["Engine", "EngineStatistics", "TransferHandle"]
 log = logging.getLogger("aiokv")
 
 
-@dataclass(slots=True)
-class EngineStatistics:
-    """Counters of one engine (a snapshot; see :meth:`Engine.statistics`)."""
-
-    address: str = ""
-    transfers_sent: int = 0
-    transfers_failed: int = 0
-    tensors_sent: int = 0
-    bytes_sent: int = 0
-    transfers_received: int = 0
-    tensors_received: int = 0
-    bytes_received: int = 0
-    refused_sent: int = 0
-    refused_received: int = 0
-    withdrawn: int = 0
-    queued_reservations: int = 0
-    gets_served: int = 0
-    peers_lost: int = 0
-    sessions_opened: int = 0
-    client_sessions: int = 0
-    server_sessions: int = 0
-    protocol_errors: dict[str, int] = field(default_factory=dict)
-    store: StoreStatistics | None = None
-    #: protocol v2: standing credit granted to peers and not yet spent (bytes, tensors);
-    #: it is held in the receive budget but not counted in ``store.reserved_bytes``
-    credit_bytes: int = 0
-    credit_tensors: int = 0
-    #: protocol v2, sending side: transfers waiting in this engine for the peer's credit
-    waiting_for_credit: int = 0
-    #: protocol v2, receiving side: peer sessions whose credit the full budget holds back
-    credit_starved: int = 0
-    #: NCCL data plane: live communicators, enqueues that had to settle (count,
-    #: total and max seconds), and the progress poller's counters
-    nccl: dict[str, float] = field(default_factory=dict)
-
-
-# --------------------------------------------------------------------------- helpers
-
-
-_STRIDED = torch.strided
-
-
-def _prepare(
-    items: Iterable[tuple[str, torch.Tensor]], max_id: int, max_tensors: int = 1 << 30
-) -> tuple[list[TensorSpec], list[torch.Tensor]]:
-    specs: list[TensorSpec] = []
-    tensors: list[torch.Tensor] = []
-    seen: set[str] = set()
-    for tid, t in items:
-        if not isinstance(tid, str) or not tid or len(tid) > max_id:
-            raise ConfigError(f"tensor ids are non-empty strings of at most {max_id} characters")
-        if tid in seen:
-            raise ConfigError(f"tensor id {tid!r} given twice in one transfer")
-        seen.add(tid)
-        if not isinstance(t, torch.Tensor):
-            raise ConfigError(f"{tid!r}: expected a torch.Tensor, got {type(t).__name__}")
-        if not (t.is_cpu or t.is_cuda) or t.layout is not torch.strided:
-            # a meta tensor has no memory (zmq would read address 0); sparse ones no flat bytes
-            raise ConfigError(
-                f"{tid!r}: only dense CPU or CUDA tensors can be sent, "
-                f"got a {t.layout} tensor on {t.device}"
-            )
-        name = dtype_name(t.dtype)
-        if name is None:
-            raise ConfigError(f"{tid!r}: dtype {t.dtype} cannot be sent")
-        c = t.detach() if t.requires_grad else t  # (a new tensor object costs a little)
-        if c.is_cuda and not c.is_contiguous():
-            c = c.contiguous()  # on the caller's stream, before its ready event
-        # A strided CPU view (an expanded one may stand for gigabytes) is copied only
-        # when posted, after the receiver granted room for its size (numel * element
-        # size, in its spec): a transfer it refuses copies nothing.
-        specs.append(TensorSpec(tid, name, tuple(c.shape)))
-        tensors.append(c)
-    if not specs:
-        raise ConfigError("nothing to send")
-    if len(specs) > max_tensors:
-        raise ConfigError(
-            f"{len(specs)} tensors in one transfer; at most {max_tensors} "
-            "(Limits.max_tensors_per_transfer, both ends)"
-        )
-    return specs, tensors
-
-
-@dataclass(slots=True)
-class _Staged:
-    specs: list[TensorSpec]
-    tensors: list[torch.Tensor]
-    ready: Any  # torch.cuda.Event for CUDA tensors
-    cuda: bool
-    strided: bool = False  # a CPU tensor is a non-contiguous view, made dense when posted
-
-
-@dataclass(slots=True, eq=False)
-class _SharedGet:
-    """One GET in flight and how many :meth:`Engine.get` calls wait for it."""
-
-    task: asyncio.Task[torch.Tensor]
-    waiters: int = 0
-
-
 def _watchdog_report(why: str) -> None:
     """The loop watchdog's report (on its thread): the engine's log, at ERROR."""
     log.error("aiokv: %s", why)
@@ -194,7 +96,7 @@ def _watchdog_report(why: str) -> None:
 # --------------------------------------------------------------------------- engine
 
 
-class Engine:
+class Engine(_GetMode):
     """Moves tensors between processes. Use as ``async with Engine(config) as eng``."""
 
     def __init__(self, config: EngineConfig | None = None, **overrides: Any) -> None:
@@ -226,16 +128,7 @@ class Engine:
         self._address = ""
         self._clients: dict[str, _ClientSession] = {}
         self._connecting: dict[str, asyncio.Future[_ClientSession]] = {}
-        self._published: dict[str, torch.Tensor] = {}
-        # published for one GET only (``publish(once=True)``) until served or unpublished
-        self._once: set[str] = set()
-        # once-published tensors served and not yet waited for: the requester's address
-        self._fetched: OrderedDict[str, str] = OrderedDict()
-        self._fetch_waiters: dict[str, asyncio.Future[str]] = {}
-        self._on_get: dict[str, Callable[[str], None]] = {}  # publish(on_get=...)
-        # GETs in flight, by (producer, tensor id): concurrent gets of one id share one
-        # GET (the producer sends the id once; a second copy would be a duplicate)
-        self._getting: dict[tuple[str, str], _SharedGet] = {}
+        self._init_get_mode()  # published tensors, GETs in flight
         self._stats = EngineStatistics()
         # the receiving half: sockets, peers' sessions, admission, credit, landing
         self._server = _Server(self, config, self._codec, self._store, self._stats)
@@ -592,171 +485,6 @@ class Engine:
         self._pump_queue()  # the freed room may admit queued reservations
         return n
 
-    def publish(
-        self,
-        tensor_id: str,
-        tensor: torch.Tensor,
-        *,
-        once: bool = False,
-        on_get: Callable[[str], None] | None = None,
-    ) -> None:
-        """GET mode, producer side: make ``tensor`` available to peers' :meth:`get`.
-
-        ``once``: serve it to the first GET only (a later one gets ``not_published``);
-        :meth:`wait_fetched` then says which peer took it. ``on_get``: called on the
-        loop with the address of each peer whose GET of it was accepted (as
-        :meth:`wait_fetched` returns it), before the tensor is sent; an
-        exception it raises is logged, never the GET's."""
-        self._check_open()
-        _prepare([(tensor_id, tensor)], self.config.limits.max_id_length)
-        if (
-            tensor_id not in self._published
-            and len(self._published) >= self.config.limits.max_published
-        ):
-            raise ConfigError(f"more than {self.config.limits.max_published} published tensors")
-        self._published[tensor_id] = tensor
-        self._fetched.pop(tensor_id, None)
-        if on_get is not None:
-            self._on_get[tensor_id] = on_get
-        else:
-            self._on_get.pop(tensor_id, None)
-        if once:
-            self._once.add(tensor_id)
-        else:
-            self._once.discard(tensor_id)
-
-    def unpublish(self, tensor_id: str) -> bool:
-        """Stop serving ``tensor_id``; whether it was published (a :meth:`wait_fetched`
-        on it raises :class:`~aiokv.NotPublishedError`)."""
-        self._check_loop()
-        self._once.discard(tensor_id)
-        self._fetched.pop(tensor_id, None)
-        self._on_get.pop(tensor_id, None)
-        fut = self._fetch_waiters.pop(tensor_id, None)
-        if fut is not None and not fut.done():
-            fut.set_exception(NotPublishedError(f"{tensor_id!r} was unpublished"))
-        return self._published.pop(tensor_id, None) is not None
-
-    async def wait_fetched(self, tensor_id: str, *, timeout: float | None = None) -> str:
-        """GET mode, producer side: wait until a peer's :meth:`get` took a tensor
-        published with ``once=True`` (its GET arrived and was accepted; the tensor may
-        still be on its way); return the address this engine reaches that peer at (its
-        open session to the peer, else the listen address the peer's authenticated
-        session holds): :meth:`send_nowait` reaches it over the same session."""
-        self._check_open()
-        address = self._fetched.pop(tensor_id, None)
-        if address is not None:
-            return address
-        if tensor_id not in self._once:
-            raise NotPublishedError(f"{tensor_id!r} is not published with once=True")
-        if tensor_id in self._fetch_waiters:
-            raise ConfigError(f"wait_fetched({tensor_id!r}) is already waiting")
-        t = self._timeout(timeout)
-        fut: asyncio.Future[str] = self._loop.create_future()
-        fut.add_done_callback(_retrieve)
-        self._fetch_waiters[tensor_id] = fut
-        try:
-            address = await _await_shielded(fut, t)
-            return str(address)
-        except TimeoutError:
-            raise TransferTimeoutError(f"nobody fetched {tensor_id!r} within {t:.3g}s") from None
-        except asyncio.CancelledError:
-            if fut.done() and not fut.cancelled() and fut.exception() is None:
-                self._fetched[tensor_id] = fut.result()  # served meanwhile: not lost
-            raise
-        finally:
-            if self._fetch_waiters.get(tensor_id) is fut:
-                del self._fetch_waiters[tensor_id]
-
-    def _claim_published(
-        self, tensor_ids: Sequence[str], address: str
-    ) -> list[tuple[str, torch.Tensor]]:
-        """A GET of these (all published) for the session at ``address`` starts: a
-        once-published one is that peer's from now on (it leaves the table, and
-        :meth:`wait_fetched` learns the address at once, not a round trip later when the
-        tensor has landed: a producer waiting to send that peer more starts now)."""
-        items = [(t, self._published[t]) for t in tensor_ids]
-        for t in tensor_ids:
-            cb = self._on_get.get(t)
-            if cb is not None:
-                try:
-                    cb(address)
-                except Exception:
-                    log.exception("on_get callback of published %r failed", t)
-            if t not in self._once:
-                continue
-            self._published.pop(t, None)
-            self._once.discard(t)
-            self._on_get.pop(t, None)
-            # one loop pass later: the GET's own reply (spawned next by the server) starts
-            # first, and whatever the waiter sends that peer goes after it
-            self._loop.call_soon(self._fetched_by, t, address)
-        return items
-
-    def _fetched_by(self, tensor_id: str, address: str) -> None:
-        """A once-published tensor was taken by the peer at ``address``: tell its
-        :meth:`wait_fetched`, or keep it for the next one."""
-        fut = self._fetch_waiters.pop(tensor_id, None)
-        if fut is not None and not fut.done():
-            fut.set_result(address)
-            return
-        self._fetched[tensor_id] = address
-        while len(self._fetched) > self.config.limits.max_published:
-            self._fetched.popitem(last=False)
-
-    async def get(self, tensor_id: str, *, frm: str, timeout: float | None = None) -> torch.Tensor:
-        """GET mode, consumer side: ask ``frm`` for a published tensor and wait for it.
-
-        Concurrent gets of one id from one producer share one GET: the first asks, the
-        others join it and all return the same tensor (each waits at most its own
-        ``timeout``, and the shared GET runs under the first one's deadline)."""
-        self._check_open()
-        self._check_id(tensor_id)
-        t = self._timeout(timeout)
-        key = (frm, tensor_id)
-        sg = self._getting.get(key)
-        if sg is None:
-            sg = _SharedGet(self._loop.create_task(self._get(tensor_id, frm, t)))
-            sg.task.add_done_callback(_retrieve)
-            sg.task.add_done_callback(lambda _t: self._got(key, sg))
-            self._getting[key] = sg
-        sg.waiters += 1
-        try:
-            return await _await_shielded(sg.task, t)  # type: ignore[no-any-return]
-        except TimeoutError:
-            if sg.task.done():
-                raise  # the shared GET's own TransferTimeoutError
-            raise TransferTimeoutError(f"GET {tensor_id!r} from {frm}: no reply in time") from None
-        finally:
-            sg.waiters -= 1
-            if not sg.waiters and not sg.task.done():
-                sg.task.cancel()  # nobody waits any more (a tensor handed over goes back)
-
-    def _got(self, key: tuple[str, str], sg: _SharedGet) -> None:
-        if self._getting.get(key) is sg:
-            del self._getting[key]
-
-    async def _get(self, tensor_id: str, frm: str, t: float) -> torch.Tensor:
-        """One GET: ask ``frm`` for ``tensor_id`` and collect it (see :meth:`get`)."""
-        dl = _Deadline(t)
-        cs = await self._client(frm, dl)
-        req = next(cs.get_ids)
-        reply: asyncio.Future[GetReply] = asyncio.get_running_loop().create_future()
-        reply.add_done_callback(_retrieve)
-        cs.gets[req] = reply
-        cs._send_ctrl(cs.sess.send(Get(req, (tensor_id,), self._address)))
-        peer_id = cs.peer_id
-        try:
-            r = await _await_shielded(reply, dl.left())
-        except TimeoutError:
-            cs.gets.pop(req, None)
-            raise TransferTimeoutError(f"GET {tensor_id!r} from {frm}: no reply in time") from None
-        if r.code == "not_published":
-            raise NotPublishedError(f"{frm} does not publish {tensor_id!r}")
-        if r.code != "ok":
-            raise TransferAbortedError(f"GET {tensor_id!r} from {frm} failed: {r.code}: {r.detail}")
-        return await self._recv(tensor_id, peer_id or frm, dl.left())
-
     def statistics(self) -> EngineStatistics:
         s = dataclasses.replace(self._stats, protocol_errors=dict(self._stats.protocol_errors))
         s.store = self._store.statistics()
@@ -977,6 +705,12 @@ class Engine:
         if cs is not None and cs.peer_id:
             return cs.peer_id
         return self._server.resolve_peer(addr)
+
+    def _forget_client(self, address: str, session: object) -> None:
+        """The client session ``session`` to ``address`` ended: it leaves the table
+        (unless another one took its place there meanwhile)."""
+        if self._clients.get(address) is session:
+            del self._clients[address]
 
     def _count_error(self, code: str) -> None:
         pe = self._stats.protocol_errors

@@ -13,8 +13,9 @@ from aiokv._exceptions import NegotiateTimeoutError, TransferTimeoutError
 from aiokv._runtime.deadlines import _retrieve
 
 if TYPE_CHECKING:
-    from aiokv.engine.client import _ClientSession, _OutXfer
-    from aiokv.engine.engine import Engine
+    from aiokv.engine.client import _ClientSession
+    from aiokv.engine.interfaces import WatchOwner
+    from aiokv.engine.outgoing import _OutXfer
 
 __all__ = ["TransferHandle"]
 
@@ -24,23 +25,23 @@ class _XferWatch:
     handle hands out as its own: the deadline (one timer), the caller giving up, and
     counting a failure once, whichever way the transfer ended."""
 
-    __slots__ = ("cs", "engine", "gave_up", "t_end", "t_neg", "timer", "to", "x")
+    __slots__ = ("cs", "gave_up", "owner", "t_end", "t_neg", "timer", "to", "x")
 
     def __init__(
         self,
-        engine: Engine,
+        owner: WatchOwner,
         cs: _ClientSession,
         x: _OutXfer,
         t: float,
         to: str,
         callback: bool = True,
     ) -> None:
-        loop = engine._loop
-        self.engine, self.cs, self.x, self.to = engine, cs, x, to
+        loop = owner._loop
+        self.owner, self.cs, self.x, self.to = owner, cs, x, to
         # deadlines on the precise clock: uvloop's loop.time() and timers have millisecond
         # granularity, and a timer may fire up to a millisecond before its deadline
         now = time.monotonic()
-        neg = min(t, engine.config.timeouts.negotiate)
+        neg = min(t, owner.config.timeouts.negotiate)
         self.t_end = now + t
         self.t_neg = now + neg
         self.gave_up = False
@@ -53,7 +54,7 @@ class _XferWatch:
         if not f.done() or f.cancelled():  # TransferHandle.cancel(), the awaiting task
             self.on_cancel()  # was cancelled (or its coroutine closed while it waited)
         elif f.exception() is not None:  # (reading it also marks it retrieved)
-            self.engine._stats.transfers_failed += 1
+            self.owner._stats.transfers_failed += 1
 
     def expire(self) -> None:
         x, done = self.x, self.x.done
@@ -63,13 +64,13 @@ class _XferWatch:
         now = time.monotonic()
         if not (g.done() and not g.cancelled() and g.exception() is None):
             if now < self.t_neg:  # (the timer fired early)
-                self.timer = self.engine._loop.call_later(self.t_neg - now, self.expire)
+                self.timer = self.owner._loop.call_later(self.t_neg - now, self.expire)
                 return
             exc: BaseException = NegotiateTimeoutError(
                 f"{self.to} granted no room within the deadline"
             )
         elif now < self.t_end:  # granted in time: the rest of it
-            self.timer = self.engine._loop.call_later(self.t_end - now, self.expire)
+            self.timer = self.owner._loop.call_later(self.t_end - now, self.expire)
             return
         else:
             exc = TransferTimeoutError(
@@ -91,7 +92,7 @@ class _XferWatch:
         self.timer.cancel()
         done = self.x.done
         if not done.done() or done.cancelled():
-            self.engine._stats.transfers_failed += 1
+            self.owner._stats.transfers_failed += 1
             self.cs.abandon(self.x)
 
 

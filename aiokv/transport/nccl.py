@@ -34,7 +34,7 @@ from aiokv.gpu.nccl.comm import Communicator
 
 from .._config import DEFAULT_NCCL_RECV_BATCH, DEFAULT_NCCL_RECV_BATCH_BYTES
 from .._exceptions import TransferAbortedError
-from ..protocol.messages import DataHeader, TensorSpec
+from ..protocol.messages import TensorSpec
 from .tcp import torch_dtype
 
 __all__ = ["NcclSink", "NcclSource", "capture_ready"]
@@ -73,15 +73,6 @@ class NcclSource:
         self.stream = torch.cuda.Stream(device=device)  # type: ignore[no-untyped-call]
         self._dead: BaseException | None = None
 
-    async def post(
-        self,
-        header: DataHeader,
-        header_bytes: bytes,
-        tensors: Sequence[torch.Tensor],
-        ready: torch.cuda.Event | None = None,
-    ) -> asyncio.Future[None]:
-        return await self.post_many([(tensors, ready)])
-
     async def post_many(
         self, items: Sequence[tuple[Sequence[torch.Tensor], torch.cuda.Event | None]]
     ) -> asyncio.Future[None]:
@@ -111,9 +102,6 @@ class NcclSource:
     def abort(self, exc: BaseException) -> None:
         self._dead = exc
         self.comm.abort()
-
-    async def aclose(self) -> None:
-        self.abort(TransferAbortedError("closed"))
 
 
 @dataclass(slots=True)

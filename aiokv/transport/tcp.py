@@ -213,11 +213,6 @@ class TcpSource:
         self._sock = sock
         self._dead: BaseException | None = None
 
-    async def post(
-        self, header: DataHeader, header_bytes: bytes, tensors: Sequence[torch.Tensor]
-    ) -> None:
-        self.post_nowait(header_bytes, tensors)
-
     def post_nowait(self, header_bytes: bytes, tensors: Sequence[torch.Tensor]) -> None:
         """Queue one data message now, zero-copy (zmq keeps call order). Raises ZMQError."""
         if self._dead is not None:
@@ -229,9 +224,6 @@ class TcpSource:
 
     def abort(self, exc: BaseException) -> None:
         self._dead = exc
-
-    async def aclose(self) -> None:
-        self._dead = self._dead or TransferAbortedError("closed")
 
 
 class FrameTensor:

@@ -19,7 +19,7 @@ from support.procs import engines, same_bytes, wait_until
 from test_data_frames_bounded import _session
 
 import aiokv
-import aiokv.engine.server as engine_mod
+import aiokv.engine.server_granting as engine_mod
 from aiokv.protocol import messages as m
 from aiokv.protocol.codec import Codec
 

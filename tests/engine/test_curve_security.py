@@ -254,6 +254,10 @@ GETATTR_ALLOWED: dict[tuple[str, str], str] = {
         'self._count_error(getattr(exc, "code", "protocol"))',
     ): "constant attribute name on our own exception",
     (
+        "engine/server_granting.py",
+        'self._count_error(getattr(exc, "code", "protocol"))',
+    ): "constant attribute name on our own exception",
+    (
         "cli/main.py",
         "fn = getattr(mod, attr, None)",
     ): "CLI entry point named by the local user's command line, not the wire",

@@ -18,7 +18,7 @@ import zmq.asyncio
 from support.procs import same_bytes
 
 import aiokv
-import aiokv.engine.server
+import aiokv.engine.server_state
 from aiokv.engine.store import PeerRef
 from aiokv.protocol import messages as m
 from aiokv.protocol.codec import Codec
@@ -199,7 +199,7 @@ async def test_reservations_per_session_are_bounded_granted_included(
     anyio_backend: Any, zctx: zmq.asyncio.Context
 ) -> None:
     """Zero-byte tensors cost no budget: grants in flight are capped per session."""
-    cap = aiokv.engine.server._MAX_GRANTED_PER_SESSION
+    cap = aiokv.engine.server_state._MAX_GRANTED_PER_SESSION
     async with aiokv.Engine() as eng:
         s, _ = await _hello(zctx, eng.address, "hoarder", "127.0.0.1:9")
         n = cap + 500

@@ -28,9 +28,11 @@ from typing import Any, Literal
 
 __all__ = [
     "PARAMS_VERSION",
+    "DeclineSpec",
     "LoadSpec",
     "RemoteKV",
     "SendSpec",
+    "decline_name",
     "decode_address_of",
     "parse_remote",
     "prompt_digest",
@@ -56,6 +58,12 @@ def prompt_digest(token_ids: Sequence[int]) -> str:
 def transfer_key(request_id: str, token_ids: Sequence[int]) -> str:
     """The id a request's KV travels under (see the module docstring)."""
     return f"{request_id}@{prompt_digest(token_ids)}"
+
+
+def decline_name(key: str) -> str:
+    """The id of the ticket a pull prefill publishes beside its request's: a decode
+    that will not load the request GETs it, and the prefill frees the blocks at once."""
+    return f"{key}#decline"
 
 
 def valid_address(a: object) -> bool:
@@ -157,3 +165,14 @@ class LoadSpec:
     n_remote: int
     skip: int
     block_ids: list[int] = field(default_factory=list)
+
+
+@dataclass(slots=True)
+class DeclineSpec:
+    """Worker, decode side: the pull prefill at ``addresses`` holds ``key`` for a
+    request that will not load it (its own prefix cache serves the prompt, or vLLM
+    computes it, or the request ended first): tell it to free the blocks."""
+
+    req_id: str
+    key: str
+    addresses: list[str]

@@ -27,6 +27,7 @@ is in place, so ``wait_for_layer_load`` and ``save_kv_layer`` have nothing to do
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import functools
 import logging
@@ -49,8 +50,11 @@ from ._layout import describe_caches
 from ._loop import LoopThread
 from ._protocol import (
     PARAMS_VERSION,
+    DeclineSpec,
     LoadSpec,
+    RemoteKV,
     SendSpec,
+    decline_name,
     decode_address_of,
     parse_remote,
     transfer_key,
@@ -77,6 +81,10 @@ log = logging.getLogger("aiokv.vllm")
 
 #: request statuses after which a prefill's KV is complete and worth handing on
 _DONE = ("FINISHED_LENGTH_CAPPED", "FINISHED_STOPPED")
+#: declines a decode worker has in flight at once (beyond: the prefill's lease frees)
+_MAX_DECLINES = 256
+#: how long a decline waits for the prefill's engine
+_DECLINE_TIMEOUT = 5.0
 
 
 @dataclasses.dataclass
@@ -95,6 +103,8 @@ class AiokvMetadata(KVConnectorMetadata):  # type: ignore[misc]
     load: list[LoadSpec] = dataclasses.field(default_factory=list)
     #: prefill requests that ended otherwise than finished (aborted): stop handing on
     cancel: list[str] = dataclasses.field(default_factory=list)
+    #: decode requests that will not load what their pull prefill holds: release it
+    decline: list[DeclineSpec] = dataclasses.field(default_factory=list)
 
 
 class AiokvConnector(KVConnectorBase_V1):  # type: ignore[misc]
@@ -229,6 +239,7 @@ class _SchedulerSide:
         self._send: list[SendSpec] = []
         self._load: list[LoadSpec] = []
         self._cancel: list[str] = []
+        self._decline: list[DeclineSpec] = []
         self._warned_push = False
 
     def handshake(self, metadata: dict[int, KVConnectorHandshakeMetadata]) -> None:
@@ -267,6 +278,20 @@ class _SchedulerSide:
         self._computed[request.request_id] = num_computed_tokens
         return count, True
 
+    def _release(self, request: Request, remote: RemoteKV) -> None:
+        """``request`` does not load what its prefill holds: a pull prefill keeps it
+        until a decode takes it or its lease ends, so tell it now. (A push prefill
+        let go once its decode's engine held the request.)"""
+        if remote.mode == "pull":
+            prompt = request.prompt_token_ids or []
+            self._decline.append(
+                DeclineSpec(
+                    request.request_id,
+                    transfer_key(remote.request_id, prompt[: remote.num_tokens]),
+                    list(remote.addresses),
+                )
+            )
+
     def after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external: int) -> None:
         params = request.kv_transfer_params
         computed = self._computed.pop(request.request_id, None)
@@ -274,7 +299,11 @@ class _SchedulerSide:
             return
         remote, _ = self._remote(request)
         params["do_remote_prefill"] = False  # one load per request, also after preemption
-        if remote is None or num_external <= 0 or computed is None:
+        if remote is None:
+            return
+        if num_external <= 0 or computed is None:
+            # this cache holds every remote token already, or vLLM computes the prompt
+            self._release(request, remote)
             return
         ids = blocks.get_block_ids()[0]
         skip = computed // self.c._block_size
@@ -349,8 +378,10 @@ class _SchedulerSide:
                 if spec is not None:
                     self._handed[rid] = spec
                     self._send.append(spec)
-        meta = AiokvMetadata(send=self._send, load=self._load, cancel=self._cancel)
-        self._send, self._load, self._cancel = [], [], []
+        meta = AiokvMetadata(
+            send=self._send, load=self._load, cancel=self._cancel, decline=self._decline
+        )
+        self._send, self._load, self._cancel, self._decline = [], [], [], []
         return meta
 
     def finished(
@@ -359,6 +390,14 @@ class _SchedulerSide:
         rid = request.request_id
         self._computed.pop(rid, None)
         self._producing.pop(rid, None)
+        params = request.kv_transfer_params
+        if isinstance(params, dict) and params.get("do_remote_prefill"):
+            # a decode request that ended before its blocks were allocated (aborted
+            # while waiting): it never loads
+            remote, _ = self._remote(request)
+            params["do_remote_prefill"] = False
+            if remote is not None:
+                self._release(request, remote)
         spec = self._handed.pop(rid, None)
         n_tokens = self._tokens.pop(rid, 0)
         if spec is None:
@@ -415,12 +454,15 @@ class _WorkerSide:
         self._loaded: set[str] = set()  # done (or cancelled), not reported yet
         self._failed: set[str] = set()  # subset of _loaded
         self._finished: set[str] = set()  # request ids vLLM said finished
+        self._declines: set[asyncio.Task[None]] = set()  # (loop thread)
         self._stats: dict[str, Any] = {
             "loads": 0,
             "load_failures": 0,
             "loads_cancelled": 0,
             "sends": 0,
             "send_failures": 0,
+            "sends_declined": 0,
+            "declines": 0,
             "blocks_loaded": 0,
             "bytes_loaded": 0,
         }
@@ -488,12 +530,14 @@ class _WorkerSide:
         return self.loop
 
     def start_loads(self, meta: AiokvMetadata) -> None:
-        if meta.load or meta.cancel:
+        if meta.load or meta.cancel or meta.decline:
             loop = self._loop()
             for spec in meta.load:
                 loop.soon(functools.partial(self._start_load, spec))
             if meta.cancel:
                 loop.soon(functools.partial(self._cancel, set(meta.cancel)))
+            for d in meta.decline:
+                loop.soon(functools.partial(self._start_decline, d))
 
     def start_sends(self, meta: AiokvMetadata) -> None:
         if meta.send:
@@ -513,23 +557,79 @@ class _WorkerSide:
         assert self.loop is not None
         self._tasks[spec.req_id] = self.loop.loop.create_task(self._load(spec))
 
+    def _start_decline(self, d: DeclineSpec) -> None:
+        """(loop thread) Tell the pull prefill of ``d`` to free its blocks, in a task
+        (bounded: beyond :data:`_MAX_DECLINES` in flight, the prefill's lease frees)."""
+        assert self.loop is not None
+        if len(self._declines) >= _MAX_DECLINES:
+            log.warning("AiokvConnector: too many declines in flight; %s is not sent", d.req_id)
+            return
+        task = self.loop.loop.create_task(self._decline(d))
+        self._declines.add(task)
+        task.add_done_callback(self._declines.discard)
+
+    async def _decline(self, d: DeclineSpec) -> None:
+        assert self.engine is not None
+        frm = d.addresses[self.rank]
+        try:
+            await self.engine.get(decline_name(d.key), frm=frm, timeout=_DECLINE_TIMEOUT)
+        except AiokvError as exc:  # gone, or already taken: its lease or its decode freed it
+            log.debug("AiokvConnector: %s: the decline to %s failed: %s", d.req_id, frm, exc)
+            return
+        with self._lock:
+            self._stats["declines"] += 1
+        log.debug("AiokvConnector: %s: %s frees the blocks it held for it", d.req_id, frm)
+
+    async def _serve(self, s: SendSpec) -> str | None:
+        """Pull: hold the request for one GET of its ticket, beside a decline ticket; a
+        decode that will not load it GETs the decline and the blocks are free at once.
+        Returns where the request went, or None when it was declined."""
+        from ..kv import KVConnector
+
+        assert self.kv is not None and self.engine is not None
+        eng, lease = self.engine, self.settings.lease_seconds
+        no = decline_name(s.key)
+        eng.publish(no, torch.ones(1, dtype=torch.int64), once=True)
+        declined = asyncio.ensure_future(eng.wait_fetched(no, timeout=lease))
+        published = asyncio.Event()
+        serve = asyncio.ensure_future(
+            self.kv.serve_request(s.key, s.block_ids, timeout=lease, on_published=published.set)
+        )
+        try:
+            await asyncio.wait({serve, declined}, return_when=asyncio.FIRST_COMPLETED)
+            if not serve.done() and declined.done() and declined.exception() is None:
+                out = asyncio.ensure_future(published.wait())
+                await asyncio.wait({serve, out}, return_when=asyncio.FIRST_COMPLETED)
+                out.cancel()
+                # a decline counts while nobody took the request: then nobody will
+                if not serve.done() and eng.unpublish(KVConnector.ticket_name(s.key)):
+                    with contextlib.suppress(AiokvError):
+                        await serve  # it ends at once: its ticket is gone
+                    return None
+            return await serve
+        finally:
+            eng.unpublish(no)
+            declined.cancel()
+            if not serve.done():
+                serve.cancel()
+                await asyncio.wait({serve})  # it stops before the blocks are reported
+
     async def _send(self, s: SendSpec) -> None:
         assert self.kv is not None
-        ok = False
+        ok = declined = False
         t0 = time.perf_counter()
         try:
             if s.push_to is None:
-                to = await self.kv.serve_request(
-                    s.key, s.block_ids, timeout=self.settings.lease_seconds
-                )
+                to = await self._serve(s)
+                declined = to is None
             else:
                 to = with_port_offset(s.push_to, self.rank)
                 await self.kv.send_request(s.key, s.block_ids, to=to, timeout=self.settings.timeout)
-            ok = True
+            ok = not declined
             log.debug(
-                "AiokvConnector: %s handed to %s in %.1f ms",
+                "AiokvConnector: %s %s in %.1f ms",
                 s.req_id,
-                to,
+                "declined by its decode" if declined else f"handed to {to}",
                 (time.perf_counter() - t0) * 1e3,
             )
         except asyncio.CancelledError:
@@ -543,7 +643,9 @@ class _WorkerSide:
             with self._lock:
                 self._sending.discard(s.req_id)
                 self._sent.add(s.req_id)
-                self._stats["sends" if ok else "send_failures"] += 1
+                self._stats[
+                    "sends" if ok else "sends_declined" if declined else "send_failures"
+                ] += 1
 
     async def _load(self, spec: LoadSpec) -> None:
         assert self.kv is not None and self.layout is not None

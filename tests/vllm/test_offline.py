@@ -156,6 +156,28 @@ def test_an_aborted_load_stops_and_frees_its_blocks(pd: dict[str, Any]) -> None:
     assert d.generate([x], 4)[0]["tokens"] == pd["p"].generate([x], 4)[0]["tokens"]
 
 
+def test_a_decode_its_own_cache_serves_frees_the_prefill_blocks_at_once(pd: dict[str, Any]) -> None:
+    p, d = pd["p"], pd["d"]
+    x = prompt(61, 64)  # two whole blocks: all the prefill computes
+    # the decode computes a prompt starting with x: its prefix cache holds x's blocks
+    d.generate([x + prompt(62, 20)], 1)
+    base = p.call(op="state")
+    [params] = prefill(p, [x])
+    assert p.call(op="state")["free_blocks"] == base["free_blocks"] - 2  # held for the decode
+    y = x + prompt(63, 30)  # the decode's prompt: x, then more
+    before = d.call(op="state")["connector"]
+    [out] = d.generate([y], MAX_TOKENS, [params])
+    after = d.call(op="state")["connector"]
+    assert after["loads"] == before["loads"]  # x came from its own cache: nothing to load
+    # the prefill frees x's blocks now, not when its lease (120 s) ends
+    st = p.call(op="step_until_free", free=base["free_blocks"], seconds=10)
+    assert st["free_blocks"] == base["free_blocks"] and st["requests"] == 0
+    assert st["seconds"] < 5
+    assert after["declines"] - before["declines"] == 1
+    assert st["connector"]["sends_declined"] - base["connector"]["sends_declined"] == 1
+    assert out["tokens"] == reference(p, [y])[0]
+
+
 def test_a_dead_prefill_means_recompute(pd: dict[str, Any]) -> None:
     """Last in the module: it kills the prefill."""
     p, d = pd["p"], pd["d"]

@@ -17,11 +17,13 @@ ends the request with an error instead).
 Worker side: each worker runs an aiokv :class:`~aiokv.Engine` and a
 :class:`~aiokv.kv.KVConnector` over vLLM's paged caches on an event loop of its
 own thread; the synchronous calls only hand work to that loop. A prefill worker
-serves (pull) or sends (push) a finished request's blocks, a decode worker loads
-them between scheduler steps, and :meth:`AiokvConnector.get_transfer_results`
-reports what finished. Nothing waits inside vLLM's forward: the transfer of a
-request starts once its prefill finished, and the decode is scheduled once its KV
-is in place, so ``wait_for_layer_load`` and ``save_kv_layer`` have nothing to do.
+pushes the prompt's blocks layer by layer during the forward that completes the
+prompt (``save_kv_layer``: each layer leaves as soon as vLLM wrote it), or, in
+pull mode, serves them whole once the forward is done (``wait_for_save``: the
+decode is not known before the prefill answers). A decode worker loads a request
+between scheduler steps, and :meth:`AiokvConnector.get_transfer_results` reports
+what finished. Nothing waits inside vLLM's forward: the decode is scheduled only
+once its KV is in place, so ``wait_for_layer_load`` has nothing to wait for.
 """
 
 from __future__ import annotations
@@ -198,7 +200,10 @@ class AiokvConnector(KVConnectorBase_V1):  # type: ignore[misc]
         attn_metadata: AttentionMetadata,
         **kwargs: Any,
     ) -> None:
-        return  # a request's KV moves whole once its prompt is computed (wait_for_save)
+        # vLLM wrote this layer's KV: the layer-wise pushes of the step start sending it
+        meta = self._meta()
+        if meta is not None and meta.send:
+            self._w().save_layer(meta, layer_name)
 
     def wait_for_save(self) -> None:
         # the step's forward has written the KV of the prompts it completed: hand them on
@@ -322,6 +327,7 @@ class _SchedulerSide:
                 n_remote=n,
                 skip=skip,
                 block_ids=list(ids[skip:n]),
+                layerwise=remote.layerwise,
             )
         )
 
@@ -364,7 +370,11 @@ class _SchedulerSide:
             )
         self._tokens[request.request_id] = n_tokens
         return SendSpec(
-            request.request_id, transfer_key(request.request_id, prompt), blocks, push_to
+            request.request_id,
+            transfer_key(request.request_id, prompt),
+            blocks,
+            push_to,
+            layerwise=push_to is not None and self.c.settings.layerwise,
         )
 
     def build_meta(self, so: SchedulerOutput) -> AiokvMetadata:
@@ -421,6 +431,7 @@ class _SchedulerSide:
             "aiokv": PARAMS_VERSION,
             "aiokv_mode": "pull" if spec.push_to is None else "push",
             "aiokv_addresses": list(self.addresses),
+            "aiokv_layerwise": spec.layerwise,
         }
 
 
@@ -447,6 +458,8 @@ class _WorkerSide:
         self.kv: KVConnector | None = None
         self.layout: KVLayout | None = None
         self.address: str | None = None
+        self._layer_index: dict[str, int] = {}
+        self._saved: dict[str, set[int]] = {}  # layer-wise pushes: layers saved (loop thread)
         self._lock = threading.Lock()
         self._tasks: dict[str, asyncio.Task[None]] = {}  # by request id (loop thread)
         self._sending: set[str] = set()
@@ -463,6 +476,8 @@ class _WorkerSide:
             "send_failures": 0,
             "sends_declined": 0,
             "declines": 0,
+            "layers_saved": 0,  # in the forward (save_kv_layer)
+            "layers_saved_after": 0,  # after it (vLLM did not save them)
             "blocks_loaded": 0,
             "bytes_loaded": 0,
         }
@@ -471,7 +486,7 @@ class _WorkerSide:
 
     def register(self, kv_caches: dict[str, torch.Tensor]) -> None:
         mc = self.vllm_config.model_config
-        layout, tensors, _ = describe_caches(
+        layout, tensors, names = describe_caches(
             kv_caches,
             layout_name=self.vllm_config.cache_config.kv_cache_layout,
             block_size=self.c._block_size,
@@ -480,6 +495,7 @@ class _WorkerSide:
             use_mla=bool(getattr(mc, "use_mla", False)),
         )
         self.layout = layout
+        self._layer_index = {n: i for i, n in enumerate(names)}
         self.loop = LoopThread(f"aiokv-vllm-{self.rank}")
         self.engine, self.kv = self.loop.call(self._start(layout, tensors), 60.0)
         self.address = self.settings.advertised(self.engine.address, self.rank)
@@ -546,6 +562,40 @@ class _WorkerSide:
                 with self._lock:
                     self._sending.add(s.req_id)
                 loop.soon(functools.partial(self._start_send, s))
+
+    def save_layer(self, meta: AiokvMetadata, layer_name: str) -> None:
+        """(forward thread) Start sending ``layer_name`` of the step's layer-wise pushes."""
+        layer = self._layer_index.get(layer_name)
+        if layer is None:
+            return
+        loop = self._loop()
+        for s in meta.send:
+            if s.layerwise:
+                loop.soon(functools.partial(self._save_layer, s, layer, True))
+
+    def _save_layer(self, s: SendSpec, layer: int, in_forward: bool) -> None:
+        """(loop thread) One layer of a layer-wise push; a layer that fails is tried
+        again after the forward (:meth:`_send`)."""
+        assert self.kv is not None and s.push_to is not None
+        done = self._saved.setdefault(s.req_id, set())
+        if layer in done:
+            return
+        try:
+            self.kv.save_layer(
+                s.key,
+                layer,
+                s.block_ids,
+                to=with_port_offset(s.push_to, self.rank),
+                timeout=self.settings.timeout,
+            )
+        except AiokvError as exc:
+            log.debug("AiokvConnector: %s: layer %d not saved: %s", s.req_id, layer, exc)
+            if not in_forward:
+                raise
+            return
+        done.add(layer)
+        with self._lock:
+            self._stats["layers_saved" if in_forward else "layers_saved_after"] += 1
 
     def _start_send(self, s: SendSpec) -> None:
         assert self.loop is not None
@@ -622,6 +672,13 @@ class _WorkerSide:
             if s.push_to is None:
                 to = await self._serve(s)
                 declined = to is None
+            elif s.layerwise:
+                to = with_port_offset(s.push_to, self.rank)
+                assert self.layout is not None
+                # the layers the forward did not save (or that failed) go now
+                for layer in range(self.layout.num_layers):
+                    self._save_layer(s, layer, False)
+                await self.kv.wait_saved(s.key)
             else:
                 to = with_port_offset(s.push_to, self.rank)
                 await self.kv.send_request(s.key, s.block_ids, to=to, timeout=self.settings.timeout)
@@ -640,6 +697,7 @@ class _WorkerSide:
             log.exception("AiokvConnector: %s was not handed on", s.req_id)
         finally:
             self._tasks.pop(s.req_id, None)
+            self._saved.pop(s.req_id, None)
             with self._lock:
                 self._sending.discard(s.req_id)
                 self._sent.add(s.req_id)
@@ -694,7 +752,9 @@ class _WorkerSide:
         if spec.mode == "pull":
             await kv.fetch_request(spec.key, ids, frm=frm, timeout=self.settings.timeout)
         else:
-            await kv.recv_request(spec.key, ids, frm=frm, timeout=self.settings.timeout)
+            await kv.recv_request(
+                spec.key, ids, frm=frm, timeout=self.settings.timeout, layerwise=spec.layerwise
+            )
 
     async def _load_past_local_hit(self, spec: LoadSpec, frm: str) -> None:
         """The first ``skip`` remote blocks are in this cache already: the request is

@@ -80,8 +80,14 @@ def test_pull_decode_is_token_exact_and_loads_the_prompt_through_aiokv(pd: dict[
 def test_push_decode_is_token_exact(pd: dict[str, Any]) -> None:
     p, d = pd["p"], pd["d"]
     prompts = [prompt(11, 100), prompt(12, 33)]
+    sent = p.call(op="state")["connector"]
     params = prefill(p, prompts, aiokv_decode=pd["decode_addr"])
     assert [x["aiokv_mode"] for x in params] == ["push", "push"]
+    assert [x["aiokv_layerwise"] for x in params] == [True, True]
+    # each layer (2) of each request left as the forward saved it, none after it
+    saved = p.call(op="state")["connector"]
+    assert saved["layers_saved"] - sent["layers_saved"] == 2 * 2
+    assert saved["layers_saved_after"] == sent["layers_saved_after"]
     before = d.call(op="state")["connector"]
     outs = d.generate(prompts, MAX_TOKENS, params)
     assert [o["tokens"] for o in outs] == reference(p, prompts)

@@ -189,6 +189,7 @@ def test_prefill_hands_on_its_prompt_and_frees_the_blocks_once_sent(model: str) 
     assert params["remote_request_id"] == "a" and params["remote_num_tokens"] == 70
     assert params["remote_block_ids"] == spec.block_ids
     assert params["aiokv_addresses"] == [P_ADDR] and params["aiokv_mode"] == "pull"
+    assert params["aiokv_layerwise"] is False and not spec.layerwise
     assert (params["remote_host"], params["remote_port"]) == ("127.0.0.1", 45001)
     # finished, but the blocks stay until the worker reports them sent
     assert held_blocks(s) == 3 and "a" in s.requests
@@ -209,6 +210,9 @@ def test_prefill_push_target_from_params_or_request_id(model: str) -> None:
         "x___decode_addr_10.9.9.9:7000_y": "10.9.9.9:7000",
     }
     assert {p["aiokv_mode"] for p in produced.values()} == {"push"}
+    # pushed layer by layer, as the forward saves each layer
+    assert all(m.layerwise for m in meta.send)
+    assert {p["aiokv_layerwise"] for p in produced.values()} == {True}
     step(s, sending={m.req_id for m in meta.send})
     assert_empty(s)
 

@@ -96,6 +96,32 @@ def test_push_decode_is_token_exact(pd: dict[str, Any]) -> None:
     assert after["blocks_loaded"] - before["blocks_loaded"] == 4 + 2
 
 
+def test_push_without_layerwise_sends_the_request_whole_after_the_forward(
+    tiny_model: str, procs: list[LLMProc], pd: dict[str, Any]
+) -> None:
+    p = LLMProc(
+        "prefill-whole",
+        model=tiny_model,
+        role="kv_producer",
+        prefix_caching=False,
+        extra={"layerwise": False},
+    )
+    procs.append(p)
+    p.ready()
+    d = pd["d"]
+    prompts = [prompt(13, 70), prompt(14, 20)]
+    params = prefill(p, prompts, aiokv_decode=pd["decode_addr"])
+    assert [(x["aiokv_mode"], x["aiokv_layerwise"]) for x in params] == [("push", False)] * 2
+    assert p.call(op="state")["connector"]["layers_saved"] == 0
+    before = d.call(op="state")["connector"]
+    outs = d.generate(prompts, MAX_TOKENS, params)
+    assert [o["tokens"] for o in outs] == reference(pd["p"], prompts)
+    after = d.call(op="state")["connector"]
+    assert after["loads"] - before["loads"] == 2
+    assert after["blocks_loaded"] - before["blocks_loaded"] == 3 + 1
+    p.kill()
+
+
 def test_a_local_prefix_hit_loads_only_the_blocks_past_it(pd: dict[str, Any]) -> None:
     p, d = pd["p"], pd["d"]
     x = prompt(21, 77)

@@ -575,7 +575,7 @@ class _WorkerSide:
 
     def _save_layer(self, s: SendSpec, layer: int, in_forward: bool) -> None:
         """(loop thread) One layer of a layer-wise push; a layer that fails is tried
-        again after the forward (:meth:`_send`)."""
+        again after the forward (:meth:`_send`), and then missed by ``wait_saved``."""
         assert self.kv is not None and s.push_to is not None
         done = self._saved.setdefault(s.req_id, set())
         if layer in done:
@@ -590,8 +590,6 @@ class _WorkerSide:
             )
         except AiokvError as exc:
             log.debug("AiokvConnector: %s: layer %d not saved: %s", s.req_id, layer, exc)
-            if not in_forward:
-                raise
             return
         done.add(layer)
         with self._lock:
@@ -675,7 +673,8 @@ class _WorkerSide:
             elif s.layerwise:
                 to = with_port_offset(s.push_to, self.rank)
                 assert self.layout is not None
-                # the layers the forward did not save (or that failed) go now
+                # the layers the forward did not save (or that failed) go now; then
+                # every layer is waited for (an unsaved one fails it, naming the layer)
                 for layer in range(self.layout.num_layers):
                     self._save_layer(s, layer, False)
                 await self.kv.wait_saved(s.key)

@@ -73,6 +73,7 @@ def test_the_others_and_unknown_keys_warn() -> None:
         {"nccl_num_channels": 2.5},
         {"store_gb": 1, "mem_pool_size_gb": 2},
         {"advertise_host": "a b"},
+        {"layerwise": "yes"},
     ],
 )
 def test_unusable_values_are_refused(extra: dict[str, object]) -> None:
@@ -192,6 +193,12 @@ def test_parse_remote_takes_usable_params_and_says_why_not() -> None:
     r, why = parse_remote(good(), prompt_len=70, block_size=32, tp_size=1)
     assert why is None and r is not None
     assert (r.request_id, r.block_ids, r.num_tokens, r.mode) == ("p-1", (4, 5, 6), 70, "pull")
+    assert r.layerwise is False
+    push = good() | {"aiokv_mode": "push", "aiokv_layerwise": True}
+    r, why = parse_remote(push, prompt_len=70, block_size=32, tp_size=1)
+    assert why is None and r is not None and (r.mode, r.layerwise) == ("push", True)
+    assert parse_settings({})[0].layerwise is True
+    assert parse_settings({"layerwise": False})[0].layerwise is False
     assert parse_remote(None, prompt_len=70, block_size=32, tp_size=1) == (None, None)
     assert parse_remote({"do_remote_decode": True}, prompt_len=70, block_size=32, tp_size=1) == (
         None,
@@ -210,6 +217,8 @@ def test_parse_remote_takes_usable_params_and_says_why_not() -> None:
         {"remote_request_id": "x" * 300},
         {"aiokv_mode": None},
         {"aiokv": 2},
+        {"aiokv_layerwise": True},  # layer by layer is a push
+        {"aiokv_layerwise": 1, "aiokv_mode": "push"},
     ):
         r, why = parse_remote(good() | bad, prompt_len=70, block_size=32, tp_size=1)
         assert r is None and why, bad

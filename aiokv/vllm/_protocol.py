@@ -8,7 +8,8 @@ A prefill (``kv_transfer_params={"do_remote_decode": true}``) answers with::
      "remote_block_ids": [...], "remote_host": ..., "remote_port": ...,
      "remote_num_tokens": <tokens whose KV it holds>, "tp_size": ...,
      "aiokv": 1, "aiokv_mode": "pull" | "push",
-     "aiokv_addresses": ["host:port" of each tensor-parallel rank's engine]}
+     "aiokv_addresses": ["host:port" of each tensor-parallel rank's engine],
+     "aiokv_layerwise": <push: the prefill sent it layer by layer>}
 
 which the decode request carries verbatim. The data itself travels under the key
 ``f"{remote_request_id}@{digest}"`` where ``digest`` is :func:`prompt_digest` of the
@@ -28,9 +29,11 @@ from typing import Any, Literal
 
 __all__ = [
     "PARAMS_VERSION",
+    "DeclineSpec",
     "LoadSpec",
     "RemoteKV",
     "SendSpec",
+    "decline_name",
     "decode_address_of",
     "parse_remote",
     "prompt_digest",
@@ -56,6 +59,12 @@ def prompt_digest(token_ids: Sequence[int]) -> str:
 def transfer_key(request_id: str, token_ids: Sequence[int]) -> str:
     """The id a request's KV travels under (see the module docstring)."""
     return f"{request_id}@{prompt_digest(token_ids)}"
+
+
+def decline_name(key: str) -> str:
+    """The id of the ticket a pull prefill publishes beside its request's: a decode
+    that will not load the request GETs it, and the prefill frees the blocks at once."""
+    return f"{key}#decline"
 
 
 def valid_address(a: object) -> bool:
@@ -89,6 +98,7 @@ class RemoteKV:
     block_ids: tuple[int, ...]
     num_tokens: int
     mode: Literal["pull", "push"]
+    layerwise: bool = False
 
 
 def parse_remote(
@@ -129,7 +139,10 @@ def parse_remote(
     mode = params.get("aiokv_mode")
     if mode not in ("pull", "push"):
         return None, f"aiokv_mode {mode!r:.20} is not pull or push"
-    return RemoteKV(rid, tuple(addrs), tuple(ids), n, mode), None
+    layerwise = params.get("aiokv_layerwise", False)
+    if not isinstance(layerwise, bool) or (layerwise and mode != "push"):
+        return None, f"aiokv_layerwise {layerwise!r:.20} is not a bool, or not with push"
+    return RemoteKV(rid, tuple(addrs), tuple(ids), n, mode, layerwise), None
 
 
 @dataclass(slots=True)
@@ -141,6 +154,8 @@ class SendSpec:
     block_ids: list[int]
     #: push: the decode's address (rank 0; rank r adds r to the port); None: pull
     push_to: str | None = None
+    #: push layer by layer, as the forward saves each layer
+    layerwise: bool = False
 
 
 @dataclass(slots=True)
@@ -157,3 +172,16 @@ class LoadSpec:
     n_remote: int
     skip: int
     block_ids: list[int] = field(default_factory=list)
+    #: the prefill pushed it layer by layer
+    layerwise: bool = False
+
+
+@dataclass(slots=True)
+class DeclineSpec:
+    """Worker, decode side: the pull prefill at ``addresses`` holds ``key`` for a
+    request that will not load it (its own prefix cache serves the prompt, or vLLM
+    computes it, or the request ended first): tell it to free the blocks."""
+
+    req_id: str
+    key: str
+    addresses: list[str]

@@ -47,6 +47,7 @@ _OWN = frozenset(
         "staging_mb",
         "store_gb",
         "nccl_max_channels",
+        "layerwise",
     }
 )
 _SEND_TYPES: Mapping[str, Mode] = {"GET": "pull", "PUT": "push", "PUT_ASYNC": "push"}
@@ -73,6 +74,9 @@ class Settings:
     staging_bytes: int | None = None
     store_bytes: int = 2 * GiB
     nccl_max_channels: int | None = None
+    #: push: send each layer as vLLM's forward saves it (the transfer overlaps the
+    #: rest of the forward) instead of the whole request after the forward
+    layerwise: bool = True
 
     def address_for(self, rank: int) -> str:
         port = self.listen_port + rank if self.listen_port else 0
@@ -181,4 +185,9 @@ def parse_settings(extra: Mapping[str, Any] | None) -> tuple[Settings, list[str]
             if n != int(n):
                 raise ConfigError(f"kv_connector_extra_config[{key!r}] must be an integer")
             kw["nccl_max_channels"] = int(n)
+    if "layerwise" in extra:
+        v = extra["layerwise"]
+        if not isinstance(v, bool):
+            raise ConfigError(f"kv_connector_extra_config['layerwise'] must be a bool, got {v!r}")
+        kw["layerwise"] = v
     return Settings(**kw), warnings

@@ -17,16 +17,19 @@ ends the request with an error instead).
 Worker side: each worker runs an aiokv :class:`~aiokv.Engine` and a
 :class:`~aiokv.kv.KVConnector` over vLLM's paged caches on an event loop of its
 own thread; the synchronous calls only hand work to that loop. A prefill worker
-serves (pull) or sends (push) a finished request's blocks, a decode worker loads
-them between scheduler steps, and :meth:`AiokvConnector.get_transfer_results`
-reports what finished. Nothing waits inside vLLM's forward: the transfer of a
-request starts once its prefill finished, and the decode is scheduled once its KV
-is in place, so ``wait_for_layer_load`` and ``save_kv_layer`` have nothing to do.
+pushes the prompt's blocks layer by layer during the forward that completes the
+prompt (``save_kv_layer``: each layer leaves as soon as vLLM wrote it), or, in
+pull mode, serves them whole once the forward is done (``wait_for_save``: the
+decode is not known before the prefill answers). A decode worker loads a request
+between scheduler steps, and :meth:`AiokvConnector.get_transfer_results` reports
+what finished. Nothing waits inside vLLM's forward: the decode is scheduled only
+once its KV is in place, so ``wait_for_layer_load`` has nothing to wait for.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import functools
 import logging
@@ -49,8 +52,11 @@ from ._layout import describe_caches
 from ._loop import LoopThread
 from ._protocol import (
     PARAMS_VERSION,
+    DeclineSpec,
     LoadSpec,
+    RemoteKV,
     SendSpec,
+    decline_name,
     decode_address_of,
     parse_remote,
     transfer_key,
@@ -77,6 +83,10 @@ log = logging.getLogger("aiokv.vllm")
 
 #: request statuses after which a prefill's KV is complete and worth handing on
 _DONE = ("FINISHED_LENGTH_CAPPED", "FINISHED_STOPPED")
+#: declines a decode worker has in flight at once (beyond: the prefill's lease frees)
+_MAX_DECLINES = 256
+#: how long a decline waits for the prefill's engine
+_DECLINE_TIMEOUT = 5.0
 
 
 @dataclasses.dataclass
@@ -95,6 +105,8 @@ class AiokvMetadata(KVConnectorMetadata):  # type: ignore[misc]
     load: list[LoadSpec] = dataclasses.field(default_factory=list)
     #: prefill requests that ended otherwise than finished (aborted): stop handing on
     cancel: list[str] = dataclasses.field(default_factory=list)
+    #: decode requests that will not load what their pull prefill holds: release it
+    decline: list[DeclineSpec] = dataclasses.field(default_factory=list)
 
 
 class AiokvConnector(KVConnectorBase_V1):  # type: ignore[misc]
@@ -188,7 +200,10 @@ class AiokvConnector(KVConnectorBase_V1):  # type: ignore[misc]
         attn_metadata: AttentionMetadata,
         **kwargs: Any,
     ) -> None:
-        return  # a request's KV moves whole once its prompt is computed (wait_for_save)
+        # vLLM wrote this layer's KV: the layer-wise pushes of the step start sending it
+        meta = self._meta()
+        if meta is not None and meta.send:
+            self._w().save_layer(meta, layer_name)
 
     def wait_for_save(self) -> None:
         # the step's forward has written the KV of the prompts it completed: hand them on
@@ -229,6 +244,7 @@ class _SchedulerSide:
         self._send: list[SendSpec] = []
         self._load: list[LoadSpec] = []
         self._cancel: list[str] = []
+        self._decline: list[DeclineSpec] = []
         self._warned_push = False
 
     def handshake(self, metadata: dict[int, KVConnectorHandshakeMetadata]) -> None:
@@ -267,6 +283,20 @@ class _SchedulerSide:
         self._computed[request.request_id] = num_computed_tokens
         return count, True
 
+    def _release(self, request: Request, remote: RemoteKV) -> None:
+        """``request`` does not load what its prefill holds: a pull prefill keeps it
+        until a decode takes it or its lease ends, so tell it now. (A push prefill
+        let go once its decode's engine held the request.)"""
+        if remote.mode == "pull":
+            prompt = request.prompt_token_ids or []
+            self._decline.append(
+                DeclineSpec(
+                    request.request_id,
+                    transfer_key(remote.request_id, prompt[: remote.num_tokens]),
+                    list(remote.addresses),
+                )
+            )
+
     def after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external: int) -> None:
         params = request.kv_transfer_params
         computed = self._computed.pop(request.request_id, None)
@@ -274,7 +304,11 @@ class _SchedulerSide:
             return
         remote, _ = self._remote(request)
         params["do_remote_prefill"] = False  # one load per request, also after preemption
-        if remote is None or num_external <= 0 or computed is None:
+        if remote is None:
+            return
+        if num_external <= 0 or computed is None:
+            # this cache holds every remote token already, or vLLM computes the prompt
+            self._release(request, remote)
             return
         ids = blocks.get_block_ids()[0]
         skip = computed // self.c._block_size
@@ -293,6 +327,7 @@ class _SchedulerSide:
                 n_remote=n,
                 skip=skip,
                 block_ids=list(ids[skip:n]),
+                layerwise=remote.layerwise,
             )
         )
 
@@ -335,7 +370,11 @@ class _SchedulerSide:
             )
         self._tokens[request.request_id] = n_tokens
         return SendSpec(
-            request.request_id, transfer_key(request.request_id, prompt), blocks, push_to
+            request.request_id,
+            transfer_key(request.request_id, prompt),
+            blocks,
+            push_to,
+            layerwise=push_to is not None and self.c.settings.layerwise,
         )
 
     def build_meta(self, so: SchedulerOutput) -> AiokvMetadata:
@@ -349,8 +388,10 @@ class _SchedulerSide:
                 if spec is not None:
                     self._handed[rid] = spec
                     self._send.append(spec)
-        meta = AiokvMetadata(send=self._send, load=self._load, cancel=self._cancel)
-        self._send, self._load, self._cancel = [], [], []
+        meta = AiokvMetadata(
+            send=self._send, load=self._load, cancel=self._cancel, decline=self._decline
+        )
+        self._send, self._load, self._cancel, self._decline = [], [], [], []
         return meta
 
     def finished(
@@ -359,6 +400,14 @@ class _SchedulerSide:
         rid = request.request_id
         self._computed.pop(rid, None)
         self._producing.pop(rid, None)
+        params = request.kv_transfer_params
+        if isinstance(params, dict) and params.get("do_remote_prefill"):
+            # a decode request that ended before its blocks were allocated (aborted
+            # while waiting): it never loads
+            remote, _ = self._remote(request)
+            params["do_remote_prefill"] = False
+            if remote is not None:
+                self._release(request, remote)
         spec = self._handed.pop(rid, None)
         n_tokens = self._tokens.pop(rid, 0)
         if spec is None:
@@ -382,6 +431,7 @@ class _SchedulerSide:
             "aiokv": PARAMS_VERSION,
             "aiokv_mode": "pull" if spec.push_to is None else "push",
             "aiokv_addresses": list(self.addresses),
+            "aiokv_layerwise": spec.layerwise,
         }
 
 
@@ -408,6 +458,8 @@ class _WorkerSide:
         self.kv: KVConnector | None = None
         self.layout: KVLayout | None = None
         self.address: str | None = None
+        self._layer_index: dict[str, int] = {}
+        self._saved: dict[str, set[int]] = {}  # layer-wise pushes: layers saved (loop thread)
         self._lock = threading.Lock()
         self._tasks: dict[str, asyncio.Task[None]] = {}  # by request id (loop thread)
         self._sending: set[str] = set()
@@ -415,12 +467,17 @@ class _WorkerSide:
         self._loaded: set[str] = set()  # done (or cancelled), not reported yet
         self._failed: set[str] = set()  # subset of _loaded
         self._finished: set[str] = set()  # request ids vLLM said finished
+        self._declines: set[asyncio.Task[None]] = set()  # (loop thread)
         self._stats: dict[str, Any] = {
             "loads": 0,
             "load_failures": 0,
             "loads_cancelled": 0,
             "sends": 0,
             "send_failures": 0,
+            "sends_declined": 0,
+            "declines": 0,
+            "layers_saved": 0,  # in the forward (save_kv_layer)
+            "layers_saved_after": 0,  # after it (vLLM did not save them)
             "blocks_loaded": 0,
             "bytes_loaded": 0,
         }
@@ -429,7 +486,7 @@ class _WorkerSide:
 
     def register(self, kv_caches: dict[str, torch.Tensor]) -> None:
         mc = self.vllm_config.model_config
-        layout, tensors, _ = describe_caches(
+        layout, tensors, names = describe_caches(
             kv_caches,
             layout_name=self.vllm_config.cache_config.kv_cache_layout,
             block_size=self.c._block_size,
@@ -438,6 +495,7 @@ class _WorkerSide:
             use_mla=bool(getattr(mc, "use_mla", False)),
         )
         self.layout = layout
+        self._layer_index = {n: i for i, n in enumerate(names)}
         self.loop = LoopThread(f"aiokv-vllm-{self.rank}")
         self.engine, self.kv = self.loop.call(self._start(layout, tensors), 60.0)
         self.address = self.settings.advertised(self.engine.address, self.rank)
@@ -488,12 +546,14 @@ class _WorkerSide:
         return self.loop
 
     def start_loads(self, meta: AiokvMetadata) -> None:
-        if meta.load or meta.cancel:
+        if meta.load or meta.cancel or meta.decline:
             loop = self._loop()
             for spec in meta.load:
                 loop.soon(functools.partial(self._start_load, spec))
             if meta.cancel:
                 loop.soon(functools.partial(self._cancel, set(meta.cancel)))
+            for d in meta.decline:
+                loop.soon(functools.partial(self._start_decline, d))
 
     def start_sends(self, meta: AiokvMetadata) -> None:
         if meta.send:
@@ -502,6 +562,38 @@ class _WorkerSide:
                 with self._lock:
                     self._sending.add(s.req_id)
                 loop.soon(functools.partial(self._start_send, s))
+
+    def save_layer(self, meta: AiokvMetadata, layer_name: str) -> None:
+        """(forward thread) Start sending ``layer_name`` of the step's layer-wise pushes."""
+        layer = self._layer_index.get(layer_name)
+        if layer is None:
+            return
+        loop = self._loop()
+        for s in meta.send:
+            if s.layerwise:
+                loop.soon(functools.partial(self._save_layer, s, layer, True))
+
+    def _save_layer(self, s: SendSpec, layer: int, in_forward: bool) -> None:
+        """(loop thread) One layer of a layer-wise push; a layer that fails is tried
+        again after the forward (:meth:`_send`), and then missed by ``wait_saved``."""
+        assert self.kv is not None and s.push_to is not None
+        done = self._saved.setdefault(s.req_id, set())
+        if layer in done:
+            return
+        try:
+            self.kv.save_layer(
+                s.key,
+                layer,
+                s.block_ids,
+                to=with_port_offset(s.push_to, self.rank),
+                timeout=self.settings.timeout,
+            )
+        except AiokvError as exc:
+            log.debug("AiokvConnector: %s: layer %d not saved: %s", s.req_id, layer, exc)
+            return
+        done.add(layer)
+        with self._lock:
+            self._stats["layers_saved" if in_forward else "layers_saved_after"] += 1
 
     def _start_send(self, s: SendSpec) -> None:
         assert self.loop is not None
@@ -513,23 +605,87 @@ class _WorkerSide:
         assert self.loop is not None
         self._tasks[spec.req_id] = self.loop.loop.create_task(self._load(spec))
 
+    def _start_decline(self, d: DeclineSpec) -> None:
+        """(loop thread) Tell the pull prefill of ``d`` to free its blocks, in a task
+        (bounded: beyond :data:`_MAX_DECLINES` in flight, the prefill's lease frees)."""
+        assert self.loop is not None
+        if len(self._declines) >= _MAX_DECLINES:
+            log.warning("AiokvConnector: too many declines in flight; %s is not sent", d.req_id)
+            return
+        task = self.loop.loop.create_task(self._decline(d))
+        self._declines.add(task)
+        task.add_done_callback(self._declines.discard)
+
+    async def _decline(self, d: DeclineSpec) -> None:
+        assert self.engine is not None
+        frm = d.addresses[self.rank]
+        try:
+            await self.engine.get(decline_name(d.key), frm=frm, timeout=_DECLINE_TIMEOUT)
+        except AiokvError as exc:  # gone, or already taken: its lease or its decode freed it
+            log.debug("AiokvConnector: %s: the decline to %s failed: %s", d.req_id, frm, exc)
+            return
+        with self._lock:
+            self._stats["declines"] += 1
+        log.debug("AiokvConnector: %s: %s frees the blocks it held for it", d.req_id, frm)
+
+    async def _serve(self, s: SendSpec) -> str | None:
+        """Pull: hold the request for one GET of its ticket, beside a decline ticket; a
+        decode that will not load it GETs the decline and the blocks are free at once.
+        Returns where the request went, or None when it was declined."""
+        from ..kv import KVConnector
+
+        assert self.kv is not None and self.engine is not None
+        eng, lease = self.engine, self.settings.lease_seconds
+        no = decline_name(s.key)
+        eng.publish(no, torch.ones(1, dtype=torch.int64), once=True)
+        declined = asyncio.ensure_future(eng.wait_fetched(no, timeout=lease))
+        published = asyncio.Event()
+        serve = asyncio.ensure_future(
+            self.kv.serve_request(s.key, s.block_ids, timeout=lease, on_published=published.set)
+        )
+        try:
+            await asyncio.wait({serve, declined}, return_when=asyncio.FIRST_COMPLETED)
+            if not serve.done() and declined.done() and declined.exception() is None:
+                out = asyncio.ensure_future(published.wait())
+                await asyncio.wait({serve, out}, return_when=asyncio.FIRST_COMPLETED)
+                out.cancel()
+                # a decline counts while nobody took the request: then nobody will
+                if not serve.done() and eng.unpublish(KVConnector.ticket_name(s.key)):
+                    with contextlib.suppress(AiokvError):
+                        await serve  # it ends at once: its ticket is gone
+                    return None
+            return await serve
+        finally:
+            eng.unpublish(no)
+            declined.cancel()
+            if not serve.done():
+                serve.cancel()
+                await asyncio.wait({serve})  # it stops before the blocks are reported
+
     async def _send(self, s: SendSpec) -> None:
         assert self.kv is not None
-        ok = False
+        ok = declined = False
         t0 = time.perf_counter()
         try:
             if s.push_to is None:
-                to = await self.kv.serve_request(
-                    s.key, s.block_ids, timeout=self.settings.lease_seconds
-                )
+                to = await self._serve(s)
+                declined = to is None
+            elif s.layerwise:
+                to = with_port_offset(s.push_to, self.rank)
+                assert self.layout is not None
+                # the layers the forward did not save (or that failed) go now; then
+                # every layer is waited for (an unsaved one fails it, naming the layer)
+                for layer in range(self.layout.num_layers):
+                    self._save_layer(s, layer, False)
+                await self.kv.wait_saved(s.key)
             else:
                 to = with_port_offset(s.push_to, self.rank)
                 await self.kv.send_request(s.key, s.block_ids, to=to, timeout=self.settings.timeout)
-            ok = True
+            ok = not declined
             log.debug(
-                "AiokvConnector: %s handed to %s in %.1f ms",
+                "AiokvConnector: %s %s in %.1f ms",
                 s.req_id,
-                to,
+                "declined by its decode" if declined else f"handed to {to}",
                 (time.perf_counter() - t0) * 1e3,
             )
         except asyncio.CancelledError:
@@ -540,10 +696,13 @@ class _WorkerSide:
             log.exception("AiokvConnector: %s was not handed on", s.req_id)
         finally:
             self._tasks.pop(s.req_id, None)
+            self._saved.pop(s.req_id, None)
             with self._lock:
                 self._sending.discard(s.req_id)
                 self._sent.add(s.req_id)
-                self._stats["sends" if ok else "send_failures"] += 1
+                self._stats[
+                    "sends" if ok else "sends_declined" if declined else "send_failures"
+                ] += 1
 
     async def _load(self, spec: LoadSpec) -> None:
         assert self.kv is not None and self.layout is not None
@@ -592,7 +751,9 @@ class _WorkerSide:
         if spec.mode == "pull":
             await kv.fetch_request(spec.key, ids, frm=frm, timeout=self.settings.timeout)
         else:
-            await kv.recv_request(spec.key, ids, frm=frm, timeout=self.settings.timeout)
+            await kv.recv_request(
+                spec.key, ids, frm=frm, timeout=self.settings.timeout, layerwise=spec.layerwise
+            )
 
     async def _load_past_local_hit(self, spec: LoadSpec, frm: str) -> None:
         """The first ``skip`` remote blocks are in this cache already: the request is

@@ -7,6 +7,7 @@ are the stdout lines that start with ``@@``; everything else is vLLM's logging.
 
 Commands (one JSON object a line): ``generate`` (prompts, max_tokens, params),
 ``abort_while_loading`` (one request that is aborted after ``after`` seconds),
+``step_until_free`` (steps until ``free`` blocks are free, at most ``seconds``),
 ``state`` (free blocks, requests the scheduler holds, connector counters).
 """
 
@@ -127,6 +128,17 @@ def main() -> None:
                         "state": state(),
                     }
                 )
+            elif op == "step_until_free":
+                # step the engine (it hears from its worker only in steps) until it has
+                # ``free`` free blocks, at most ``seconds``
+                t0 = time.monotonic()
+                pool = scheduler.kv_cache_manager.block_pool
+                while pool.get_num_free_blocks() < cmd["free"] and (
+                    time.monotonic() - t0 < cmd["seconds"]
+                ):
+                    engine.step()
+                    time.sleep(0.01)
+                answer({**state(), "seconds": time.monotonic() - t0})
             elif op == "state":
                 answer(state())
             else:

@@ -4,6 +4,10 @@
   downloaded); vLLM loads it with ``skip_tokenizer_init``.
 * :class:`LLMProc`: one vLLM engine with AiokvConnector in a subprocess
   (``_llm_proc.py``), driven with JSON lines; always killed at the end.
+* :class:`Server`: a long-running server (vLLM's OpenAI server, ``aiokv router``)
+  under ``_watchdog.py``, its output in a file (never a pipe nobody reads: a full
+  pipe stops the server), its process group killed at the end; the logs of the
+  servers running when a test fails are attached to its report.
 """
 
 from __future__ import annotations
@@ -145,6 +149,59 @@ def procs() -> Iterator[list[LLMProc]]:
     yield started
     for p in started:
         p.kill()
+
+
+class Server:
+    """A server process (its children included) whose output goes to ``log_path``."""
+
+    running: list[Server] = []  # what a failing test's report shows the logs of
+
+    def __init__(self, name: str, argv: list[str], log_dir: Path, env: dict[str, str]) -> None:
+        self.name = name
+        self.log_path = log_dir / f"{name}.log"
+        self._log = open(self.log_path, "wb")  # closed by kill()
+        self.proc = subprocess.Popen(
+            [sys.executable, "-u", str(HERE / "_watchdog.py"), str(os.getpid()), *argv],
+            stdin=subprocess.DEVNULL,
+            stdout=self._log,
+            stderr=subprocess.STDOUT,
+            cwd=str(REPO),
+            env=env,
+            start_new_session=True,
+        )
+        Server.running.append(self)
+
+    def alive(self) -> bool:
+        return self.proc.poll() is None
+
+    def tail(self, n: int = 80) -> str:
+        try:
+            lines = self.log_path.read_bytes().decode(errors="replace").splitlines()
+        except OSError as e:
+            return f"(no log: {e})"
+        return "\n".join(lines[-n:])
+
+    def fail(self, why: str) -> AssertionError:
+        return AssertionError(f"{self.name}: {why}; log ({self.log_path}):\n{self.tail()}")
+
+    def kill(self) -> None:
+        if self in Server.running:
+            Server.running.remove(self)
+        try:
+            os.killpg(self.proc.pid, signal.SIGKILL)  # the group: the server's children too
+        except ProcessLookupError:
+            pass
+        self.proc.wait(10)
+        self._log.close()
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) -> Iterator[None]:
+    outcome = yield
+    report = outcome.get_result()  # type: ignore[attr-defined]
+    if report.failed:
+        for s in Server.running:
+            report.sections.append((f"log of {s.name} ({s.log_path})", s.tail(200)))
 
 
 def free_port() -> int:

@@ -15,7 +15,7 @@ from collections.abc import Iterator
 from typing import Any
 
 import pytest
-from conftest import LLMProc, free_port
+from conftest import LLMProc, free_port, wait_until
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(300)]
 
@@ -80,14 +80,46 @@ def test_pull_decode_is_token_exact_and_loads_the_prompt_through_aiokv(pd: dict[
 def test_push_decode_is_token_exact(pd: dict[str, Any]) -> None:
     p, d = pd["p"], pd["d"]
     prompts = [prompt(11, 100), prompt(12, 33)]
+    sent = p.call(op="state")["connector"]
     params = prefill(p, prompts, aiokv_decode=pd["decode_addr"])
     assert [x["aiokv_mode"] for x in params] == ["push", "push"]
+    assert [x["aiokv_layerwise"] for x in params] == [True, True]
+    # each layer (2) of each request left as the forward saved it, none after it
+    saved = p.call(op="state")["connector"]
+    assert saved["layers_saved"] - sent["layers_saved"] == 2 * 2
+    assert saved["layers_saved_after"] == sent["layers_saved_after"]
     before = d.call(op="state")["connector"]
     outs = d.generate(prompts, MAX_TOKENS, params)
     assert [o["tokens"] for o in outs] == reference(p, prompts)
     after = d.call(op="state")["connector"]
     assert after["loads"] - before["loads"] == 2
     assert after["blocks_loaded"] - before["blocks_loaded"] == 4 + 2
+
+
+def test_push_without_layerwise_sends_the_request_whole_after_the_forward(
+    tiny_model: str, procs: list[LLMProc], pd: dict[str, Any]
+) -> None:
+    p = LLMProc(
+        "prefill-whole",
+        model=tiny_model,
+        role="kv_producer",
+        prefix_caching=False,
+        extra={"layerwise": False},
+    )
+    procs.append(p)
+    p.ready()
+    d = pd["d"]
+    prompts = [prompt(13, 70), prompt(14, 20)]
+    params = prefill(p, prompts, aiokv_decode=pd["decode_addr"])
+    assert [(x["aiokv_mode"], x["aiokv_layerwise"]) for x in params] == [("push", False)] * 2
+    assert p.call(op="state")["connector"]["layers_saved"] == 0
+    before = d.call(op="state")["connector"]
+    outs = d.generate(prompts, MAX_TOKENS, params)
+    assert [o["tokens"] for o in outs] == reference(pd["p"], prompts)
+    after = d.call(op="state")["connector"]
+    assert after["loads"] - before["loads"] == 2
+    assert after["blocks_loaded"] - before["blocks_loaded"] == 3 + 1
+    p.kill()
 
 
 def test_a_local_prefix_hit_loads_only_the_blocks_past_it(pd: dict[str, Any]) -> None:
@@ -154,6 +186,31 @@ def test_an_aborted_load_stops_and_frees_its_blocks(pd: dict[str, Any]) -> None:
     assert st["connector"]["loads_cancelled"] - before["connector"]["loads_cancelled"] == 1
     # the engine goes on serving
     assert d.generate([x], 4)[0]["tokens"] == pd["p"].generate([x], 4)[0]["tokens"]
+
+
+def test_a_decode_its_own_cache_serves_frees_the_prefill_blocks_at_once(pd: dict[str, Any]) -> None:
+    p, d = pd["p"], pd["d"]
+    x = prompt(61, 64)  # two whole blocks: all the prefill computes
+    # the decode computes a prompt starting with x: its prefix cache holds x's blocks
+    d.generate([x + prompt(62, 20)], 1)
+    base = p.call(op="state")
+    [params] = prefill(p, [x])
+    assert p.call(op="state")["free_blocks"] == base["free_blocks"] - 2  # held for the decode
+    y = x + prompt(63, 30)  # the decode's prompt: x, then more
+    before = d.call(op="state")["connector"]
+    [out] = d.generate([y], MAX_TOKENS, [params])
+    after = d.call(op="state")["connector"]
+    assert after["loads"] == before["loads"]  # x came from its own cache: nothing to load
+    # the prefill frees x's blocks now, not when its lease (120 s) ends
+    st = p.call(op="step_until_free", free=base["free_blocks"], seconds=10)
+    assert st["free_blocks"] == base["free_blocks"] and st["requests"] == 0
+    assert st["seconds"] < 5
+    # the decode's decline (asynchronous: counted once the prefill answered it)
+    assert wait_until(
+        lambda: d.call(op="state")["connector"]["declines"] - before["declines"] == 1, 5
+    )
+    assert st["connector"]["sends_declined"] - base["connector"]["sends_declined"] == 1
+    assert out["tokens"] == reference(p, [y])[0]
 
 
 def test_a_dead_prefill_means_recompute(pd: dict[str, Any]) -> None:

@@ -189,6 +189,7 @@ def test_prefill_hands_on_its_prompt_and_frees_the_blocks_once_sent(model: str) 
     assert params["remote_request_id"] == "a" and params["remote_num_tokens"] == 70
     assert params["remote_block_ids"] == spec.block_ids
     assert params["aiokv_addresses"] == [P_ADDR] and params["aiokv_mode"] == "pull"
+    assert params["aiokv_layerwise"] is False and not spec.layerwise
     assert (params["remote_host"], params["remote_port"]) == ("127.0.0.1", 45001)
     # finished, but the blocks stay until the worker reports them sent
     assert held_blocks(s) == 3 and "a" in s.requests
@@ -209,6 +210,9 @@ def test_prefill_push_target_from_params_or_request_id(model: str) -> None:
         "x___decode_addr_10.9.9.9:7000_y": "10.9.9.9:7000",
     }
     assert {p["aiokv_mode"] for p in produced.values()} == {"push"}
+    # pushed layer by layer, as the forward saves each layer
+    assert all(m.layerwise for m in meta.send)
+    assert {p["aiokv_layerwise"] for p in produced.values()} == {True}
     step(s, sending={m.req_id for m in meta.send})
     assert_empty(s)
 
@@ -319,4 +323,42 @@ def test_a_local_prefix_hit_loads_only_the_rest(model: str) -> None:
     step(s, recving={"wxyz"})
     while s.requests:
         step(s)
+    assert_empty(s)
+
+
+@pytest.mark.parametrize("mode", ["pull", "push"])
+def test_a_decode_its_own_cache_serves_declines_what_the_prefill_holds(
+    model: str, mode: str
+) -> None:
+    s = make_scheduler(model, "kv_consumer")
+    s.add_request(request("warm", 70, 1, None))  # the cache holds the first two blocks
+    while s.requests:
+        step(s)
+    # the prefill computed those 64 tokens only: this cache holds every one of them
+    s.add_request(request("wxyz", 70, 2, remote_params(64) | {"aiokv_mode": mode}))
+    so, meta, _ = step(s)
+    assert not meta.load and so.num_scheduled_tokens == {"wxyz": 6}
+    if mode == "pull":  # a pull prefill holds them for a GET: it is told to let go
+        [d] = meta.decline
+        assert d.req_id == "wxyz" and d.addresses == [P_ADDR] and d.key.startswith("p-1@")
+    else:  # a push prefill let go once it sent them
+        assert not meta.decline
+    while s.requests:
+        _, meta, _ = step(s)
+        assert not meta.decline  # once
+    assert_empty(s)
+
+
+def test_a_decode_aborted_before_its_blocks_declines_what_the_prefill_holds(
+    model: str,
+) -> None:
+    s = make_scheduler(model, "kv_consumer")
+    s.add_request(request("d", 70, 3, remote_params(70)))
+    s.add_request(request("e", 70, 3, remote_params(70) | {"aiokv": None}))  # unusable
+    s.finish_requests(["d", "e"], RequestStatus.FINISHED_ABORTED)
+    _, meta, _ = step(s)
+    assert [d.req_id for d in meta.decline] == ["d"] and not meta.load
+    assert meta.decline[0].key.startswith("p-1@")
+    _, meta, _ = step(s)
+    assert not meta.decline
     assert_empty(s)

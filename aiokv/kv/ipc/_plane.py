@@ -62,7 +62,7 @@ import torch
 
 from aiokv._runtime.deadlines import _await_shielded, _time_left
 from aiokv._runtime.threads import in_daemon
-from aiokv._runtime.waiter import FinePoll
+from aiokv._runtime.waiter import WaitEntry, waiter_for
 
 from ..._exceptions import (
     AiokvError,
@@ -269,9 +269,8 @@ class IpcPlane(_ProducerSide):
         self._prepared: asyncio.Future[None] | None = None
         self._slotbufs: dict[int, _SlotBufs] = {}
         self._deferred: list[tuple[Descriptor, Release]] = []  # ok releases, sent soon
-        self._poller: Any = None
-        # event waits past their spin: one timer for all (options.event_poll_s)
-        self._fine = FinePoll(options.event_poll_s)
+        # event waits still running when aclose ends fail (a dead producer's never fire)
+        self._waits_ended = False
         # the driver for the per-request CUDA calls (options.driver_calls, real CUDA)
         self._opening: dict[int, asyncio.Future[_Mapping]] = {}  # exports being mapped
         self._drv = (
@@ -288,8 +287,8 @@ class IpcPlane(_ProducerSide):
             str,
             tuple[asyncio.Future[tuple[Descriptor, bool] | None], str | None, _Staged | None],
         ] = {}
-        self._bell_task: asyncio.Task[None] | None = None
-        self._bell_spin_until = 0.0
+        # the ring's poll (registered with the loop's waiter while a request waits)
+        self._bell_entry: WaitEntry | None = None
         self._taken: dict[str, Any] = {}  # request id -> lease of a descriptor the ring gave
         self._closed = False
         # consumers an offer-only request is going to -> whether another hello came
@@ -628,26 +627,41 @@ class IpcPlane(_ProducerSide):
 
     def _bell_kick(self) -> None:
         """Spin the doorbell poll for ``doorbell_spin_s`` from now (start it if needed)."""
-        self._bell_spin_until = time.monotonic() + self.options.doorbell_spin_s
-        if self._bell_task is None or self._bell_task.done():
-            self._bell_task = asyncio.ensure_future(self._bell_loop())
+        spin = self.options.doorbell_spin_s
+        entry = self._bell_entry
+        if entry is None:
+            self._bell_entry = waiter_for().add(self._bell_tick, interval=_BELL_POLL_S, spin=spin)
+        else:
+            entry.reset(time.monotonic(), spin)
+            waiter_for().reschedule()
 
-    async def _bell_loop(self) -> None:
-        """Poll every mapped producer's ring while a request waits: each loop pass while
-        spinning (``sleep(0)``: other tasks run between), then on a timer -- every
-        millisecond, or every 10 ms where each ring's wake FIFO wakes the loop anyway."""
-        while self._bell_wait and not self._closed:
-            woken = True
+    def _bell_tick(self, _now: float) -> bool:
+        """Poll every mapped producer's ring while a request waits: a poll of the loop's
+        waiter, asked on every loop pass while spinning (``doorbell_spin_s`` after the
+        latest request began to wait), then on the waiter's timer -- every millisecond,
+        or every 10 ms where each ring's wake FIFO wakes the loop anyway. True (done,
+        unregistered) once no request waits. An error escaping it (a bug: the ring's
+        poll keeps its own failures in) is the waiter's to report; the next request
+        registers the poll again."""
+        if not self._bell_wait or self._closed:
+            self._bell_entry = None
+            return True
+        woken = True
+        try:
             for m in list(self._maps.values()):
                 if m.bell is not None:
                     self._bell_poll(m)
                     woken = woken and m.bell is not None and m.bell.wake_fd >= 0
-            if not self._bell_wait:
-                break
-            if time.monotonic() < self._bell_spin_until:
-                await asyncio.sleep(0)
-            else:
-                await asyncio.sleep(_BELL_POLL_WAKE_S if woken else _BELL_POLL_S)
+        except BaseException:
+            self._bell_entry = None
+            raise
+        if not self._bell_wait:
+            self._bell_entry = None
+            return True
+        entry = self._bell_entry
+        if entry is not None:  # (the interval the waiter takes next)
+            entry.interval = entry.max_interval = _BELL_POLL_WAKE_S if woken else _BELL_POLL_S
+        return False
 
     def _bell_woken(self, m: _Mapping) -> None:
         """The producer wrote into ``m``'s wake FIFO: read its ring now."""
@@ -1425,32 +1439,24 @@ class IpcPlane(_ProducerSide):
             assert sb.done is not None
             sb.done.record(stream)
 
-    def _poll(self) -> Any:
-        if self._poller is None:
-            from aiokv.gpu.cuda import ProgressPoller
-
-            self._poller = ProgressPoller()
-        return self._poller
-
     async def _event_fired(self, ev: Any, until: float) -> bool:
         """True once CUDA event ``ev`` fired, False at ``until`` (``time.monotonic``).
 
-        Queried from this task on every loop pass (``sleep(0)``: other tasks run
-        between queries) for the first ``_READY_SPIN_S`` -- a copy or the end of a
-        forward within it is noticed a pass after it -- then every
-        ``options.event_poll_s`` with the plane's other waits
-        (:class:`~aiokv._runtime.waiter.FinePoll`, a timerfd: the loop's own sleeps end on
-        whole milliseconds, which noticed an event 0.5 ms late on average).
-        Nothing stays registered afterwards (a dead producer's event never fires)."""
-        spin_until = time.monotonic() + _READY_SPIN_S
-        while not bool(ev.query()):
-            now = time.monotonic()
-            if now >= until:
-                return False
-            if now >= spin_until:
-                return await self._fine.wait(ev.query, until - now)
-            await asyncio.sleep(0)
-        return True
+        A wait of the loop's one waiter (:mod:`aiokv._runtime.waiter`): asked on every
+        loop pass for the first ``_READY_SPIN_S`` -- a copy or the end of a forward
+        within it is noticed a pass after it -- then every ``options.event_poll_s`` on
+        the waiter's one timer (a timerfd: the loop's own sleeps end on whole
+        milliseconds, which noticed an event 0.5 ms late on average). Nothing stays
+        registered afterwards (a dead producer's event never fires); a wait still
+        running when :meth:`aclose` ends fails with :class:`~aiokv.EngineClosedError`."""
+        def fired() -> bool:
+            if self._waits_ended:
+                raise EngineClosedError("the IPC plane closed during the wait")
+            return bool(ev.query())
+
+        return await waiter_for().wait_until(
+            fired, until, spin=_READY_SPIN_S, interval=self.options.event_poll_s
+        )
 
     async def _wait_done(self, done: Any, timeout: float) -> None:
         """Wait for a request's copy to end (:meth:`_event_fired`); ``TimeoutError``
@@ -1471,19 +1477,17 @@ class IpcPlane(_ProducerSide):
         """After an abort: wait (bounded by the grace period) until the launch is over.
         A launch still queued then is behind an event that does not fire (a dead
         producer) and will copy nothing when it runs; its stream is retired."""
-        fut = self._poll().wait(done)
-        try:
-            await asyncio.wait_for(asyncio.shield(fut), self.options.grace_s)
+        until = time.monotonic() + self.options.grace_s
+        if await waiter_for().wait_until(done.query, until, interval=self.options.event_poll_s):
             return True
-        except (asyncio.TimeoutError, TimeoutError):
-            self._stats.stuck_streams += 1
-            m.broken = "stuck_stream"
-            log.warning(
-                "aiokv IPC plane: a copy from export %x is stuck behind its producer's event; "
-                "that export is no longer used",
-                m.token,
-            )
-            return False
+        self._stats.stuck_streams += 1
+        m.broken = "stuck_stream"
+        log.warning(
+            "aiokv IPC plane: a copy from export %x is stuck behind its producer's event; "
+            "that export is no longer used",
+            m.token,
+        )
+        return False
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -1499,11 +1503,12 @@ class IpcPlane(_ProducerSide):
             await asyncio.wait(list(self._background), timeout=timeout)
         # unmap only after the copies reading the mappings are over (a launch stuck
         # behind a dead producer's event holds its mapping in self._keep instead)
-        while any(m.inflight for m in self._maps.values()) and time.monotonic() < end:
-            await asyncio.sleep(0.01)
-        if self._bell_task is not None:
-            self._bell_task.cancel()
-            self._bell_task = None
+        await waiter_for().wait_until(
+            lambda: not any(m.inflight for m in self._maps.values()), end, interval=0.01
+        )
+        if self._bell_entry is not None:
+            waiter_for().discard(self._bell_entry)
+            self._bell_entry = None
         for m in self._maps.values():
             self._bell_drop(m)
         for bell in self._bells.values():
@@ -1514,10 +1519,7 @@ class IpcPlane(_ProducerSide):
             self._close_push(pm)
         self._push_maps.clear()
         self._maps.clear()
-        if self._poller is not None:
-            await self._poller.stop()
-            self._poller = None
-        await self._fine.aclose(EngineClosedError("the IPC plane closed during the wait"))
+        self._waits_ended = True
 
 
 class _Fired:

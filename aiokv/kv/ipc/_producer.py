@@ -18,6 +18,7 @@ from typing import Any
 import torch
 
 from aiokv._runtime.deadlines import _time_left
+from aiokv._runtime.waiter import WaitEntry, waiter_for
 
 from ..._exceptions import (
     AiokvError,
@@ -54,6 +55,10 @@ from ._wire import (
 )
 from ._wire_layers import layer_messages
 from .lease import LeaseEvent, LeaseState
+
+#: how often an abandoned layer-wise push's completion event is asked (not latency-bound:
+#: it only returns the push's ids buffer and event to their pools)
+_ABANDONED_POLL_S = 0.001
 
 
 @dataclass(slots=True, eq=False)
@@ -371,11 +376,14 @@ class _ProducerSide(_PushSide):
             and self._ring_only.get(to, 0) < _doorbell.SLOTS - 1
             and self._ring(desc, to, solo=True)
         )
-        backup: asyncio.TimerHandle | None = None
+        backup: WaitEntry | None = None
         if ring_only:
             self._ring_only[to] = self._ring_only.get(to, 0) + 1
-            backup = asyncio.get_running_loop().call_later(
-                self.options.doorbell_backup_s, self._send_backup, tid, desc, to, lease
+            # asked once, at its time (the loop's waiter's tick), unless the release
+            # came first (_released unregisters it)
+            backup = waiter_for().add(
+                functools.partial(self._send_backup, tid, desc, to, lease),
+                interval=self.options.doorbell_backup_s,
             )
         rel = self._wait_release(request_id, to, lease)
         rel.fut.add_done_callback(functools.partial(self._released, to, backup))
@@ -419,14 +427,16 @@ class _ProducerSide(_PushSide):
             return True
         return False
 
-    def _send_backup(self, tid: str, desc: Descriptor, to: str, lease: float) -> None:
+    def _send_backup(self, tid: str, desc: Descriptor, to: str, lease: float, _now: float) -> bool:
         """No release came soon after a ring-only descriptor: send it by the engine too
         (the ring message was lost, or the consumer does not wait yet; a consumer that
-        took the ring's copy drops this one)."""
+        took the ring's copy drops this one). A poll of the loop's waiter, asked once,
+        ``doorbell_backup_s`` after the descriptor (within half the waiter's tick)."""
         left = lease - self._clock()
         if left > 0 and not self._closed:
             self._stats.doorbell_backups += 1
             self._send_msg(tid, desc.to_wire(), to, left)
+        return True
 
     def _wait_release(self, rid: str, to: str, lease: float) -> AnswerWait:
         """The wait for the consumer's release of ``rid`` (:meth:`_await_release`, run as
@@ -439,13 +449,13 @@ class _ProducerSide(_PushSide):
         return AnswerWait(fut)
 
     def _released(
-        self, to: str, backup: asyncio.TimerHandle | None, t: asyncio.Future[Release | None]
+        self, to: str, backup: WaitEntry | None, t: asyncio.Future[Release | None]
     ) -> None:
         """The release of a request sent over the plane came (or never will): a pending
         engine copy is not needed; the consumer's release says whether it reads the
         ring (``reason == "ring"`` on an ok release)."""
         if backup is not None:
-            backup.cancel()
+            waiter_for().discard(backup)
             self._ring_only[to] -= 1
         rel = None if t.cancelled() or t.exception() is not None else t.result()
         if rel is not None and rel.ok:
@@ -867,12 +877,10 @@ class _ProducerSide(_PushSide):
         of these blocks after the launches anyway)."""
         until = time.monotonic() + max(0.0, sv.lease - self._clock()) + self.options.grace_s
         ev = event[1]
-        while not bool(ev.query()):
-            if time.monotonic() >= until:
-                break  # (never fired in time: the buffer and the event are not reused)
-            await asyncio.sleep(0.001)
-        else:  # fired: the launches are over
-            if ps.buf is not None:
+        # (asked every millisecond on the loop's waiter; never fired in time: the buffer
+        # and the event are not reused)
+        if await waiter_for().wait_until(ev.query, until, interval=_ABANDONED_POLL_S):
+            if ps.buf is not None:  # fired: the launches are over
                 self._push_done(ev, ps.buf)
             self._free_events.append(event)
         self.port.blocks_free(request_id)

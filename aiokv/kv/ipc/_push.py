@@ -38,6 +38,7 @@ import torch
 
 from aiokv._runtime.deadlines import _time_left
 from aiokv._runtime.threads import in_daemon
+from aiokv._runtime.waiter import waiter_for
 
 from ..._exceptions import (
     AiokvTimeoutError,
@@ -79,6 +80,8 @@ _REVOKE_B = bytes((REVOKE,))
 #: how soon before a grant's deadline the producer stops using it (the consumer must not
 #: be past its deadline when the copy starts)
 _GRANT_MARGIN_S = 0.005
+#: how often an aborted grant's state is asked until it is settled (or ``grace_s`` passed)
+_SETTLE_POLL_S = 0.001
 
 
 @dataclass(slots=True, eq=False)
@@ -329,36 +332,39 @@ class _PushSide(_PlaneBase):
         self._stats.aborted += 1
         landed = self._words.landed()
         end = time.monotonic() + self.options.grace_s
-        settled = False
         revoke = by_ring and desc is None
         rung = False  # (the answer came by the ring: its engine copy is dropped already)
-        while time.monotonic() < end:
+
+        def settles() -> bool:
+            """One look at the grant's state (every millisecond until ``end``): whether
+            it is settled now."""
+            nonlocal desc, revoke, rung
             if desc is None:
                 with contextlib.suppress(RemoteProtocolError):  # (a bad answer: none)
                     got = self._desc_nowait(rid, frm, deadline)
                     if got is not None:
                         desc, _, rung = got
-            if bool(landed.query()):
-                if revoke and desc is None and m.grant_bell is not None:
-                    # (after the word landed: a launch after the producer read this
-                    # copies nothing, and it answers only for a grant it never took)
-                    m.grant_bell.post(revoke_record(REVOKE, rid, gid))
-                revoke = False
-                if m.revoked.get(gid) == rid:
-                    del m.revoked[gid]
-                    settled = True  # the producer never took it, and never will
-                    break
-                if desc is not None and (desc.plane != PUSH or desc.gid != gid):
-                    settled = True  # it answered without using this grant
-                elif desc is not None:
-                    try:
-                        settled = bool(self._event(m, desc.event_slot, desc.event).query())
-                    except IpcUnavailableError:
-                        settled = False
-                if settled or (m.pid and not _pid_alive(m.pid)):
-                    settled = True
-                    break
-            await asyncio.sleep(0.001)
+            if not bool(landed.query()):
+                return False
+            if revoke and desc is None and m.grant_bell is not None:
+                # (after the word landed: a launch after the producer read this
+                # copies nothing, and it answers only for a grant it never took)
+                m.grant_bell.post(revoke_record(REVOKE, rid, gid))
+            revoke = False
+            if m.revoked.get(gid) == rid:
+                del m.revoked[gid]
+                return True  # the producer never took it, and never will
+            settled = False
+            if desc is not None and (desc.plane != PUSH or desc.gid != gid):
+                settled = True  # it answered without using this grant
+            elif desc is not None:
+                try:
+                    settled = bool(self._event(m, desc.event_slot, desc.event).query())
+                except IpcUnavailableError:
+                    settled = False
+            return settled or bool(m.pid and not _pid_alive(m.pid))
+
+        settled = await waiter_for().wait_until(settles, end, interval=_SETTLE_POLL_S)
         if not settled:
             if desc is not None:  # pushed, and its copy did not end in time
                 self._stats.push_unsettled += 1

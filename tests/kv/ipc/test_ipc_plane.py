@@ -39,6 +39,7 @@ from aiokv import (
     TransferAbortedError,
     TransferTimeoutError,
 )
+from aiokv._runtime.waiter import waiter_for
 from aiokv.kv import (
     FlashAttentionLayout,
     IpcOptions,
@@ -58,6 +59,7 @@ from aiokv.kv.ipc import (
     encode_message,
     unsupported_reason,
 )
+from aiokv.kv.ipc import _plane as plane_mod
 from aiokv.kv.ipc._wire import MAX_MESSAGE_BYTES
 
 OPTS = IpcOptions(trust_unauthenticated=True, grace_s=0.3)
@@ -1165,19 +1167,30 @@ async def test_a_copys_end_is_waited_for_by_spinning_then_by_the_fine_poll() -> 
     poller, whose sleeps end on the loop's whole milliseconds), one that never comes
     raises ``TimeoutError`` at the timeout, and an end already there costs no wait even
     with no time left."""
-    async with plane_pair("fa", "bfloat16", 20) as (_pl, _p, _c, _a, _b, _prod, cons):
+    async with plane_pair("fa", "bfloat16", 20) as (_pl, _p, _c, _a, b, _prod, cons):
         plane = cons._ipc
         assert plane is not None
-        poller = plane._poll()
+        poller = b._get_poller()  # (the engine's: the plane makes none of its own)
+        waiter = waiter_for()  # the loop's: the plane's waits are its waits
+        asked: list[dict[str, Any]] = []
+        wait_until = waiter.wait_until
+
+        async def spy(query: Any, deadline: float, **kw: Any) -> bool:
+            asked.append(kw)
+            return await wait_until(query, deadline, **kw)
+
+        waiter.wait_until = spy  # type: ignore[method-assign]
         soon = _FiresAt(None, on_query=3)
         await plane._wait_done(soon, 5.0)
-        assert soon.queries == 3 and plane._fine.ticks == 0  # spun
+        # spun: asked on the loop's next passes, within the spin
+        assert soon.queries == 3 and asked[-1]["spin"] == plane_mod._READY_SPIN_S
         later = _FiresAt(0.05)
         t = time.monotonic()
         await plane._wait_done(later, 5.0)
         assert 0.05 <= time.monotonic() - t < 1.0
-        assert plane._fine.ticks > 0  # handed over after the spin
-        assert poller.statistics().registered == 0 and plane._fine.waiting == 0
+        # handed over after the spin: asked every event_poll_s on the waiter's timer
+        assert asked[-1]["interval"] == plane.options.event_poll_s
+        assert poller.statistics().registered == 0 and waiter.futures_of(None) == []
         never = _FiresAt(None)
         t = time.monotonic()
         with pytest.raises(TimeoutError):

@@ -59,7 +59,7 @@ from aiokv.kv.ipc import (
     encode_message,
     unsupported_reason,
 )
-from aiokv.kv.ipc import _plane as plane_mod
+from aiokv.kv.ipc import _state as plane_mod
 from aiokv.kv.ipc._wire import MAX_MESSAGE_BYTES
 
 OPTS = IpcOptions(trust_unauthenticated=True, grace_s=0.3)
@@ -294,10 +294,10 @@ async def test_prepare_maps_the_export_ahead_of_the_first_request() -> None:
         st = cons.statistics().ipc
         assert st is not None and st.mappings_verified == 1 and st.requests_received == 0
         for _ in range(200):  # the producer takes the consumer's release a moment later
-            if b.address in prod._ipc._acked:
+            if b.address in prod._ipc.producer.acked:
                 break
             await asyncio.sleep(0.005)
-        assert b.address in prod._ipc._acked  # the offer was acknowledged
+        assert b.address in prod._ipc.producer.acked  # the offer was acknowledged
         assert await cons.prepare(a.address, timeout=10)  # mapped already: no round trip
         with offers_seen() as seen:
             await move(prod, cons, a, b, "r1", [3, 1, 4], [5, 9, 2])
@@ -774,7 +774,7 @@ async def test_hostile_source_ids_never_copied() -> None:
     async with pair(pl, pl) as (a, b):
         prod, cons = connectors(a, b, pl, p, pl, c)
         assert prod._ipc is not None
-        export = prod._ipc._make_export()
+        export = prod._ipc.producer.make_export()
         desc = Descriptor(
             rid="h",
             plane="ipc",
@@ -916,17 +916,17 @@ def test_abort_words_are_never_shared_across_a_rollover() -> None:
     plane = IpcPlane(con._port, OPTS, backend=FakeBackend())
 
     def word(x: Any) -> tuple[int, int]:  # (block of words, index)
-        t, i = plane._words.word(x) if isinstance(x, int) else x
+        t, i = plane.state.words.word(x) if isinstance(x, int) else x
         return id(t), i
 
     def give_back(x: Any) -> None:  # what a request that finished does with its slot
-        plane._words.free.append(x if isinstance(x, int) else x[1])
+        plane.state.words.free.append(x if isinstance(x, int) else x[1])
 
-    in_flight = plane._words.slot()  # a request that is still copying
-    spent = [plane._words.slot() for _ in range(4096)]  # aborted ones: never given back
+    in_flight = plane.state.words.slot()  # a request that is still copying
+    spent = [plane.state.words.slot() for _ in range(4096)]  # aborted ones: never given back
     assert len({word(x)[0] for x in [in_flight, *spent]}) == 2  # moved to a new block
     give_back(in_flight)  # ... and now the first request finished
-    held = [plane._words.slot() for _ in range(4096)]
+    held = [plane.state.words.slot() for _ in range(4096)]
     words = [word(x) for x in held + spent[-100:]]
     assert len(set(words)) == len(words), "two requests were given the same abort word"
 
@@ -982,7 +982,7 @@ async def test_verifying_a_mapping_does_not_stall_the_loop() -> None:
     async with plane_pair() as (pl, p, c, a, b, prod, cons):
         assert cons._ipc is not None
         plane = cons._ipc
-        verify = plane._mapper._verify
+        verify = plane.state.mapper._verify
         threads: list[str] = []
 
         def slow_verify(*args: Any) -> None:
@@ -990,7 +990,7 @@ async def test_verifying_a_mapping_does_not_stall_the_loop() -> None:
             time.sleep(0.4)
             verify(*args)
 
-        plane._mapper._verify = slow_verify  # type: ignore[method-assign]
+        plane.state.mapper._verify = slow_verify  # type: ignore[method-assign]
         async with loop_gaps() as gaps:
             await move(prod, cons, a, b, "v1", [1, 2], [3, 4])
         assert landed(pl, p, [1, 2], c, [3, 4])
@@ -1038,7 +1038,7 @@ def test_copy_geometry_is_in_the_mappings_words() -> None:
     plane = IpcPlane(con._port, OPTS, backend=FakeBackend())
     seg = mine.segment_numel() * mine.itemsize
     m = _Mapping(1, theirs, [], [], torch.empty(0), 4, None, align=16)
-    g = plane._mapper.geometry(m, n_pairs=3, n_layers=2, parts=2)
+    g = plane.state.mapper.geometry(m, n_pairs=3, n_layers=2, parts=2)
     assert g == {
         "n_pairs": 3,
         "word": 4,
@@ -1067,7 +1067,7 @@ async def test_the_mapping_of_a_producer_that_is_gone_is_dropped() -> None:
     async with pair(pl, pl) as (a, b):
         prod, cons = connectors(a, b, pl, p, pl, c)
         await move(prod, cons, a, b, "g0", [1], [2])
-        (old,) = cons._ipc._maps.values()
+        (old,) = cons._ipc.state.maps.values()
         assert old.pid == os.getpid()  # watched: this process could see the producer
         dead = await asyncio.create_subprocess_exec(sys.executable, "-c", "pass")
         await dead.wait()
@@ -1076,7 +1076,7 @@ async def test_the_mapping_of_a_producer_that_is_gone_is_dropped() -> None:
         prod2._ipc = IpcPlane(prod2._port, OPTS, backend=FakeBackend())
         await move(prod2, cons, a, b, "g1", [3], [4])
         assert landed(pl, p, [3], c, [4])
-        assert list(cons._ipc._maps) != [old.token] and old.token not in cons._ipc._maps
+        assert list(cons._ipc.state.maps) != [old.token] and old.token not in cons._ipc.state.maps
         st = cons.statistics().ipc
         assert st is not None and st.mappings_dropped == 1 and st.mappings_verified == 2
         await prod.aclose()
@@ -1102,10 +1102,10 @@ async def test_a_mapping_slower_than_the_deadline_ends_the_request_at_it() -> No
         st = cons.statistics().ipc
         assert st is not None and st.fallbacks.get("map_timeout") == 1
         for _ in range(200):  # the mapping itself finishes in the background
-            if cons._ipc._maps:
+            if cons._ipc.state.maps:
                 break
             await asyncio.sleep(0.01)
-        assert len(cons._ipc._maps) == 1
+        assert len(cons._ipc.state.maps) == 1
 
 
 @pytest.mark.anyio
@@ -1129,9 +1129,9 @@ async def test_block_ids_as_tensors_are_checked_as_lists() -> None:
         plane = prod._ipc
         assert plane is not None
         for dt in (torch.int64, torch.int32, torch.int16, torch.uint8):
-            assert plane._ids(torch.tensor([3, 1, 4], dtype=dt), unique=True, what="x") == (3, 1, 4)
-        assert plane._ids(torch.tensor([], dtype=torch.int64), unique=True, what="x") == ()
-        assert plane._ids(torch.tensor([5, 5]), unique=False, what="x") == (5, 5)
+            assert plane.state.ids(torch.tensor([3, 1, 4], dtype=dt), unique=True, what="x") == (3, 1, 4)
+        assert plane.state.ids(torch.tensor([], dtype=torch.int64), unique=True, what="x") == ()
+        assert plane.state.ids(torch.tensor([5, 5]), unique=False, what="x") == (5, 5)
         bad: list[tuple[Any, str]] = [
             (torch.tensor([1, 20]), r"block ids must be in \[0, 20\), got \[1, 20\]"),
             (torch.tensor([-1, 2], dtype=torch.int8), r"must be in \[0, 20\), got \[-1, 2\]"),
@@ -1141,7 +1141,7 @@ async def test_block_ids_as_tensors_are_checked_as_lists() -> None:
         ]
         for ids, match in bad:
             with pytest.raises(ConfigError, match=match):
-                plane._ids(ids, unique=True, what="x")
+                plane.state.ids(ids, unique=True, what="x")
 
 
 class _FiresAt:
@@ -1181,12 +1181,12 @@ async def test_a_copys_end_is_waited_for_by_spinning_then_by_the_fine_poll() -> 
 
         waiter.wait_until = spy  # type: ignore[method-assign]
         soon = _FiresAt(None, on_query=3)
-        await plane._wait_done(soon, 5.0)
+        await plane.state.wait_done(soon, 5.0)
         # spun: asked on the loop's next passes, within the spin
         assert soon.queries == 3 and asked[-1]["spin"] == plane_mod._READY_SPIN_S
         later = _FiresAt(0.05)
         t = time.monotonic()
-        await plane._wait_done(later, 5.0)
+        await plane.state.wait_done(later, 5.0)
         assert 0.05 <= time.monotonic() - t < 1.0
         # handed over after the spin: asked every event_poll_s on the waiter's timer
         assert asked[-1]["interval"] == plane.options.event_poll_s
@@ -1194,8 +1194,8 @@ async def test_a_copys_end_is_waited_for_by_spinning_then_by_the_fine_poll() -> 
         never = _FiresAt(None)
         t = time.monotonic()
         with pytest.raises(TimeoutError):
-            await plane._wait_done(never, 0.1)
+            await plane.state.wait_done(never, 0.1)
         assert 0.1 <= time.monotonic() - t < 1.0
-        await plane._wait_done(_FiresAt(0.0), 0.0)
+        await plane.state.wait_done(_FiresAt(0.0), 0.0)
         with pytest.raises(TimeoutError):
-            await plane._wait_done(_FiresAt(None), 0.0)
+            await plane.state.wait_done(_FiresAt(None), 0.0)

@@ -137,7 +137,8 @@ def stats(con: KVConnector) -> dict[str, Any]:
         "dropped": s.mappings_dropped,
         "ring_launches": s.ring_launches,
         "staged_launches": s.staged_launches,
-        "raw": con._ipc is not None and any(m.raw is not None for m in con._ipc.state.maps.values()),
+        "raw": con._ipc is not None
+        and any(m.raw is not None for m in con._ipc.state.maps.values()),
     }
 
 

@@ -351,7 +351,7 @@ class Consumer:
         return mapped
 
     async def _open_export(self, desc: Descriptor, offer: Offer, layout: KVLayout) -> _Mapping:
-        """Map one export and verify it, on a daemon thread (:meth:`_map_verified`):
+        """Map one export and verify it, on a daemon thread (:meth:`Mapper.map_verified`):
         CUDA IPC opens take milliseconds per allocation, and the verification compiles
         and loads the kernel -- seconds in a fresh process (the event loop
         stalls 1.1-2.4 s when the verification runs on it) -- then register it."""
@@ -363,7 +363,9 @@ class Consumer:
                 # control stream, the abort copies' pinned sources and the probe copies'
                 # abort slots (their words zeroed; the first block made off the loop too)
                 await self.s.cuda_ready()
-                slots = [self.s.words.slot() for _ in range(4)] if self.s.mapper.use_triton() else []
+                slots = (
+                    [self.s.words.slot() for _ in range(4)] if self.s.mapper.use_triton() else []
+                )
                 m = await in_daemon(
                     functools.partial(self.s.mapper.map_verified, offer, layout, slots),
                     "aiokv-ipc-map",
@@ -399,7 +401,7 @@ class Consumer:
         """Drop the mappings of producers whose process is gone (a restarted prefill
         offers a new export): a mapping keeps the producer's whole cache allocation
         alive on its GPU, where the restarted producer needs that memory again. One with
-        copies in flight is dropped when its last one ends (:meth:`_copy_ended`)."""
+        copies in flight is dropped when its last one ends (:meth:`copy_ended`)."""
         for m in list(self.s.maps.values()):
             if m.pid and not _pid_alive(m.pid):
                 m.broken = PRODUCER_GONE

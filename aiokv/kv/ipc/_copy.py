@@ -177,11 +177,11 @@ class Copier:
 
     def launch_staged(self, st: _Staged, desc: Descriptor) -> None:
         """The ring's poll has ``st``'s descriptor (decoded): check it as
-        ``recv_request`` and :meth:`_pull` would, and launch the copy now if the
+        ``recv_request`` and :meth:`pull` would, and launch the copy now if the
         producer's event already fired. A descriptor that fails a check is left alone
         (the request's task goes the ordinary way, the same checks raising the same
         errors); one whose event has not fired yet stays checked (``st.desc``): the task
-        waits for the event and launches (:meth:`_pull_staged`)."""
+        waits for the event and launches (:meth:`pull_staged`)."""
         _mark(st.rid, "ring")
         m = st.m
         now = time.monotonic()
@@ -277,7 +277,9 @@ class Copier:
                 self.s.count_fallback(exc.reason, desc.reply_to, str(exc))
                 self.s.release(desc, Release(desc.rid, False, fallback=True, reason=exc.reason))
                 left = max(0.0, deadline - time.monotonic())
-                await self.s.port.recv_plain(desc.rid, host, frm=None, timeout=left, layerwise=False)
+                await self.s.port.recv_plain(
+                    desc.rid, host, frm=None, timeout=left, layerwise=False
+                )
                 return
         t0 = time.perf_counter()
         triton = self.s.mapper.use_triton()
@@ -380,7 +382,7 @@ class Copier:
         self, st: _Staged, deadline: float, rung: bool, exc: BaseException | None
     ) -> None:
         """The rest of a request whose descriptor the ring's poll validated
-        (:meth:`_launch_staged`): when its producer's event had not fired then, wait for
+        (:meth:`launch_staged`): when its producer's event had not fired then, wait for
         it and launch; then wait for the copy. ``exc``: the request failed (was
         cancelled) after the poll took its descriptor: end it by the abort rules (a
         launched copy is settled, an unlaunched one released) and re-raise."""

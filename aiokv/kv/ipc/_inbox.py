@@ -123,7 +123,7 @@ class Inbox:
         self, rid: str, frm: str | None, deadline: float
     ) -> tuple[Descriptor, KVLayout | None, bool] | None:
         """The request's descriptor if it is here already (ring or engine), as
-        :meth:`_recv_desc` returns it; None if not yet."""
+        :meth:`recv_desc` returns it; None if not yet."""
         got = self._bell_take(rid, frm)
         if got is not None:
             return self._rung(rid, *got, frm, deadline), None, True
@@ -131,7 +131,7 @@ class Inbox:
         return None if raw is None else self._from_engine(rid, raw)
 
     def _from_engine(self, rid: str, raw: Any) -> tuple[Descriptor, KVLayout | None, bool] | None:
-        """A descriptor the engine delivered for ``rid``, decoded, as :meth:`_recv_desc`
+        """A descriptor the engine delivered for ``rid``, decoded, as :meth:`recv_desc`
         returns it; None for a late engine copy of one the ring gave (``_taken``: it was
         collected, and is dropped)."""
         d = decode_message(raw)

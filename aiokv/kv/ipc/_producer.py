@@ -517,7 +517,7 @@ class Producer:
     def hello(self, address: str) -> None:
         """``on_get`` of :data:`HELLO`: the consumer at ``address`` (an authenticated
         session's address) maps our export ahead of its first request
-        (:meth:`prepare`); send it an offer-only request (the offer rides along unless
+        (``prepare``); send it an offer-only request (the offer rides along unless
         that consumer acknowledged it already). Every hello gets its answer, one at a
         time per consumer: a hello while one is being answered (the consumer may ask
         again as soon as it released the last, before we took that release) is

@@ -84,6 +84,7 @@ class _PushBuf:
     dev: torch.Tensor
     mv: memoryview
 
+
 @dataclass(slots=True, eq=False)
 class _PushSave:
     """A request saved layer by layer in push mode: the consumer's grant taken at its
@@ -159,7 +160,9 @@ class Pusher:
                 layout = layout_from_wire(po.offer.layout)
                 check_compatible(layout, self.s.layout)
                 await self.s.cuda_ready()
-                slots = [self.s.words.slot() for _ in range(4)] if self.s.mapper.use_triton() else []
+                slots = (
+                    [self.s.words.slot() for _ in range(4)] if self.s.mapper.use_triton() else []
+                )
                 m = await in_daemon(
                     functools.partial(self.s.mapper.map_push, po, layout, slots), "aiokv-ipc-push"
                 )
@@ -451,7 +454,7 @@ class Pusher:
         buf: _PushBuf | None,
     ) -> bool:
         """Send the push descriptor of grant ``g`` naming ``event`` (recorded after the
-        request's launches) and settle it like a pull (:meth:`_post`); the ids buffer
+        request's launches) and settle it like a pull (:meth:`Producer.post`); the ids buffer
         ``buf`` serves again once the copy ended. False: the consumer refused it."""
         _mark(request_id, "pushed")
         self.s.stats.pushed += 1
@@ -545,7 +548,7 @@ class Pusher:
         return rs
 
     async def saved(self, request_id: str, sv: _IpcSave, ps: _PushSave) -> None:
-        """:meth:`wait_saved` of a request pushed layer by layer: record the IPC event
+        """``wait_saved`` of a request pushed layer by layer: record the IPC event
         after its last launch, send the push descriptor naming it and settle it like a
         whole push. With a layer never saved (or a launch that failed) nothing is sent:
         the consumer's deadline ends its grant (docs/ipc.md, "Push mode"), and the

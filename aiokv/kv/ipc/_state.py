@@ -62,7 +62,9 @@ class PlaneState:
         clock: Callable[[], float],
     ) -> None:
         self.port = port
-        self.channel: ControlChannel = channel if channel is not None else EngineChannel(port.engine)
+        self.channel: ControlChannel = (
+            channel if channel is not None else EngineChannel(port.engine)
+        )
         self.options = options
         self.layout = port.layout
         self.device = port.device
@@ -272,7 +274,7 @@ class PlaneState:
     def release_soon(self, desc: Descriptor, rel: Release) -> None:
         """Send ``rel`` two loop passes from now: the caller of ``recv_request``, woken
         by its return in the next pass, runs before the release is encoded and sent.
-        Releases of one pass go together; :meth:`IpcPlane.aclose` sends any still waiting."""
+        Releases of one pass go together; the plane's ``aclose`` sends any still waiting."""
         self.deferred.append((desc, rel))
         if len(self.deferred) == 1:
             loop = asyncio.get_running_loop()

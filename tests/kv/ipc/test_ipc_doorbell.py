@@ -313,7 +313,9 @@ async def test_doorbell_off() -> None:
             await _move_waiting(prod, cons, a, b, f"o{i}", [i + 1], [i + 5])
         st = cons.statistics().ipc
         assert st is not None and st.doorbell_hits == 0
-        assert prod._ipc.producer.bells == {} and all(m.bell is None for m in cons._ipc.state.maps.values())
+        assert prod._ipc.producer.bells == {} and all(
+            m.bell is None for m in cons._ipc.state.maps.values()
+        )
 
 
 @pytest.mark.anyio

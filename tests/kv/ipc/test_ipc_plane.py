@@ -1129,7 +1129,11 @@ async def test_block_ids_as_tensors_are_checked_as_lists() -> None:
         plane = prod._ipc
         assert plane is not None
         for dt in (torch.int64, torch.int32, torch.int16, torch.uint8):
-            assert plane.state.ids(torch.tensor([3, 1, 4], dtype=dt), unique=True, what="x") == (3, 1, 4)
+            assert plane.state.ids(torch.tensor([3, 1, 4], dtype=dt), unique=True, what="x") == (
+                3,
+                1,
+                4,
+            )
         assert plane.state.ids(torch.tensor([], dtype=torch.int64), unique=True, what="x") == ()
         assert plane.state.ids(torch.tensor([5, 5]), unique=False, what="x") == (5, 5)
         bad: list[tuple[Any, str]] = [

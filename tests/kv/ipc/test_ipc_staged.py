@@ -85,7 +85,9 @@ class FakeRaw:
                 return
             ids = sb.pin[: 2 * n].view(2, n)
             dst = plane.state.port.caches.raw(m.word)
-            _ipc_kernel.torch_pair_copy(m.src_layers, dst, plane.state.layout.block_dim, ids[0], ids[1])
+            _ipc_kernel.torch_pair_copy(
+                m.src_layers, dst, plane.state.layout.block_dim, ids[0], ids[1]
+            )
 
         sb.done.pending.append(run)
 
@@ -162,7 +164,10 @@ async def test_ring_launches_the_staged_copy() -> None:
             src, dst = [5 + i, 9 + i, 13], [10 + i, 14 + i, 20]
             recv = asyncio.create_task(cons.recv_request(f"r{i}", dst, frm=a.address, timeout=10))
             await asyncio.sleep(0.02)
-            assert len(plane.consumer.inbox.waiting[f"r{i}"]) == 3 and plane.consumer.inbox.waiting[f"r{i}"][2] is not None
+            assert (
+                len(plane.consumer.inbox.waiting[f"r{i}"]) == 3
+                and plane.consumer.inbox.waiting[f"r{i}"][2] is not None
+            )
             await prod.send_request(f"r{i}", src, to=b.address, timeout=10)
             assert await recv == "ipc"
             assert landed(pl, p, src, c, dst)

@@ -56,6 +56,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -67,7 +68,7 @@ from ._grant import Granter
 from ._producer import Producer
 from ._push import Pusher
 from ._state import PlaneState
-from .interfaces import ConnectorPort
+from .interfaces import ConnectorPort, ConsumerPlane, Plane, ProducerPlane
 from .options import IpcOptions, IpcStatistics
 
 #: how often ``aclose`` asks whether the copies reading the mappings are over
@@ -193,3 +194,9 @@ class IpcPlane:
         self.producer.close_bells()
         self.pusher.close_all()  # (the consumers' grants rings we read)
         s.waits_ended = True
+
+
+if TYPE_CHECKING:  # each role's primitives (interfaces.py) are its part's; the plane's all
+    _producer_role: type[ProducerPlane] = Producer
+    _consumer_role: type[ConsumerPlane] = Consumer
+    _plane: type[Plane] = IpcPlane

@@ -305,23 +305,36 @@ class PlaneState:
     async def event_fired(self, ev: Any, until: float) -> bool:
         """True once CUDA event ``ev`` fired, False at ``until`` (``time.monotonic``).
 
-        A wait of the loop's one waiter (:mod:`aiokv._runtime.waiter`): asked on every
-        loop pass for the first ``_READY_SPIN_S`` -- a copy or the end of a forward
-        within it is noticed a pass after it -- then every ``options.event_poll_s`` on
-        the waiter's one timer (a timerfd: the loop's own sleeps end on whole
-        milliseconds, which noticed an event 0.5 ms late on average). Nothing stays
-        registered afterwards (a dead producer's event never fires); a wait still
-        running when the plane's ``aclose`` ends fails with
-        :class:`~aiokv.EngineClosedError`."""
+        Queried from the waiting task on every loop pass (``sleep(0)``: other tasks run
+        between queries) for the first ``_READY_SPIN_S`` -- a copy or the end of a
+        forward within it is noticed a pass after it --, then a wait of the loop's one
+        waiter (:mod:`aiokv._runtime.waiter`), asked every ``options.event_poll_s`` on
+        its timer (a timerfd: the loop's own sleeps end on whole milliseconds, which
+        noticed an event 0.5 ms late on average). Nothing stays registered afterwards
+        (a dead producer's event never fires); a wait still registered when the
+        plane's ``aclose`` ends fails with :class:`~aiokv.EngineClosedError`.
 
-        def fired() -> bool:
-            if self.waits_ended:
-                raise EngineClosedError("the IPC plane closed during the wait")
-            return bool(ev.query())
+        The spin stays in the task: a wait the waiter ends resumes its task one loop
+        pass after the query that saw the event (the waiter sets its future), which
+        measured 4-5 µs more per wait at p50 on CPU (asyncio and uvloop alike), and
+        most copies end within the spin: every request would pay it."""
+        spin_until = time.monotonic() + _READY_SPIN_S
+        while not bool(ev.query()):
+            now = time.monotonic()
+            if now >= until:
+                return False
+            if now >= spin_until:
 
-        return await waiter_for().wait_until(
-            fired, until, spin=_READY_SPIN_S, interval=self.options.event_poll_s
-        )
+                def fired() -> bool:
+                    if self.waits_ended:
+                        raise EngineClosedError("the IPC plane closed during the wait")
+                    return bool(ev.query())
+
+                return await waiter_for().wait_until(
+                    fired, until, interval=self.options.event_poll_s
+                )
+            await asyncio.sleep(0)
+        return True
 
     async def wait_done(self, done: Any, timeout: float) -> None:
         """Wait for a request's copy to end (:meth:`event_fired`); ``TimeoutError``

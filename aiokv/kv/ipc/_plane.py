@@ -62,6 +62,7 @@ import torch
 
 from aiokv._runtime.waiter import waiter_for
 
+from ..layouts import KVLayout
 from ._common import Backend, ControlChannel
 from ._consumer import Consumer
 from ._grant import Granter
@@ -118,6 +119,28 @@ class IpcPlane:
     def disabled(self) -> str | None:
         """Why the plane is off for this connector (None: it is on)."""
         return self.state.disabled
+
+    @property
+    def port(self) -> ConnectorPort:
+        """The connector's side of the plane (:class:`ConnectorPort`)."""
+        return self.state.port
+
+    @property
+    def channel(self) -> ControlChannel:
+        """How the plane's control messages travel."""
+        return self.state.channel
+
+    @property
+    def backend(self) -> Backend:
+        return self.state.backend
+
+    @property
+    def layout(self) -> KVLayout:
+        return self.state.layout
+
+    @property
+    def device(self) -> torch.device:
+        return self.state.device
 
     def statistics(self) -> IpcStatistics:
         """A copy of the plane's counters."""

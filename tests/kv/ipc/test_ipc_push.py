@@ -366,7 +366,7 @@ async def test_a_late_grant_is_void_and_its_word_set() -> None:
         assert int(ab[w]) == 1 and nxt not in words.free
         assert prod._ipc.statistics().pushed == 0 and cons._ipc.statistics().grants == 1
         await asyncio.sleep(0.1)  # the late grant landed and was dropped, not kept
-        assert prod._ipc.state.channel.recv_nowait("r1#ipcgrant", frm=b.address) is None
+        assert prod._ipc.channel.recv_nowait("r1#ipcgrant", frm=b.address) is None
 
 
 @pytest.mark.anyio

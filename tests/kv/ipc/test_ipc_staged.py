@@ -84,10 +84,8 @@ class FakeRaw:
             if int(ab[slot]):  # the kernel's check: aborted, nothing written
                 return
             ids = sb.pin[: 2 * n].view(2, n)
-            dst = plane.state.port.caches.raw(m.word)
-            _ipc_kernel.torch_pair_copy(
-                m.src_layers, dst, plane.state.layout.block_dim, ids[0], ids[1]
-            )
+            dst = plane.port.caches.raw(m.word)
+            _ipc_kernel.torch_pair_copy(m.src_layers, dst, plane.layout.block_dim, ids[0], ids[1])
 
         sb.done.pending.append(run)
 

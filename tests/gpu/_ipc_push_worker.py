@@ -57,8 +57,8 @@ def pstats(con: KVConnector) -> dict[str, Any]:
         "pushes_received": s.pushes_received,
         "push_unsettled": s.push_unsettled,
         "push_raw": con._ipc is not None
-        and bool(con._ipc._push_maps)
-        and all(m.raw is not None for m in con._ipc._push_maps.values()),
+        and bool(con._ipc.pusher.maps)
+        and all(m.raw is not None for m in con._ipc.pusher.maps.values()),
     }
 
 
@@ -69,7 +69,7 @@ async def handshake(con: KVConnector, role: str, peer: str, tag: str) -> None:
     if role == "producer":
         await con.send_request(f"{tag}h0", [0], to=peer, timeout=60)
         for _ in range(1200):
-            if peer in con._ipc._push_maps or con._ipc._push_failed:
+            if peer in con._ipc.pusher.maps or con._ipc.pusher.failed:
                 break
             await asyncio.sleep(0.05)
         await con.send_request(f"{tag}h1", [1], to=peer, timeout=60)

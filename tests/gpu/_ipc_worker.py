@@ -137,7 +137,8 @@ def stats(con: KVConnector) -> dict[str, Any]:
         "dropped": s.mappings_dropped,
         "ring_launches": s.ring_launches,
         "staged_launches": s.staged_launches,
-        "raw": con._ipc is not None and any(m.raw is not None for m in con._ipc._maps.values()),
+        "raw": con._ipc is not None
+        and any(m.raw is not None for m in con._ipc.state.maps.values()),
     }
 
 
@@ -168,8 +169,8 @@ async def matrix(role: str, d: str) -> dict[str, Any]:
                     g = torch.Generator(device=dev).manual_seed(seed + 77)
                     big.view(torch.uint8).random_(0, 256, generator=g)
                     await con.send_request(f"m{ci}ord", ids(5, PB, seed + 9), to=peer, timeout=30)
-                if ci == 0 and con._ipc is not None and con._ipc._export is not None:
-                    st = con._ipc._export.offer.storages[0]  # for the docs: torch's format
+                if ci == 0 and con._ipc is not None and con._ipc.producer.export is not None:
+                    st = con._ipc.producer.export.offer.storages[0]  # for the docs: torch's format
                     out["handle_len"] = len(st.handle)
                     out["rc_handle"] = st.rc_handle.decode(errors="replace")
                 out["combos"].append({"kind": kind, "dtype": dtype, **stats(con)})
@@ -465,7 +466,7 @@ async def kill_producer(role: str, d: str, gpu_wait: bool = False) -> dict[str, 
             bool(blocks(big, BIG, dst).any())
             float(torch.ones(1000, device=dev).sum().item())
             assert con._ipc is not None
-            m0 = next(iter(con._ipc._maps.values()))
+            m0 = next(iter(con._ipc.state.maps.values()))
             int(m0.src_layers[0].reshape(-1)[:64].clone().view(torch.uint8).sum())
             torch.cuda.synchronize()
             t0 = time.monotonic()
@@ -480,7 +481,7 @@ async def kill_producer(role: str, d: str, gpu_wait: bool = False) -> dict[str, 
             await asyncio.sleep(8.0)  # past the dead producer's sleep
             plane = con._ipc
             assert plane is not None
-            m = next(iter(plane._maps.values()))
+            m = next(iter(plane.state.maps.values()))
             try:
                 out["event_fired_after_death"] = [bool(e.query()) for (_h, e) in m.events.values()]
             except Exception as exc:
@@ -538,14 +539,14 @@ async def kill_consumer(role: str, d: str) -> dict[str, Any]:
             await con.recv_request("warm", [0], frm=peer, timeout=30)
             plane = con._ipc
             assert plane is not None
-            launch = plane._launch
+            launch = plane.consumer.copier._launch
 
             def launch_and_die(*a: Any, **k: Any) -> Any:
                 r = launch(*a, **k)
                 os.kill(os.getpid(), signal.SIGKILL)
                 return r
 
-            plane._launch = launch_and_die  # type: ignore[method-assign]
+            plane.consumer.copier._launch = launch_and_die  # type: ignore[method-assign]
             await con.recv_request("q1", ids(64, 256, 2), frm=peer, timeout=30)
     return out
 
@@ -611,7 +612,7 @@ async def restart_producer(role: str, d: str) -> dict[str, Any]:
             first = await _wait_for(d, "producer1")
             await con.recv_request("first", [10, 11, 12], frm=first, timeout=60)
             assert con._ipc is not None
-            pid = next(iter(con._ipc._maps.values())).pid
+            pid = next(iter(con._ipc.state.maps.values())).pid
             out["watched"] = pid != 0
             for _ in range(600):  # until the first producer's process is gone
                 if not _pid_alive(pid):

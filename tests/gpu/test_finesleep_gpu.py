@@ -13,10 +13,9 @@ import types
 import pytest
 import torch
 
-from aiokv._runtime.waiter import FinePoll
 from aiokv.cli.bench.kv_roles import _cycles_per_us
 from aiokv.kv import IpcOptions
-from aiokv.kv.ipc import IpcPlane
+from aiokv.kv.ipc._state import PlaneState
 
 pytestmark = [pytest.mark.gpu, pytest.mark.timeout(120)]
 
@@ -44,9 +43,9 @@ def test_an_event_after_the_spin_is_noticed_within_a_fraction_of_a_ms() -> None:
     torch.cuda.init()
 
     async def plane_wait(ev: torch.cuda.Event) -> None:
-        # (the plane's own wait; of the instance it uses only the shared poll)
-        plane = types.SimpleNamespace(_fine=FinePoll(IpcOptions().event_poll_s))
-        assert await IpcPlane._event_fired(plane, ev, time.monotonic() + 5)  # type: ignore[arg-type]
+        # (the plane's own wait; of its state it uses only the options and the close flag)
+        plane = types.SimpleNamespace(options=IpcOptions(), waits_ended=False)
+        assert await PlaneState.event_fired(plane, ev, time.monotonic() + 5)  # type: ignore[arg-type]
 
     async def each_ms(ev: torch.cuda.Event) -> None:  # the plane before fine sleeps
         while not ev.query():

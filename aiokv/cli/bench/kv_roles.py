@@ -225,7 +225,7 @@ async def _producer(a: dict[str, Any], chan: _Chan) -> dict[str, Any]:
                         # its mapping (off the loop, seconds), so that the timed
                         # iterations after the next one find the consumer granting
                         for _ in range(600):
-                            if plane._push_maps or plane._push_failed:
+                            if plane.pusher.maps or plane.pusher.failed:
                                 break
                             await asyncio.sleep(0.05)
                 elif cmd == "raw":

@@ -1,8 +1,7 @@
-"""The IPC plane's shared pieces (:mod:`aiokv.kv.ipc` re-exports the public ones): the
-CUDA backend and the control channel, the per-request trace, the wait for a peer's
-answer (:class:`AnswerWait`), and :class:`_PlaneBase` -- the state and the helpers both sides of a plane use.
-The producer's side is :mod:`aiokv.kv.ipc._producer`, the consumer's is the rest of
-:class:`aiokv.kv.ipc.IpcPlane`."""
+"""The IPC plane's common pieces (:mod:`aiokv.kv.ipc` re-exports the public ones): the
+decisions taken before any handshake, the CUDA backend and the control channel, the
+per-request trace, the wait for a peer's answer (:class:`AnswerWait`). The state the
+plane's parts share is :mod:`aiokv.kv.ipc._state`."""
 
 from __future__ import annotations
 
@@ -12,34 +11,27 @@ import dataclasses
 import logging
 import os
 import time
-from collections.abc import Callable, Mapping, Sequence
-from typing import TYPE_CHECKING, Any, Protocol
+from collections.abc import Mapping
+from typing import Any, Protocol
 
 import torch
 
 from aiokv import envs
 
 from ..._exceptions import (
-    ConfigError,
     ConnectError,
     ConnectTimeoutError,
     IpcUnavailableError,
     NegotiateTimeoutError,
     RefusedError,
 )
-from ..layouts import KVLayout
-from . import _cudrv
 from ._wire import (
     Offer,
     StorageExport,
     encode_message,
 )
 from .lease import Lease
-from .options import IpcOptions, IpcStatistics
-
-if TYPE_CHECKING:
-    from .interfaces import ConnectorPort
-
+from .options import IpcOptions
 
 log = logging.getLogger("aiokv.kv.ipc")
 
@@ -285,153 +277,6 @@ class AnswerWait:
 def _retrieve(t: asyncio.Future[Any]) -> None:
     if not t.cancelled():
         t.exception()
-
-
-class _PlaneBase:
-    """What both sides of an :class:`~aiokv.kv.ipc.IpcPlane` share: set in its
-    ``__init__``; helpers for messages, counters, block ids and the current stream."""
-
-    port: ConnectorPort
-    channel: ControlChannel
-    options: IpcOptions
-    layout: KVLayout
-    device: torch.device
-    backend: Backend
-    disabled: str | None
-    _clock: Callable[[], float]
-    _stats: IpcStatistics
-    _background: set[asyncio.Task[None]]
-    _drv: _cudrv.Driver | None
-    _dev_index: int
-    _closed: bool
-    _boot_id: str
-
-    # ------------------------------------------------------------------ helpers
-
-    def statistics(self) -> IpcStatistics:
-        return dataclasses.replace(self._stats, fallbacks=dict(self._stats.fallbacks))
-
-    def _count_fallback(self, reason: str, peer: str, detail: str = "") -> None:
-        self._stats.fallbacks[reason] = self._stats.fallbacks.get(reason, 0) + 1
-        self._log_fallback(reason, peer, detail)
-
-    def _log_fallback(self, reason: str, peer: str, detail: str = "") -> None:
-        log.warning(
-            "aiokv IPC plane: falling back to the ordinary transport with %s: %s%s",
-            peer,
-            reason,
-            f" ({detail})" if detail else "",
-        )
-
-    def _track(self, coro: Any) -> None:
-        task: asyncio.Task[None] = asyncio.ensure_future(coro)
-        self._background.add(task)
-        task.add_done_callback(self._background.discard)
-
-    def _send_msg(
-        self,
-        tensor_id: str,
-        msg: Mapping[str, Any],
-        to: str,
-        timeout: float,
-        waiter: AnswerWait | None = None,
-    ) -> None:
-        """Start sending a control message; a failure is never left unretrieved. It is
-        logged, and handed to ``waiter`` (:meth:`AnswerWait.message_failed`): the wait
-        of the caller for the peer's answer to this message."""
-        h = self.channel.send(tensor_id, msg, to=to, timeout=timeout)
-
-        async def reap() -> None:
-            try:
-                await h
-            except Exception as exc:
-                log.warning("aiokv IPC plane: sending %r to %s failed: %s", tensor_id, to, exc)
-                if waiter is not None:
-                    waiter.message_failed(exc)
-
-        self._track(reap())
-
-    def _ids(
-        self, block_ids: torch.Tensor | Sequence[int], *, unique: bool, what: str
-    ) -> tuple[int, ...]:
-        """Block ids as a checked tuple (the connector's rules). A list or tuple of ints
-        is checked in Python: the torch calls of the connector's check cost ~80 µs per
-        request on an H200 host, more than the copy itself."""
-        if (
-            isinstance(block_ids, torch.Tensor)
-            and block_ids.device.type == "cpu"
-            and block_ids.dtype in _INT_DTYPES
-            and block_ids.dim() == 1
-        ):
-            block_ids = block_ids.tolist()  # (a CPU tensor: checked as the list it holds)
-        if isinstance(block_ids, (list, tuple)) and all(type(i) is int for i in block_ids):
-            ids = tuple(block_ids)
-            nb = self.layout.num_blocks
-            if ids and (min(ids) < 0 or max(ids) >= nb):
-                raise ConfigError(
-                    f"{what}: block ids must be in [0, {nb}), got [{min(ids)}, {max(ids)}]"
-                )
-            if unique and len(set(ids)) != len(ids):
-                raise ConfigError(f"{what}: duplicate block ids")
-            return ids
-        return tuple(self.port.host_ids(block_ids, unique=unique, what=what).tolist())
-
-    def _begin(
-        self,
-        request_id: str,
-        block_ids: torch.Tensor | Sequence[int],
-        timeout: float | None,
-        *,
-        unique: bool,
-        what: str,
-    ) -> tuple[float, tuple[int, ...]]:
-        """A request's start on either side (``what``: ``"send"`` or ``"recv"``): the
-        connector open, the request id checked, its deadline, its checked block ids."""
-        self.port.check_request(request_id)
-        deadline = self.port.deadline(timeout)
-        return deadline, self._ids(block_ids, unique=unique, what=f"{what}_request")
-
-    async def _recv_plain(
-        self,
-        rid: str,
-        host: tuple[int, ...],
-        frm: str | None,
-        deadline: float,
-        layerwise: bool,
-    ) -> None:
-        """The request the ordinary way (the connector's engine path), in what is left
-        of its deadline."""
-        await self.port.recv_plain(
-            rid,
-            host,
-            frm=frm,
-            timeout=max(0.0, deadline - time.monotonic()),
-            layerwise=layerwise,
-        )
-
-    def _ids_buffers(self, n: int) -> tuple[int, torch.Tensor, torch.Tensor, memoryview]:
-        """New buffers for ``n`` block pairs' ids (``2 n`` int64, rounded up to a power of
-        two, at least 64): ``(capacity, pinned host buffer, its device twin -- the host
-        one itself on CPU --, a memoryview of the host one for struct.pack_into)``."""
-        from ...transport.tcp import tensor_buffer
-
-        cap = max(64, 1 << max(0, 2 * n - 1).bit_length())
-        cuda = self.device.type == "cuda"
-        pin = torch.empty(cap, dtype=torch.int64, pin_memory=cuda)
-        dev = torch.empty(cap, dtype=torch.int64, device=self.device) if cuda else pin
-        return cap, pin, dev, tensor_buffer(pin)
-
-    def _raw_stream(self) -> int | None:
-        """The caller's current stream on this plane's device as a raw handle, when the
-        driver calls can be used (driver loaded, this device is the current one: the
-        kernel and events live in its context); None otherwise."""
-        if self._drv is None or not self._on_device():
-            return None
-        return int(torch._C._cuda_getCurrentRawStream(self._dev_index))
-
-    def _on_device(self) -> bool:
-        """Whether this plane's device is the current one (its context is current)."""
-        return bool(torch.cuda.current_device() == self._dev_index)
 
 
 @dataclasses.dataclass(slots=True, eq=False)

@@ -1,19 +1,21 @@
-"""The IPC plane's producer side (:class:`_ProducerSide`, a base of
+"""The IPC plane's producer (:class:`Producer`, a part of
 :class:`aiokv.kv.ipc.IpcPlane`): the export and its offer, the ready events, the
 descriptor (by the engine and the doorbell ring), the lease and the release, and
-layer-wise saving. docs/ipc.md has the protocol."""
+layer-wise saving. Push mode's launches are the push sender's
+(:class:`aiokv.kv.ipc._push.Pusher`, seen as :class:`~aiokv.kv.ipc._parts.Pushing`).
+docs/ipc.md has the protocol."""
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import functools
 import os
 import secrets
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -28,6 +30,7 @@ from ..._exceptions import (
 )
 from . import _doorbell, _kernel
 from ._common import (
+    HELLO,
     NO_OFFER,
     PREPARE_RID,
     RING,
@@ -39,14 +42,13 @@ from ._common import (
     _retrieve,
     log,
 )
-from ._mapping import _Mapping, seg_bytes
-from ._push import PUSH_REFUSED, _PushBuf, _PushSide
+from ._mapping import seg_bytes
+from ._push import PUSH_REFUSED, _IpcSave
+from ._state import PlaneState
 from ._wire import (
     _PROBE_SEGMENTS,
     LAYERS,
-    PUSH,
     Descriptor,
-    Grant,
     Offer,
     Release,
     decode_message,
@@ -55,38 +57,8 @@ from ._wire import (
 from ._wire_layers import layer_messages
 from .lease import LeaseEvent, LeaseState
 
-
-@dataclass(slots=True, eq=False)
-class _PushSave:
-    """A request saved layer by layer in push mode: the consumer's grant taken at its
-    first saved layer, the ids buffer filled and uploaded then, the stream of the
-    latest launch (a raw handle), and the error of a launch that failed after the
-    first (the request then fails)."""
-
-    pm: _Mapping
-    grant: Grant
-    ab: torch.Tensor
-    buf: _PushBuf | None
-    stream: int | None
-    error: BaseException | None = None
-
-
-@dataclass(slots=True, eq=False)
-class _IpcSave:
-    """A request being saved layer by layer over the plane (producer): pulled by the
-    consumer layer by layer (``rel`` waits for its release), or pushed (``push``;
-    its descriptor and release come at ``wait_saved``)."""
-
-    to: str
-    host: tuple[int, ...]
-    deadline: float
-    lease: float
-    started: float
-    rel: AnswerWait | None
-    saved: set[int] = field(default_factory=set)
-    events: list[tuple[int, Any, bytes]] = field(default_factory=list)
-    pending: list[tuple[int, bytes, int]] = field(default_factory=list)  # (layer, event, slot)
-    push: _PushSave | None = None
+if TYPE_CHECKING:
+    from ._parts import Pushing
 
 
 def _release_event(rel: Release | None) -> LeaseEvent:
@@ -135,39 +107,67 @@ def _same_ids(block_ids: object, host: tuple[int, ...]) -> bool:
     return len(block_ids) == len(host) and tuple(block_ids) == host
 
 
-class _ProducerSide(_PushSide):
-    """The producer's half of a plane (its state is set in ``IpcPlane.__init__``)."""
+class Producer:
+    """The producer's part of a plane: its export (made once), its pool of IPC events,
+    what it knows of each consumer (acknowledged the offer, reads the ring, fell back),
+    the requests saved layer by layer. ``push`` is the plane's push sender."""
 
-    _export: _Export | None
-    _acked: set[str]
-    _broken_to: dict[str, str]
-    _free_events: list[tuple[int, Any, bytes]]
-    _n_events: int
-    _saves: dict[str, _IpcSave]
-    _bells: dict[str, _doorbell.BellWriter | None]
-    _ring_ok: set[str]
-    _ring_only: dict[str, int]
-    _plain_saves: set[str]
-    _offering: dict[str, bool]
+    push: Pushing
+
+    def __init__(self, s: PlaneState) -> None:
+        self.s = s
+        self.export: _Export | None = None
+        self.acked: set[str] = set()  # consumers that used our offer
+        self.broken_to: dict[str, str] = {}  # consumer -> reason (fall back from now on)
+        self.free_events: list[tuple[int, Any, bytes]] = []
+        self.n_events = 0
+        self.saves: dict[str, _IpcSave] = {}  # layer-wise requests being saved over IPC
+        self.bells: dict[str, _doorbell.BellWriter | None] = {}  # consumer -> its ring
+        self.ring_ok: set[str] = set()  # consumers whose last release said "by the ring"
+        self.ring_only: dict[str, int] = {}  # consumer -> ring-only descriptors unreleased
+        self.plain_saves: set[str] = set()  # ... and those that take the ordinary path
+        # consumers an offer-only request is going to -> whether another hello came
+        self.offering: dict[str, bool] = {}
+
+    def publish_hello(self) -> None:
+        """Consumers may ask for the offer ahead of their first request (``prepare``):
+        publish :data:`HELLO` where the plane is on and the engine has a GET mode."""
+        pull = self.s.port.pull
+        if not self.s.disabled and pull is not None:
+            with contextlib.suppress(AiokvError):
+                pull.publish(HELLO, torch.zeros(1, dtype=torch.uint8), on_get=self.hello)
+
+    def close(self) -> None:
+        """Unpublish :data:`HELLO` (the plane closes)."""
+        if self.s.port.pull is not None:
+            with contextlib.suppress(AiokvError):
+                self.s.port.pull.unpublish(HELLO)
+
+    def close_bells(self) -> None:
+        """Close every consumer's doorbell ring (the plane closes)."""
+        for bell in self.bells.values():
+            if bell is not None:
+                bell.close()
+        self.bells.clear()
 
     def _send_plain(
         self, request_id: str, n: int, to: str, deadline: float, reason: str | None
     ) -> None:
         """Tell the consumer (which waits for a descriptor either way) that this request's
         blocks come the ordinary way; count it under ``reason`` if the plane is off."""
-        self._send_msg(
+        self.s.send_msg(
             f"{request_id}#ipc",
             Descriptor(request_id, "chunks", n).to_wire(),
             to,
             _time_left(deadline),
         )
         if reason:
-            self._stats.fallbacks[reason] = self._stats.fallbacks.get(reason, 0) + 1
+            self.s.stats.fallbacks[reason] = self.s.stats.fallbacks.get(reason, 0) + 1
 
-    def _make_export(self) -> _Export:
-        if self._export is not None:
-            return self._export
-        tensors = self.port.caches.tensors
+    def make_export(self) -> _Export:
+        if self.export is not None:
+            return self.export
+        tensors = self.s.port.caches.tensors
         storages: list[torch.UntypedStorage] = []
         index: dict[int, int] = {}
         layers: list[tuple[int, int]] = []
@@ -178,41 +178,41 @@ class _ProducerSide(_PushSide):
                 index[key] = len(storages)
                 storages.append(st)
             layers.append((index[key], t.data_ptr() - key))
-        seg = seg_bytes(self.layout)
+        seg = seg_bytes(self.s.layout)
         nonce = secrets.randbits(62)
-        probe = probe_pattern(nonce, _PROBE_SEGMENTS * seg, self.device)
+        probe = probe_pattern(nonce, _PROBE_SEGMENTS * seg, self.s.device)
         word = _kernel.word_size(*(t.data_ptr() for t in tensors))
         offer = Offer(
             token=secrets.randbits(62) | 1,
-            boot_id=self._boot_id,
+            boot_id=self.s.boot_id,
             pid=os.getpid(),
-            mono=self._clock(),
-            layout=self.layout.to_wire(),
-            storages=tuple(self.backend.export(s) for s in storages),
+            mono=self.s.clock(),
+            layout=self.s.layout.to_wire(),
+            storages=tuple(self.s.backend.export(s) for s in storages),
             layers=tuple(layers),
             word=word,
-            probe=self.backend.export(probe.untyped_storage()),
+            probe=self.s.backend.export(probe.untyped_storage()),
             nonce=nonce,
         )
-        self._export = _Export(offer, probe, storages)
-        return self._export
+        self.export = _Export(offer, probe, storages)
+        return self.export
 
-    def _take_event(self) -> tuple[int, Any, bytes]:
-        if self._free_events:
-            return self._free_events.pop()
-        ev, handle = self.backend.new_event(self.device)
-        self._n_events += 1
-        return self._n_events - 1, ev, handle
+    def take_event(self) -> tuple[int, Any, bytes]:
+        if self.free_events:
+            return self.free_events.pop()
+        ev, handle = self.s.backend.new_event(self.s.device)
+        self.n_events += 1
+        return self.n_events - 1, ev, handle
 
-    def _record(self, ev: Any) -> None:
+    def record(self, ev: Any) -> None:
         """Record ``ev`` on the caller's current stream of this plane's device."""
-        rs = self._raw_stream()
+        rs = self.s.raw_stream()
         if rs is not None:
-            assert self._drv is not None
-            self._drv.event_record(ev.cuda_event, rs)
+            assert self.s.drv is not None
+            self.s.drv.event_record(ev.cuda_event, rs)
         else:
             ev.record(
-                torch.cuda.current_stream(self.device) if self.device.type == "cuda" else None
+                torch.cuda.current_stream(self.s.device) if self.s.device.type == "cuda" else None
             )
 
     async def send_request(
@@ -225,40 +225,40 @@ class _ProducerSide(_PushSide):
         _offer_only: bool = False,
     ) -> None:
         _mark(request_id, "send")
-        deadline, host = self._begin(request_id, block_ids, timeout, unique=False, what="send")
+        deadline, host = self.s.begin(request_id, block_ids, timeout, unique=False, what="send")
         n = len(host)
         _mark(request_id, "ids")
         _time_left(deadline)  # (timeout=0: over before anything is taken or sent)
-        reason = self.disabled or self._broken_to.get(to)
+        reason = self.s.disabled or self.broken_to.get(to)
         if _offer_only and reason:  # no offer to make: the consumer's prepare() is False
             self._send_plain(request_id, 0, to, deadline, None)
             return
         if reason or (n == 0 and not _offer_only):
             self._send_plain(request_id, n, to, deadline, reason)
-            await self.port.send_plain(
+            await self.s.port.send_plain(
                 request_id, host, to=to, timeout=max(0.0, deadline - time.monotonic())
             )
             return
         try:
-            export = self._make_export()
+            export = self.make_export()
         except Exception as exc:  # an allocation torch cannot share (expandable segments ...)
-            self.disabled = "export_failed"  # counted per request on the plain path
-            self._log_fallback("export_failed", to, f"{type(exc).__name__}: {exc}")
+            self.s.disabled = "export_failed"  # counted per request on the plain path
+            self.s.log_fallback("export_failed", to, f"{type(exc).__name__}: {exc}")
             return await self.send_request(
                 request_id, host, to=to, timeout=timeout, _offer_only=_offer_only
             )
-        pm = self._push_maps.get(to) if self.options.push and n and not _offer_only else None
+        pm = self.push.maps.get(to) if self.s.options.push and n and not _offer_only else None
         if pm is not None:
-            got = self._take_grant(request_id, to, pm, n, deadline)
+            got = self.push.take_grant(request_id, to, pm, n, deadline)
             _mark(request_id, "grant:taken")
-            if got is not None and await self._push(request_id, host, to, deadline, pm, *got):
+            if got is not None and await self.push.push(request_id, host, to, deadline, pm, *got):
                 return
-        slot, ev, ev_handle = self._take_event()
-        self._record(ev)  # on the current stream: after the KV writes queued so far
+        slot, ev, ev_handle = self.take_event()
+        self.record(ev)  # on the current stream: after the KV writes queued so far
         _mark(request_id, "recorded")
-        lease = self._clock() + max(0.0, deadline - time.monotonic())
+        lease = self.s.clock() + max(0.0, deadline - time.monotonic())
         offer = None
-        if to not in self._acked:
+        if to not in self.acked:
             offer = export.offer
             bell = self._bell_for(to)
             if bell is not None:  # named only over the engine (authenticated)
@@ -267,7 +267,7 @@ class _ProducerSide(_PushSide):
             rid=request_id,
             plane="ipc",
             n=n,
-            reply_to=str(getattr(self.port.engine, "address", "")),
+            reply_to=str(getattr(self.s.port.engine, "address", "")),
             token=export.offer.token,
             src=host,
             event=ev_handle,
@@ -277,78 +277,13 @@ class _ProducerSide(_PushSide):
             can_push=pm is not None,
         )
         _mark(request_id, "built")
-        ok = await self._post(request_id, desc, to, lease, [(slot, ev, ev_handle)])
+        ok = await self.post(request_id, desc, to, lease, [(slot, ev, ev_handle)])
         if not ok and not _offer_only:  # nothing was read: the ordinary way (from now on)
-            await self.port.send_plain(
+            await self.s.port.send_plain(
                 request_id, host, to=to, timeout=max(0.0, deadline - time.monotonic())
             )
 
-    async def _push(
-        self,
-        request_id: str,
-        host: tuple[int, ...],
-        to: str,
-        deadline: float,
-        pm: _Mapping,
-        g: Grant,
-        ab: torch.Tensor,
-    ) -> bool:
-        """Push mode: copy the request into the blocks of the consumer's grant ``g`` (on
-        the current stream, after the KV writes), send the descriptor naming the copy's
-        event and settle it like a pull. False when the launch failed before anything
-        was queued (the request then goes by pull, which also answers the grant)."""
-        slot, ev, ev_handle = self._take_event()
-        try:
-            rs = self._raw_stream() if pm.raw is not None else None
-            buf = self._launch_push(pm, g, ab, host, ev, rs)
-        except Exception as exc:
-            self._free_events.append((slot, ev, ev_handle))
-            log.warning("aiokv IPC plane: push of %r not launched: %r", request_id, exc)
-            return False
-        lease = self._clock() + max(0.0, deadline - time.monotonic())
-        event = (slot, ev, ev_handle)
-        if not await self._post_push(request_id, len(host), to, lease, pm, g, event, buf):
-            # the consumer refused the push (nothing of it is used): the ordinary way
-            await self.port.send_plain(
-                request_id, host, to=to, timeout=max(0.0, deadline - time.monotonic())
-            )
-        return True
-
-    async def _post_push(
-        self,
-        request_id: str,
-        n: int,
-        to: str,
-        lease: float,
-        pm: _Mapping,
-        g: Grant,
-        event: tuple[int, Any, bytes],
-        buf: _PushBuf | None,
-    ) -> bool:
-        """Send the push descriptor of grant ``g`` naming ``event`` (recorded after the
-        request's launches) and settle it like a pull (:meth:`_post`); the ids buffer
-        ``buf`` serves again once the copy ended. False: the consumer refused it."""
-        _mark(request_id, "pushed")
-        self._stats.pushed += 1
-        slot, ev, handle = event
-        desc = Descriptor(
-            rid=request_id,
-            plane=PUSH,
-            n=n,
-            reply_to=str(getattr(self.port.engine, "address", "")),
-            token=pm.token,
-            event=handle,
-            event_slot=slot,
-            lease=lease,
-            gid=g.gid,
-        )
-        try:
-            return await self._post(request_id, desc, to, lease, [event])
-        finally:
-            if buf is not None:
-                self._push_done(ev, buf)
-
-    async def _post(
+    async def post(
         self,
         request_id: str,
         desc: Descriptor,
@@ -367,15 +302,15 @@ class _ProducerSide(_PushSide):
         # within doorbell_backup_s. Otherwise the engine carries it too, at once.
         ring_only = (
             offer is None
-            and to in self._ring_ok
-            and self._ring_only.get(to, 0) < _doorbell.SLOTS - 1
+            and to in self.ring_ok
+            and self.ring_only.get(to, 0) < _doorbell.SLOTS - 1
             and self._ring(desc, to, solo=True)
         )
         backup: asyncio.TimerHandle | None = None
         if ring_only:
-            self._ring_only[to] = self._ring_only.get(to, 0) + 1
+            self.ring_only[to] = self.ring_only.get(to, 0) + 1
             backup = asyncio.get_running_loop().call_later(
-                self.options.doorbell_backup_s, self._send_backup, tid, desc, to, lease
+                self.s.options.doorbell_backup_s, self._send_backup, tid, desc, to, lease
             )
         rel = self._wait_release(request_id, to, lease)
         rel.fut.add_done_callback(functools.partial(self._released, to, backup))
@@ -383,8 +318,8 @@ class _ProducerSide(_PushSide):
             rung = offer is None and self._ring(desc, to, solo=False)
             # the engine alone carrying it, a failed send fails the wait for its release
             # (with the ring's copy too, the consumer may be reading: the lease decides)
-            left = _time_left(lease, self._clock)
-            self._send_msg(tid, desc.to_wire(), to, left, None if rung else rel)
+            left = _time_left(lease, self.s.clock)
+            self.s.send_msg(tid, desc.to_wire(), to, left, None if rung else rel)
         _mark(request_id, "sent")
         return await self._settle_release(
             request_id,
@@ -399,21 +334,21 @@ class _ProducerSide(_PushSide):
     def _bell_for(self, to: str) -> _doorbell.BellWriter | None:
         """The doorbell ring for consumer ``to`` (made once; None where the option is off
         or no ring can be made here, e.g. no ``/dev/shm``)."""
-        if not self.options.doorbell:
+        if not self.s.options.doorbell:
             return None
-        if to in self._bells:
-            return self._bells[to]
+        if to in self.bells:
+            return self.bells[to]
         try:
             bell: _doorbell.BellWriter | None = _doorbell.BellWriter()
         except OSError as exc:
             log.info("aiokv IPC plane: no doorbell for %s: %s", to, exc)
             bell = None
-        self._bells[to] = bell
+        self.bells[to] = bell
         return bell
 
     def _ring(self, desc: Descriptor, to: str, *, solo: bool) -> bool:
         """Post the descriptor in ``to``'s doorbell ring, if it has one; whether it was."""
-        bell = self._bells.get(to)
+        bell = self.bells.get(to)
         if bell is not None and bell.post(desc.to_ring(solo=solo)):
             _mark(desc.rid, "rung")
             return True
@@ -422,11 +357,16 @@ class _ProducerSide(_PushSide):
     def _send_backup(self, tid: str, desc: Descriptor, to: str, lease: float) -> None:
         """No release came soon after a ring-only descriptor: send it by the engine too
         (the ring message was lost, or the consumer does not wait yet; a consumer that
-        took the ring's copy drops this one)."""
-        left = lease - self._clock()
-        if left > 0 and not self._closed:
-            self._stats.doorbell_backups += 1
-            self._send_msg(tid, desc.to_wire(), to, left)
+        took the ring's copy drops this one).
+
+        A one-shot timer of the loop, cancelled by the release (:meth:`_released`), not
+        a waiter poll: it asks nothing, and as a poll of the loop's waiter it would make
+        the waiter open and close its timerfd for every ring-only request while nothing
+        else waits -- ~0.1 ms more per request, measured on CPU (docs/design.md)."""
+        left = lease - self.s.clock()
+        if left > 0 and not self.s.closed:
+            self.s.stats.doorbell_backups += 1
+            self.s.send_msg(tid, desc.to_wire(), to, left)
 
     def _wait_release(self, rid: str, to: str, lease: float) -> AnswerWait:
         """The wait for the consumer's release of ``rid`` (:meth:`_await_release`, run as
@@ -446,13 +386,13 @@ class _ProducerSide(_PushSide):
         ring (``reason == "ring"`` on an ok release)."""
         if backup is not None:
             backup.cancel()
-            self._ring_only[to] -= 1
+            self.ring_only[to] -= 1
         rel = None if t.cancelled() or t.exception() is not None else t.result()
         if rel is not None and rel.ok:
             if rel.reason == RING:
-                self._ring_ok.add(to)
+                self.ring_ok.add(to)
             else:
-                self._ring_ok.discard(to)
+                self.ring_ok.discard(to)
 
     async def _settle_release(
         self,
@@ -482,20 +422,20 @@ class _ProducerSide(_PushSide):
             rel = await asyncio.shield(wait.fut)
         except asyncio.CancelledError:
             lease.handle(LeaseEvent.CANCEL)
-            self._track(self._settle_cancelled(wait, events, request_id))
-            self.port.send_failed()
+            self.s.track(self._settle_cancelled(wait, events, request_id))
+            self.s.port.send_failed()
             raise
         except BaseException as exc:
             if lease.handle(_error_event(exc)) is LeaseState.UNDELIVERED or count_errors:
-                self.port.send_failed()
+                self.s.port.send_failed()
             raise
         _mark(request_id, "released")
         state = lease.handle(_release_event(rel))
         if lease.events_reusable:
-            self._free_events.extend(events)
+            self.free_events.extend(events)
         if state is LeaseState.EXPIRED:
-            self.port.send_failed()
-            self._stats.lease_expired += 1
+            self.s.port.send_failed()
+            self.s.stats.lease_expired += 1
             lost = wait.lost
             raise TransferTimeoutError(
                 f"IPC: no release of {request_id!r} from {to} before its lease ran out "
@@ -504,52 +444,52 @@ class _ProducerSide(_PushSide):
             ) from lost
         assert rel is not None
         if rel.fallback and rel.reason == PUSH_REFUSED:  # pull (and the ordinary way) goes on
-            pm = self._push_maps.pop(to, None)
+            pm = self.push.maps.pop(to, None)
             if pm is not None:
-                self._close_push(pm)
-            self._count_fallback(PUSH_REFUSED, to)
+                self.push.close(pm)
+            self.s.count_fallback(PUSH_REFUSED, to)
             return False
         if state is LeaseState.FALLBACK:
             reason = rel.reason or "consumer_refused"
-            pm = self._push_maps.pop(to, None)  # (a consumer that lost our offer restarted:
+            pm = self.push.maps.pop(to, None)  # (a consumer that lost our offer restarted:
             if pm is not None:  # its export we map is stale too; it offers its new one)
-                self._close_push(pm)
-            self._ring_ok.discard(to)
-            self._acked.discard(to)
-            bell = self._bells.pop(to, None)
+                self.push.close(pm)
+            self.ring_ok.discard(to)
+            self.acked.discard(to)
+            bell = self.bells.pop(to, None)
             if bell is not None:
                 bell.close()
             if reason != NO_OFFER:
-                self._broken_to[to] = reason
+                self.broken_to[to] = reason
             # else: the consumer does not know our export -- it restarted, or lost the
             # offer -- so the next request offers it again (with a new ring) instead of
             # sending this consumer everything the ordinary way from now on
-            self._count_fallback(reason, to)
+            self.s.count_fallback(reason, to)
             return False
         if state is LeaseState.FAILED:
-            self.port.send_failed()
+            self.s.port.send_failed()
             raise TransferAbortedError(
                 f"IPC: the consumer {to} failed request {request_id!r}: {rel.reason}"
             )
-        if to not in self._acked:
-            self._acked.add(to)
-            bell = self._bells.get(to)
+        if to not in self.acked:
+            self.acked.add(to)
+            bell = self.bells.get(to)
             if bell is not None:  # the consumer opened both with the offer: names can go
                 bell.open_wake()
                 bell.unlink()
         if rel.push is not None:
-            self._push_received(to, rel.push)
+            self.push.received(to, rel.push)
         if request_id == PREPARE_RID:  # an offer alone: no request to count or report
             return True
-        self._stats.requests_sent += 1
-        self.port.sent(request_id, n_blocks, started)  # (no chunks: one copy by the plane)
+        self.s.stats.requests_sent += 1
+        self.s.port.sent(request_id, n_blocks, started)  # (no chunks: one copy by the plane)
         return True
 
     async def _await_release(self, rid: str, frm: str, lease: float) -> Release | None:
         """The consumer's release, or None once the lease plus the grace period is over."""
-        left = lease + self.options.grace_s - self._clock()
+        left = lease + self.s.options.grace_s - self.s.clock()
         try:
-            raw = await self.channel.recv(f"{rid}#ipcrel", frm=frm, timeout=max(0.0, left))
+            raw = await self.s.channel.recv(f"{rid}#ipcrel", frm=frm, timeout=max(0.0, left))
         except TransferTimeoutError:
             return None
         rel = Release.from_wire(decode_message(raw))
@@ -569,46 +509,44 @@ class _ProducerSide(_PushSide):
             event = _error_event(exc)
         wait.lease.handle(event)
         if wait.lease.events_reusable:
-            self._free_events.extend(events)
+            self.free_events.extend(events)
         if rid != PREPARE_RID:  # (blocks_free: release, or lease + grace over)
-            self.port.blocks_free(rid)
+            self.s.port.blocks_free(rid)
 
-    def _hello(self, address: str) -> None:
+    def hello(self, address: str) -> None:
         """``on_get`` of :data:`HELLO`: the consumer at ``address`` (an authenticated
         session's address) maps our export ahead of its first request
-        (:meth:`prepare`); send it an offer-only request (the offer rides along unless
+        (``prepare``); send it an offer-only request (the offer rides along unless
         that consumer acknowledged it already). Every hello gets its answer, one at a
         time per consumer: a hello while one is being answered (the consumer may ask
         again as soon as it released the last, before we took that release) is
         answered after it."""
-        if self._closed:
+        if self.s.closed:
             return
-        if address in self._offering:
-            self._offering[address] = True  # answer once more when this one is done
+        if address in self.offering:
+            self.offering[address] = True  # answer once more when this one is done
             return
-        self._offering[address] = False
+        self.offering[address] = False
 
         async def offer() -> None:
             again = True
-            while again and not self._closed:
+            while again and not self.s.closed:
                 try:
                     await self.send_request(
                         PREPARE_RID, (), to=address, timeout=None, _offer_only=True
                     )
                 except AiokvError as exc:
                     log.info("aiokv IPC plane: the offer to %s did not land: %r", address, exc)
-                again = self._offering.get(address, False)
-                self._offering[address] = False
-            self._offering.pop(address, None)
+                again = self.offering.get(address, False)
+                self.offering[address] = False
+            self.offering.pop(address, None)
 
-        self._track(offer())
-
-    # ------------------------------------------------------------------ producer, layer-wise
+        self.s.track(offer())
 
     def owns_save(self, request_id: str) -> bool:
         """True when the layers of ``request_id`` are being saved over IPC (not the
         ordinary path)."""
-        return request_id in self._saves
+        return request_id in self.saves
 
     def save_layer(
         self,
@@ -629,58 +567,58 @@ class _ProducerSide(_PushSide):
         its event fired. Where the plane is off for this consumer the descriptor
         says ``"chunks"`` and the request takes the ordinary path from its first layer.
         """
-        self.port.check_request(request_id)
-        L = self.layout.num_layers
+        self.s.port.check_request(request_id)
+        L = self.s.layout.num_layers
         if type(layer) is not int or not 0 <= layer < L:
             raise ConfigError(f"layer must be an int in [0, {L}), got {layer!r}")
-        if request_id in self._plain_saves:
-            self.port.save_layer_plain(request_id, layer, block_ids, to=to, timeout=timeout)
+        if request_id in self.plain_saves:
+            self.s.port.save_layer_plain(request_id, layer, block_ids, to=to, timeout=timeout)
             return
-        sv = self._saves.get(request_id)
+        sv = self.saves.get(request_id)
         if sv is not None and _same_ids(block_ids, sv.host):
             host = sv.host  # (the layers after the first: checked then, ~10 µs a layer)
         else:
-            host = self._ids(block_ids, unique=False, what="save_layer")
+            host = self.s.ids(block_ids, unique=False, what="save_layer")
         n = len(host)
         if sv is None:
             _mark(request_id, "send")  # (the request's first layer)
-            deadline = self.port.deadline(timeout)
-            reason = self.disabled or self._broken_to.get(to)
+            deadline = self.s.port.deadline(timeout)
+            reason = self.s.disabled or self.broken_to.get(to)
             export = None
             if not reason and n:
                 try:
-                    export = self._make_export()
+                    export = self.make_export()
                 except Exception as exc:  # see send_request
-                    reason = self.disabled = "export_failed"  # counted just below
-                    self._log_fallback("export_failed", to, f"{type(exc).__name__}: {exc}")
+                    reason = self.s.disabled = "export_failed"  # counted just below
+                    self.s.log_fallback("export_failed", to, f"{type(exc).__name__}: {exc}")
             if export is None:
                 self._send_plain(request_id, n, to, deadline, reason)
-                self._plain_saves.add(request_id)
-                self.port.save_layer_plain(request_id, layer, host, to=to, timeout=timeout)
+                self.plain_saves.add(request_id)
+                self.s.port.save_layer_plain(request_id, layer, host, to=to, timeout=timeout)
                 return
-            lease = self._clock() + max(0.0, deadline - time.monotonic())
-            pm = self._push_maps.get(to) if self.options.push else None
-            sv = self._push_first(request_id, layer, host, to, deadline, lease, pm)
+            lease = self.s.clock() + max(0.0, deadline - time.monotonic())
+            pm = self.push.maps.get(to) if self.s.options.push else None
+            sv = self.push.first_layer(request_id, layer, host, to, deadline, lease, pm)
             if sv is not None:
-                self._saves[request_id] = sv
+                self.saves[request_id] = sv
                 return
             desc = Descriptor(
                 rid=request_id,
                 plane=LAYERS,
                 n=n,
-                reply_to=str(getattr(self.port.engine, "address", "")),
+                reply_to=str(getattr(self.s.port.engine, "address", "")),
                 token=export.offer.token,
                 src=host,
                 lease=lease,
-                offer=None if to in self._acked else export.offer,
+                offer=None if to in self.acked else export.offer,
                 can_push=pm is not None,
             )
             rel = self._wait_release(request_id, to, lease)
             rel.fut.add_done_callback(_retrieve)
-            left = _time_left(lease, self._clock)
-            self._send_msg(f"{request_id}#ipc", desc.to_wire(), to, left, rel)
+            left = _time_left(lease, self.s.clock)
+            self.s.send_msg(f"{request_id}#ipc", desc.to_wire(), to, left, rel)
             sv = _IpcSave(to, host, deadline, lease, time.perf_counter(), rel)
-            self._saves[request_id] = sv
+            self.saves[request_id] = sv
         elif sv.to != to or sv.host != host:
             raise ConfigError(
                 f"save_layer({request_id!r}, {layer}): other block ids or peer than the "
@@ -689,93 +627,22 @@ class _ProducerSide(_PushSide):
         if layer in sv.saved:
             raise ConfigError(f"layer {layer} of {request_id!r} was already saved")
         if sv.push is not None:
-            self._push_next(sv, sv.push, request_id, layer)
+            self.push.next_layer(sv, sv.push, request_id, layer)
             return
         sv.saved.add(layer)
-        slot, ev, handle = self._take_event()
+        slot, ev, handle = self.take_event()
         sv.events.append((slot, ev, handle))
-        self._record(ev)  # after everything queued so far on the current stream (the layer)
+        self.record(ev)  # after everything queued so far on the current stream (the layer)
         sv.pending.append((layer, handle, slot))
         if len(sv.pending) == 1:  # one flush per loop pass: a message per run of layers
             asyncio.get_running_loop().call_soon(self._flush_layers, request_id, sv)
 
-    def _push_first(
-        self,
-        request_id: str,
-        layer: int,
-        host: tuple[int, ...],
-        to: str,
-        deadline: float,
-        lease: float,
-        pm: _Mapping | None,
-    ) -> _IpcSave | None:
-        """The first saved layer of a request whose consumer granted its blocks (push
-        mode, ``pm`` its verified export): take the grant and push this layer -- no
-        descriptor yet, no message per layer. None (the request is pulled layer by
-        layer, which answers the grant) without a usable grant, or when this first
-        launch failed before anything was queued."""
-        if pm is None or not host:
-            return None
-        got = self._take_grant(request_id, to, pm, len(host), deadline)
-        _mark(request_id, "grant:taken")
-        if got is None:
-            return None
-        g, ab = got
-        ps = _PushSave(pm, g, ab, None, None)
-        try:
-            rs = self._join_push_stream(ps)
-            ps.buf = self._launch_push(pm, g, ab, host, None, rs, lo=layer, hi=layer + 1)
-        except Exception as exc:
-            log.warning("aiokv IPC plane: push of %r not launched: %r", request_id, exc)
-            return None
-        sv = _IpcSave(to, host, deadline, lease, time.perf_counter(), None, push=ps)
-        sv.saved.add(layer)
-        return sv
-
-    def _push_next(self, sv: _IpcSave, ps: _PushSave, request_id: str, layer: int) -> None:
-        """Push one more layer of a request in push mode, on the current stream after
-        the layer's writes (joined first to the stream of the layers before, if it is
-        another: the ids' upload and those launches come before this one and before
-        the completion event). A launch that fails fails the request: the layers
-        before it may be in the consumer's blocks, so it cannot go by pull any more
-        (the consumer's deadline ends it, by the abort rules)."""
-        if ps.error is not None:
-            raise ps.error
-        try:
-            rs = self._join_push_stream(ps)
-            self._launch_push(
-                ps.pm, ps.grant, ps.ab, sv.host, None, rs, buf=ps.buf, lo=layer, hi=layer + 1
-            )
-        except Exception as exc:
-            ps.error = exc
-            raise
-        sv.saved.add(layer)
-
-    def _join_push_stream(self, ps: _PushSave) -> int | None:
-        """Order the current stream after the stream a pushed request's earlier layers
-        were launched on, when it is another one (a torch event; serving engines save
-        every layer from one stream, so this is rare). Returns the current stream as
-        :meth:`_launch_push` takes it (a raw handle for the driver's launch, or None)."""
-        if self.device.type != "cuda":
-            return None
-        rs = self._raw_stream() if ps.pm.raw is not None else None
-        now = rs if rs is not None else int(torch.cuda.current_stream(self.device).cuda_stream)
-        if now == ps.stream:
-            return rs
-        if ps.stream is not None:
-            joined = torch.cuda.Event()  # type: ignore[no-untyped-call]
-            old = torch.cuda.ExternalStream(ps.stream, device=self.device)  # type: ignore[no-untyped-call]
-            joined.record(old)
-            torch.cuda.current_stream(self.device).wait_event(joined)
-        ps.stream = now
-        return rs
-
     def _flush_layers(self, request_id: str, sv: _IpcSave) -> None:
         pending, sv.pending = sv.pending, []
-        left = max(0.0, sv.lease - self._clock())
+        left = max(0.0, sv.lease - self.s.clock())
         for lr in layer_messages(request_id, pending):
             try:
-                self._send_msg(_layer_id(lr.rid, lr.lo), lr.to_wire(), sv.to, left, sv.rel)
+                self.s.send_msg(_layer_id(lr.rid, lr.lo), lr.to_wire(), sv.to, left, sv.rel)
             except Exception as exc:  # engine closing: the consumer's lease runs out instead
                 log.warning(
                     "aiokv IPC plane: could not announce %r: %s", _layer_id(lr.rid, lr.lo), exc
@@ -788,22 +655,22 @@ class _ProducerSide(_PushSide):
         As with :meth:`send_request`, the blocks are the consumer's to read until its
         release or the lease (plus grace) is over: also when this raises (layers never
         saved, cancellation), the request joins ``finished_sending()`` only then."""
-        sv = self._saves.pop(request_id, None)
+        sv = self.saves.pop(request_id, None)
         if sv is None:  # saved the ordinary way (or never saved: the ConfigError is its)
-            self._plain_saves.discard(request_id)
-            await self.port.wait_saved_plain(request_id)
+            self.plain_saves.discard(request_id)
+            await self.s.port.wait_saved_plain(request_id)
             return
         if sv.push is not None:
-            return await self._push_saved(request_id, sv, sv.push)
+            return await self.push.saved(request_id, sv, sv.push)
         self._flush_layers(request_id, sv)
-        L = self.layout.num_layers
+        L = self.s.layout.num_layers
         missing = [i for i in range(L) if i not in sv.saved]
         assert sv.rel is not None
         if missing:
             # the consumer waits for them until the lease; what it read so far stays its
             sv.rel.lease.handle(LeaseEvent.CANCEL)
-            self._track(self._settle_cancelled(sv.rel, sv.events, request_id))
-            self.port.send_failed()
+            self.s.track(self._settle_cancelled(sv.rel, sv.events, request_id))
+            self.s.port.send_failed()
             raise ConfigError(
                 f"request {request_id!r}: layers {missing[:8]}{'...' if len(missing) > 8 else ''} "
                 "were never saved"
@@ -818,61 +685,12 @@ class _ProducerSide(_PushSide):
             count_errors=True,
         )
         if not ok:  # nothing was read: every layer the ordinary way (all are written now)
-            await self._save_plain(request_id, sv)
+            await self.save_plain(request_id, sv)
 
-    async def _push_saved(self, request_id: str, sv: _IpcSave, ps: _PushSave) -> None:
-        """:meth:`wait_saved` of a request pushed layer by layer: record the IPC event
-        after its last launch, send the push descriptor naming it and settle it like a
-        whole push. With a layer never saved (or a launch that failed) nothing is sent:
-        the consumer's deadline ends its grant (docs/ipc.md, "Push mode"), and the
-        request joins ``finished_sending()`` once the launches made have ended."""
-        L = self.layout.num_layers
-        missing = [i for i in range(L) if i not in sv.saved]
-        slot, ev, handle = self._take_event()
-        try:
-            self._join_push_stream(ps)
-            self._record(ev)  # after every launch of the request
-        except Exception as exc:  # (CUDA failing: the launches before may have run)
-            ps.error = ps.error or exc
-        if missing or ps.error is not None:
-            self._track(self._push_abandoned(request_id, sv, ps, (slot, ev, handle)))
-            self.port.send_failed()
-            if ps.error is not None:
-                raise ps.error
-            raise ConfigError(
-                f"request {request_id!r}: layers {missing[:8]}{'...' if len(missing) > 8 else ''} "
-                "were never saved"
-            )
-        event = (slot, ev, handle)
-        if not await self._post_push(
-            request_id, len(sv.host), sv.to, sv.lease, ps.pm, ps.grant, event, ps.buf
-        ):  # the consumer refused the push: every layer the ordinary way
-            await self._save_plain(request_id, sv)
-
-    async def _save_plain(self, request_id: str, sv: _IpcSave) -> None:
+    async def save_plain(self, request_id: str, sv: _IpcSave) -> None:
         """Every layer of ``sv`` the ordinary way (the connector's engine path; all
         are written by now), in what is left of its deadline, and wait for them."""
         left = max(0.0, sv.deadline - time.monotonic())
-        for i in range(self.layout.num_layers):
-            self.port.save_layer_plain(request_id, i, sv.host, to=sv.to, timeout=left)
-        await self.port.wait_saved_plain(request_id)
-
-    async def _push_abandoned(
-        self, request_id: str, sv: _IpcSave, ps: _PushSave, event: tuple[int, Any, bytes]
-    ) -> None:
-        """A layer-wise push that sends no descriptor: once its launches ended (the event
-        recorded after them fired, or the lease and grace passed) its ids buffer and
-        event serve again and the request joins ``finished_sending()`` (after the lease
-        and grace at the latest, as a pulled request: our stream orders any later write
-        of these blocks after the launches anyway)."""
-        until = time.monotonic() + max(0.0, sv.lease - self._clock()) + self.options.grace_s
-        ev = event[1]
-        while not bool(ev.query()):
-            if time.monotonic() >= until:
-                break  # (never fired in time: the buffer and the event are not reused)
-            await asyncio.sleep(0.001)
-        else:  # fired: the launches are over
-            if ps.buf is not None:
-                self._push_done(ev, ps.buf)
-            self._free_events.append(event)
-        self.port.blocks_free(request_id)
+        for i in range(self.s.layout.num_layers):
+            self.s.port.save_layer_plain(request_id, i, sv.host, to=sv.to, timeout=left)
+        await self.s.port.wait_saved_plain(request_id)

@@ -1,5 +1,6 @@
-"""The IPC plane's push mode (``IpcOptions(push=True)``; docs/ipc.md, "Push mode"), both
-sides, a base of :class:`aiokv.kv.ipc.IpcPlane`.
+"""The IPC plane's push mode (``IpcOptions(push=True)``; docs/ipc.md, "Push mode"): the
+producer's half, :class:`Pusher` (a part of :class:`aiokv.kv.ipc.IpcPlane`); the
+consumer's half is :class:`aiokv.kv.ipc._grant.Granter`.
 
 A consumer that pulled a first request from a producer sends it, with that request's
 ok release, its own export (:class:`PushOffer`); the producer maps and verifies it and
@@ -26,47 +27,37 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import dataclasses
 import functools
-import secrets
 import struct
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import torch
 
-from aiokv._runtime.deadlines import _time_left
 from aiokv._runtime.threads import in_daemon
+from aiokv._runtime.waiter import waiter_for
 
-from ..._exceptions import (
-    AiokvTimeoutError,
-    IpcUnavailableError,
-    RemoteProtocolError,
-    TransferTimeoutError,
-)
+from ..._exceptions import ConfigError, IpcUnavailableError, RemoteProtocolError
 from ..layouts import check_compatible, layout_from_wire
 from . import _doorbell, _kernel
-from ._common import _mark, _PlaneBase, check_same_host, log
-from ._mapping import ABORT_WORDS, AbortWords, Mapper, _Mapping, _pid_alive
-from ._mapping import seg_bytes as _seg_bytes
+from ._common import AnswerWait, _mark, check_same_host, log
+from ._mapping import ABORT_WORDS, _Mapping
+from ._state import PlaneState
 from ._wire import (
-    LAYERS,
     PUSH,
     REVOKE,
     REVOKED,
     Descriptor,
     Grant,
     PushOffer,
-    Release,
     decode_message,
     parse_revoke,
     revoke_record,
 )
 
 if TYPE_CHECKING:
-    from ..layouts import KVLayout
-    from ._common import _Export
+    from ._parts import Producing
 
 #: a fallback release's reason when the consumer refused a pushed request (under another
 #: grant, or with none): the producer stops pushing to it and sends this one the
@@ -76,6 +67,9 @@ PUSH_REFUSED = "push_refused"
 #: (and revoke answers a consumer keeps per producer)
 _MAX_HELD = 4096
 _REVOKE_B = bytes((REVOKE,))
+#: how often an abandoned layer-wise push's completion event is asked (not latency-bound:
+#: it only returns the push's ids buffer and event to their pools)
+_ABANDONED_POLL_S = 0.001
 #: how soon before a grant's deadline the producer stops using it (the consumer must not
 #: be past its deadline when the copy starts)
 _GRANT_MARGIN_S = 0.005
@@ -91,335 +85,102 @@ class _PushBuf:
     mv: memoryview
 
 
-class _PushSide(_PlaneBase):
-    """Push mode's two halves (state set in ``IpcPlane.__init__`` via
-    :meth:`_init_push`)."""
+@dataclass(slots=True, eq=False)
+class _PushSave:
+    """A request saved layer by layer in push mode: the consumer's grant taken at its
+    first saved layer, the ids buffer filled and uploaded then, the stream of the
+    latest launch (a raw handle), and the error of a launch that failed after the
+    first (the request then fails)."""
 
-    _maps: dict[int, _Mapping]
-    _words: AbortWords
-    _mapper: Mapper
-    _prepared: asyncio.Future[None] | None
-    _export: _Export | None
-    _bells: dict[str, _doorbell.BellWriter | None]
+    pm: _Mapping
+    grant: Grant
+    ab: torch.Tensor
+    buf: _PushBuf | None
+    stream: int | None
+    error: BaseException | None = None
 
-    if TYPE_CHECKING:  # (IpcPlane and its producer side provide these)
 
-        def _make_export(self) -> _Export: ...
-        def _record(self, ev: Any) -> None: ...
-        def _tables(self, m: _Mapping, lo: int, hi: int) -> tuple[torch.Tensor, torch.Tensor]: ...
-        def _event(self, m: _Mapping, slot: int, handle: bytes) -> Any: ...
-        def _release(self, desc: Descriptor, rel: Release) -> None: ...
-        def _release_soon(self, desc: Descriptor, rel: Release) -> None: ...
-        def _bell_take(self, rid: str, frm: str | None) -> tuple[Descriptor, bool] | None: ...
-        async def _wait_ready(self, ev: Any, until: float, what: str = ...) -> None: ...
-        def _desc_nowait(
-            self, rid: str, frm: str | None, deadline: float
-        ) -> tuple[Descriptor, KVLayout | None, bool] | None: ...
-        async def _recv_desc(
-            self, rid: str, frm: str | None, deadline: float, staged: Any = None
-        ) -> tuple[Descriptor, KVLayout | None, bool]: ...
-        async def _after_desc(
-            self,
-            request_id: str,
-            host: tuple[int, ...],
-            desc: Descriptor,
-            plout: KVLayout | None,
-            frm: str | None,
-            deadline: float,
-            *,
-            layerwise: bool,
-            rung: bool,
-        ) -> str: ...
+@dataclass(slots=True, eq=False)
+class _IpcSave:
+    """A request being saved layer by layer over the plane (the producer's record, kept
+    beside its push part): pulled by the consumer layer by layer (``rel`` waits for its
+    release), or pushed (``push``; its descriptor and release come at ``wait_saved``)."""
 
-    def _init_push(self) -> None:
-        # producer: consumer address -> its verified export; mappings being made;
-        # consumers whose export failed (reason); the consumer's abort blocks being mapped
-        self._push_maps: dict[str, _Mapping] = {}
-        self._push_opening: set[str] = set()
-        self._push_failed: dict[str, str] = {}
+    to: str
+    host: tuple[int, ...]
+    deadline: float
+    lease: float
+    started: float
+    rel: AnswerWait | None
+    saved: set[int] = field(default_factory=set)
+    events: list[tuple[int, Any, bytes]] = field(default_factory=list)
+    pending: list[tuple[int, bytes, int]] = field(default_factory=list)  # (layer, event, slot)
+    push: _PushSave | None = None
+
+
+class Pusher:
+    """The producer's half of push mode: the consumers' exports it mapped and verified,
+    the grants read from their rings, its ids buffers, the push launches (whole and
+    layer by layer) and their descriptors. ``producer`` is the plane's producer."""
+
+    producer: Producing
+
+    def __init__(self, s: PlaneState) -> None:
+        self.s = s
+        # consumer address -> its verified export; mappings being made; consumers whose
+        # export failed (reason); the consumer's abort blocks being mapped
+        self.maps: dict[str, _Mapping] = {}
+        self.opening: set[str] = set()
+        self.failed: dict[str, str] = {}
         self._abort_opening: set[tuple[int, int]] = set()
-        self._push_bufs: list[_PushBuf] = []
-        self._push_draining: list[tuple[Any, _PushBuf]] = []
-        # consumer: our push offer (made once) and the buffers it names
-        self._push_offer: PushOffer | None = None
-        self._push_keep: list[torch.Tensor] = []
+        self.bufs: list[_PushBuf] = []
+        self.draining: list[tuple[Any, _PushBuf]] = []
 
-    # ================================================================== consumer
+    def close_all(self) -> None:
+        """Stop reading every consumer's grants ring (the plane closes)."""
+        for pm in self.maps.values():
+            self.close(pm)
+        self.maps.clear()
 
-    def _offer_push(self, m: _Mapping) -> PushOffer | None:
-        """Our export for push mode, to send with an ok release to the producer of ``m``
-        (once per mapping), or None (push off, sent already, or it cannot be made)."""
-        if not self.options.push or m.push_offered or self.disabled:
-            return None
-        m.push_offered = True
-        base = self._push_base()
-        if base is None or not self.options.doorbell:
-            return base
-        try:  # our grants' ring to this producer (named only in this offer)
-            m.grant_bell = _doorbell.BellWriter()
-        except OSError as exc:
-            log.info("aiokv IPC plane: grants go by the engine alone: %s", exc)
-            return base
-        return dataclasses.replace(base, bell=m.grant_bell.name, bell_key=m.grant_bell.key)
-
-    def _push_base(self) -> PushOffer | None:
-        """Our export for push mode without a grants ring (made once), or None."""
-        if self._push_offer is None:
-            try:
-                ex = self._make_export()
-                seg = _seg_bytes(self.layout)
-                # the producer zeroes it before its probe writes it: no fill here (a
-                # kernel's first launch, and a wait for it, on the loop)
-                target = torch.empty(2 * seg, dtype=torch.uint8, device=self.device)
-                self._push_keep.append(target)
-                self._push_offer = PushOffer(
-                    ex.offer,
-                    self.backend.export(target.untyped_storage()),
-                    self._words.export(0),
-                )
-            except Exception as exc:
-                log.warning("aiokv IPC plane: no push offer (%s: %s)", type(exc).__name__, exc)
-                return None
-        return self._push_offer
-
-    def _push_token(self) -> int:
-        """Our push export's token (a pushed descriptor names it), 0 before there is one."""
-        return self._push_offer.offer.token if self._push_offer is not None else 0
-
-    def _push_source(self, frm: str | None) -> _Mapping | None:
-        """The verified mapping of producer ``frm`` when it said it can push to us (with
-        ``frm`` None: the one producer that can, if exactly one can)."""
-        ms = [
-            m
-            for m in self._maps.values()
-            if m.can_push and not m.broken and (frm is None or m.reply_to == frm)
-        ]
-        return ms[0] if len(ms) == 1 else None
-
-    async def _recv_granted(
-        self,
-        rid: str,
-        host: tuple[int, ...],
-        frm: str | None,
-        deadline: float,
-        m: _Mapping,
-        *,
-        layerwise: bool,
-    ) -> str:
-        """A request in push mode (whole, or saved layer by layer: ``layerwise``): grant
-        its blocks to the producer of ``m``, then wait for the answer (from ``frm``, or
-        anyone when None) -- a push (wait for its copy's end) or any other descriptor
-        (the grant is void; the request goes on as that descriptor says)."""
-        early = self._desc_nowait(rid, frm, deadline)
-        if early is not None:  # answered already (we come late): no grant
-            return await self._after_desc(
-                rid, host, early[0], early[1], frm, deadline, layerwise=layerwise, rung=early[2]
-            )
-        _mark(rid, "grant")
-        g = self._words.slot()
-        blk = g // ABORT_WORDS
-        gid = secrets.randbits(62) | 1
-        told = blk in m.told
-        grant = Grant(rid, gid, host, g, deadline, None if told else self._words.export(blk))
-        self._stats.grants += 1
-        bell = m.grant_bell
-        if bell is not None and m.can_push and not m.grant_bell_unlinked:
-            bell.open_wake()  # the producer opened both ends before it said it can push:
-            bell.unlink()  # each grant wakes it; the names can go
-            m.grant_bell_unlinked = True
-        by_ring = told and bell is not None and bell.post(grant.to_ring())
-        if not by_ring:
-            self._send_msg(f"{rid}#ipcgrant", grant.to_wire(), m.reply_to, _time_left(deadline))
-        _mark(rid, "granted")
-        try:
-            desc, plout, rung = await self._recv_desc(rid, frm, deadline, None)
-        except BaseException as exc:
-            await self._grant_aborted(m, g, gid, rid, frm, deadline, None, exc, by_ring=by_ring)
-            raise
-        if desc.plane != PUSH:  # answered by pull (or the ordinary way): the grant is void
-            self._words.set(g)
-            if desc.plane in ("ipc", "chunks", LAYERS):
-                m.can_push = m.can_push and desc.can_push
-            return await self._after_desc(
-                rid, host, desc, plout, frm, deadline, layerwise=layerwise, rung=rung
-            )
-        if (
-            desc.rid != rid
-            or desc.gid != gid
-            or desc.n != len(host)
-            or self._push_offer is None
-            or desc.token != self._push_offer.offer.token
-        ):
-            # another grant's push (that grant's word was set when it ended: it wrote
-            # nothing), or nonsense: this grant is void too
-            self._words.set(g)
-            return await self._refuse_push(
-                desc,
-                rid,
-                host,
-                frm,
-                deadline,
-                m.reply_to,
-                "a push descriptor not for this grant",
-                layerwise=layerwise,
-            )
-        t0 = time.perf_counter()
-        until = min(deadline, time.monotonic() + desc.lease - self._clock())
-        try:
-            ev = self._event(m, desc.event_slot, desc.event)
-            await self._wait_ready(ev, until, "the producer's push did not end")
-        except BaseException as exc:
-            await self._grant_aborted(m, g, gid, rid, frm, deadline, desc, exc)
-            raise
-        _mark(rid, "done")
-        m.told.add(blk)
-        self._words.free.append(g)  # (never set; the copy that read it is over)
-        self._release_soon(desc, Release(rid, True, reason="ring" if rung else ""))
-        self._stats.pushes_received += 1
-        self._stats.requests_received += 1
-        self._stats.bytes_received += self.layout.request_nbytes(desc.n)
-        self.port.received(rid, desc.n, t0)
-        _mark(rid, "return")
-        return "ipc"
-
-    async def _refuse_push(
-        self,
-        desc: Descriptor,
-        rid: str,
-        host: tuple[int, ...],
-        frm: str | None,
-        deadline: float,
-        peer: str,
-        detail: str,
-        *,
-        layerwise: bool = False,
-    ) -> str:
-        """Refuse a push that is not for a grant of this request (``push_refused``): the
-        producer at ``peer`` is granted nothing more (and stops pushing to us), and the
-        request comes the ordinary way (``layerwise``: as the producer saves its layers)."""
-        self._release(desc, Release(rid, False, fallback=True, reason=PUSH_REFUSED))
-        self._count_fallback(PUSH_REFUSED, peer, detail)
-        for m in self._maps.values():
-            if m.reply_to == peer:
-                m.can_push = False
-        await self._recv_plain(rid, host, frm, deadline, layerwise)
-        return "engine"
-
-    async def _grant_aborted(
-        self,
-        m: _Mapping,
-        g: int,
-        gid: int,
-        rid: str,
-        frm: str | None,
-        deadline: float,
-        desc: Descriptor | None,
-        exc: BaseException,
-        *,
-        by_ring: bool = False,
-    ) -> None:
-        """A granted request failed (cancelled, deadline, error): set the grant's abort
-        word and settle the grant before the caller may reuse the blocks -- the word
-        landed, and the producer's push (``desc``, or one that comes within the grace
-        period) ended, or its answer says it never pushed (a descriptor, or -- for a
-        grant sent by the ring and revoked there once the word landed -- its answer that
-        it had not taken the grant and never will), or it is gone. Raises
-        :class:`TransferTimeoutError` for a timeout; the caller re-raises the rest."""
-        self._words.set(g)  # never reused: a stale grant copies nothing
-        self._stats.aborted += 1
-        landed = self._words.landed()
-        end = time.monotonic() + self.options.grace_s
-        settled = False
-        revoke = by_ring and desc is None
-        rung = False  # (the answer came by the ring: its engine copy is dropped already)
-        while time.monotonic() < end:
-            if desc is None:
-                with contextlib.suppress(RemoteProtocolError):  # (a bad answer: none)
-                    got = self._desc_nowait(rid, frm, deadline)
-                    if got is not None:
-                        desc, _, rung = got
-            if bool(landed.query()):
-                if revoke and desc is None and m.grant_bell is not None:
-                    # (after the word landed: a launch after the producer read this
-                    # copies nothing, and it answers only for a grant it never took)
-                    m.grant_bell.post(revoke_record(REVOKE, rid, gid))
-                revoke = False
-                if m.revoked.get(gid) == rid:
-                    del m.revoked[gid]
-                    settled = True  # the producer never took it, and never will
-                    break
-                if desc is not None and (desc.plane != PUSH or desc.gid != gid):
-                    settled = True  # it answered without using this grant
-                elif desc is not None:
-                    try:
-                        settled = bool(self._event(m, desc.event_slot, desc.event).query())
-                    except IpcUnavailableError:
-                        settled = False
-                if settled or (m.pid and not _pid_alive(m.pid)):
-                    settled = True
-                    break
-            await asyncio.sleep(0.001)
-        if not settled:
-            if desc is not None:  # pushed, and its copy did not end in time
-                self._stats.push_unsettled += 1
-                log.warning(
-                    "aiokv IPC plane: the push of %r did not end within the grace period "
-                    "after its abort (its abort word is set)",
-                    rid,
-                )
-        if not rung:  # the answer's engine copy, or the answer itself, still to come
-            self.port.drop(rid, [f"{rid}#ipc"], frm, time.monotonic() + 60.0)
-        if desc is not None and desc.plane != "chunks":  # (the plane's: it waits for this)
-            reason = "cancelled" if isinstance(exc, asyncio.CancelledError) else "failed"
-            self._release(desc, Release(rid, False, reason=reason))
-        self.port.recv_failed()
-        if isinstance(exc, (AiokvTimeoutError, asyncio.TimeoutError, TimeoutError)) and not (
-            isinstance(exc, TransferTimeoutError)
-        ):
-            raise TransferTimeoutError(f"IPC push of {rid!r} did not end within its deadline")
-
-    # ================================================================== producer
-
-    def _push_received(self, to: str, po: PushOffer) -> None:
+    def received(self, to: str, po: PushOffer) -> None:
         """A consumer's ok release carried its push offer: map and verify it in the
         background (once per consumer at a time; a later offer replaces the mapping)."""
-        if not self.options.push or self.disabled or to in self._push_opening or self._closed:
+        if not self.s.options.push or self.s.disabled or to in self.opening or self.s.closed:
             return
-        old = self._push_maps.get(to)
+        old = self.maps.get(to)
         if old is not None and old.token == po.offer.token:
             return
-        self._push_opening.add(to)
-        self._track(self._open_push(to, po))
+        self.opening.add(to)
+        self.s.track(self._open_push(to, po))
 
     async def _open_push(self, to: str, po: PushOffer) -> None:
         try:
             try:
-                check_same_host(po.offer, my_boot_id=self._boot_id, now=self._clock())
+                check_same_host(po.offer, my_boot_id=self.s.boot_id, now=self.s.clock())
                 layout = layout_from_wire(po.offer.layout)
-                check_compatible(layout, self.layout)
-                if self.device.type == "cuda":
-                    if self._prepared is None:
-                        self._prepared = in_daemon(self._words.prepare, "aiokv-ipc-prep")
-                    await asyncio.shield(self._prepared)
-                slots = [self._words.slot() for _ in range(4)] if self._mapper.use_triton() else []
-                m = await in_daemon(
-                    functools.partial(self._mapper.map_push, po, layout, slots), "aiokv-ipc-push"
+                check_compatible(layout, self.s.layout)
+                await self.s.cuda_ready()
+                slots = (
+                    [self.s.words.slot() for _ in range(4)] if self.s.mapper.use_triton() else []
                 )
-                self._words.free += slots[0::2]
+                m = await in_daemon(
+                    functools.partial(self.s.mapper.map_push, po, layout, slots), "aiokv-ipc-push"
+                )
+                self.s.words.free += slots[0::2]
             except IpcUnavailableError as exc:
-                self._push_failed[to] = exc.reason
-                self._count_fallback("push:" + exc.reason, to, str(exc))
+                self.failed[to] = exc.reason
+                self.s.count_fallback("push:" + exc.reason, to, str(exc))
                 return
             except Exception as exc:
-                self._push_failed[to] = "map_failed"
-                self._count_fallback("push:map_failed", to, f"{type(exc).__name__}: {exc}")
+                self.failed[to] = "map_failed"
+                self.s.count_fallback("push:map_failed", to, f"{type(exc).__name__}: {exc}")
                 return
         finally:
-            self._push_opening.discard(to)
-        if self._closed:
+            self.opening.discard(to)
+        if self.s.closed:
             return
         m.reply_to = to
-        if po.bell and self.options.doorbell:
+        if po.bell and self.s.options.doorbell:
             try:  # the consumer's grants ring (it unlinks the name once we push)
                 m.bell = _doorbell.BellReader(po.bell, po.bell_key)
             except (OSError, ValueError) as exc:
@@ -427,14 +188,14 @@ class _PushSide(_PlaneBase):
             else:  # read as grants arrive (woken by its FIFO), not when a request is sent
                 if m.bell.wake_fd >= 0:
                     asyncio.get_running_loop().add_reader(m.bell.wake_fd, self._grants_woken, m)
-        old = self._push_maps.get(to)
+        old = self.maps.get(to)
         if old is not None:
-            self._close_push(old)
-        self._push_maps[to] = m
-        self._push_failed.pop(to, None)
+            self.close(old)
+        self.maps[to] = m
+        self.failed.pop(to, None)
         log.info("aiokv IPC plane: pushing to %s from now on (export %x verified)", to, m.token)
 
-    def _take_grant(
+    def take_grant(
         self, rid: str, to: str, pm: _Mapping, n: int, deadline: float
     ) -> tuple[Grant, Any] | None:
         """The consumer's grant for ``rid`` if it has landed and can be used now, with the
@@ -444,9 +205,9 @@ class _PushSide(_PlaneBase):
         g = self._ring_grant(pm, rid)
         if g is None:
             tid = f"{rid}#ipcgrant"
-            raw = self.channel.recv_nowait(tid, frm=to)
+            raw = self.s.channel.recv_nowait(tid, frm=to)
             if raw is None:
-                self.port.drop(rid, [tid], to, deadline)
+                self.s.port.drop(rid, [tid], to, deadline)
                 if pm.bell is not None:  # one by the ring, later, is void too
                     pm.pulled[rid] = None
                     if len(pm.pulled) > _MAX_HELD:
@@ -461,7 +222,7 @@ class _PushSide(_PlaneBase):
             g.rid != rid
             or len(g.dst) != n
             or max(g.dst) >= pm.layout.num_blocks
-            or g.until - _GRANT_MARGIN_S <= self._clock()
+            or g.until - _GRANT_MARGIN_S <= self.s.clock()
         ):
             _mark(rid, "grant:check")
             return None
@@ -470,7 +231,7 @@ class _PushSide(_PlaneBase):
         if ab is None:
             if g.abort is not None and (pm.token, blk) not in self._abort_opening:
                 self._abort_opening.add((pm.token, blk))
-                self._track(self._map_abort(pm, blk, g.abort))
+                self.s.track(self._map_abort(pm, blk, g.abort))
             _mark(rid, "grant:block")
             return None
         return g, ab
@@ -494,7 +255,7 @@ class _PushSide(_PlaneBase):
             self._unwatch_grants(pm)
         self._read_grants(pm)
 
-    def _close_push(self, pm: _Mapping) -> None:
+    def close(self, pm: _Mapping) -> None:
         """A push mapping is no longer used: stop reading its grants ring (the mapping
         itself goes with its last reference: nothing of ours runs on it any more once
         the requests that pushed through it settled)."""
@@ -534,7 +295,7 @@ class _PushSide(_PlaneBase):
             if len(pm.grants) > _MAX_HELD:
                 del pm.grants[next(iter(pm.grants))]
         if b.rejected != before:
-            self._stats.doorbell_rejected += b.rejected - before
+            self.s.stats.doorbell_rejected += b.rejected - before
 
     def _revoke(self, pm: _Mapping, rid: str, gid: int) -> None:
         """The consumer revoked grant ``gid`` of ``rid`` (its request ended; its abort word
@@ -545,14 +306,14 @@ class _PushSide(_PlaneBase):
         if g is None or g.gid != gid:
             return
         del pm.grants[rid]
-        bell = self._bells.get(pm.reply_to)
+        bell = self.producer.bells.get(pm.reply_to)
         if bell is not None:
             bell.post(revoke_record(REVOKED, rid, gid))
 
     async def _map_abort(self, pm: _Mapping, blk: int, e: Any) -> None:
         try:
             pm.aborts[blk] = await in_daemon(
-                functools.partial(self._mapper.map_abort_block, e), "aiokv-ipc-abort"
+                functools.partial(self.s.mapper.map_abort_block, e), "aiokv-ipc-abort"
             )
         except Exception as exc:
             log.warning("aiokv IPC plane: a consumer's abort block did not map: %r", exc)
@@ -560,16 +321,16 @@ class _PushSide(_PlaneBase):
             self._abort_opening.discard((pm.token, blk))
 
     def _push_buf(self, n: int) -> _PushBuf:
-        self._push_draining = [(ev, b) for ev, b in self._push_draining if not self._recycle(ev, b)]
-        for i, b in enumerate(self._push_bufs):
+        self.draining = [(ev, b) for ev, b in self.draining if not self._recycle(ev, b)]
+        for i, b in enumerate(self.bufs):
             if b.cap >= 2 * n:
-                return self._push_bufs.pop(i)
-        return _PushBuf(*self._ids_buffers(n))
+                return self.bufs.pop(i)
+        return _PushBuf(*self.s.ids_buffers(n))
 
     def _recycle(self, ev: Any, b: _PushBuf) -> bool:
         """Back to the pool once the copy that read ``b`` is over (``ev`` fired)."""
         if bool(ev.query()):
-            self._push_bufs.append(b)
+            self.bufs.append(b)
             return True
         return False
 
@@ -595,7 +356,7 @@ class _PushSide(_PlaneBase):
         filled and uploaded on this stream (layer-wise push); else one is taken and
         filled here."""
         n = len(host)
-        L = self.layout.num_layers
+        L = self.s.layout.num_layers
         hi = L if hi is None else hi
         fresh = buf is None
         if buf is None:
@@ -603,32 +364,32 @@ class _PushSide(_PlaneBase):
             _mark(g.rid, "push:buf")
             struct.pack_into(f"<{2 * n}q", buf.mv, 0, *host, *g.dst)
         word = g.slot % ABORT_WORDS
-        if self.device.type != "cuda":  # (the CPU tests' fake: the torch copy)
+        if self.s.device.type != "cuda":  # (the CPU tests' fake: the torch copy)
             if int(ab[word]) == 0:
                 ids = buf.pin[: 2 * n].view(2, n)
                 _kernel.torch_pair_copy(
-                    self.port.caches.raw(pm.word)[lo:hi],
+                    self.s.port.caches.raw(pm.word)[lo:hi],
                     pm.src_layers[lo:hi],
-                    self.layout.block_dim,
+                    self.s.layout.block_dim,
                     ids[0],
                     ids[1],
                 )
             if ev is not None:
-                self._record(ev)
+                self.producer.record(ev)
             return buf
-        theirs, own = self._tables(pm, lo, hi)  # (pull's orientation: source, ours)
-        geo = self._mapper.geometry(pm, n_pairs=n, n_layers=hi - lo, parts=self.layout.kv_parts)
+        theirs, own = self.s.tables(pm, lo, hi)  # (pull's orientation: source, ours)
+        geo = self.s.mapper.geometry(pm, n_pairs=n, n_layers=hi - lo, parts=self.s.layout.kv_parts)
         if rs is not None:
-            assert self._drv is not None and pm.raw is not None
+            assert self.s.drv is not None and pm.raw is not None
             if fresh:
-                self._drv.memcpy_htod_async(buf.dev.data_ptr(), buf.pin.data_ptr(), 16 * n, rs)
+                self.s.drv.memcpy_htod_async(buf.dev.data_ptr(), buf.pin.data_ptr(), 16 * n, rs)
                 _mark(g.rid, "push:uploaded")
             programs, args = _kernel.pair_copy_args(
                 own.data_ptr(),
                 theirs.data_ptr(),
                 buf.dev.data_ptr(),
                 ab.data_ptr(),
-                self.device,
+                self.s.device,
                 word,
                 **geo,
             )
@@ -636,16 +397,199 @@ class _PushSide(_PlaneBase):
             pm.raw.launch(programs, rs, args)
             _mark(g.rid, "push:launched")
         else:
-            with torch.cuda.device(self.device):
+            with torch.cuda.device(self.s.device):
                 if fresh:
                     buf.dev.copy_(buf.pin, non_blocking=True)
                 if not _kernel.launch_pair_copy(own, theirs, buf.dev, ab, word, **geo):
                     raise IpcUnavailableError("grid_too_big")
         if ev is not None:
-            self._record(ev)
+            self.producer.record(ev)
         return buf
 
-    def _push_done(self, ev: Any, buf: _PushBuf) -> None:
+    def done(self, ev: Any, buf: _PushBuf) -> None:
         """A pushed request is settled: its ids buffers serve again once the copy ended."""
         if not self._recycle(ev, buf):
-            self._push_draining.append((ev, buf))
+            self.draining.append((ev, buf))
+
+    async def push(
+        self,
+        request_id: str,
+        host: tuple[int, ...],
+        to: str,
+        deadline: float,
+        pm: _Mapping,
+        g: Grant,
+        ab: torch.Tensor,
+    ) -> bool:
+        """Push mode: copy the request into the blocks of the consumer's grant ``g`` (on
+        the current stream, after the KV writes), send the descriptor naming the copy's
+        event and settle it like a pull. False when the launch failed before anything
+        was queued (the request then goes by pull, which also answers the grant)."""
+        slot, ev, ev_handle = self.producer.take_event()
+        try:
+            rs = self.s.raw_stream() if pm.raw is not None else None
+            buf = self._launch_push(pm, g, ab, host, ev, rs)
+        except Exception as exc:
+            self.producer.free_events.append((slot, ev, ev_handle))
+            log.warning("aiokv IPC plane: push of %r not launched: %r", request_id, exc)
+            return False
+        lease = self.s.clock() + max(0.0, deadline - time.monotonic())
+        event = (slot, ev, ev_handle)
+        if not await self._post_push(request_id, len(host), to, lease, pm, g, event, buf):
+            # the consumer refused the push (nothing of it is used): the ordinary way
+            await self.s.port.send_plain(
+                request_id, host, to=to, timeout=max(0.0, deadline - time.monotonic())
+            )
+        return True
+
+    async def _post_push(
+        self,
+        request_id: str,
+        n: int,
+        to: str,
+        lease: float,
+        pm: _Mapping,
+        g: Grant,
+        event: tuple[int, Any, bytes],
+        buf: _PushBuf | None,
+    ) -> bool:
+        """Send the push descriptor of grant ``g`` naming ``event`` (recorded after the
+        request's launches) and settle it like a pull (:meth:`Producer.post`); the ids buffer
+        ``buf`` serves again once the copy ended. False: the consumer refused it."""
+        _mark(request_id, "pushed")
+        self.s.stats.pushed += 1
+        slot, ev, handle = event
+        desc = Descriptor(
+            rid=request_id,
+            plane=PUSH,
+            n=n,
+            reply_to=str(getattr(self.s.port.engine, "address", "")),
+            token=pm.token,
+            event=handle,
+            event_slot=slot,
+            lease=lease,
+            gid=g.gid,
+        )
+        try:
+            return await self.producer.post(request_id, desc, to, lease, [event])
+        finally:
+            if buf is not None:
+                self.done(ev, buf)
+
+    def first_layer(
+        self,
+        request_id: str,
+        layer: int,
+        host: tuple[int, ...],
+        to: str,
+        deadline: float,
+        lease: float,
+        pm: _Mapping | None,
+    ) -> _IpcSave | None:
+        """The first saved layer of a request whose consumer granted its blocks (push
+        mode, ``pm`` its verified export): take the grant and push this layer -- no
+        descriptor yet, no message per layer. None (the request is pulled layer by
+        layer, which answers the grant) without a usable grant, or when this first
+        launch failed before anything was queued."""
+        if pm is None or not host:
+            return None
+        got = self.take_grant(request_id, to, pm, len(host), deadline)
+        _mark(request_id, "grant:taken")
+        if got is None:
+            return None
+        g, ab = got
+        ps = _PushSave(pm, g, ab, None, None)
+        try:
+            rs = self._join_push_stream(ps)
+            ps.buf = self._launch_push(pm, g, ab, host, None, rs, lo=layer, hi=layer + 1)
+        except Exception as exc:
+            log.warning("aiokv IPC plane: push of %r not launched: %r", request_id, exc)
+            return None
+        sv = _IpcSave(to, host, deadline, lease, time.perf_counter(), None, push=ps)
+        sv.saved.add(layer)
+        return sv
+
+    def next_layer(self, sv: _IpcSave, ps: _PushSave, request_id: str, layer: int) -> None:
+        """Push one more layer of a request in push mode, on the current stream after
+        the layer's writes (joined first to the stream of the layers before, if it is
+        another: the ids' upload and those launches come before this one and before
+        the completion event). A launch that fails fails the request: the layers
+        before it may be in the consumer's blocks, so it cannot go by pull any more
+        (the consumer's deadline ends it, by the abort rules)."""
+        if ps.error is not None:
+            raise ps.error
+        try:
+            rs = self._join_push_stream(ps)
+            self._launch_push(
+                ps.pm, ps.grant, ps.ab, sv.host, None, rs, buf=ps.buf, lo=layer, hi=layer + 1
+            )
+        except Exception as exc:
+            ps.error = exc
+            raise
+        sv.saved.add(layer)
+
+    def _join_push_stream(self, ps: _PushSave) -> int | None:
+        """Order the current stream after the stream a pushed request's earlier layers
+        were launched on, when it is another one (a torch event; serving engines save
+        every layer from one stream, so this is rare). Returns the current stream as
+        :meth:`_launch_push` takes it (a raw handle for the driver's launch, or None)."""
+        if self.s.device.type != "cuda":
+            return None
+        rs = self.s.raw_stream() if ps.pm.raw is not None else None
+        now = rs if rs is not None else int(torch.cuda.current_stream(self.s.device).cuda_stream)
+        if now == ps.stream:
+            return rs
+        if ps.stream is not None:
+            joined = torch.cuda.Event()  # type: ignore[no-untyped-call]
+            old = torch.cuda.ExternalStream(ps.stream, device=self.s.device)  # type: ignore[no-untyped-call]
+            joined.record(old)
+            torch.cuda.current_stream(self.s.device).wait_event(joined)
+        ps.stream = now
+        return rs
+
+    async def saved(self, request_id: str, sv: _IpcSave, ps: _PushSave) -> None:
+        """``wait_saved`` of a request pushed layer by layer: record the IPC event
+        after its last launch, send the push descriptor naming it and settle it like a
+        whole push. With a layer never saved (or a launch that failed) nothing is sent:
+        the consumer's deadline ends its grant (docs/ipc.md, "Push mode"), and the
+        request joins ``finished_sending()`` once the launches made have ended."""
+        L = self.s.layout.num_layers
+        missing = [i for i in range(L) if i not in sv.saved]
+        slot, ev, handle = self.producer.take_event()
+        try:
+            self._join_push_stream(ps)
+            self.producer.record(ev)  # after every launch of the request
+        except Exception as exc:  # (CUDA failing: the launches before may have run)
+            ps.error = ps.error or exc
+        if missing or ps.error is not None:
+            self.s.track(self._push_abandoned(request_id, sv, ps, (slot, ev, handle)))
+            self.s.port.send_failed()
+            if ps.error is not None:
+                raise ps.error
+            raise ConfigError(
+                f"request {request_id!r}: layers {missing[:8]}{'...' if len(missing) > 8 else ''} "
+                "were never saved"
+            )
+        event = (slot, ev, handle)
+        if not await self._post_push(
+            request_id, len(sv.host), sv.to, sv.lease, ps.pm, ps.grant, event, ps.buf
+        ):  # the consumer refused the push: every layer the ordinary way
+            await self.producer.save_plain(request_id, sv)
+
+    async def _push_abandoned(
+        self, request_id: str, sv: _IpcSave, ps: _PushSave, event: tuple[int, Any, bytes]
+    ) -> None:
+        """A layer-wise push that sends no descriptor: once its launches ended (the event
+        recorded after them fired, or the lease and grace passed) its ids buffer and
+        event serve again and the request joins ``finished_sending()`` (after the lease
+        and grace at the latest, as a pulled request: our stream orders any later write
+        of these blocks after the launches anyway)."""
+        until = time.monotonic() + max(0.0, sv.lease - self.s.clock()) + self.s.options.grace_s
+        ev = event[1]
+        # (asked every millisecond on the loop's waiter; never fired in time: the buffer
+        # and the event are not reused)
+        if await waiter_for().wait_until(ev.query, until, interval=_ABANDONED_POLL_S):
+            if ps.buf is not None:  # fired: the launches are over
+                self.done(ev, ps.buf)
+            self.producer.free_events.append(event)
+        self.s.port.blocks_free(request_id)

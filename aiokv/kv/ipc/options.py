@@ -59,9 +59,8 @@ class IpcOptions:
 
     ``event_poll_s``: a consumer's wait for a CUDA event (the producer's ready event,
     a push's end, its own copy's end) queries it on every loop pass for 2 ms, then
-    every ``event_poll_s`` -- one timer for all the plane's waits
-    (:class:`aiokv._runtime.waiter.FinePoll`; the loop's own timers end on whole
-    milliseconds). Shorter notices an event sooner (on average half of it after the
+    every ``event_poll_s`` -- the loop's one waiter's timer serves every such wait
+    (:mod:`aiokv._runtime.waiter`; the loop's own timers end on whole milliseconds). Shorter notices an event sooner (on average half of it after the
     event) at more CPU while requests wait: measured 17-24% of one core of a 2-core CI
     machine at 0.2 ms, 3-9% with the loop's 1 ms timer (docs/benchmarks.md).
     """

@@ -12,7 +12,7 @@ from support.fakeevents import _FiresAt
 from test_ipc_push import push_pair
 
 from aiokv import TransferTimeoutError
-from aiokv.kv.ipc import _plane as ipc_mod
+from aiokv.kv.ipc import _state as ipc_mod
 
 
 @pytest.fixture(
@@ -43,9 +43,9 @@ async def test_an_event_after_the_spin_is_noticed_within_a_fraction_of_a_ms(wait
             t0 = time.perf_counter()
             ev = _FiresAt(t0 + ipc_mod._READY_SPIN_S + after)
             if wait == "_wait_ready":
-                await plane._wait_ready(ev, time.monotonic() + 5)
+                await plane.state.wait_ready(ev, time.monotonic() + 5)
             else:
-                await plane._wait_done(ev, 5.0)
+                await plane.state.wait_done(ev, 5.0)
             late.append(time.perf_counter() - ev.at)
         # (the lower quartile: a loaded machine delays some wake-ups; the loop's 1 ms
         # sleeps never noticed one within 0.9 ms)
@@ -54,6 +54,6 @@ async def test_an_event_after_the_spin_is_noticed_within_a_fraction_of_a_ms(wait
         with pytest.raises((TimeoutError, TransferTimeoutError)):
             never = _FiresAt(time.perf_counter() + 60)
             if wait == "_wait_ready":
-                await plane._wait_ready(never, time.monotonic() + 0.01)
+                await plane.state.wait_ready(never, time.monotonic() + 0.01)
             else:
-                await plane._wait_done(never, 0.01)
+                await plane.state.wait_done(never, 0.01)

@@ -135,14 +135,14 @@ async def test_layers_already_written_are_copied_in_one_launch() -> None:
         prod, cons = connectors(a, b, pl, p, pl, c)
         await move(prod, cons, a, b, "w", [1], [1])
         plane: Any = cons._ipc
-        launch = plane._launch
+        launch = plane.consumer.copier._launch
         chunks: list[tuple[int, int]] = []
 
         def spy(*args: Any, **kw: Any) -> Any:
             chunks.append((args[7], args[8]))
             return launch(*args, **kw)
 
-        plane._launch = spy
+        plane.consumer.copier._launch = spy
         for rid, src, dst, late in [("all", [3, 4], [7, 8], 0.0), ("tail", [5, 6], [9, 10], 0.3)]:
             for li in range(L):
                 FakeEvent.fire_after = late if li == L - 1 else 0.0
@@ -308,14 +308,14 @@ async def test_hostile_layer_message_copies_nothing() -> None:
         await move(prod, cons, a, b, "w", [1], [1])
         before = [t.clone() for t in c]
         assert prod._ipc is not None
-        send = prod._ipc._send_msg
+        send = prod._ipc.state.send_msg
 
         def evil(tid: str, msg: Any, to: str, timeout: float, *wait: Any) -> None:
             if "#ipcL" in tid:
                 msg = dict(msg, marks=[[L + 7, *msg["marks"][0][1:]]])
             send(tid, msg, to, timeout, *wait)
 
-        prod._ipc._send_msg = evil  # type: ignore[method-assign]
+        prod._ipc.state.send_msg = evil  # type: ignore[method-assign]
         recv = asyncio.create_task(
             cons.recv_request("h", [4, 5], frm=a.address, timeout=10, layerwise=True)
         )
@@ -436,7 +436,7 @@ async def test_layers_saved_in_one_pass_go_in_one_message() -> None:
         prod, cons = connectors(a, b, pl, p, pl, c)
         await move(prod, cons, a, b, "w", [1], [1])
         assert prod._ipc is not None
-        send = prod._ipc._send_msg
+        send = prod._ipc.state.send_msg
         tids: list[str] = []
 
         def spy(tid: str, msg: Any, to: str, timeout: float, *wait: Any) -> None:
@@ -444,7 +444,7 @@ async def test_layers_saved_in_one_pass_go_in_one_message() -> None:
                 tids.append(tid)
             send(tid, msg, to, timeout, *wait)
 
-        prod._ipc._send_msg = spy  # type: ignore[method-assign]
+        prod._ipc.state.send_msg = spy  # type: ignore[method-assign]
         for rid, passes in [("one", [[0, 1, 2, 3]]), ("two", [[3, 0, 1], [2]])]:
             src, dst = [3, 4], [7, 8]
             recv = asyncio.create_task(
@@ -487,13 +487,13 @@ async def test_layer_tables_are_the_layers_addresses_in_aligned_allocations() ->
         await move(prod, cons, a, b, "w", [1], [1])
         plane = cons._ipc
         assert plane is not None
-        (m,) = plane._maps.values()
+        (m,) = plane.state.maps.values()
         for lo, hi in ((1, 2), (1, 3), (0, L), (3, 4)):
-            st, dt = plane._tables(m, lo, hi)
+            st, dt = plane.state.tables(m, lo, hi)
             assert st.tolist() == [m.src_layers[i].data_ptr() for i in range(lo, hi)]
             assert dt.tolist() == [c[i].data_ptr() for i in range(lo, hi)]
             assert st.data_ptr() % 16 == 0 and dt.data_ptr() % 16 == 0
-            assert plane._tables(m, lo, hi)[0] is st  # cached
+            assert plane.state.tables(m, lo, hi)[0] is st  # cached
         # the producer's layers, as the consumer maps them: the same bytes
         assert all(torch_equal(m.src_layers[i], p[i].view(m.src_layers[i].dtype)) for i in range(L))
         await prod.aclose()
@@ -518,7 +518,7 @@ async def test_block_ids_checked_in_python_as_the_connector_does() -> None:
                 prod.save_layer("b", 0, bad, to=b.address)  # type: ignore[arg-type]
         with pytest.raises(ConfigError, match="duplicate"):
             await cons.recv_request("b", [3, 3], frm=a.address, timeout=1)
-        assert prod._ipc is not None and not prod._ipc._saves
+        assert prod._ipc is not None and not prod._ipc.producer.saves
         # tuples and tensors take the same path as lists
         import torch
 

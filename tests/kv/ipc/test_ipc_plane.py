@@ -39,6 +39,7 @@ from aiokv import (
     TransferAbortedError,
     TransferTimeoutError,
 )
+from aiokv._runtime.waiter import waiter_for
 from aiokv.kv import (
     FlashAttentionLayout,
     IpcOptions,
@@ -292,10 +293,10 @@ async def test_prepare_maps_the_export_ahead_of_the_first_request() -> None:
         st = cons.statistics().ipc
         assert st is not None and st.mappings_verified == 1 and st.requests_received == 0
         for _ in range(200):  # the producer takes the consumer's release a moment later
-            if b.address in prod._ipc._acked:
+            if b.address in prod._ipc.producer.acked:
                 break
             await asyncio.sleep(0.005)
-        assert b.address in prod._ipc._acked  # the offer was acknowledged
+        assert b.address in prod._ipc.producer.acked  # the offer was acknowledged
         assert await cons.prepare(a.address, timeout=10)  # mapped already: no round trip
         with offers_seen() as seen:
             await move(prod, cons, a, b, "r1", [3, 1, 4], [5, 9, 2])
@@ -772,7 +773,7 @@ async def test_hostile_source_ids_never_copied() -> None:
     async with pair(pl, pl) as (a, b):
         prod, cons = connectors(a, b, pl, p, pl, c)
         assert prod._ipc is not None
-        export = prod._ipc._make_export()
+        export = prod._ipc.producer.make_export()
         desc = Descriptor(
             rid="h",
             plane="ipc",
@@ -914,17 +915,17 @@ def test_abort_words_are_never_shared_across_a_rollover() -> None:
     plane = IpcPlane(con._port, OPTS, backend=FakeBackend())
 
     def word(x: Any) -> tuple[int, int]:  # (block of words, index)
-        t, i = plane._words.word(x) if isinstance(x, int) else x
+        t, i = plane.state.words.word(x) if isinstance(x, int) else x
         return id(t), i
 
     def give_back(x: Any) -> None:  # what a request that finished does with its slot
-        plane._words.free.append(x if isinstance(x, int) else x[1])
+        plane.state.words.free.append(x if isinstance(x, int) else x[1])
 
-    in_flight = plane._words.slot()  # a request that is still copying
-    spent = [plane._words.slot() for _ in range(4096)]  # aborted ones: never given back
+    in_flight = plane.state.words.slot()  # a request that is still copying
+    spent = [plane.state.words.slot() for _ in range(4096)]  # aborted ones: never given back
     assert len({word(x)[0] for x in [in_flight, *spent]}) == 2  # moved to a new block
     give_back(in_flight)  # ... and now the first request finished
-    held = [plane._words.slot() for _ in range(4096)]
+    held = [plane.state.words.slot() for _ in range(4096)]
     words = [word(x) for x in held + spent[-100:]]
     assert len(set(words)) == len(words), "two requests were given the same abort word"
 
@@ -980,7 +981,7 @@ async def test_verifying_a_mapping_does_not_stall_the_loop() -> None:
     async with plane_pair() as (pl, p, c, a, b, prod, cons):
         assert cons._ipc is not None
         plane = cons._ipc
-        verify = plane._mapper._verify
+        verify = plane.state.mapper._verify
         threads: list[str] = []
 
         def slow_verify(*args: Any) -> None:
@@ -988,7 +989,7 @@ async def test_verifying_a_mapping_does_not_stall_the_loop() -> None:
             time.sleep(0.4)
             verify(*args)
 
-        plane._mapper._verify = slow_verify  # type: ignore[method-assign]
+        plane.state.mapper._verify = slow_verify  # type: ignore[method-assign]
         async with loop_gaps() as gaps:
             await move(prod, cons, a, b, "v1", [1, 2], [3, 4])
         assert landed(pl, p, [1, 2], c, [3, 4])
@@ -1036,7 +1037,7 @@ def test_copy_geometry_is_in_the_mappings_words() -> None:
     plane = IpcPlane(con._port, OPTS, backend=FakeBackend())
     seg = mine.segment_numel() * mine.itemsize
     m = _Mapping(1, theirs, [], [], torch.empty(0), 4, None, align=16)
-    g = plane._mapper.geometry(m, n_pairs=3, n_layers=2, parts=2)
+    g = plane.state.mapper.geometry(m, n_pairs=3, n_layers=2, parts=2)
     assert g == {
         "n_pairs": 3,
         "word": 4,
@@ -1065,7 +1066,7 @@ async def test_the_mapping_of_a_producer_that_is_gone_is_dropped() -> None:
     async with pair(pl, pl) as (a, b):
         prod, cons = connectors(a, b, pl, p, pl, c)
         await move(prod, cons, a, b, "g0", [1], [2])
-        (old,) = cons._ipc._maps.values()
+        (old,) = cons._ipc.state.maps.values()
         assert old.pid == os.getpid()  # watched: this process could see the producer
         dead = await asyncio.create_subprocess_exec(sys.executable, "-c", "pass")
         await dead.wait()
@@ -1074,7 +1075,7 @@ async def test_the_mapping_of_a_producer_that_is_gone_is_dropped() -> None:
         prod2._ipc = IpcPlane(prod2._port, OPTS, backend=FakeBackend())
         await move(prod2, cons, a, b, "g1", [3], [4])
         assert landed(pl, p, [3], c, [4])
-        assert list(cons._ipc._maps) != [old.token] and old.token not in cons._ipc._maps
+        assert list(cons._ipc.state.maps) != [old.token] and old.token not in cons._ipc.state.maps
         st = cons.statistics().ipc
         assert st is not None and st.mappings_dropped == 1 and st.mappings_verified == 2
         await prod.aclose()
@@ -1100,10 +1101,10 @@ async def test_a_mapping_slower_than_the_deadline_ends_the_request_at_it() -> No
         st = cons.statistics().ipc
         assert st is not None and st.fallbacks.get("map_timeout") == 1
         for _ in range(200):  # the mapping itself finishes in the background
-            if cons._ipc._maps:
+            if cons._ipc.state.maps:
                 break
             await asyncio.sleep(0.01)
-        assert len(cons._ipc._maps) == 1
+        assert len(cons._ipc.state.maps) == 1
 
 
 @pytest.mark.anyio
@@ -1127,9 +1128,13 @@ async def test_block_ids_as_tensors_are_checked_as_lists() -> None:
         plane = prod._ipc
         assert plane is not None
         for dt in (torch.int64, torch.int32, torch.int16, torch.uint8):
-            assert plane._ids(torch.tensor([3, 1, 4], dtype=dt), unique=True, what="x") == (3, 1, 4)
-        assert plane._ids(torch.tensor([], dtype=torch.int64), unique=True, what="x") == ()
-        assert plane._ids(torch.tensor([5, 5]), unique=False, what="x") == (5, 5)
+            assert plane.state.ids(torch.tensor([3, 1, 4], dtype=dt), unique=True, what="x") == (
+                3,
+                1,
+                4,
+            )
+        assert plane.state.ids(torch.tensor([], dtype=torch.int64), unique=True, what="x") == ()
+        assert plane.state.ids(torch.tensor([5, 5]), unique=False, what="x") == (5, 5)
         bad: list[tuple[Any, str]] = [
             (torch.tensor([1, 20]), r"block ids must be in \[0, 20\), got \[1, 20\]"),
             (torch.tensor([-1, 2], dtype=torch.int8), r"must be in \[0, 20\), got \[-1, 2\]"),
@@ -1139,7 +1144,7 @@ async def test_block_ids_as_tensors_are_checked_as_lists() -> None:
         ]
         for ids, match in bad:
             with pytest.raises(ConfigError, match=match):
-                plane._ids(ids, unique=True, what="x")
+                plane.state.ids(ids, unique=True, what="x")
 
 
 class _FiresAt:
@@ -1165,24 +1170,34 @@ async def test_a_copys_end_is_waited_for_by_spinning_then_by_the_fine_poll() -> 
     poller, whose sleeps end on the loop's whole milliseconds), one that never comes
     raises ``TimeoutError`` at the timeout, and an end already there costs no wait even
     with no time left."""
-    async with plane_pair("fa", "bfloat16", 20) as (_pl, _p, _c, _a, _b, _prod, cons):
+    async with plane_pair("fa", "bfloat16", 20) as (_pl, _p, _c, _a, b, _prod, cons):
         plane = cons._ipc
         assert plane is not None
-        poller = plane._poll()
+        poller = b._get_poller()  # (the engine's: the plane makes none of its own)
+        waiter = waiter_for()  # the loop's: the plane's waits are its waits
+        asked: list[dict[str, Any]] = []
+        wait_until = waiter.wait_until
+
+        async def spy(query: Any, deadline: float, **kw: Any) -> bool:
+            asked.append(kw)
+            return await wait_until(query, deadline, **kw)
+
+        waiter.wait_until = spy  # type: ignore[method-assign]
         soon = _FiresAt(None, on_query=3)
-        await plane._wait_done(soon, 5.0)
-        assert soon.queries == 3 and plane._fine.ticks == 0  # spun
+        await plane.state.wait_done(soon, 5.0)
+        assert soon.queries == 3 and asked == []  # spun (the waiter was not asked)
         later = _FiresAt(0.05)
         t = time.monotonic()
-        await plane._wait_done(later, 5.0)
+        await plane.state.wait_done(later, 5.0)
         assert 0.05 <= time.monotonic() - t < 1.0
-        assert plane._fine.ticks > 0  # handed over after the spin
-        assert poller.statistics().registered == 0 and plane._fine.waiting == 0
+        # handed over after the spin: one wait, asked every event_poll_s on its timer
+        assert len(asked) == 1 and asked[0]["interval"] == plane.options.event_poll_s
+        assert poller.statistics().registered == 0 and waiter.futures_of(None) == []
         never = _FiresAt(None)
         t = time.monotonic()
         with pytest.raises(TimeoutError):
-            await plane._wait_done(never, 0.1)
+            await plane.state.wait_done(never, 0.1)
         assert 0.1 <= time.monotonic() - t < 1.0
-        await plane._wait_done(_FiresAt(0.0), 0.0)
+        await plane.state.wait_done(_FiresAt(0.0), 0.0)
         with pytest.raises(TimeoutError):
-            await plane._wait_done(_FiresAt(None), 0.0)
+            await plane.state.wait_done(_FiresAt(None), 0.0)

@@ -213,10 +213,10 @@ async def _offer() -> tuple[PushOffer, Any]:
     async with pair(pl, pl) as (a, b):
         prod, cons = connectors(a, b, pl, filled(pl, 1), pl, filled(pl, 2), opts=PUSH_OPTS)
         m: Any = type("M", (), {"push_offered": False, "grant_bell": None})()
-        po = cons._ipc._offer_push(m)
+        po = cons._ipc.granter.offer_push(m)
         assert po is not None and m.push_offered
         assert po.bell == m.grant_bell.name and po.bell_key == m.grant_bell.key
-        assert cons._ipc._offer_push(m) is None  # once per mapping
+        assert cons._ipc.granter.offer_push(m) is None  # once per mapping
         m.grant_bell.close()
         await prod.aclose()
         await cons.aclose()
@@ -254,7 +254,7 @@ async def _handshake(prod: Any, cons: Any, a: Any, b: Any, *, wait: bool = True)
         await prod.send_request(f"h{i}", [i], to=b.address, timeout=10)
         assert await recv == "ipc"
         for _ in range(200 if wait and i == 0 else 0):
-            if b.address in prod._ipc._push_maps:
+            if b.address in prod._ipc.pusher.maps:
                 break
             await asyncio.sleep(0.01)
 
@@ -281,13 +281,13 @@ async def push_pair(*, producer_push: bool = True) -> AsyncIterator[tuple[Any, .
 
 def push_under_other_gids(prod: Any) -> None:
     """Make ``prod`` push under another grant id than the one it took (a faulty peer)."""
-    take = prod._ipc._take_grant
+    take = prod._ipc.pusher.take_grant
 
     def other_gid(*args: Any) -> Any:
         got = take(*args)
         return None if got is None else (dataclasses.replace(got[0], gid=got[0].gid ^ 2), got[1])
 
-    prod._ipc._take_grant = other_gid
+    prod._ipc.pusher.take_grant = other_gid
 
 
 async def _granted(cons: Any, rid: str, dst: list[int], frm: Any, **kw: Any) -> asyncio.Task[Any]:
@@ -306,7 +306,7 @@ async def test_granted_requests_are_pushed(name_producer: bool) -> None:
             src, dst = [5 + i, 9, 13 + i], [10 + i, 4, 20 - i]
             t = await _granted(cons, f"r{i}", dst, a.address if name_producer else None)
             # r1 and r2 came by the grants ring, read as they came (woken by its FIFO)
-            assert (f"r{i}" in prod._ipc._push_maps[b.address].grants) is (i > 0)
+            assert (f"r{i}" in prod._ipc.pusher.maps[b.address].grants) is (i > 0)
             await prod.send_request(f"r{i}", src, to=b.address, timeout=10)
             assert await t == "ipc"
             assert landed(pl, p, src, c, dst)
@@ -314,7 +314,7 @@ async def test_granted_requests_are_pushed(name_producer: bool) -> None:
         assert ps.pushed == 3 and cs.grants == 3 and cs.pushes_received == 3
         # the first grant named its abort block (by the engine), the next two came by
         # the grants ring (whose name is gone from /dev/shm since the producer opened it)
-        (m,) = cons._ipc._maps.values()
+        (m,) = cons._ipc.state.maps.values()
         assert m.grant_bell is not None and m.grant_bell._seq == 2
         assert not _in_shm(m.grant_bell.name)
         assert cs.requests_received == 5 and ps.requests_sent == 5
@@ -334,7 +334,7 @@ async def test_staged_pull_also_learns_that_the_producer_can_push() -> None:
     async with staged_pair(PUSH_OPTS) as t:
         # r0 (the staged pair's first request) carried the offer; wait for the mapping
         for _ in range(200):
-            if t.b.address in t.prod._ipc._push_maps:
+            if t.b.address in t.prod._ipc.pusher.maps:
                 break
             await asyncio.sleep(0.01)
         r1 = asyncio.create_task(t.cons.recv_request("r1", [7], frm=t.a.address, timeout=10))
@@ -355,7 +355,7 @@ async def test_a_late_grant_is_void_and_its_word_set() -> None:
     """The producer sends before the grant landed: it answers by pull (the data is
     right) and the grant, landing later or never, can copy nothing (its word is set)."""
     async with push_pair() as (pl, p, c, a, b, prod, cons):
-        words = cons._ipc._words
+        words = cons._ipc.state.words
         nxt = words.free[-1] if words.free else words._next
         recv = asyncio.create_task(cons.recv_request("r1", [11, 12], frm=a.address, timeout=10))
         await asyncio.sleep(0)  # the grant is sent, not landed
@@ -412,7 +412,7 @@ async def test_a_push_for_another_grant_is_refused_and_the_request_still_lands()
         assert landed(pl, p, [5, 6], c, [17, 18])
         assert cons._ipc.statistics().fallbacks == {PUSH_REFUSED: 1}
         assert prod._ipc.statistics().fallbacks == {PUSH_REFUSED: 1}
-        assert b.address not in prod._ipc._push_maps
+        assert b.address not in prod._ipc.pusher.maps
         # the next requests are pulled (the producer says it cannot push any more)
         recv = asyncio.create_task(cons.recv_request("r2", [19], frm=a.address, timeout=10))
         await asyncio.sleep(0.02)
@@ -426,7 +426,7 @@ async def test_a_push_for_another_grant_is_refused_and_the_request_still_lands()
 @pytest.mark.parametrize("bad", ["out_of_range", "other_rid", "expired", "count"])
 async def test_a_grant_the_producer_cannot_use_is_answered_by_pull(bad: str) -> None:
     async with push_pair() as (pl, p, c, a, b, prod, cons):
-        send = cons._ipc._send_msg
+        send = cons._ipc.state.send_msg
 
         def tamper(tid: str, msg: Any, to: str, timeout: float, *wait: Any) -> None:
             if tid.endswith("#ipcgrant"):
@@ -441,7 +441,7 @@ async def test_a_grant_the_producer_cannot_use_is_answered_by_pull(bad: str) -> 
                     msg["dst"] = struct.pack("<3I", 1, 2, 3)
             send(tid, msg, to, timeout, *wait)
 
-        cons._ipc._send_msg = tamper
+        cons._ipc.state.send_msg = tamper
         t = await _granted(cons, "r1", [20, 21], a.address)
         await prod.send_request("r1", [8, 9], to=b.address, timeout=10)
         assert await t == "ipc"
@@ -457,7 +457,7 @@ async def test_no_grants_to_a_producer_without_push_mode() -> None:
         t = await _granted(cons, "r1", [22], a.address)
         await prod.send_request("r1", [10], to=b.address, timeout=10)
         assert await t == "ipc" and landed(pl, p, [10], c, [22])
-        assert not prod._ipc._push_maps and cons._ipc.statistics().grants == 0
+        assert not prod._ipc.pusher.maps and cons._ipc.statistics().grants == 0
 
 
 @pytest.mark.anyio
@@ -482,13 +482,13 @@ async def test_the_grants_ring_rejects_garbage_and_void_grants() -> None:
         t = await _granted(cons, "r0", [2], a.address)  # (tells the abort block)
         await prod.send_request("r0", [3], to=b.address, timeout=10)
         assert await t == "ipc"
-        (m,) = cons._ipc._maps.values()
+        (m,) = cons._ipc.state.maps.values()
         assert m.grant_bell is not None
         m.grant_bell.post(b"\xa3 not a grant")
         # a pull answer first, then its grant by the ring (the consumer's grant is late)
         send = asyncio.create_task(prod.send_request("r1", [4], to=b.address, timeout=10))
         await asyncio.sleep(0.05)
-        pm = prod._ipc._push_maps[b.address]
+        pm = prod._ipc.pusher.maps[b.address]
         assert "r1" in pm.pulled
         m.grant_bell.post(Grant("r1", 9, (5,), 12345, time.monotonic() + 30).to_ring())
         assert await cons.recv_request("r1", [6], frm=a.address, timeout=10) == "ipc"
@@ -514,14 +514,14 @@ async def test_a_restarted_consumer_offers_its_new_export() -> None:
 
     async with push_pair() as (pl, p, c, a, b, prod, cons):
         old = cons._ipc
-        old_token = prod._ipc._push_maps[b.address].token
+        old_token = prod._ipc.pusher.maps[b.address].token
         cons._ipc = IpcPlane(cons._port, old.options, backend=FakeBackend())  # the restart
         t = await _granted(cons, "n1", [9], a.address)  # no mapping here: no grant
         await prod.send_request("n1", [5], to=b.address, timeout=10)
         assert await t == "engine" and landed(pl, p, [5], c, [9])
-        assert b.address not in prod._ipc._push_maps  # the old export is not pushed to
+        assert b.address not in prod._ipc.pusher.maps  # the old export is not pushed to
         await _handshake(prod, cons, a, b)
-        assert prod._ipc._push_maps[b.address].token != old_token
+        assert prod._ipc.pusher.maps[b.address].token != old_token
         t = await _granted(cons, "n2", [10, 11], a.address)
         await prod.send_request("n2", [6, 7], to=b.address, timeout=10)
         assert await t == "ipc" and landed(pl, p, [6, 7], c, [10, 11])
@@ -543,7 +543,7 @@ async def test_a_push_nobody_granted_is_refused_and_the_request_lands() -> None:
         t.cancel()
         with pytest.raises(asyncio.CancelledError):
             await t
-        (m,) = cons._ipc._maps.values()
+        (m,) = cons._ipc.state.maps.values()
         m.can_push = False  # (this consumer grants nothing for the next one)
         t = await _granted(cons, "s1", [14, 15], a.address)
         await prod.send_request("s1", [2, 3], to=b.address, timeout=10)
@@ -551,7 +551,7 @@ async def test_a_push_nobody_granted_is_refused_and_the_request_lands() -> None:
         assert torch_equal(blocks(before[0], pl, [12, 13]), blocks(c[0], pl, [12, 13]))
         assert prod._ipc.statistics().pushed == 1
         assert cons._ipc.statistics().fallbacks == {PUSH_REFUSED: 1}
-        assert b.address not in prod._ipc._push_maps
+        assert b.address not in prod._ipc.pusher.maps
 
 
 @pytest.mark.anyio
@@ -591,7 +591,7 @@ async def test_a_cancelled_grant_settles_at_a_pull_answer_and_fails_it() -> None
     answer (no copy will come under it), before the grace period, and the producer
     hears at once that the request failed (not at its lease)."""
     async with push_pair() as (_pl, _p, _c, a, b, prod, cons):
-        prod._ipc._take_grant = lambda *args: None  # (this producer answers by pull)
+        prod._ipc.pusher.take_grant = lambda *args: None  # (this producer answers by pull)
         t = await _granted(cons, "v1", [17], a.address)
         t.cancel()
         t0 = time.monotonic()
@@ -618,10 +618,10 @@ async def test_prepare_also_hands_the_producer_our_export() -> None:
         try:
             assert await cons.prepare(a.address, timeout=10)
             for _ in range(200):
-                if b.address in prod._ipc._push_maps:
+                if b.address in prod._ipc.pusher.maps:
                     break
                 await asyncio.sleep(0.01)
-            assert b.address in prod._ipc._push_maps
+            assert b.address in prod._ipc.pusher.maps
             for i, (src, dst) in enumerate((([1], [2]), ([3], [4]))):
                 t = await _granted(cons, f"r{i}", dst, a.address)
                 await prod.send_request(f"r{i}", src, to=b.address, timeout=10)
@@ -667,7 +667,7 @@ async def test_a_grant_revoked_by_the_ring_settles_at_once() -> None:
         t = await _granted(cons, "r0", [2], a.address)  # (tells the abort block)
         await prod.send_request("r0", [3], to=b.address, timeout=10)
         assert await t == "ipc"
-        pm = prod._ipc._push_maps[b.address]
+        pm = prod._ipc.pusher.maps[b.address]
         t = await _granted(cons, "k2", [18, 19], a.address)
         assert "k2" in pm.grants  # by the ring, read as it came
         t.cancel()
@@ -679,7 +679,7 @@ async def test_a_grant_revoked_by_the_ring_settles_at_once() -> None:
         with pytest.raises(TransferTimeoutError):  # pulled; the consumer is gone
             await prod.send_request("k2", [5, 6], to=b.address, timeout=0.5)
         assert prod._ipc.statistics().pushed == 1
-        (m,) = cons._ipc._maps.values()
+        (m,) = cons._ipc.state.maps.values()
         assert not m.revoked and cons._ipc.statistics().push_unsettled == 0
 
 
@@ -692,12 +692,12 @@ async def test_a_revoke_for_a_taken_grant_gets_no_answer() -> None:
         t = await _granted(cons, "r0", [2], a.address)
         await prod.send_request("r0", [3], to=b.address, timeout=10)
         assert await t == "ipc"
-        pm = prod._ipc._push_maps[b.address]
+        pm = prod._ipc.pusher.maps[b.address]
         t = await _granted(cons, "k3", [20], a.address)
-        g, _ = prod._ipc._take_grant("k3", b.address, pm, 1, time.monotonic() + 5)
+        g, _ = prod._ipc.pusher.take_grant("k3", b.address, pm, 1, time.monotonic() + 5)
         from aiokv.kv.ipc._wire import REVOKE, revoke_record
 
-        (m,) = cons._ipc._maps.values()
+        (m,) = cons._ipc.state.maps.values()
         assert m.grant_bell is not None
         m.grant_bell.post(revoke_record(REVOKE, "k3", g.gid))
         await asyncio.sleep(0.05)

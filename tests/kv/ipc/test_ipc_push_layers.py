@@ -36,7 +36,7 @@ def _layerwise(cons: Any, rid: str, dst: list[int], frm: str, timeout: float = 1
 async def test_layerwise_requests_are_pushed() -> None:
     async with push_pair() as (pl, p, c, a, b, prod, cons):
         L = pl.num_layers
-        sent_before = prod._ipc._n_events
+        sent_before = prod._ipc.producer.n_events
         for i, order in enumerate([list(range(L)), list(reversed(range(L)))]):
             src, dst = [5 + i, 9, 13 + i], [10 + i, 4, 20 - i]
             t = _layerwise(cons, f"l{i}", dst, a.address)
@@ -48,7 +48,7 @@ async def test_layerwise_requests_are_pushed() -> None:
         assert ps.pushed == 2 and cs.grants == 2 and cs.pushes_received == 2
         assert not ps.fallbacks and not cs.fallbacks
         # one completion event per request, none per layer
-        assert prod._ipc._n_events - sent_before <= 2
+        assert prod._ipc.producer.n_events - sent_before <= 2
         assert prod.finished_sending() >= {"l0", "l1"}
         assert cons.finished_receiving() >= {"l0", "l1"}
 
@@ -71,7 +71,7 @@ async def test_a_layerwise_pull_keeps_the_consumer_granting() -> None:
         assert await t == "ipc"
         assert landed(pl, p, src, c, dst)
         assert prod._ipc.statistics().pushed == 0  # pulled, layer by layer
-        (m,) = cons._ipc._maps.values()
+        (m,) = cons._ipc.state.maps.values()
         assert m.can_push
         t = await _granted(cons, "next", [11], a.address)
         await prod.send_request("next", [12], to=b.address, timeout=10)

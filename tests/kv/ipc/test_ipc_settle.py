@@ -140,13 +140,13 @@ async def test_settle_outcomes(role: str, outcome: str) -> None:
         assert ipc.lease_expired == expired
         assert ("r" in con._finished_sending) == finished
         n_events = 1 if role == "send_request" else con.layout.num_layers
-        assert len(plane._free_events) == (n_events if events_back else 0)
+        assert len(plane.producer.free_events) == (n_events if events_back else 0)
         assert ipc.requests_sent == (1 if finished else 0)
         assert st.requests_sent == (1 if finished else 0)
-        assert (PEER in plane._acked) == finished
+        assert (PEER in plane.producer.acked) == finished
         plain = con.plain_calls  # type: ignore[attr-defined]
         if fellback:
-            assert plane._broken_to == {PEER: "map_failed"}
+            assert plane.producer.broken_to == {PEER: "map_failed"}
             assert ipc.fallbacks == {"map_failed": 1}
             if role == "send_request":
                 assert plain == ["send:r"]
@@ -154,7 +154,7 @@ async def test_settle_outcomes(role: str, outcome: str) -> None:
                 L = con.layout.num_layers
                 assert plain == [*(f"save:r:{i}" for i in range(L)), "wait:r"]
         else:
-            assert plane._broken_to == {} and ipc.fallbacks == {} and plain == []
+            assert plane.producer.broken_to == {} and ipc.fallbacks == {} and plain == []
         if finished:
             assert st.bytes_sent == con.layout.request_nbytes(2)
 
@@ -172,7 +172,7 @@ async def test_settle_cancelled(role: str) -> None:
         with pytest.raises(asyncio.CancelledError):
             await task
         assert con._stats.send_failures == 1
-        assert "r" not in con._finished_sending and plane._free_events == []
+        assert "r" not in con._finished_sending and plane.producer.free_events == []
         ch.gate.set()
         for _ in range(100):
             if "r" in con._finished_sending:
@@ -180,5 +180,5 @@ async def test_settle_cancelled(role: str) -> None:
             await asyncio.sleep(0.01)
         assert "r" in con._finished_sending
         n_events = 1 if role == "send_request" else con.layout.num_layers
-        assert len(plane._free_events) == n_events
+        assert len(plane.producer.free_events) == n_events
         assert con._stats.send_failures == 1 and plane.statistics().requests_sent == 0

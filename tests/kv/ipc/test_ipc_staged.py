@@ -75,8 +75,8 @@ class FakeRaw:
 
     def launch_with(self, programs: int, stream: int, args: tuple[int, ...]) -> None:
         plane, m = self.plane, self.m
-        sb = next(b for b in plane._slotbufs.values() if b.dev.data_ptr() == args[2])
-        ab = next(t for t in plane._words.blocks.values() if t.data_ptr() == args[3])
+        sb = next(b for b in plane.consumer.copier.slotbufs.values() if b.dev.data_ptr() == args[2])
+        ab = next(t for t in plane.state.words.blocks.values() if t.data_ptr() == args[3])
         slot, n = args[5], args[6]
         self.launched += 1
 
@@ -95,15 +95,15 @@ class FakeRaw:
 def fake_driver(plane: IpcPlane) -> tuple[FakeDriver, FakeRaw]:
     """Turn the driver path on for ``plane``, a consumer on CPU with a faked CUDA whose
     one mapping the first request made: the driver, the verified raw launch."""
-    (m,) = plane._maps.values()
+    (m,) = plane.state.maps.values()
     assert m.bell is not None
-    plane._mapper.use_triton = lambda: True  # type: ignore[method-assign]
+    plane.state.mapper.use_triton = lambda: True  # type: ignore[method-assign]
     m.raw = raw = FakeRaw(plane, m)  # type: ignore[assignment]
     drv = FakeDriver()
-    plane._drv = drv  # type: ignore[assignment]
-    plane._raw_stream = lambda: 7  # type: ignore[method-assign]
-    plane._on_device = lambda: True  # type: ignore[method-assign]
-    slot_bufs = plane._slot_bufs
+    plane.state.drv = drv  # type: ignore[assignment]
+    plane.state.raw_stream = lambda: 7  # type: ignore[method-assign]
+    plane.state.on_device = lambda: True  # type: ignore[method-assign]
+    slot_bufs = plane.consumer.copier._slot_bufs
 
     def with_done(slot: int, n: int) -> Any:
         sb = slot_bufs(slot, n)
@@ -111,7 +111,7 @@ def fake_driver(plane: IpcPlane) -> tuple[FakeDriver, FakeRaw]:
             sb.done = FakeDone()
         return sb
 
-    plane._slot_bufs = with_done  # type: ignore[method-assign]
+    plane.consumer.copier._slot_bufs = with_done  # type: ignore[method-assign]
     return drv, raw
 
 
@@ -162,7 +162,10 @@ async def test_ring_launches_the_staged_copy() -> None:
             src, dst = [5 + i, 9 + i, 13], [10 + i, 14 + i, 20]
             recv = asyncio.create_task(cons.recv_request(f"r{i}", dst, frm=a.address, timeout=10))
             await asyncio.sleep(0.02)
-            assert len(plane._bell_wait[f"r{i}"]) == 3 and plane._bell_wait[f"r{i}"][2] is not None
+            assert (
+                len(plane.consumer.inbox.waiting[f"r{i}"]) == 3
+                and plane.consumer.inbox.waiting[f"r{i}"][2] is not None
+            )
             await prod.send_request(f"r{i}", src, to=b.address, timeout=10)
             assert await recv == "ipc"
             assert landed(pl, p, src, c, dst)
@@ -171,7 +174,7 @@ async def test_ring_launches_the_staged_copy() -> None:
         assert st.aborted == 0
         assert drv.calls == ["upload", "record"] * 3
         assert prod.finished_sending() == {"r0", "r1", "r2", "r3"}
-        assert not plane._bell_wait
+        assert not plane.consumer.inbox.waiting
 
 
 @pytest.mark.anyio
@@ -223,16 +226,16 @@ async def test_cancelled_after_the_ring_launched_writes_nothing() -> None:
         raw = t.raw
         before = [x.clone() for x in c]
         recv = asyncio.create_task(cons.recv_request("x", [7, 8], frm=a.address, timeout=5))
-        launch = plane._launch_staged
+        launch = plane.consumer.copier.launch_staged
 
         def launch_then_cancel(st: Any, desc: Descriptor) -> None:
             launch(st, desc)
             assert st.launched
             recv.cancel()
 
-        plane._launch_staged = launch_then_cancel  # type: ignore[method-assign]
+        plane.consumer.copier.launch_staged = launch_then_cancel  # type: ignore[method-assign]
         await asyncio.sleep(0.02)
-        staged = plane._bell_wait["x"][2]
+        staged = plane.consumer.inbox.waiting["x"][2]
         assert staged is not None
         with pytest.raises(TransferAbortedError, match="cancelled"):
             await prod.send_request("x", [1, 2], to=b.address, timeout=5)
@@ -243,7 +246,7 @@ async def test_cancelled_after_the_ring_launched_writes_nothing() -> None:
         st = plane.statistics()
         assert st.ring_launches == 1 and st.aborted == 1
         assert untouched(before, c)
-        assert staged.g not in plane._words.free  # an aborted slot never serves again
+        assert staged.g not in plane.state.words.free  # an aborted slot never serves again
         assert "x" not in prod.finished_sending()
         assert cons.statistics().recv_failures == 1
 
@@ -264,7 +267,7 @@ async def test_validated_by_the_ring_before_the_producer_is_ready(cancel: bool) 
         try:
             recv = asyncio.create_task(cons.recv_request("w", [7, 8], frm=a.address, timeout=5))
             await asyncio.sleep(0.02)
-            staged = plane._bell_wait["w"][2]
+            staged = plane.consumer.inbox.waiting["w"][2]
             assert staged is not None
             send = asyncio.create_task(prod.send_request("w", [1, 2], to=b.address, timeout=5))
             for _ in range(200):
@@ -279,7 +282,7 @@ async def test_validated_by_the_ring_before_the_producer_is_ready(cancel: bool) 
                 with pytest.raises(TransferAbortedError, match="cancelled"):
                     await send
                 assert raw.launched == 0 and untouched(before, c)
-                assert staged.g in plane._words.free
+                assert staged.g in plane.state.words.free
                 assert cons.statistics().recv_failures == 1
             else:
                 assert await recv == "ipc"
@@ -311,17 +314,17 @@ async def test_pull_mode_stages_beside_the_ticket() -> None:
             assert landed(pl, p, src, c, dst)
         st = plane.statistics()
         assert st.staged_launches == raw.launched == 2
-        free = sorted(plane._words.free)
+        free = sorted(plane.state.words.free)
         with pytest.raises(NotPublishedError):
             await cons.fetch_request("nobody", [1], frm=a.address, timeout=5)
-        assert not plane._bell_wait and sorted(plane._words.free) == free
+        assert not plane.consumer.inbox.waiting and sorted(plane.state.words.free) == free
         assert cons.statistics().recv_failures == 1  # counted once
         assert plane.statistics().staged_launches == 2
 
 
 def _desc(plane: IpcPlane, rid: str, over: dict[str, Any] | None = None) -> Descriptor:
     """A ring descriptor the staging for ``rid`` (2 blocks) accepts, with ``over``."""
-    (m,) = plane._maps.values()
+    (m,) = plane.state.maps.values()
     handle = secrets.token_bytes(64)
     FakeBackend.events[handle] = FakeEvent()
     d = Descriptor(
@@ -355,22 +358,22 @@ async def test_the_poll_launches_only_what_the_task_would() -> None:
             "n": {"n": 3, "src": (1, 2, 3)},
             "plane": {"plane": "ipc-layers", "event": b"", "event_slot": 0},
             "token": {"token": 12345},
-            "offer": {"offer": t.prod._ipc._make_export().offer},
+            "offer": {"offer": t.prod._ipc.producer.make_export().offer},
             "src": {"src": (1, nb)},
             "lease": {"lease": time.monotonic() - 1},
             "event": {"event": secrets.token_bytes(64)},
         }
         for what, over in bad.items():
-            st = plane._stage(f"s-{what}", (7, 8), a.address, time.monotonic() + 10)
+            st = plane.consumer.copier.stage(f"s-{what}", (7, 8), a.address, time.monotonic() + 10)
             assert st is not None
-            plane._launch_staged(st, _desc(plane, f"s-{what}", over))
+            plane.consumer.copier.launch_staged(st, _desc(plane, f"s-{what}", over))
             assert not st.launched and st.desc is None, what
-            plane._unstage(st)
-        st = plane._stage("s-ok", (7, 8), a.address, time.monotonic() + 10)
+            plane.consumer.copier.unstage(st)
+        st = plane.consumer.copier.stage("s-ok", (7, 8), a.address, time.monotonic() + 10)
         assert st is not None
-        plane._launch_staged(st, _desc(plane, "s-ok"))
+        plane.consumer.copier.launch_staged(st, _desc(plane, "s-ok"))
         assert st.launched and st.desc is not None and t.raw.launched == 1
-        await plane._pull_staged(st, time.monotonic() + 10, True, None)
+        await plane.consumer.copier.pull_staged(st, time.monotonic() + 10, True, None)
         assert landed(t.pl, t.p, [1, 2], t.c, [7, 8])
 
 
@@ -386,14 +389,17 @@ async def test_an_error_inside_the_poll_leaves_the_request_to_its_task() -> None
         def broken() -> bool:
             raise RuntimeError("CUDA went away (faked)")
 
-        plane._on_device = broken  # type: ignore[method-assign]
+        plane.state.on_device = broken  # type: ignore[method-assign]
+        loop = asyncio.get_running_loop()
+        failed: list[Any] = []  # the waiter reports a poll that raised (it drops that poll)
+        loop.set_exception_handler(lambda _loop, ctx: failed.append(ctx))
         recv = asyncio.create_task(t.cons.recv_request("e", [7, 8], frm=a.address, timeout=5))
         await asyncio.sleep(0.02)
-        assert plane._bell_wait["e"][2] is not None  # staged
+        assert plane.consumer.inbox.waiting["e"][2] is not None  # staged
         await t.prod.send_request("e", [1, 2], to=b.address, timeout=5)
         assert await recv == "ipc"
         assert landed(t.pl, t.p, [1, 2], t.c, [7, 8])
         st = plane.statistics()
         assert st.staged_launches == st.ring_launches == 0 and t.raw.launched == 1
-        task = plane._bell_task  # (ends by itself once nothing waits; never by an error)
-        assert task is not None and not (task.done() and task.exception() is not None)
+        loop.set_exception_handler(None)
+        assert not failed, failed  # (the ring's poll ends once nothing waits; never by an error)

@@ -307,19 +307,21 @@ GETATTR_ALLOWED: dict[tuple[str, str], str] = {
         "kv/ipc/_common.py",
         'if hip if hip is not None else getattr(torch.version, "hip", None):',
     ): "constant name",
-    ("kv/ipc/_plane.py", 'cfg = getattr(self.port.engine, "config", None)'): "constant name",
+    ("kv/ipc/_state.py", 'cfg = getattr(port.engine, "config", None)'): "constant name",
+    ("kv/ipc/_state.py", 'authenticated = getattr(cfg, "curve", None) is not None'): "constant name",
+    ("kv/ipc/_consumer.py", 'cfg = getattr(s.port.engine, "config", None)'): "constant name",
+    ("kv/ipc/_consumer.py", 'connect = getattr(s.port.engine, "connect", None)'): "constant name",
     (
-        "kv/ipc/_plane.py",
-        'authenticated = getattr(cfg, "curve", None) is not None',
-    ): "constant name",
-    ("kv/ipc/_plane.py", 'connect = getattr(self.port.engine, "connect", None)'): "constant name",
-    (
-        "kv/ipc/_plane.py",
+        "kv/ipc/_consumer.py",
         'connect if getattr(cfg, "layout", None) is not None else None',
     ): "constant name",
     (
         "kv/ipc/_producer.py",
-        'reply_to=str(getattr(self.port.engine, "address", "")),',
+        'reply_to=str(getattr(self.s.port.engine, "address", "")),',
+    ): "constant name",
+    (
+        "kv/ipc/_push.py",
+        'reply_to=str(getattr(self.s.port.engine, "address", "")),',
     ): "constant name",
 }
 

@@ -133,8 +133,8 @@ class Engine(_GetMode):
         # the receiving half: sockets, peers' sessions, admission, credit, landing
         self._server = _Server(self, config, self._codec, self._store, self._stats)
         # the two the public API calls on every collected tensor: bound once
-        self._collected = self._server.collected
-        self._pump_queue = self._server.pump_queue
+        self._collected = self._server.granting.collected
+        self._pump_queue = self._server.granting.pump_queue
         self._tasks: set[asyncio.Task[Any]] = set()
         self._main_tasks: list[asyncio.Task[None]] = []
         self._started = False

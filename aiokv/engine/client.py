@@ -78,7 +78,7 @@ from aiokv.protocol.messages import (
     Withdrawn,
 )
 from aiokv.protocol.session import Role, Session, SessionState, XferState
-from aiokv.transport.base import DeviceSource, MessageSource
+from aiokv.transport.base import MessageSource
 from aiokv.transport.tcp import (
     TcpSource,
     fits_put,
@@ -113,7 +113,7 @@ def _data_port(caps: Sequence[str]) -> int | None:
     return None
 
 
-class _ClientSession(_NcclPlane):
+class _ClientSession:
     """This engine's session to one peer: it sends data, the peer receives."""
 
     def __init__(self, owner: ClientOwner, address: str) -> None:
@@ -161,14 +161,10 @@ class _ClientSession(_NcclPlane):
         self.ctrl = LoopSocket(ctrl, self._on_ctrl, self._on_socket_error)
         self.data = LoopSocket(data, None, self._on_socket_error)
         self.source: MessageSource = TcpSource(self.data)
-        self.nccl: DeviceSource | None = None
-        self.nccl_setup: asyncio.Future[None] | None = None
-        self.nccl_ready: asyncio.Future[NcclReady] | None = None
         self.welcome: asyncio.Future[Welcome] = owner._loop.create_future()
         self.welcome.add_done_callback(_retrieve)
         self.xfers: dict[int, _OutXfer] = {}
         self.gets: dict[int, asyncio.Future[GetReply]] = {}
-        self.post_queue: asyncio.Queue[_OutXfer] = asyncio.Queue()
         self.last_recv = time.monotonic()
         self.last_ping = 0.0
         self.last_used = time.monotonic()
@@ -181,6 +177,8 @@ class _ClientSession(_NcclPlane):
         self.nonce = itertools.count(1)
         self.get_ids = itertools.count(1)
         self.dead: BaseException | None = None
+        # its NCCL data plane: the communicator's set-up, the poster of NCCL transfers
+        self.nccl_plane = _NcclPlane(self)
         self.tasks: list[asyncio.Task[None]] = []
         self.credit = CreditAccount()  # protocol v2, once the peer announced its window
         self.credit_wait: deque[_OutXfer] = deque()  # PUTs waiting for credit, in order
@@ -202,7 +200,7 @@ class _ClientSession(_NcclPlane):
             Pong: self._on_pong,
             ErrorMsg: self._on_error,
             Bye: self._on_bye,
-            NcclReady: self._on_nccl_ready,
+            NcclReady: self.nccl_plane.on_nccl_ready,
         }
         # PUT/RETURN frames of this loop pass: a PUT's frames stay in one message
         self.data_out = Outbox(
@@ -226,7 +224,9 @@ class _ClientSession(_NcclPlane):
     async def open(self, timeout: float) -> None:
         e = self.owner
         self.tasks.append(
-            asyncio.create_task(self._poster(), name=f"aiokv-client-poster-{self.address}")
+            asyncio.create_task(
+                self.nccl_plane.poster(), name=f"aiokv-client-poster-{self.address}"
+            )
         )
         self.tasks.append(
             asyncio.create_task(self._watch(), name=f"aiokv-client-monitor-{self.address}")
@@ -586,7 +586,7 @@ class _ClientSession(_NcclPlane):
             if _trace.enabled:
                 _trace.mark("posted", self.trace_id, x.xfer)
         else:
-            self.post_queue.put_nowait(x)
+            self.nccl_plane.post_queue.put_nowait(x)
 
     def _on_refuse(self, msg: Refuse) -> None:
         self.stats.refused_received += 1
@@ -668,10 +668,7 @@ class _ClientSession(_NcclPlane):
         self.gets.clear()
         self.sess.close()
         self.source.abort(exc)
-        if self.nccl is not None:
-            self.nccl.abort(exc)
-        if self.nccl_ready is not None and not self.nccl_ready.done():
-            self.nccl_ready.set_exception(exc)
+        self.nccl_plane.abort(exc)
         for t in self.tasks:
             if t is not asyncio.current_task():
                 t.cancel()

@@ -1,15 +1,17 @@
 """A client session's NCCL data plane: its communicator's set-up and its poster.
 
-:class:`_NcclPlane` is a base of :class:`~aiokv.engine.client._ClientSession`: the
-session creates the pair's communicator once (rank 0 here, rank 1 at the peer, agreed
-over NCCL_SETUP / NCCL_READY) and posts its granted NCCL transfers from one task, in
-grant order. The TCP plane needs none of this: its transfers leave from the GRANT.
+:class:`_NcclPlane` is a part each :class:`~aiokv.engine.client._ClientSession` owns
+(its ``nccl_plane``): it creates the pair's communicator once (rank 0 here, rank 1 at
+the peer, agreed over NCCL_SETUP / NCCL_READY) and posts the session's granted NCCL
+transfers from one task, in grant order. It sees its session as an
+:class:`NcclSession`. The TCP plane needs none of this: its transfers leave from the
+GRANT.
 """
 
 from __future__ import annotations
 
 import asyncio
-from abc import abstractmethod
+from typing import Protocol
 
 import torch
 import zmq
@@ -27,25 +29,52 @@ from aiokv.transport.base import DeviceSource
 __all__: list[str] = []
 
 
+class NcclSession(Protocol):
+    """What the NCCL plane uses of the client session that owns it: who it talks to,
+    its protocol state, its control channel, and failing it."""
+
+    @property
+    def owner(self) -> ClientOwner: ...
+
+    @property
+    def address(self) -> str: ...
+
+    @property
+    def trace_id(self) -> str: ...
+
+    @property
+    def sess(self) -> Session: ...
+
+    @property
+    def dead(self) -> BaseException | None: ...
+
+    def _send_ctrl(self, data: bytes) -> None:
+        """Queue a control message to the peer."""
+        ...
+
+    def fail(self, exc: BaseException) -> None:
+        """Tear the session down and fail everything waiting on it."""
+        ...
+
+
 class _NcclPlane:
     """The NCCL half of a client session (see the module)."""
 
-    # the session's, set by its constructor
-    owner: ClientOwner
-    address: str
-    trace_id: str
-    sess: Session
-    dead: BaseException | None
-    nccl: DeviceSource | None
-    nccl_setup: asyncio.Future[None] | None
-    nccl_ready: asyncio.Future[NcclReady] | None
-    post_queue: asyncio.Queue[_OutXfer]
+    def __init__(self, session: NcclSession) -> None:
+        self.session = session
+        self.owner = session.owner
+        self.address = session.address
+        self.nccl: DeviceSource | None = None
+        self.nccl_setup: asyncio.Future[None] | None = None
+        self.nccl_ready: asyncio.Future[NcclReady] | None = None
+        self.post_queue: asyncio.Queue[_OutXfer] = asyncio.Queue()
 
-    @abstractmethod
-    def _send_ctrl(self, data: bytes) -> None: ...
-
-    @abstractmethod
-    def fail(self, exc: BaseException) -> None: ...
+    def abort(self, exc: BaseException) -> None:
+        """The session failed with ``exc``: the communicator and its set-up end."""
+        if self.nccl is not None:
+            self.nccl.abort(exc)
+        if self.nccl_ready is not None and not self.nccl_ready.done():
+            self.nccl_ready.set_exception(exc)
 
     async def ensure_nccl(self, timeout: float) -> None:
         """Create this session's communicator (rank 0 here, rank 1 at the peer) once."""
@@ -69,7 +98,7 @@ class _NcclPlane:
             uid = get_unique_id()
             self.nccl_ready = asyncio.get_running_loop().create_future()
             self.nccl_ready.add_done_callback(_retrieve)
-            self._send_ctrl(self.sess.send(NcclSetup(1, uid)))
+            self.session._send_ctrl(self.session.sess.send(NcclSetup(1, uid)))
             device = torch.device(e.config.device)
             blocking = e.config.nccl_blocking_ops
             comm = await Communicator.create(
@@ -91,7 +120,7 @@ class _NcclPlane:
             if not ready.ok:
                 comm.abort()
                 raise ConnectError(f"{self.address} could not set up NCCL: {ready.detail}")
-            if self.dead is not None:
+            if self.session.dead is not None:
                 comm.abort()
                 raise PeerLostError(f"session with {self.address} is gone")
             self.nccl = NcclSource(comm, e._get_poller(), device)
@@ -107,11 +136,11 @@ class _NcclPlane:
             if isinstance(exc, asyncio.CancelledError):
                 raise
 
-    def _on_nccl_ready(self, msg: NcclReady) -> None:
+    def on_nccl_ready(self, msg: NcclReady) -> None:
         if self.nccl_ready is not None and not self.nccl_ready.done():
             self.nccl_ready.set_result(msg)
 
-    async def _poster(self) -> None:
+    async def poster(self) -> None:
         """Posts granted NCCL transfers (TCP ones leave straight from the GRANT).
 
         Everything granted meanwhile goes out as one NCCL group, in grant order.
@@ -122,16 +151,16 @@ class _NcclPlane:
                 while not self.post_queue.empty() and len(batch) < 64:
                     batch.append(self.post_queue.get_nowait())
                 for b in batch:
-                    self.sess.note_sent(DataHeader(b.xfer, b.seq, len(b.specs)))
+                    self.session.sess.note_sent(DataHeader(b.xfer, b.seq, len(b.specs)))
                 assert self.nccl is not None
                 sent = await self.nccl.post_many([(b.tensors, b.ready) for b in batch])
                 sent.add_done_callback(_retrieve)
                 for b in batch:
                     b.sent = sent
                     if _trace.enabled:
-                        _trace.mark("posted", self.trace_id, b.xfer)
+                        _trace.mark("posted", self.session.trace_id, b.xfer)
                 batch = []  # while waiting for the next grant this frame holds no tensors
         except asyncio.CancelledError:
             raise
         except (zmq.ZMQError, AiokvError) as exc:
-            self.fail(channel_error(exc, f"data channel to {self.address}"))
+            self.session.fail(channel_error(exc, f"data channel to {self.address}"))

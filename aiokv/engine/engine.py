@@ -13,9 +13,9 @@ the connection monitors, a poster per client session) or by the loop's waiter
 threads of :mod:`aiokv._runtime.threads` (NCCL init and abort, zmq's ``term``); the loop
 never waits for them.
 
-Its GET mode (``publish``, ``get``) is a base class of its own
-(:mod:`aiokv.engine.getmode`). Its sessions, its server side and its handles hold it
-as the protocols of :mod:`aiokv.engine.interfaces`, never as an :class:`Engine`.
+Its GET mode (``publish``, ``get``) is a part it owns (:mod:`aiokv.engine.getmode`).
+Its sessions, its server side, its GET mode and its handles hold it as the protocols
+of :mod:`aiokv.engine.interfaces`, never as an :class:`Engine`.
 
 The rules the design keeps (see docs/design.md):
 
@@ -37,7 +37,7 @@ import gc
 import logging
 import secrets
 import time
-from collections.abc import Awaitable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -96,7 +96,7 @@ def _watchdog_report(why: str) -> None:
 # --------------------------------------------------------------------------- engine
 
 
-class Engine(_GetMode):
+class Engine:
     """Moves tensors between processes. Use as ``async with Engine(config) as eng``."""
 
     def __init__(self, config: EngineConfig | None = None, **overrides: Any) -> None:
@@ -128,13 +128,14 @@ class Engine(_GetMode):
         self._address = ""
         self._clients: dict[str, _ClientSession] = {}
         self._connecting: dict[str, asyncio.Future[_ClientSession]] = {}
-        self._init_get_mode()  # published tensors, GETs in flight
         self._stats = EngineStatistics()
+        # GET mode: the published tensors, the GETs in flight
+        self._get_mode = _GetMode(self)
         # the receiving half: sockets, peers' sessions, admission, credit, landing
         self._server = _Server(self, config, self._codec, self._store, self._stats)
         # the two the public API calls on every collected tensor: bound once
-        self._collected = self._server.collected
-        self._pump_queue = self._server.pump_queue
+        self._collected = self._server.granting.collected
+        self._pump_queue = self._server.granting.pump_queue
         self._tasks: set[asyncio.Task[Any]] = set()
         self._main_tasks: list[asyncio.Task[None]] = []
         self._started = False
@@ -228,9 +229,7 @@ class Engine(_GetMode):
                 f.set_exception(exc)
         self._server.close_sessions(exc)
         self._store.fail_all(exc)
-        for w in self._fetch_waiters.values():  # nobody can fetch any more
-            if not w.done():
-                w.set_exception(exc)
+        self._get_mode.fail_waiters(exc)
         if self._watchdog is not None:
             self._watchdog.stop()
         if self._poller is not None:
@@ -349,7 +348,7 @@ class Engine(_GetMode):
         if nccl and not can:
             raise ConfigError(f"NCCL to {peer} is not available ({self._nccl_why})")
         if can and nccl is not False:
-            await cs.ensure_nccl(dl.left(self.config.timeouts.connect))
+            await cs.nccl_plane.ensure_nccl(dl.left(self.config.timeouts.connect))
 
     async def send(
         self, tensor_id: str, tensor: torch.Tensor, *, to: str, timeout: float | None = None
@@ -493,7 +492,8 @@ class Engine(_GetMode):
             1 for cs in self._clients.values() for x in cs.credit_wait if not x.abandoned
         )
         s.client_sessions = len(self._clients)
-        comms = [cs.nccl.comm for cs in self._clients.values() if cs.nccl is not None]
+        planes = [cs.nccl_plane for cs in self._clients.values()]
+        comms = [p.nccl.comm for p in planes if p.nccl is not None]
         comms += server_comms
         if comms or self._poller is not None:
             n: dict[str, float] = {
@@ -510,6 +510,53 @@ class Engine(_GetMode):
                 n["watchdog_fired"] = self._watchdog.fired
             s.nccl = n
         return s
+
+    # ------------------------------------------------------------------ GET mode
+    def publish(
+        self,
+        tensor_id: str,
+        tensor: torch.Tensor,
+        *,
+        once: bool = False,
+        on_get: Callable[[str], None] | None = None,
+    ) -> None:
+        """GET mode, producer side: make ``tensor`` available to peers' :meth:`get`.
+
+        ``once``: serve it to the first GET only (a later one gets ``not_published``);
+        :meth:`wait_fetched` then says which peer took it. ``on_get``: called on the
+        loop with the address of each peer whose GET of it was accepted (as
+        :meth:`wait_fetched` returns it), before the tensor is sent; an
+        exception it raises is logged, never the GET's."""
+        self._get_mode.publish(tensor_id, tensor, once=once, on_get=on_get)
+
+    def unpublish(self, tensor_id: str) -> bool:
+        """Stop serving ``tensor_id``; whether it was published (a :meth:`wait_fetched`
+        on it raises :class:`~aiokv.NotPublishedError`)."""
+        return self._get_mode.unpublish(tensor_id)
+
+    async def wait_fetched(self, tensor_id: str, *, timeout: float | None = None) -> str:
+        """GET mode, producer side: wait until a peer's :meth:`get` took a tensor
+        published with ``once=True`` (its GET arrived and was accepted; the tensor may
+        still be on its way); return the address this engine reaches that peer at (its
+        open session to the peer, else the listen address the peer's authenticated
+        session holds): :meth:`send_nowait` reaches it over the same session."""
+        return await self._get_mode.wait_fetched(tensor_id, timeout=timeout)
+
+    async def get(self, tensor_id: str, *, frm: str, timeout: float | None = None) -> torch.Tensor:
+        """GET mode, consumer side: ask ``frm`` for a published tensor and wait for it.
+
+        Concurrent gets of one id from one producer share one GET: the first asks, the
+        others join it and all return the same tensor (each waits at most its own
+        ``timeout``, and the shared GET runs under the first one's deadline)."""
+        return await self._get_mode.get(tensor_id, frm=frm, timeout=timeout)
+
+    def _is_published(self, tensor_id: str) -> bool:
+        return self._get_mode.is_published(tensor_id)
+
+    def _claim_published(
+        self, tensor_ids: Sequence[str], address: str
+    ) -> list[tuple[str, torch.Tensor]]:
+        return self._get_mode.claim_published(tensor_ids, address)
 
     # ------------------------------------------------------------------ sending
     async def _client(self, address: str, dl: _Deadline) -> _ClientSession:
@@ -658,7 +705,7 @@ class Engine(_GetMode):
                     raise ConfigError(
                         f"tensors are on {st.tensors[0].device}, the engine's NCCL device is {self.config.device}"
                     )
-                await cs.ensure_nccl(dl.left(T.connect))
+                await cs.nccl_plane.ensure_nccl(dl.left(T.connect))
                 transport = "nccl"
             elif self.config.transport == "nccl":
                 raise ConfigError(f"transport='nccl' but {to} cannot receive over NCCL")

@@ -1,24 +1,24 @@
 """GET mode, both ends: publishing tensors for peers to fetch, and fetching them.
 
-:class:`_GetMode` is a base of :class:`~aiokv.engine.engine.Engine`: the producer's
-table of published tensors (``publish``, ``unpublish``, ``wait_fetched``, and the claim
-the server side makes when a peer's GET arrives) and the consumer's ``get``, whose
-concurrent calls for one id share one GET. The engine supplies the rest (its
-configuration, loop and address, its checks, its client sessions and ``recv``).
+:class:`_GetMode` is a part the :class:`~aiokv.engine.engine.Engine` owns: the
+producer's table of published tensors (``publish``, ``unpublish``, ``wait_fetched``,
+and the claim the server side makes when a peer's GET arrives) and the consumer's
+``get``, whose concurrent calls for one id share one GET. It holds the engine as a
+:class:`~aiokv.engine.interfaces.GetModeOwner` (its configuration, loop and address,
+its checks, its client sessions and ``recv``); the engine's public calls of the same
+names hand over to it.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-from abc import abstractmethod
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
 
-from aiokv._config import EngineConfig
 from aiokv._exceptions import (
     ConfigError,
     NotPublishedError,
@@ -26,7 +26,7 @@ from aiokv._exceptions import (
     TransferTimeoutError,
 )
 from aiokv._runtime.deadlines import _await_shielded, _Deadline, _retrieve
-from aiokv.engine.client import _ClientSession
+from aiokv.engine.interfaces import GetModeOwner
 from aiokv.engine.staging import _prepare
 from aiokv.protocol.messages import Get, GetReply
 
@@ -44,14 +44,11 @@ class _SharedGet:
 
 
 class _GetMode:
-    """GET mode's state and calls (see the module); a base of the engine."""
+    """GET mode's state and calls (see the module); a part of the engine."""
 
-    # the engine's, bound by its constructor and start()
-    config: EngineConfig
-    _loop: asyncio.AbstractEventLoop
-    _address: str
-
-    def _init_get_mode(self) -> None:
+    def __init__(self, owner: GetModeOwner) -> None:
+        self._owner = owner
+        self.config = owner.config
         self._published: dict[str, torch.Tensor] = {}
         # published for one GET only (``publish(once=True)``) until served or unpublished
         self._once: set[str] = set()
@@ -63,24 +60,11 @@ class _GetMode:
         # GET (the producer sends the id once; a second copy would be a duplicate)
         self._getting: dict[tuple[str, str], _SharedGet] = {}
 
-    # the engine's checks, its client sessions and its collector
-    @abstractmethod
-    def _check_loop(self) -> None: ...
-
-    @abstractmethod
-    def _check_open(self) -> None: ...
-
-    @abstractmethod
-    def _check_id(self, tensor_id: str) -> None: ...
-
-    @abstractmethod
-    def _timeout(self, timeout: float | None) -> float: ...
-
-    @abstractmethod
-    async def _client(self, address: str, dl: _Deadline) -> _ClientSession: ...
-
-    @abstractmethod
-    async def _recv(self, tensor_id: str, frm: str | None, t: float) -> torch.Tensor: ...
+    def fail_waiters(self, exc: BaseException) -> None:
+        """The engine closes: nobody can fetch any more."""
+        for w in self._fetch_waiters.values():
+            if not w.done():
+                w.set_exception(exc)
 
     def publish(
         self,
@@ -90,14 +74,8 @@ class _GetMode:
         once: bool = False,
         on_get: Callable[[str], None] | None = None,
     ) -> None:
-        """GET mode, producer side: make ``tensor`` available to peers' :meth:`get`.
-
-        ``once``: serve it to the first GET only (a later one gets ``not_published``);
-        :meth:`wait_fetched` then says which peer took it. ``on_get``: called on the
-        loop with the address of each peer whose GET of it was accepted (as
-        :meth:`wait_fetched` returns it), before the tensor is sent; an
-        exception it raises is logged, never the GET's."""
-        self._check_open()
+        """GET mode, producer side: see :meth:`Engine.publish`."""
+        self._owner._check_open()
         _prepare([(tensor_id, tensor)], self.config.limits.max_id_length)
         if (
             tensor_id not in self._published
@@ -116,9 +94,8 @@ class _GetMode:
             self._once.discard(tensor_id)
 
     def unpublish(self, tensor_id: str) -> bool:
-        """Stop serving ``tensor_id``; whether it was published (a :meth:`wait_fetched`
-        on it raises :class:`~aiokv.NotPublishedError`)."""
-        self._check_loop()
+        """See :meth:`Engine.unpublish`."""
+        self._owner._check_loop()
         self._once.discard(tensor_id)
         self._fetched.pop(tensor_id, None)
         self._on_get.pop(tensor_id, None)
@@ -128,12 +105,8 @@ class _GetMode:
         return self._published.pop(tensor_id, None) is not None
 
     async def wait_fetched(self, tensor_id: str, *, timeout: float | None = None) -> str:
-        """GET mode, producer side: wait until a peer's :meth:`get` took a tensor
-        published with ``once=True`` (its GET arrived and was accepted; the tensor may
-        still be on its way); return the address this engine reaches that peer at (its
-        open session to the peer, else the listen address the peer's authenticated
-        session holds): :meth:`send_nowait` reaches it over the same session."""
-        self._check_open()
+        """GET mode, producer side: see :meth:`Engine.wait_fetched`."""
+        self._owner._check_open()
         address = self._fetched.pop(tensor_id, None)
         if address is not None:
             return address
@@ -141,8 +114,8 @@ class _GetMode:
             raise NotPublishedError(f"{tensor_id!r} is not published with once=True")
         if tensor_id in self._fetch_waiters:
             raise ConfigError(f"wait_fetched({tensor_id!r}) is already waiting")
-        t = self._timeout(timeout)
-        fut: asyncio.Future[str] = self._loop.create_future()
+        t = self._owner._timeout(timeout)
+        fut: asyncio.Future[str] = self._owner._loop.create_future()
         fut.add_done_callback(_retrieve)
         self._fetch_waiters[tensor_id] = fut
         try:
@@ -158,7 +131,7 @@ class _GetMode:
             if self._fetch_waiters.get(tensor_id) is fut:
                 del self._fetch_waiters[tensor_id]
 
-    def _claim_published(
+    def claim_published(
         self, tensor_ids: Sequence[str], address: str
     ) -> list[tuple[str, torch.Tensor]]:
         """A GET of these (all published) for the session at ``address`` starts: a
@@ -180,7 +153,7 @@ class _GetMode:
             self._on_get.pop(t, None)
             # one loop pass later: the GET's own reply (spawned next by the server) starts
             # first, and whatever the waiter sends that peer goes after it
-            self._loop.call_soon(self._fetched_by, t, address)
+            self._owner._loop.call_soon(self._fetched_by, t, address)
         return items
 
     def _fetched_by(self, tensor_id: str, address: str) -> None:
@@ -195,18 +168,14 @@ class _GetMode:
             self._fetched.popitem(last=False)
 
     async def get(self, tensor_id: str, *, frm: str, timeout: float | None = None) -> torch.Tensor:
-        """GET mode, consumer side: ask ``frm`` for a published tensor and wait for it.
-
-        Concurrent gets of one id from one producer share one GET: the first asks, the
-        others join it and all return the same tensor (each waits at most its own
-        ``timeout``, and the shared GET runs under the first one's deadline)."""
-        self._check_open()
-        self._check_id(tensor_id)
-        t = self._timeout(timeout)
+        """GET mode, consumer side: see :meth:`Engine.get`."""
+        self._owner._check_open()
+        self._owner._check_id(tensor_id)
+        t = self._owner._timeout(timeout)
         key = (frm, tensor_id)
         sg = self._getting.get(key)
         if sg is None:
-            sg = _SharedGet(self._loop.create_task(self._get(tensor_id, frm, t)))
+            sg = _SharedGet(self._owner._loop.create_task(self._get(tensor_id, frm, t)))
             sg.task.add_done_callback(_retrieve)
             sg.task.add_done_callback(lambda _t: self._got(key, sg))
             self._getting[key] = sg
@@ -229,12 +198,12 @@ class _GetMode:
     async def _get(self, tensor_id: str, frm: str, t: float) -> torch.Tensor:
         """One GET: ask ``frm`` for ``tensor_id`` and collect it (see :meth:`get`)."""
         dl = _Deadline(t)
-        cs = await self._client(frm, dl)
+        cs = await self._owner._client(frm, dl)
         req = next(cs.get_ids)
         reply: asyncio.Future[GetReply] = asyncio.get_running_loop().create_future()
         reply.add_done_callback(_retrieve)
         cs.gets[req] = reply
-        cs._send_ctrl(cs.sess.send(Get(req, (tensor_id,), self._address)))
+        cs._send_ctrl(cs.sess.send(Get(req, (tensor_id,), self._owner.address)))
         peer_id = cs.peer_id
         try:
             r = await _await_shielded(reply, dl.left())
@@ -245,8 +214,8 @@ class _GetMode:
             raise NotPublishedError(f"{frm} does not publish {tensor_id!r}")
         if r.code != "ok":
             raise TransferAbortedError(f"GET {tensor_id!r} from {frm} failed: {r.code}: {r.detail}")
-        return await self._recv(tensor_id, peer_id or frm, dl.left())
+        return await self._owner._recv(tensor_id, peer_id or frm, dl.left())
 
-    def _is_published(self, tensor_id: str) -> bool:
+    def is_published(self, tensor_id: str) -> bool:
         """Whether a GET of ``tensor_id`` finds it published now."""
         return tensor_id in self._published

@@ -2,9 +2,10 @@
 
 The engine's parts never hold the engine itself: a client session
 (:mod:`aiokv.engine.client`) holds a :class:`ClientOwner`, the server side
-(:mod:`aiokv.engine.server`) a :class:`ServerOwner`, a PUT_ASYNC's watch
+(:mod:`aiokv.engine.server`) a :class:`ServerOwner`, GET mode
+(:mod:`aiokv.engine.getmode`) a :class:`GetModeOwner`, a PUT_ASYNC's watch
 (:mod:`aiokv.engine.handle`) a :class:`WatchOwner`. Each protocol lists exactly the
-members that part calls; the engine satisfies all three, and nothing else of its
+members that part calls; the engine satisfies them all, and nothing else of its
 state is in reach. The members keep the engine's leading underscore: they are the
 engine's side of its parts' interface, not the user API (the engine's public names
 stay those of docs/api.md).
@@ -26,9 +27,11 @@ from aiokv.engine.statistics import EngineStatistics
 from aiokv.protocol.codec import Codec
 
 if TYPE_CHECKING:
+    from aiokv._runtime.deadlines import _Deadline
+    from aiokv.engine.client import _ClientSession
     from aiokv.gpu.cuda import ProgressPoller
 
-__all__ = ["ClientOwner", "PeerOwner", "ServerOwner", "WatchOwner"]
+__all__ = ["ClientOwner", "GetModeOwner", "PeerOwner", "ServerOwner", "WatchOwner"]
 
 
 class WatchOwner(Protocol):
@@ -141,4 +144,42 @@ class ServerOwner(PeerOwner, Protocol):
 
     async def _transfer(self, to: str, st: _Staged, timeout: float | None) -> None:
         """Send staged tensors to ``to`` over this engine's own client session."""
+        ...
+
+
+class GetModeOwner(Protocol):
+    """What GET mode uses of its engine: its configuration, loop and address, its
+    checks of a call, its client sessions (a GET goes out over one) and ``recv``."""
+
+    @property
+    def config(self) -> EngineConfig: ...
+
+    @property
+    def address(self) -> str: ...
+
+    @property
+    def _loop(self) -> asyncio.AbstractEventLoop: ...
+
+    def _check_loop(self) -> None:
+        """Refuse a call from a loop other than the engine's."""
+        ...
+
+    def _check_open(self) -> None:
+        """Refuse a call unless the engine is started and not closed."""
+        ...
+
+    def _check_id(self, tensor_id: str) -> None:
+        """Refuse a tensor id the peer would not accept."""
+        ...
+
+    def _timeout(self, timeout: float | None) -> float:
+        """The caller's timeout (None: the configured transfer deadline), checked."""
+        ...
+
+    async def _client(self, address: str, dl: _Deadline) -> _ClientSession:
+        """The live client session to ``address``, opened if need be within ``dl``."""
+        ...
+
+    async def _recv(self, tensor_id: str, frm: str | None, t: float) -> torch.Tensor:
+        """Collect ``tensor_id`` (from ``frm``) from the receive store within ``t`` seconds."""
         ...

@@ -4,13 +4,18 @@
 and, without CURVE, the data port's ZAP handler), every peer's
 :class:`~aiokv.engine.server_state._ServerSession` and their indexes, the admission
 queue and per-peer bounds, standing credit and its ACKs, landing, GET serving, and
-the server half of housekeeping. It is made of parts, one concern each: its state
-(:mod:`aiokv.engine.server_state`), its connections
-(:mod:`aiokv.engine.server_connections`), admission and granting
-(:mod:`aiokv.engine.server_granting`); this module holds its lifecycle, the control
-port, NCCL set-up, GET serving and dropping a session. The engine hands it what it
-needs (config, codec, store, statistics; the loop and zmq contexts at start), and
-the server holds the engine as a :class:`~aiokv.engine.interfaces.ServerOwner`.
+the server half of housekeeping. It owns three parts, one concern each, as plain
+objects: ``state``, the one :class:`~aiokv.engine.server_state._ServerState` they all
+work on; ``connections``, a :class:`~aiokv.engine.server_connections._Connections`
+(who may connect, hang-ups, the caps on connections without a session); ``granting``,
+a :class:`~aiokv.engine.server_granting._Granting` (admission, grants, credit, ACKs,
+landing, teardown slices). The parts see the server as a
+:class:`~aiokv.engine.server_state.SessionDropper` and the connections see the
+granting part as a :class:`~aiokv.engine.server_connections.Landing`. This module
+holds the lifecycle, the control port, NCCL set-up, GET serving and dropping a
+session. The engine hands it what it needs (config, codec, store, statistics; the
+loop and zmq contexts at start), and the server holds the engine as a
+:class:`~aiokv.engine.interfaces.ServerOwner`.
 """
 
 from __future__ import annotations
@@ -19,6 +24,7 @@ import asyncio
 import contextlib
 import logging
 import time
+from collections import deque
 from collections.abc import Callable
 from typing import Any
 
@@ -31,14 +37,9 @@ from aiokv._exceptions import AiokvError, PeerLostError, RemoteProtocolError
 from aiokv._runtime.deadlines import MAX_FRAMES_PER_MESSAGE
 from aiokv._runtime.zsock import LoopSocket, max_msg_size, monitor_socket
 from aiokv.engine.interfaces import ServerOwner
-from aiokv.engine.server_connections import (
-    _DATA_DOMAIN,
-    _MAX_FIRST_FRAME,
-    _Connections,
-    _unbound_caps,
-)
+from aiokv.engine.server_connections import _DATA_DOMAIN, _MAX_FIRST_FRAME, _Connections
 from aiokv.engine.server_granting import _CANCEL_SLICE, _Granting
-from aiokv.engine.server_state import _ServerSession
+from aiokv.engine.server_state import _ServerSession, _ServerState
 from aiokv.engine.statistics import EngineStatistics
 from aiokv.engine.store import ReceiveStore
 from aiokv.protocol.codec import Codec
@@ -89,7 +90,7 @@ class _KeyCheck:
         return self.allowed is None or key in self.allowed
 
 
-class _Server(_Connections, _Granting):
+class _Server:
     """This engine's receiving half: the listening sockets and every peer's session."""
 
     def __init__(
@@ -100,17 +101,38 @@ class _Server(_Connections, _Granting):
         store: ReceiveStore,
         stats: EngineStatistics,
     ) -> None:
-        super().__init__(owner, config, codec, store, stats)
-        self._max_unbound, self._max_unbound_host = _unbound_caps()
+        # the parts: one state object, the connections, admission and granting
+        self.state = st = _ServerState(owner, config, codec, store, stats)
+        self.granting = _Granting(st, self)
+        self.connections = _Connections(st, self, self.granting)
+        self._owner = owner
+        self.config = config
+        self._store = store
+        self._stats = stats
+        self._reply = st.reply
+        self._reply_raw = st.reply_raw
+        self._count_error = owner._count_error
+        self._spawn = owner._spawn
+        self._get_poller = owner._get_poller
+        self._ctx: zmq.asyncio.Context = None  # type: ignore[assignment]
+        self._sctx: zmq.Context[Any] = None  # type: ignore[assignment]
+        # data connections: a port of their own, entered only after authentication
+        self._data_router: LoopSocket = None  # type: ignore[assignment]
+        self._data_mon: zmq.asyncio.Socket = None  # type: ignore[assignment]
+        self._router_mon: zmq.asyncio.Socket = None  # type: ignore[assignment]
+        self._auth: Any = None
+        self._gets_serving = 0
+        self._turns: deque[_ServerSession] = deque()  # sessions with an inbox, in turn
+        self._turns_due = False  # _take_turns is scheduled
         # what each control message a session lets through does: one look-up per message.
         # (HELLO opens a session in _on_new_connection; a DATA header that came on the
         # control connection has no data with it and is ignored, as it always was.)
         self._handlers: dict[type[Message], Callable[[_ServerSession, Any], None]] = {
-            Reserve: self._on_reserve,
-            Withdraw: self._on_withdraw,
+            Reserve: self.granting.on_reserve,
+            Withdraw: self.granting.on_withdraw,
             Ping: self._on_ping,
             Get: self._on_get,
-            Failed: self._on_failed,
+            Failed: self.granting.on_failed,
             Bye: self._on_bye,
             ErrorMsg: self._on_bye,
             NcclSetup: self._on_nccl_setup,
@@ -124,7 +146,7 @@ class _Server(_Connections, _Granting):
 
         Raises zmq.ZMQError (its own sockets closed) if a port cannot be bound.
         """
-        self._loop, self._ctx, self._sctx = loop, ctx, sctx
+        self.state.loop, self._ctx, self._sctx = loop, ctx, sctx
         lim = self.config.limits
         # The control port carries control messages only: zmq drops (and hangs up) a
         # connection whose frame exceeds one, before reading it. Data arrives on a port
@@ -143,7 +165,7 @@ class _Server(_Connections, _Granting):
             zap = self._sctx.socket(zmq.ROUTER)
             zap.setsockopt(zmq.LINGER, 0)
             zap.bind(_ZAP_ENDPOINT)
-            self._zap = LoopSocket(zap, self._on_zap)
+            self.state.zap = LoopSocket(zap, self.connections.on_zap)
             d.setsockopt(zmq.PLAIN_SERVER, 1)
             d.setsockopt(zmq.ZAP_DOMAIN, _DATA_DOMAIN)
         host, port = parse_address(self.config.listen)
@@ -154,69 +176,68 @@ class _Server(_Connections, _Granting):
         except zmq.ZMQError:
             r.close(0)
             d.close(0)
-            if self._zap is not None:
-                self._zap.close(0)
+            if self.state.zap is not None:
+                self.state.zap.close(0)
             if self._auth is not None:
                 self._auth.stop()
             raise
         ep = bytes(r.getsockopt(zmq.LAST_ENDPOINT)).decode()
-        self._data_port = int(bytes(d.getsockopt(zmq.LAST_ENDPOINT)).decode().rsplit(":", 1)[1])
+        self.state.data_port = int(bytes(d.getsockopt(zmq.LAST_ENDPOINT)).decode().rsplit(":", 1)[1])
         # Connection events, so a peer whose process died is dropped at once rather
         # than after its heartbeat timeout.
         events = zmq.EVENT_ACCEPTED | zmq.EVENT_DISCONNECTED
         self._router_mon = monitor_socket(r, self._ctx, events)
         self._data_mon = monitor_socket(d, self._ctx, events)
-        self._router = LoopSocket(r, self._on_router_frames, self._on_router_error)
+        self.state.router = LoopSocket(r, self._on_router_frames, self._on_router_error)
         self._data_router = LoopSocket(
-            d, self._on_data_frames, self._on_router_error, on_drained=self._acks_now
+            d, self.connections.on_data_frames, self._on_router_error, on_drained=self.granting.acks_now
         )
         return f"{host}:{ep.rsplit(':', 1)[1]}"
 
     def tasks(self) -> list[asyncio.Task[None]]:
         """The connection monitors of both ports (the engine cancels them at close)."""
         return [
-            asyncio.create_task(self._router_watch(self._router_mon), name="aiokv-router-monitor"),
-            asyncio.create_task(self._router_watch(self._data_mon), name="aiokv-data-monitor"),
+            asyncio.create_task(self.connections.router_watch(self._router_mon), name="aiokv-router-monitor"),
+            asyncio.create_task(self.connections.router_watch(self._data_mon), name="aiokv-data-monitor"),
         ]
 
     def close_sessions(self, exc: BaseException) -> None:
         """Say BYE to every peer and drop its session (the engine is closing)."""
-        for ss in list(self._servers.values()):
+        for ss in list(self.state.servers.values()):
             if ss.sess.state is SessionState.OPEN:
                 with contextlib.suppress(Exception):
                     self._reply(ss, ss.sess.send(Bye()))
-            self._drop_server(ss, exc, lost=False)
+            self.drop_server(ss, exc, lost=False)
 
     def close_sockets(self) -> None:
         """Close the listening sockets (after the monitor tasks ended)."""
-        for rs, mon in ((self._router, self._router_mon), (self._data_router, self._data_mon)):
+        for rs, mon in ((self.state.router, self._router_mon), (self._data_router, self._data_mon)):
             with contextlib.suppress(zmq.ZMQError):
                 rs.sock.disable_monitor()
             mon.close(linger=0)
             rs.close(linger=min(200, int(self.config.timeouts.linger * 1000)))
-        if self._zap is not None:
-            self._zap.close(0)
+        if self.state.zap is not None:
+            self.state.zap.close(0)
         if self._auth is not None:
             self._auth.stop()
-        if self._cap_timer is not None:
-            self._cap_timer.cancel()
+        self.connections.stop()
 
     def statistics(self, s: EngineStatistics) -> list[Any]:
         """Fill the server side's figures into ``s``; the sessions' NCCL communicators."""
-        servers = self._servers.values()
+        servers = self.state.servers.values()
         ledgers = [ss.ledger for ss in servers if ss.ledger is not None]
         s.credit_bytes = sum(g.credit_bytes for g in ledgers)
         s.credit_tensors = sum(g.credit_tensors for g in ledgers)
         if s.store is not None:
             s.store.reserved_bytes -= s.credit_bytes
-        s.credit_starved = len(self._starved)
-        s.server_sessions = len(self._servers)
+        s.credit_starved = len(self.state.starved)
+        s.server_sessions = len(self.state.servers)
         s.queued_reservations = sum(len(ss.queued) for ss in servers)
         return [ss.nccl.comm for ss in servers if ss.nccl is not None]
 
     def resolve_peer(self, addr: str) -> str | None:
         """The store identity of the live session that holds listen address ``addr``."""
-        for ss in self._servers.values():
+        for ss in self.state.servers.values():
             if ss.peer is not None and ss.peer.address == addr:
                 return ss.peer.engine_id
         return None
@@ -224,21 +245,21 @@ class _Server(_Connections, _Granting):
     def housekeep(self, now: float) -> None:
         """The server half of the engine's housekeeping tick."""
         T = self.config.timeouts
-        for ss in list(self._servers.values()):
+        for ss in list(self.state.servers.values()):
             if ss.granted:
-                self._expire_grants(ss, now)
+                self.granting.expire_grants(ss, now)
             if ss.credit_held:
-                self._forget_expired_credit(ss, now)
+                self.granting.forget_expired_credit(ss, now)
             # frames of its still wait in the inbox: this end is behind, the peer is not silent
             if ss.inbox or now - ss.last_recv <= T.heartbeat_timeout:
                 ss.suspect = False
             elif ss.suspect:  # second look, as for client sessions
-                self._drop_server(ss, PeerLostError(f"no heartbeat from {ss.name}"), lost=True)
+                self.drop_server(ss, PeerLostError(f"no heartbeat from {ss.name}"), lost=True)
             else:
                 ss.suspect = True
         if self._store.expire(now):
-            self.pump_queue()
-        self._reclaim_unbound(now)
+            self.granting.pump_queue()
+        self.connections.reclaim_unbound(now)
 
     # ------------------------------------------------------------------ sockets
 
@@ -281,7 +302,7 @@ class _Server(_Connections, _Granting):
             log.exception("aiokv: error handling a message: %s", exc)
 
     def _on_router_error(self, exc: zmq.ZMQError) -> None:
-        if not self.owner._closed:
+        if not self._owner._closed:
             log.warning("aiokv: router socket error: %s", exc)
 
     def _on_router_message(self, parts: list[zmq.Frame]) -> None:
@@ -289,26 +310,26 @@ class _Server(_Connections, _Granting):
         if len(parts) < 2:
             self._count_error("malformed")
             return
-        ss = self._servers.get(rid)
+        ss = self.state.servers.get(rid)
         frames = parts[1:]
         if ss is None:
             # a new connection: its first message must be one HELLO frame
             if len(frames) != 1:
-                self._refuse_connection(
+                self.connections.refuse_connection(
                     rid, frames[0], "malformed", "the first message is one HELLO frame"
                 )
                 return
             if len(frames[0]) > _MAX_FIRST_FRAME:
-                self._refuse_connection(
+                self.connections.refuse_connection(
                     rid, frames[0], "frame_too_large", "a first message over the HELLO limit"
                 )
                 return
-            self._on_new_connection(rid, frames[0])
+            self.connections.on_new_connection(rid, frames[0])
             return
         if len(frames) > 4 * MAX_FRAMES_PER_MESSAGE:
             self._count_error("malformed")
             self._reply_raw(rid, ErrorMsg("protocol", "too many frames in one message"))
-            self._drop_server(ss, RemoteProtocolError("too many frames"), lost=True)
+            self.drop_server(ss, RemoteProtocolError("too many frames"), lost=True)
             return
         ss.last_recv = time.monotonic()
         if ss.inbox:  # earlier frames still wait for their turn: these go behind them
@@ -316,7 +337,7 @@ class _Server(_Connections, _Granting):
             if len(ss.inbox) + len(frames) > _MAX_INBOX_FRAMES or ss.inbox_bytes > _MAX_INBOX_BYTES:
                 self._count_error("flood")
                 self._reply_raw(rid, ErrorMsg("protocol", "too many control frames waiting"))
-                self._drop_server(ss, RemoteProtocolError("control frame flood"), lost=True)
+                self.drop_server(ss, RemoteProtocolError("control frame flood"), lost=True)
                 return
             ss.inbox.extend(frames)
             return
@@ -341,7 +362,7 @@ class _Server(_Connections, _Granting):
         except RemoteProtocolError as exc:
             self._count_error(getattr(exc, "code", "protocol"))
             self._reply_raw(ss.rid, ErrorMsg("protocol", str(exc)[:200]))
-            self._drop_server(ss, exc, lost=True)
+            self.drop_server(ss, exc, lost=True)
             return
         handler = self._handlers.get(type(msg))
         if handler is not None:
@@ -351,7 +372,7 @@ class _Server(_Connections, _Granting):
         self._turns.append(ss)
         if not self._turns_due:
             self._turns_due = True
-            self._loop.call_soon(self._take_turns)
+            self.state.loop.call_soon(self._take_turns)
 
     def _take_turns(self) -> None:
         """Sessions with control frames waiting take turns of at most _SLICE_S each, for
@@ -381,19 +402,19 @@ class _Server(_Connections, _Granting):
                 break
         if turns and not self._turns_due:
             self._turns_due = True
-            self._loop.call_soon(self._take_turns)
+            self.state.loop.call_soon(self._take_turns)
 
     def _on_ping(self, ss: _ServerSession, msg: Ping) -> None:
         self._reply(ss, ss.sess.send(Pong(msg.nonce)))
 
     def _on_bye(self, ss: _ServerSession, msg: Bye | ErrorMsg) -> None:
-        self._drop_server(ss, PeerLostError(f"peer {ss.name} closed the session"), lost=False)
+        self.drop_server(ss, PeerLostError(f"peer {ss.name} closed the session"), lost=False)
 
     def _on_nccl_setup(self, ss: _ServerSession, msg: NcclSetup) -> None:
-        if not self.owner._nccl_ok or ss.nccl is not None:
+        if not self._owner._nccl_ok or ss.nccl is not None:
             why = (
-                self.owner._nccl_why
-                if not self.owner._nccl_ok
+                self._owner._nccl_why
+                if not self._owner._nccl_ok
                 else "this session already has a communicator"
             )
             self._reply(ss, ss.sess.send(NcclReady(msg.comm, False, why[:300])))
@@ -453,7 +474,7 @@ class _Server(_Connections, _Granting):
         if ss.gets >= _MAX_GETS_PER_SESSION or self._gets_serving >= _MAX_GETS_SERVING:
             self._reply(ss, ss.sess.send(GetReply(msg.req, "busy", "too many GETs in flight")))
             return
-        missing = [t for t in msg.tensor_ids if not self.owner._is_published(t)]
+        missing = [t for t in msg.tensor_ids if not self._owner._is_published(t)]
         if missing:
             self._reply(
                 ss,
@@ -466,8 +487,8 @@ class _Server(_Connections, _Granting):
         # one (keyed by the engine id it announced, not by the address it was reached
         # at): a second session would get a private identity there, and the tensor
         # would land where the requester's GET never looks
-        to = self.owner._session_address(ss.trace_id) or msg.reply_to
-        items = self.owner._claim_published(msg.tensor_ids, to)
+        to = self._owner._session_address(ss.trace_id) or msg.reply_to
+        items = self._owner._claim_published(msg.tensor_ids, to)
         self._spawn(self._serve_get(ss, msg, to, items))
 
     async def _serve_get(
@@ -476,7 +497,7 @@ class _Server(_Connections, _Granting):
         ss.gets += 1
         self._gets_serving += 1
         try:
-            await self.owner._transfer(to, self.owner._stage(items), None)
+            await self._owner._transfer(to, self._owner._stage(items), None)
             code, detail = "ok", ""
             self._stats.gets_served += 1
         except AiokvError as exc:
@@ -489,37 +510,37 @@ class _Server(_Connections, _Granting):
 
     # ------------------------------------------------------------------ dropping a session
 
-    def _drop_server(self, ss: _ServerSession, exc: BaseException, *, lost: bool) -> None:
+    def drop_server(self, ss: _ServerSession, exc: BaseException, *, lost: bool) -> None:
         if ss.dead:
             return
         ss.dead = True
         if ss.ack_timer is not None:
             ss.ack_timer.cancel()
             ss.ack_timer = None
-        self._admission.close(ss.queued)  # before anything below may pump the queue
+        self.state.admission.close(ss.queued)  # before anything below may pump the queue
         ss.inbox.clear()
         if lost:
             self._stats.peers_lost += 1
-        self._servers.pop(ss.rid, None)
-        self._tokens.pop(ss.token, None)
-        self._starved.discard(ss)
-        if ss.peer is not None and self._by_peer.get(ss.peer.engine_id) is ss:
-            del self._by_peer[ss.peer.engine_id]
+        self.state.servers.pop(ss.rid, None)
+        self.state.tokens.pop(ss.token, None)
+        self.state.starved.discard(ss)
+        if ss.peer is not None and self.state.by_peer.get(ss.peer.engine_id) is ss:
+            del self.state.by_peer[ss.peer.engine_id]
         if ss.ledger is not None:
             self._store.reserved -= ss.ledger.credit_bytes  # unspent credit goes back
             self._store.credit_n -= ss.ledger.credit_tensors
             ss.ledger.credit_bytes = ss.ledger.credit_tensors = 0
         if ss.data_rid is not None:
-            self._data_rids.pop(ss.data_rid, None)
+            self.state.data_rids.pop(ss.data_rid, None)
         for fd in ss.fds:
-            if self._fd_sessions.get(fd) is ss:
-                del self._fd_sessions[fd]
-                if lost and not self.owner._closed:
+            if self.state.fd_sessions.get(fd) is ss:
+                del self.state.fd_sessions[fd]
+                if lost and not self._owner._closed:
                     # a peer judged dead or hostile: its connections must not linger
                     # (after a moment, so that an ERROR queued for it still leaves)
-                    self._hang_up(fd, after=0.05)
+                    self.connections.hang_up(fd, after=0.05)
         sink = ss.sink
-        self._cleanup(lambda: sink.abort(exc, _CANCEL_SLICE // 4))
+        self.granting.cleanup(lambda: sink.abort(exc, _CANCEL_SLICE // 4))
         if ss.nccl is not None:
             ss.nccl.abort(exc)
         if ss.peer is not None:
@@ -529,7 +550,7 @@ class _Server(_Connections, _Granting):
             # only this session's own transfers in flight (no scan of the whole store), in
             # slices: a session with tens of thousands pending must not stall the loop
             ids = [s.tensor_id for inx in ss.granted.values() for s in inx.specs]
-            self._cancel_in_slices(ss.peer, ids, err)
+            self.granting.cancel_in_slices(ss.peer, ids, err)
         ss.granted.clear()
         ss.sess.close()
-        self.pump_queue()
+        self.granting.pump_queue()

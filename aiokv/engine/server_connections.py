@@ -1,27 +1,32 @@
 """The server side's connections: who may connect, and hanging up those that may not.
 
-:class:`_Connections` is a part of :class:`~aiokv.engine.server._Server`: the data
+:class:`_Connections` is a part :class:`~aiokv.engine.server._Server` owns: the data
 port's ZAP handler and its DATA_HELLO (a data connection enters only with its session's
 token or key), a new control connection's HELLO (identity claims, the layout check,
 WELCOME), the connection monitors' events (a session is dropped the moment its
 connection closes), and the caps on accepted connections that have no session yet
-(hung up, oldest first, by their file descriptors).
+(hung up, oldest first, by their file descriptors). It works on the server's
+:class:`~aiokv.engine.server_state._ServerState`, sees the server as a
+:class:`~aiokv.engine.server_state.SessionDropper` and the granting part as a
+:class:`Landing`.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import itertools
 import logging
 import socket
 import time
+from typing import Protocol
 
 import zmq
 import zmq.asyncio
 
 from aiokv._exceptions import PeerLostError, RemoteProtocolError
 from aiokv._runtime.deadlines import _DATA_CAP, _PLAIN_USER
-from aiokv.engine.server_state import _ServerBase, _ServerSession
+from aiokv.engine.server_state import SessionDropper, _ServerSession, _ServerState
 from aiokv.engine.store import PeerRef
 from aiokv.protocol.codec import TOKEN_BYTES, WireError
 from aiokv.protocol.credit import CreditLedger
@@ -107,16 +112,45 @@ def _shutdown_fd(fd: int, expect: str | None) -> None:
         s.detach()
 
 
-class _Connections(_ServerBase):
+class Landing(Protocol):
+    """What the connections part uses of the granting part: a data connection's
+    messages land there, and a new session's credit window leaves with its WELCOME."""
+
+    def on_data(self, ss: _ServerSession, frames: list[zmq.Frame]) -> None: ...
+
+    def send_credit(self, ss: _ServerSession, now: bool = False) -> None: ...
+
+
+class _Connections:
     """Connections, their descriptors and their first messages (see the module)."""
 
-    # set by the server's constructor (_unbound_caps)
-    _max_unbound: int
-    _max_unbound_host: int
+    def __init__(self, st: _ServerState, server: SessionDropper, landing: Landing) -> None:
+        self._st = st  # the sessions' indexes, the sockets, the loop (shared with the other parts)
+        self._server = server
+        self._landing = landing
+        self._on_data = landing.on_data  # (a data message's path: bound once)
+        self._owner = st.owner
+        self.config = st.config
+        self._codec = st.codec
+        self._reply = st.reply
+        self._reply_raw = st.reply_raw
+        self._count_error = st.owner._count_error
+        self._claims = itertools.count(1)
+        # accepted connections without a session yet, oldest first: fd -> (accepted at,
+        # peer name); how many per source address; the caps (see _on_accepted)
+        self._unbound: dict[int, tuple[float, str | None]] = {}
+        self._unbound_hosts: dict[str, int] = {}
+        self._cap_timer: asyncio.TimerHandle | None = None  # _cap_unbound looks again
+        self._max_unbound, self._max_unbound_host = _unbound_caps()
+
+    def stop(self) -> None:
+        """The server closes: the caps look no more."""
+        if self._cap_timer is not None:
+            self._cap_timer.cancel()
 
     # ------------------------------------------------------------------ data port
 
-    def _on_zap(self, parts: list[zmq.Frame]) -> None:
+    def on_zap(self, parts: list[zmq.Frame]) -> None:
         """Answer one ZAP request (RFC 27) for this engine's sockets (no CURVE).
 
         A data connection is let in only with the token of a live session whose data
@@ -151,19 +185,19 @@ class _Connections(_ServerBase):
             token = bytes.fromhex(password.decode("ascii"))
         except (UnicodeDecodeError, ValueError):
             return None
-        ss = self._tokens.get(token)
+        ss = self._st.tokens.get(token)
         if ss is None or ss.dead or ss.data_authed or ss.data_rid is not None:
             return None
         return ss
 
     def _zap_reply(self, rid: bytes, request_id: bytes, code: bytes, user: bytes) -> None:
-        if self._zap is None:
+        if self._st.zap is None:
             return
         text = b"OK" if code == b"200" else b"unknown or used data token"
         with contextlib.suppress(zmq.ZMQError):
-            self._zap.send([rid, b"", b"1.0", request_id, code, text, user, b""])
+            self._st.zap.send([rid, b"", b"1.0", request_id, code, text, user, b""])
 
-    def _on_data_frames(self, parts: list[zmq.Frame]) -> None:
+    def on_data_frames(self, parts: list[zmq.Frame]) -> None:
         try:
             self._on_data_message(parts)
         except Exception as exc:  # the loop must survive anything a peer sends
@@ -176,7 +210,7 @@ class _Connections(_ServerBase):
         if len(parts) < 2:
             self._count_error("malformed")
             return
-        ss = self._data_rids.get(rid)
+        ss = self._st.data_rids.get(rid)
         if ss is not None:
             self._on_data(ss, parts[1:])
             return
@@ -190,7 +224,7 @@ class _Connections(_ServerBase):
         with contextlib.suppress(zmq.ZMQError):
             uid = frame.get("User-Id")
             user = str(uid) if uid else None
-        ss = self._tokens.get(msg.token) if isinstance(msg, DataHello) else None
+        ss = self._st.tokens.get(msg.token) if isinstance(msg, DataHello) else None
         if (
             ss is None
             or ss.data_rid is not None
@@ -200,17 +234,17 @@ class _Connections(_ServerBase):
         ):
             self._count_error("bad_token")
             fd = _frame_fd(frame)
-            if fd is not None and fd not in self._fd_sessions:
-                self._hang_up(fd)
+            if fd is not None and fd not in self._st.fd_sessions:
+                self.hang_up(fd)
             return
-        del self._tokens[ss.token]
+        del self._st.tokens[ss.token]
         ss.data_rid = rid
-        self._data_rids[rid] = ss
+        self._st.data_rids[rid] = ss
         self._bind_fd(ss, frame)
 
     # ------------------------------------------------------------------ connections
 
-    async def _router_watch(self, mon: zmq.asyncio.Socket) -> None:
+    async def router_watch(self, mon: zmq.asyncio.Socket) -> None:
         """Drop the session of a connection the moment it closes (peer died or left).
 
         Events are matched to sessions by the connection's file descriptor. A
@@ -243,9 +277,9 @@ class _Connections(_ServerBase):
                         later["event"] == zmq.EVENT_ACCEPTED and int(later["value"]) == fd
                         for later in batch[i + 1 :]
                     )
-                    ss = self._fd_sessions.get(fd)
+                    ss = self._st.fd_sessions.get(fd)
                     if ss is not None and not reused:
-                        self._drop_server(
+                        self._server.drop_server(
                             ss, PeerLostError(f"connection from {ss.name} closed"), lost=True
                         )
                         await asyncio.sleep(0)  # many sessions closing: one per loop pass
@@ -258,7 +292,7 @@ class _Connections(_ServerBase):
 
     def _on_accepted(self, fd: int) -> None:
         """A connection was accepted: it has no session until its HELLO (DATA_HELLO)."""
-        if fd in self._fd_sessions:
+        if fd in self._st.fd_sessions:
             return  # its HELLO was handled before this event
         name = _peer_name(fd)
         self._unbind(fd)  # a number reused before its DISCONNECTED was seen
@@ -276,7 +310,7 @@ class _Connections(_ServerBase):
         handshake and would refuse the newest, not the idle: docs/design.md.)
         """
         self._cap_timer = None
-        if self.owner._closed:
+        if self._owner._closed:
             return
         unbound, hosts = self._unbound, self._unbound_hosts
         cap, cap_host = self._max_unbound, self._max_unbound_host
@@ -286,7 +320,7 @@ class _Connections(_ServerBase):
         edge = time.monotonic() - _UNBOUND_GRACE_S
         for fd, (at, name) in list(unbound.items()):  # oldest first
             if at > edge:  # the rest are new: looked at again once their grace is over
-                self._cap_timer = self._loop.call_later(at - edge + 0.001, self._cap_unbound)
+                self._cap_timer = self._st.loop.call_later(at - edge + 0.001, self._cap_unbound)
                 return
             host = _host_of(name)
             if host in over or len(unbound) > cap:
@@ -316,17 +350,17 @@ class _Connections(_ServerBase):
             return
         self._unbind(fd)
         ss.fds.append(fd)
-        self._fd_sessions[fd] = ss
+        self._st.fd_sessions[fd] = ss
 
-    def _refuse_connection(self, rid: bytes, frame: zmq.Frame, code: str, detail: str) -> None:
+    def refuse_connection(self, rid: bytes, frame: zmq.Frame, code: str, detail: str) -> None:
         """A connection that did not open a session properly: answer, count, hang up."""
         self._count_error(code)
         self._reply_raw(rid, ErrorMsg("protocol", detail[:200]))
         fd = _frame_fd(frame)
-        if fd is not None and fd not in self._fd_sessions:
-            self._hang_up(fd, after=0.05)  # let the ERROR leave first
+        if fd is not None and fd not in self._st.fd_sessions:
+            self.hang_up(fd, after=0.05)  # let the ERROR leave first
 
-    def _hang_up(self, fd: int, after: float = 0.0) -> None:
+    def hang_up(self, fd: int, after: float = 0.0) -> None:
         """Shut a connection zmq owns, now or ``after`` seconds; the remote end seen at
         accept (or now) guards against the descriptor naming another connection by then."""
         seen = self._unbind(fd)
@@ -338,11 +372,11 @@ class _Connections(_ServerBase):
 
     # ------------------------------------------------------------------ HELLO
 
-    def _on_new_connection(self, rid: bytes, frame: zmq.Frame) -> None:
+    def on_new_connection(self, rid: bytes, frame: zmq.Frame) -> None:
         try:
             msg = self._codec.decode(frame.buffer)
         except WireError as exc:
-            self._refuse_connection(rid, frame, exc.code, str(exc))
+            self.refuse_connection(rid, frame, exc.code, str(exc))
             return
         user = None
         if self.config.curve is not None:
@@ -350,9 +384,9 @@ class _Connections(_ServerBase):
                 uid = frame.get("User-Id")
                 user = str(uid) if uid is not None else None
         if not isinstance(msg, Hello):
-            self._refuse_connection(rid, frame, "no_session", f"{msg.NAME} before HELLO")
+            self.refuse_connection(rid, frame, "no_session", f"{msg.NAME} before HELLO")
             return
-        ss = _ServerSession(self, rid, user)
+        ss = _ServerSession(self._st, self._server, rid, user)
         try:
             ss.sess.receive_message(msg)
         except RemoteProtocolError as exc:
@@ -368,10 +402,10 @@ class _Connections(_ServerBase):
         # With CURVE the peer is who its authenticated key says, not what it announces.
         ss.peer = self._claim(f"curve:{user}" if user else msg.engine_id, msg.listen)
         ss.trace_id = msg.engine_id
-        self._servers[rid] = ss
+        self._st.servers[rid] = ss
         self._bind_fd(ss, frame)
-        self._tokens[ss.token] = ss
-        self._by_peer[ss.peer.engine_id] = ss
+        self._st.tokens[ss.token] = ss
+        self._st.by_peer[ss.peer.engine_id] = ss
         if "credit" in msg.capabilities:
             lim = self.config.limits
             ss.ledger = CreditLedger(
@@ -380,15 +414,15 @@ class _Connections(_ServerBase):
             )
         w = Welcome(
             PROTOCOL_VERSION,
-            self.owner.engine_id,
-            self.owner.address,
-            (*self.owner._capabilities(), f"{_DATA_CAP}{self._data_port}"),
+            self._owner.engine_id,
+            self._owner.address,
+            (*self._owner._capabilities(), f"{_DATA_CAP}{self._st.data_port}"),
             self.config.layout,
             ss.token,
         )
         self._reply(ss, ss.sess.send(w))
         if ss.ledger is not None:
-            self._send_credit(ss)  # the window travels in the same zmq message as WELCOME
+            self._landing.send_credit(ss)  # the window travels in the same zmq message as WELCOME
 
     def _claim(self, engine_id: str, address: str) -> PeerRef:
         """The store identity of a new session from what it claims (or its CURVE key).
@@ -401,8 +435,8 @@ class _Connections(_ServerBase):
         only its own transfers. Without CURVE a claim is all there is: the first
         session to make one keeps it (docs/reliability.md, "Identity").
         """
-        live_ids = {s.peer.engine_id for s in self._servers.values() if s.peer is not None}
-        live_addrs = {s.peer.address for s in self._servers.values() if s.peer is not None}
+        live_ids = {s.peer.engine_id for s in self._st.servers.values() if s.peer is not None}
+        live_addrs = {s.peer.address for s in self._st.servers.values() if s.peer is not None}
         n = next(self._claims)
         if engine_id in live_ids:
             self._count_error("identity_in_use")
@@ -430,11 +464,11 @@ class _Connections(_ServerBase):
 
     # ------------------------------------------------------------------ upkeep
 
-    def _reclaim_unbound(self, now: float) -> None:
+    def reclaim_unbound(self, now: float) -> None:
         """Hang up connections that have not opened a session within the connect deadline."""
         limit = self.config.timeouts.connect
         for fd, (at, name) in list(self._unbound.items()):
-            if now - at > limit and fd not in self._fd_sessions:
+            if now - at > limit and fd not in self._st.fd_sessions:
                 self._unbind(fd)
                 self._count_error("no_hello")
                 _shutdown_fd(fd, name)

@@ -1,10 +1,13 @@
 """The server side's admission and granting: room for a peer's transfers, and their landing.
 
-:class:`_Granting` is a part of :class:`~aiokv.engine.server._Server`: RESERVE
+:class:`_Granting` is a part :class:`~aiokv.engine.server._Server` owns: RESERVE
 (refused, granted, or queued in the admission queue until the receive budget has
 room), WITHDRAW and FAILED, granted transfers' expiry, DATA and PUT/RETURN landing in
 the receive store, standing credit and its ACKs (ACK timing: docs/design.md), and a
-lost session's teardown in slices.
+lost session's teardown in slices. It works on the server's
+:class:`~aiokv.engine.server_state._ServerState` and sees the server as a
+:class:`~aiokv.engine.server_state.SessionDropper`; the connections part sees it as a
+:class:`~aiokv.engine.server_connections.Landing`.
 """
 
 from __future__ import annotations
@@ -12,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import time
+from collections import deque
 from collections.abc import Callable
 from typing import Any
 
@@ -27,7 +31,7 @@ from aiokv._exceptions import (
 )
 from aiokv._runtime import trace as _trace
 from aiokv._runtime.deadlines import _retrieve
-from aiokv.engine.server_state import _InXfer, _ServerBase, _ServerSession
+from aiokv.engine.server_state import SessionDropper, _InXfer, _ServerSession, _ServerState
 from aiokv.engine.store import PeerRef
 from aiokv.protocol.codec import MAX_ACKS
 from aiokv.protocol.messages import (
@@ -67,12 +71,32 @@ def _share(ss: _ServerSession) -> int:
     return ss.ledger.share if ss.ledger is not None else 0
 
 
-class _Granting(_ServerBase):
+class _Granting:
     """Admission, grants, credit, ACKs and landing (see the module)."""
+
+    def __init__(self, st: _ServerState, server: SessionDropper) -> None:
+        self._st = st  # the sessions' indexes, the loop (shared with the other parts)
+        self._server = server
+        # what never changes, bound once: the landing path looks none of it up twice
+        self._owner = st.owner
+        self.config = st.config
+        self._codec = st.codec
+        self._store = st.store
+        self._stats = st.stats
+        self._admission = st.admission
+        self._bounds = st.bounds
+        self._reply = st.reply
+        self._reply_raw = st.reply_raw
+        self._count_error = st.owner._count_error
+        self._get_poller = st.owner._get_poller
+        self._ack_now: list[_ServerSession] = []  # sessions whose data awaits an ACK
+        self._pump_due = False  # pump_queue ran out of time and is scheduled again
+        self._cleanups: deque[Callable[[], bool]] = deque()  # lost sessions' teardown
+        self._cleanup_due = False
 
     # ------------------------------------------------------------------ admission
 
-    def _on_withdraw(self, ss: _ServerSession, msg: Withdraw) -> None:
+    def on_withdraw(self, ss: _ServerSession, msg: Withdraw) -> None:
         if self._admission.withdraw(ss.queued, msg.xfer) is not None:
             self._reply(ss, ss.sess.send(Withdrawn(msg.xfer)))
             self._unpause_credit(ss, msg.xfer)
@@ -80,7 +104,7 @@ class _Granting(_ServerBase):
         elif msg.xfer in ss.granted:
             ss.granted[msg.xfer].discard = True
 
-    def _on_failed(self, ss: _ServerSession, msg: Failed) -> None:
+    def on_failed(self, ss: _ServerSession, msg: Failed) -> None:
         """The sender ended a granted transfer (``withdrawn``: its caller gave up): its
         room and tensor ids are free now; TCP data still on its way is dropped when it
         comes. A withdrawn transfer's waiters keep waiting (for a retry, or their own
@@ -98,12 +122,12 @@ class _Granting(_ServerBase):
             self._store.cancel(ss.peer, [s.tensor_id for s in inx.specs], why)
             self.pump_queue()
 
-    def _on_reserve(self, ss: _ServerSession, msg: Reserve) -> None:
+    def on_reserve(self, ss: _ServerSession, msg: Reserve) -> None:
         assert ss.peer is not None
         if _trace.enabled:
             _trace.mark("reserve", ss.trace_id, msg.xfer)
         code, detail = "", ""
-        if self.owner._closed:
+        if self._owner._closed:
             code, detail = "closing", "engine closing"
         elif msg.transport == "nccl" and ss.nccl is None:
             code, detail = "transport", "NCCL is not set up for this session"
@@ -181,14 +205,14 @@ class _Granting(_ServerBase):
         _retrieve(fut)  # a sink aborted after the session died is not an error to log
         self._on_landed(ss, inx, fut)
 
-    def _cleanup(self, step: Callable[[], bool]) -> None:
+    def cleanup(self, step: Callable[[], bool]) -> None:
         """Queue a lost session's teardown: ``step()`` does a slice of it and answers
         whether some is left. Every session's steps share one budget per loop pass
         (_CLEANUP_S), so ten sessions lost together cost no more per pass than one."""
         self._cleanups.append(step)
         if not self._cleanup_due:
             self._cleanup_due = True
-            self._loop.call_soon(self._run_cleanups)
+            self._st.loop.call_soon(self._run_cleanups)
 
     def _run_cleanups(self) -> None:
         self._cleanup_due = False
@@ -199,9 +223,9 @@ class _Granting(_ServerBase):
                 steps.popleft()
         if steps:
             self._cleanup_due = True
-            self._loop.call_soon(self._run_cleanups)
+            self._st.loop.call_soon(self._run_cleanups)
 
-    def _cancel_in_slices(self, peer: PeerRef, ids: list[str], err: BaseException) -> None:
+    def cancel_in_slices(self, peer: PeerRef, ids: list[str], err: BaseException) -> None:
         """Release a lost session's pending tensors (their waiters fail with ``err``)."""
         pos = 0
 
@@ -214,7 +238,7 @@ class _Granting(_ServerBase):
             self.pump_queue()
             return False
 
-        self._cleanup(step)
+        self.cleanup(step)
 
     def pump_queue(self) -> None:
         """Grant queued reservations that fit now, oldest first across sessions.
@@ -231,17 +255,17 @@ class _Granting(_ServerBase):
             )
             if self._admission.queued and time.perf_counter() > end:
                 self._pump_due = True  # granting goes on next loop pass
-                self._loop.call_soon(self._pump_later)
-        if self._starved:
-            for ss in sorted(self._starved, key=_share):
+                self._st.loop.call_soon(self._pump_later)
+        if self._st.starved:
+            for ss in sorted(self._st.starved, key=_share):
                 if not ss.ack_due:
-                    self._send_credit(ss)
+                    self.send_credit(ss)
 
     def _pump_later(self) -> None:
         self._pump_due = False
         self.pump_queue()
 
-    def _forget_expired_credit(self, ss: _ServerSession, now: float) -> None:
+    def forget_expired_credit(self, ss: _ServerSession, now: float) -> None:
         """Tensors held on credit past the store's TTL have expired: refill the window."""
         assert ss.ledger is not None
         ttl = self.config.limits.ttl
@@ -254,9 +278,9 @@ class _Granting(_ServerBase):
             ss.ledger.release(n, 1)
             freed += 1
         if freed and not ss.ack_due:
-            self._send_credit(ss)
+            self.send_credit(ss)
 
-    def _expire_grants(self, ss: _ServerSession, now: float) -> None:
+    def expire_grants(self, ss: _ServerSession, now: float) -> None:
         """Fail TCP grants whose data never came (their room goes back to the store).
 
         Queued reservations have no deadline here: the sender withdraws at its own
@@ -282,7 +306,7 @@ class _Granting(_ServerBase):
 
     # ------------------------------------------------------------------ landing
 
-    def _on_data(self, ss: _ServerSession, frames: list[zmq.Frame]) -> None:
+    def on_data(self, ss: _ServerSession, frames: list[zmq.Frame]) -> None:
         try:
             header = self._codec.decode(frames[0].buffer)
             if isinstance(header, (Put, Return, AckReq)):
@@ -313,7 +337,7 @@ class _Granting(_ServerBase):
                 # are gathered (see _ack_deferrable)
                 if ss.ack_due and not ss.dead:
                     if ss.ack_force:  # the sender waits: now, not after the read run
-                        self._send_credit(ss, now=True)
+                        self.send_credit(ss, now=True)
                     elif self._ack_deferrable(ss):
                         self._defer_ack(ss)
                     else:
@@ -334,7 +358,7 @@ class _Granting(_ServerBase):
         except RemoteProtocolError as exc:
             self._count_error(getattr(exc, "code", "protocol"))
             self._reply_raw(ss.rid, ErrorMsg("protocol", str(exc)[:200]))
-            self._drop_server(ss, exc, lost=True)
+            self._server.drop_server(ss, exc, lost=True)
 
     def _on_return(self, ss: _ServerSession, msg: Return) -> None:
         if ss.ledger is None:
@@ -346,7 +370,7 @@ class _Granting(_ServerBase):
         # after) is granted or ends before new credit could take the room
         if msg.xfer in ss.queued or msg.xfer > ss.sess.max_xfer_seen:
             ss.ledger.paused_for = msg.xfer
-        self._starved.add(ss)
+        self._st.starved.add(ss)
         self.pump_queue()
 
     def _on_put(self, ss: _ServerSession, msg: Put, frames: list[zmq.Frame]) -> None:
@@ -399,7 +423,7 @@ class _Granting(_ServerBase):
 
     # ------------------------------------------------------------------ credit and ACKs
 
-    def _send_credit(self, ss: _ServerSession, now: bool = False) -> None:
+    def send_credit(self, ss: _ServerSession, now: bool = False) -> None:
         """One ACK for everything landed or refused this loop pass, with any new credit
         (``now``: the caller flushes the session's replies itself, at once)."""
         ss.ack_due = ss.ack_force = False
@@ -418,10 +442,10 @@ class _Granting(_ServerBase):
         room_t = 0 if ledger.paused_for else max(0, store.max_tensors - store.count)
         if (
             (room or room_t)
-            and self._starved
+            and self._st.starved
             and any(
                 o is not ss and o.ledger is not None and o.ledger.share < ledger.share
-                for o in self._starved
+                for o in self._st.starved
             )
         ):
             room = room_t = 0
@@ -429,9 +453,9 @@ class _Granting(_ServerBase):
         store.reserved += add_b
         store.credit_n += add_t
         if ledger.short:
-            self._starved.add(ss)  # the budget is short: retried as room frees
+            self._st.starved.add(ss)  # the budget is short: retried as room frees
         else:
-            self._starved.discard(ss)
+            self._st.starved.discard(ss)
         if not (add_b or add_t or ss.acks or ss.refused or not ledger.announced):
             return
         ledger.announced = True
@@ -452,13 +476,13 @@ class _Granting(_ServerBase):
             )
             self._reply(ss, data, now)
 
-    def _acks_now(self) -> None:
+    def acks_now(self) -> None:
         """The data port read everything that had arrived: one ACK per session that
         landed something (messages read in one run share it)."""
         due, self._ack_now = self._ack_now, []
         for ss in due:
             if ss.ack_due and not ss.dead:
-                self._send_credit(ss, now=True)
+                self.send_credit(ss, now=True)
 
     def _ack_soon(self, ss: _ServerSession) -> None:
         """Credit freed (a tensor collected, a RESERVE ended): one ACK at the end of this
@@ -475,7 +499,7 @@ class _Granting(_ServerBase):
             if self._ack_deferrable(ss):
                 self._defer_ack(ss)
             else:
-                self._loop.call_soon(self._ack_if_due, ss)
+                self._st.loop.call_soon(self._ack_if_due, ss)
 
     @staticmethod
     def _ack_deferrable(ss: _ServerSession) -> bool:
@@ -500,12 +524,12 @@ class _Granting(_ServerBase):
 
     def _defer_ack(self, ss: _ServerSession) -> None:
         if ss.ack_timer is None:
-            ss.ack_timer = self._loop.call_later(_ACK_DELAY_S, self._ack_if_due, ss)
+            ss.ack_timer = self._st.loop.call_later(_ACK_DELAY_S, self._ack_if_due, ss)
 
     def _ack_if_due(self, ss: _ServerSession) -> None:
         ss.ack_timer = None
         if ss.ack_due:
-            self._send_credit(ss)
+            self.send_credit(ss)
 
     def _unpause_credit(self, ss: _ServerSession, xfer: int) -> None:
         if ss.ledger is not None and ss.ledger.paused_for == xfer:
@@ -514,7 +538,7 @@ class _Granting(_ServerBase):
 
     def collected(self, peer: PeerRef, tensor_id: str) -> None:
         """A tensor left the store through ``recv``: its session's credit may refill."""
-        ss = self._by_peer.get(peer.engine_id)
+        ss = self._st.by_peer.get(peer.engine_id)
         if ss is None or ss.ledger is None:
             return
         held = ss.credit_held.pop(tensor_id, None)

@@ -1,12 +1,14 @@
 """The server side's shared state: its sessions, their indexes, its sockets and bounds.
 
-:class:`_ServerBase` is what every part of :class:`~aiokv.engine.server._Server` works
-on: the constructor that sets up the sessions' indexes (by routing id, data routing id,
-token, descriptor, peer), the admission queue and per-peer bounds, and the reply path.
-The parts are :mod:`aiokv.engine.server_connections` (connections and their
-descriptors), :mod:`aiokv.engine.server_granting` (admission, grants, credit, ACKs,
-landing) and :mod:`aiokv.engine.server` (lifecycle, control messages, GET serving,
-dropping a session). :class:`_ServerSession` is one peer's session, :class:`_InXfer`
+:class:`_ServerState` is the one state object every part of
+:class:`~aiokv.engine.server._Server` works on: the sessions' indexes (by routing id,
+data routing id, token, descriptor, peer), the sessions starved of credit, the
+admission queue and per-peer bounds, the control ROUTER, the data port and its ZAP
+handler, and the reply path. The parts are :mod:`aiokv.engine.server_connections`
+(connections and their descriptors), :mod:`aiokv.engine.server_granting` (admission,
+grants, credit, ACKs, landing) and :mod:`aiokv.engine.server` (lifecycle, control
+messages, GET serving, dropping a session); each sees the server only as a
+:class:`SessionDropper`. :class:`_ServerSession` is one peer's session, :class:`_InXfer`
 one transfer it was granted.
 """
 
@@ -14,14 +16,11 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import itertools
 import secrets
 import time
-from abc import abstractmethod
 from collections import OrderedDict, deque
-from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Protocol
 
 import zmq
 import zmq.asyncio
@@ -61,11 +60,13 @@ class _InXfer:
 class _ServerSession:
     """The listening end of a peer's client session: this engine receives."""
 
-    def __init__(self, server: _ServerBase, rid: bytes, user: str | None) -> None:
+    def __init__(
+        self, st: _ServerState, server: SessionDropper, rid: bytes, user: str | None
+    ) -> None:
         self.rid = rid
         self.user = user  # CURVE public key of the peer, when CURVE is on
         self.trace_id = ""  # the engine id the peer announced (aiokv._runtime.trace joins on it)
-        self.sess = Session(Role.SERVER, server._codec)
+        self.sess = Session(Role.SERVER, st.codec)
         self.peer: PeerRef | None = None
         self.token = secrets.token_bytes(16)
         self.data_rid: bytes | None = None
@@ -80,8 +81,8 @@ class _ServerSession:
         self.last_recv = time.monotonic()
         self.dead = False
         self.outbox = Outbox(
-            server._router,
-            lambda exc: server._drop_server(
+            st.router,
+            lambda exc: server.drop_server(
                 self, channel_error(exc, f"reply channel to {self.name}"), lost=True
             ),
             prefix=rid,
@@ -108,8 +109,15 @@ class _ServerSession:
         return self.peer.address if self.peer else "?"
 
 
-class _ServerBase:
-    """The receiving half's state and reply path (see the module)."""
+class SessionDropper(Protocol):
+    """What the server's parts use of the server itself: dropping a session (its
+    indexes, its transfers in flight, its connections)."""
+
+    def drop_server(self, ss: _ServerSession, exc: BaseException, *, lost: bool) -> None: ...
+
+
+class _ServerState:
+    """The state the server's parts share, and its reply path (see the module)."""
 
     def __init__(
         self,
@@ -121,46 +129,23 @@ class _ServerBase:
     ) -> None:
         self.owner = owner  # lifecycle state, published tensors, sending a GET's reply
         self.config = config
-        self._codec = codec
-        self._store = store
-        self._stats = stats
-        self._count_error = owner._count_error
-        self._spawn = owner._spawn
-        self._get_poller = owner._get_poller
-        self._loop: asyncio.AbstractEventLoop  # bound by bind()
-        self._ctx: zmq.asyncio.Context = None  # type: ignore[assignment]
-        self._sctx: zmq.Context[Any] = None  # type: ignore[assignment]
-        self._router: LoopSocket = None  # type: ignore[assignment]
-        # data connections: a port of their own, entered only after authentication
-        self._data_router: LoopSocket = None  # type: ignore[assignment]
-        self._data_mon: zmq.asyncio.Socket = None  # type: ignore[assignment]
-        self._data_port = 0
-        self._zap: LoopSocket | None = None  # the data port's ZAP handler (no CURVE)
-        self._auth: Any = None
-        self._servers: dict[bytes, _ServerSession] = {}
-        self._data_rids: dict[bytes, _ServerSession] = {}
-        self._tokens: dict[bytes, _ServerSession] = {}
-        self._fd_sessions: dict[int, _ServerSession] = {}
-        self._claims = itertools.count(1)
-        self._by_peer: dict[str, _ServerSession] = {}  # live sessions by store identity
-        self._starved: set[_ServerSession] = set()  # credit cut short by the budget
-        self._gets_serving = 0
-        # accepted connections without a session yet, oldest first: fd -> (accepted at,
-        # peer name); how many per source address; the caps (see _on_accepted)
-        self._unbound: dict[int, tuple[float, str | None]] = {}
-        self._unbound_hosts: dict[str, int] = {}
-        self._cap_timer: asyncio.TimerHandle | None = None  # _cap_unbound looks again
-        self._router_mon: zmq.asyncio.Socket = None  # type: ignore[assignment]
+        self.codec = codec
+        self.store = store
+        self.stats = stats
+        self.loop: asyncio.AbstractEventLoop  # bound by the server's bind()
+        self.router: LoopSocket = None  # type: ignore[assignment]
+        self.data_port = 0
+        self.zap: LoopSocket | None = None  # the data port's ZAP handler (no CURVE)
+        self.servers: dict[bytes, _ServerSession] = {}
+        self.data_rids: dict[bytes, _ServerSession] = {}
+        self.tokens: dict[bytes, _ServerSession] = {}
+        self.fd_sessions: dict[int, _ServerSession] = {}
+        self.by_peer: dict[str, _ServerSession] = {}  # live sessions by store identity
+        self.starved: set[_ServerSession] = set()  # credit cut short by the budget
         # reservations waiting for room, every session's (see aiokv.protocol.admission)
-        self._admission: AdmissionQueue[Reserve] = AdmissionQueue()
-        self._ack_now: list[_ServerSession] = []  # sessions whose data awaits an ACK
-        self._turns: deque[_ServerSession] = deque()  # sessions with an inbox, in turn
-        self._turns_due = False  # _take_turns is scheduled
-        self._pump_due = False  # pump_queue ran out of time and is scheduled again
-        self._cleanups: deque[Callable[[], bool]] = deque()  # lost sessions' teardown
-        self._cleanup_due = False
+        self.admission: AdmissionQueue[Reserve] = AdmissionQueue()
         lim = config.limits
-        self._bounds = PeerBounds(
+        self.bounds = PeerBounds(
             budget_bytes=lim.store_bytes,
             max_queued=lim.max_pending_reserves,
             max_granted=_MAX_GRANTED_PER_SESSION,
@@ -170,21 +155,11 @@ class _ServerBase:
             own_queued_tensors=lim.max_tensors_per_transfer,
         )
 
-    def _reply(self, ss: _ServerSession, data: bytes, now: bool = False) -> None:
+    def reply(self, ss: _ServerSession, data: bytes, now: bool = False) -> None:
         """Queue a control message to ``ss``; one zmq message per session per loop pass
         (``now``: the caller flushes at once)."""
         ss.outbox.put([data], now=now)
 
-    def _reply_raw(self, rid: bytes, msg: Message) -> None:
+    def reply_raw(self, rid: bytes, msg: Message) -> None:
         with contextlib.suppress(zmq.ZMQError):
-            self._router.send([rid, self._codec.encode(msg)])
-
-    # the parts' calls into each other (defined by the classes that make up _Server)
-    @abstractmethod
-    def _drop_server(self, ss: _ServerSession, exc: BaseException, *, lost: bool) -> None: ...
-
-    @abstractmethod
-    def _on_data(self, ss: _ServerSession, frames: list[zmq.Frame]) -> None: ...
-
-    @abstractmethod
-    def _send_credit(self, ss: _ServerSession, now: bool = False) -> None: ...
+            self.router.send([rid, self.codec.encode(msg)])

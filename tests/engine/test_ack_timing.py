@@ -74,7 +74,7 @@ async def test_a_lazy_put_waits_for_ack_req_and_an_eager_one_does_not(
         for i in range(3, 3 + engine_mod._ACK_EVERY):
             await data.send_multipart(_put(i, f"c{i}", ack_now=False))
         got = await _acks(ctrl, 2.0)
-        ss = next(iter(eng._server._servers.values()))
+        ss = next(iter(eng._server.state.servers.values()))
         print(
             "DBG",
             got,

@@ -150,7 +150,7 @@ async def test_curve_denies_no_key_wrong_key_null_plain_and_keys_identity() -> N
             await spoof.send(
                 "x", torch.full((4,), 2.0), to=addr, timeout=5
             )  # a separate namespace: no clash
-            ids = sorted(s.peer.engine_id for s in srv._server._servers.values() if s.peer)
+            ids = sorted(s.peer.engine_id for s in srv._server.state.servers.values() if s.peer)
             assert ids == sorted([f"curve:{cpub.decode()}", f"curve:{c2pub.decode()}"]), ids
             got = await srv.recv("x", frm=f"curve:{cpub.decode()}", timeout=5)
             assert torch.equal(
@@ -198,7 +198,7 @@ async def test_wire_capture_no_clear_text_under_curve(curve: bool) -> None:
     )
     async with (
         aiokv.Engine(srv_cfg) as srv,
-        TcpRelay(srv.address, same_ports=(srv._server._data_port,)) as relay,
+        TcpRelay(srv.address, same_ports=(srv._server.state.data_port,)) as relay,
     ):
         ccfg = (
             client_cfg(cpub, csec, {relay.address: spub}, connect=5)

@@ -145,7 +145,7 @@ async def test_a_stranger_cannot_make_the_data_port_buffer_a_large_handshake_fra
             before = _rss()
             streamed, hold = threading.Event(), threading.Event()
             attack = asyncio.ensure_future(
-                asyncio.to_thread(_plain_stranger, eng._server._data_port, claimed, streamed, hold)
+                asyncio.to_thread(_plain_stranger, eng._server.state.data_port, claimed, streamed, hold)
             )
             while not streamed.is_set():
                 await asyncio.sleep(0.02)
@@ -306,7 +306,7 @@ async def _session(
     data.setsockopt(zmq.LINGER, 0)
     data.setsockopt(zmq.PLAIN_USERNAME, b"aiokv")
     data.setsockopt(zmq.PLAIN_PASSWORD, w.token.hex().encode())
-    data.connect(f"tcp://127.0.0.1:{eng._server._data_port}")
+    data.connect(f"tcp://127.0.0.1:{eng._server.state.data_port}")
     await data.send(CODEC.encode(m.DataHello(w.token)))
     return ctrl, data, w
 

@@ -192,7 +192,7 @@ async def test_a_fixed_data_port_is_used_and_announced(anyio_backend: Any) -> No
         probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]
     async with aiokv.Engine(aiokv.EngineConfig(data_port=port)) as b, aiokv.Engine() as a:
-        assert b._server._data_port == port
+        assert b._server.state.data_port == port
         t = torch.arange(5.0)
         await a.send("x", t, to=b.address, timeout=5)
         assert torch.equal(await b.recv("x", timeout=5), t)

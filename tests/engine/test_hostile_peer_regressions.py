@@ -226,7 +226,7 @@ async def test_a_session_with_frames_waiting_in_its_inbox_is_not_judged_silent(
     still handling its frames, however long past the heartbeat timeout that takes."""
     async with aiokv.Engine() as eng:
         s, _ = await _hello(zctx, eng.address, "backlog", "127.0.0.1:9")
-        (ss,) = eng._server._servers.values()
+        (ss,) = eng._server.state.servers.values()
         # a frame that arrived and waits for its turn
         ss.inbox.append(
             zmq.Frame(CODEC.encode(m.Reserve(1, "tcp", (m.TensorSpec("b", "uint8", (0,)),))))
@@ -234,7 +234,7 @@ async def test_a_session_with_frames_waiting_in_its_inbox_is_not_judged_silent(
         later = time.monotonic() + 10 * eng.config.timeouts.heartbeat_timeout
         eng._server.housekeep(later)
         eng._server.housekeep(later + 1)  # the second look drops a silent session
-        assert eng._server._servers.get(ss.rid) is ss
+        assert eng._server.state.servers.get(ss.rid) is ss
         assert eng.statistics().peers_lost == 0
         eng._server._wait_turn(ss)
         (g,) = await _next(s)
@@ -250,7 +250,7 @@ async def test_stranger_claiming_a_peers_engine_id_cannot_cancel_its_transfers(
     async with aiokv.Engine() as victim, aiokv.Engine() as legit:
         await legit.send("warm", torch.ones(1), to=victim.address, timeout=5)
         await victim.recv("warm", timeout=5)
-        (ss,) = victim._server._servers.values()
+        (ss,) = victim._server.state.servers.values()
         assert ss.peer is not None
         waiter = asyncio.create_task(victim.recv("x", frm=legit.address, timeout=10))
         await asyncio.sleep(0.01)
@@ -486,7 +486,7 @@ async def test_a_delayed_hang_up_never_shuts_a_reused_descriptor() -> None:
         fd = gone.fileno()
         gone.close()  # the hostile connection is gone when its hang-up is scheduled
         gone_peer.close()
-        eng._server._hang_up(fd, after=0.05)
+        eng._server.connections.hang_up(fd, after=0.05)
         fresh = _socket.create_connection(lsn.getsockname())  # reuses the number
         peer, _ = lsn.accept()
         try:

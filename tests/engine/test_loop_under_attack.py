@@ -324,9 +324,9 @@ async def test_hostile_input_while_a_legit_peer_streams(
                 eng.address,
                 eng.config.limits.store_bytes,
                 tuple(
-                    ss.peer.engine_id for ss in eng._server._servers.values() if ss.peer is not None
+                    ss.peer.engine_id for ss in eng._server.state.servers.values() if ss.peer is not None
                 ),
-                eng._server._data_port,
+                eng._server.state.data_port,
             )
             hostile = asyncio.ensure_future(
                 asyncio.to_thread(_attack_in_a_process, attack, victim, legit)

@@ -1125,7 +1125,7 @@ async def _role_sink(a: dict[str, Any]) -> None:
                     t = await eng.recv(f"{prefix}{i}", timeout=10)
                     bad += not bool(torch.equal(t, torch.full((256,), float(i))))
                 senders = sorted(
-                    {s.peer.engine_id for s in eng._server._servers.values() if s.peer}
+                    {s.peer.engine_id for s in eng._server.state.servers.values() if s.peer}
                 )
                 _emit("collected", ok=bad == 0, n=n, senders=senders)
 

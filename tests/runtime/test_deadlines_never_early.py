@@ -53,7 +53,7 @@ async def test_await_shielded_waits_out_an_early_timer(anyio_backend: Any) -> No
 async def test_send_and_handle_deadlines_are_never_early(anyio_backend: Any) -> None:
     async with engines(aiokv.EngineConfig(), aiokv.EngineConfig()) as (a, b):
         await a.connect(b.address)
-        b._server._send_credit = lambda ss, now=False: None  # type: ignore[method-assign]
+        b._server.granting.send_credit = lambda ss, now=False: None  # type: ignore[method-assign]
         _coarse(asyncio.get_running_loop())
         for i in range(3):
             deadline = 0.15 + i * 0.017

@@ -11,6 +11,10 @@ transfer; on a CUDA cache the chunks travel as tensors of their own (the engine 
 CPU and CUDA tensors in different transfers). The blocks are packed as one request of
 all the batch's blocks, request after request, in chunks of whole layers
 (``chunk_bytes``) like :meth:`~aiokv.kv.KVConnector.send_request`'s.
+
+Over the IPC plane a batch is ONE plane request (``ipc_batch_name``, :func:`_ipc_parts`;
+docs/ipc.md, "Step batches"): both sides derive it from their own call, the plane moves
+it as it moves a request, and its outcome is each of its requests'.
 """
 
 from __future__ import annotations
@@ -20,7 +24,6 @@ import functools
 import time
 from collections import deque
 from collections.abc import Iterable, Sequence
-from typing import Any
 
 import torch
 
@@ -29,6 +32,7 @@ from aiokv._runtime.deadlines import _time_left
 from .._exceptions import ConfigError, LayoutMismatchError, TransferError
 from ._chunked_path import _ChunkedPath
 from ._connector_base import _cancelling
+from .ipc.interfaces import Plane
 from .ops import gather_blocks, scatter_blocks
 
 #: one request of a batch: its id and its block ids (this side's)
@@ -321,16 +325,220 @@ class _BatchedPath(_ChunkedPath):
                 )
         return keep, failed
 
-    # ------------------------------------------------------------------ one by one
+    # ------------------------------------------------------------------ over the IPC plane
 
-    async def _each(
-        self, items: list[tuple[str, torch.Tensor | Sequence[int]]], calls: list[Any]
+    def _plain_ids(
+        self, block_ids: torch.Tensor | Sequence[int], *, unique: bool, what: str
+    ) -> list[int]:
+        """Block ids checked by :meth:`_host_ids`'s rules, as a list: a list, tuple or
+        CPU integer tensor is checked in Python (the torch calls of the tensor check cost
+        tens of µs per request on a GPU host, more than an IPC batch's whole host work
+        per request)."""
+        if (
+            isinstance(block_ids, torch.Tensor)
+            and block_ids.device.type == "cpu"
+            and block_ids.dim() == 1
+            and block_ids.dtype in _INT_DTYPES
+        ):
+            block_ids = block_ids.tolist()
+        if isinstance(block_ids, (list, tuple)) and all(type(i) is int for i in block_ids):
+            ids = list(block_ids)
+            nb = self.layout.num_blocks
+            if ids and (min(ids) < 0 or max(ids) >= nb):
+                raise ConfigError(
+                    f"{what}: block ids must be in [0, {nb}), got [{min(ids)}, {max(ids)}]"
+                )
+            if unique and len(set(ids)) != len(ids):
+                raise ConfigError(f"{what}: duplicate block ids")
+            return ids
+        out: list[int] = self._host_ids(block_ids, unique=unique, what=what).tolist()
+        return out
+
+    async def _send_batch_ipc(
+        self, plane: Plane, requests: Iterable[BatchItem], *, to: str, timeout: float | None
     ) -> BatchResults:
-        """A batch moved request by request (the IPC plane): each outcome in the map."""
-        results = await asyncio.gather(*calls, return_exceptions=True)
-        out: BatchResults = {}
-        for (rid, _), r in zip(items, results, strict=True):
+        """:meth:`send_requests` over the IPC plane: the requests that pass their checks
+        go as one plane request per part (:func:`_ipc_parts`), named and packed as the
+        consumer derives them (:meth:`ipc_batch_name`)."""
+        self._check_open()
+        items = self._batch_items(requests, "send_requests")
+        deadline = self._deadline(timeout)
+        out: BatchResults = {rid: None for rid, _ in items}
+        going: dict[str, list[int]] = {}
+        for rid, block_ids in items:
+            try:
+                if rid in self._sending:
+                    raise ConfigError(f"request {rid!r} is already being sent")
+                going[rid] = self._plain_ids(block_ids, unique=False, what="send_requests")
+            except ConfigError as exc:  # this request only: the others go on
+                out[rid] = exc
+                self._stats.send_failures += 1
+        parts = _ipc_parts(sorted((rid, len(ids)) for rid, ids in going.items()))
+        self._sending.update(going)
+        try:
+            results = await asyncio.gather(
+                *(self._send_ipc_part(plane, part, going, to, deadline) for part in parts),
+                return_exceptions=True,
+            )
+        finally:
+            self._sending.difference_update(going)
+        return self._part_results(out, parts, results)
+
+    async def _send_ipc_part(
+        self,
+        plane: Plane,
+        part: tuple[tuple[str, int], ...],
+        ids: dict[str, list[int]],
+        to: str,
+        deadline: float,
+    ) -> None:
+        """One plane request of a batch: its requests' blocks, concatenated in packing
+        order, sent by the plane (which takes the ordinary path by itself where IPC does
+        not work); the plane's report of it is each request's (:meth:`_sent`)."""
+        if not any(n for _, n in part):  # no blocks at all: nothing to move
+            t0 = time.perf_counter()
+            for rid, _ in part:
+                self._sent(rid, 0, 0, t0)
+            return
+        name = self.ipc_batch_name(part)
+        self._ipc_batches[name] = part
+        try:
+            await plane.send_request(
+                name,
+                [i for rid, _ in part for i in ids[rid]],
+                to=to,
+                timeout=max(0.0, deadline - time.monotonic()),
+            )
+        except asyncio.CancelledError:
+            # the plane frees the blocks once the consumer's release (or the lease)
+            # ends the loan (blocks_free: every request joins finished_sending); the
+            # name is forgotten in any case some time after the deadline
+            asyncio.get_running_loop().call_later(
+                max(0.0, deadline - time.monotonic()) + _FORGET_S, self._forget, name, part
+            )
+            raise
+        except BaseException:
+            self._forget(name, part)
+            raise
+        self._forget(name, part)
+
+    def _forget(self, name: str, part: tuple[tuple[str, int], ...]) -> None:
+        if self._ipc_batches.get(name) is part:
+            del self._ipc_batches[name]
+
+    async def _recv_batch_ipc(
+        self,
+        plane: Plane,
+        requests: Iterable[BatchItem],
+        *,
+        frm: str | None,
+        timeout: float | None,
+    ) -> BatchResults:
+        """:meth:`recv_requests` over the IPC plane: the requests that pass their checks
+        are received as the producer's parts (:func:`_ipc_parts`), one plane request
+        each, straight into this side's blocks."""
+        self._check_open()
+        items = self._batch_items(requests, "recv_requests")
+        deadline = self._deadline(timeout)
+        out: BatchResults = {rid: None for rid, _ in items}
+        going: dict[str, list[int]] = {}
+        for rid, block_ids in items:
+            try:
+                if rid in self._receiving:
+                    raise ConfigError(f"request {rid!r} is already being received")
+                going[rid] = self._plain_ids(block_ids, unique=True, what="recv_requests")
+            except ConfigError as exc:  # this request only: the others go on
+                out[rid] = exc
+        if len(going) > 1:
+            n_all = sum(len(ids) for ids in going.values())
+            if len({i for ids in going.values() for i in ids}) != n_all:
+                raise ConfigError(
+                    "recv_requests: two requests of the batch share a block; nothing was moved"
+                )
+        self._stats.recv_failures += len(out) - len(going)
+        parts = _ipc_parts(sorted((rid, len(ids)) for rid, ids in going.items()))
+        self._receiving.update(going)
+        try:
+            results = await asyncio.gather(
+                *(self._recv_ipc_part(plane, part, going, frm, deadline) for part in parts),
+                return_exceptions=True,
+            )
+        finally:
+            self._receiving.difference_update(going)
+        return self._part_results(out, parts, results)
+
+    async def _recv_ipc_part(
+        self,
+        plane: Plane,
+        part: tuple[tuple[str, int], ...],
+        ids: dict[str, list[int]],
+        frm: str | None,
+        deadline: float,
+    ) -> None:
+        """One plane request of a batch into this side's blocks of its requests,
+        concatenated in packing order; the plane's report of it is each request's
+        (:meth:`_received`)."""
+        if not any(n for _, n in part):  # no blocks at all: nothing to move
+            t0 = time.perf_counter()
+            for rid, _ in part:
+                self._received(rid, 0, 0, t0)
+            return
+        name = self.ipc_batch_name(part)
+        self._ipc_batches[name] = part
+        try:
+            await plane.recv_request(
+                name,
+                [i for rid, _ in part for i in ids[rid]],
+                frm=frm,
+                timeout=max(0.0, deadline - time.monotonic()),
+                layerwise=False,
+            )
+        finally:
+            self._forget(name, part)
+
+    @staticmethod
+    def _part_results(
+        out: BatchResults,
+        parts: list[tuple[tuple[str, int], ...]],
+        results: list[BaseException | None],
+    ) -> BatchResults:
+        """Each part's outcome is each of its requests' (a part is all-or-nothing)."""
+        for part, r in zip(parts, results, strict=True):
             if isinstance(r, BaseException) and not isinstance(r, Exception):
                 raise r
-            out[rid] = r if isinstance(r, Exception) else None
+            if r is not None:
+                for rid, _ in part:
+                    out[rid] = r
         return out
+
+
+#: integer dtypes whose CPU tensors of block ids are checked as lists
+_INT_DTYPES = frozenset({torch.int8, torch.int16, torch.int32, torch.int64, torch.uint8})
+#: the most blocks one plane request of a batch carries: the plane's descriptor lists the
+#: source block ids (4 bytes each) in one control message of at most 1 MiB
+#: (``aiokv.kv.ipc._wire.MAX_MESSAGE_BYTES``), beside the producer's offer on the first
+#: request to a consumer; this leaves that offer three quarters of it
+IPC_BATCH_BLOCKS = 1 << 16
+#: how long after its deadline a cancelled batch's plane request is remembered at most
+#: (the plane reports its blocks free at the consumer's release, or at the lease's end
+#: plus ``IpcOptions.grace_s``, at most 600 s)
+_FORGET_S = 660.0
+
+
+def _ipc_parts(entries: list[tuple[str, int]]) -> list[tuple[tuple[str, int], ...]]:
+    """A batch's ``(request_id, block count)`` pairs, in packing order, cut into the plane
+    requests that carry them: consecutive runs of at most :data:`IPC_BATCH_BLOCKS`
+    blocks (a request larger than that alone). One part unless the batch is that large;
+    both sides cut the same pairs the same way."""
+    parts: list[tuple[tuple[str, int], ...]] = []
+    cur: list[tuple[str, int]] = []
+    size = 0
+    for rid, n in entries:
+        if cur and size + n > IPC_BATCH_BLOCKS:
+            parts.append(tuple(cur))
+            cur, size = [], 0
+        cur.append((rid, n))
+        size += n
+    if cur:
+        parts.append(tuple(cur))
+    return parts

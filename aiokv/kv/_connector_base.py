@@ -140,6 +140,10 @@ class _ConnectorBase(_RequestCodec):
     _stats: ConnectorStatistics
     _closed: bool
     _ipc: Plane | None
+    #: plane requests of step batches over the IPC plane, by name: their requests and
+    #: block counts in packing order (the plane reports the plane request, the
+    #: bookkeeping is per request)
+    _ipc_batches: dict[str, tuple[tuple[str, int], ...]]
 
     def _check_open(self) -> None:
         if self._closed:
@@ -277,6 +281,12 @@ class _ConnectorBase(_RequestCodec):
     def _sent(self, request_id: str, chunks: int, n_blocks: int, started: float) -> None:
         """A request sent (``chunks``: 0 when the IPC plane copied it): counted, and its
         blocks may be freed."""
+        members = self._ipc_batches.get(request_id)
+        if members is not None:  # a step batch's plane request: each of its requests
+            self._stats.chunks_sent += chunks
+            for rid, n in members:
+                self._sent(rid, 0, n, started)
+            return
         st = self._stats
         st.requests_sent += 1
         st.chunks_sent += chunks
@@ -287,6 +297,12 @@ class _ConnectorBase(_RequestCodec):
     def _received(self, request_id: str, chunks: int, n_blocks: int, started: float) -> None:
         """A request received, every block in place (``chunks``: 0 when the IPC plane
         copied it): counted."""
+        members = self._ipc_batches.get(request_id)
+        if members is not None:  # a step batch's plane request: each of its requests
+            self._stats.chunks_received += chunks
+            for rid, n in members:
+                self._received(rid, 0, n, started)
+            return
         st = self._stats
         st.requests_received += 1
         st.chunks_received += chunks

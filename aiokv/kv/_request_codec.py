@@ -200,6 +200,17 @@ class _RequestCodec:
         return f"{ids[0]}#kvb{digest}"
 
     @staticmethod
+    def ipc_batch_name(entries: Sequence[tuple[str, int]]) -> str:
+        """The plane request of (a part of) a step batch over the IPC plane: named by its
+        requests AND their block counts, in packing order (sorted by request id). The
+        plane's descriptor carries only the total block count, so two sides that disagree
+        on which requests go or on how many blocks one of them has never pair up (and
+        never write one request's blocks into another's)."""
+        body = json.dumps([[rid, n] for rid, n in entries], separators=(",", ":"))
+        digest = hashlib.blake2b(body.encode(), digest_size=8).hexdigest()
+        return f"{entries[0][0]}#kvi{digest}"
+
+    @staticmethod
     def batch_chunk_name(base: str, index: int) -> str:
         """Chunk ``index`` of a batch, when it does not travel with the header."""
         return f"{base}#{index}"

@@ -59,8 +59,9 @@ Step batches
 :meth:`KVConnector.send_requests` / :meth:`KVConnector.recv_requests` move all the
 requests a scheduler step hands over for one peer as one batch: one gather over one
 index tensor of all their blocks, one transfer (on a CPU cache; on a CUDA cache the
-header and the blocks go as two), each request's outcome reported on its own. The wire
-form: :mod:`aiokv.kv._batched_path`.
+header and the blocks go as two), each request's outcome reported on its own; with the
+IPC plane as one plane request (one copy on the consumer). The wire form:
+:mod:`aiokv.kv._batched_path`.
 
 Devices
 -------
@@ -167,6 +168,7 @@ class KVConnector(_BatchedPath, _PullPath):
         self._background: set[asyncio.Task[BaseException | None]] = set()
         self._drains: dict[str, asyncio.Task[None]] = {}
         self._stats = ConnectorStatistics()
+        self._ipc_batches = {}
         self._closed = False
         # the same-host IPC plane (docs/ipc.md); None: the ordinary path only
         self._port = _Port(self)
@@ -301,17 +303,20 @@ class KVConnector(_BatchedPath, _PullPath):
         closed connector; an empty batch returns ``{}`` at once and sends nothing.
         Cancellation propagates as for :meth:`send_request`.
 
-        With ``ipc=`` every request goes its own way through the IPC plane (the plane
-        moves requests one by one), each outcome in the map.
+        With ``ipc=`` the requests that pass their checks go through the IPC plane as
+        ONE plane request (one descriptor; on the consumer one copy), their blocks
+        concatenated in order of request id; the consumer derives the same request from
+        its own call. Over the plane the batch is all-or-nothing as a whole: both sides
+        must agree on which requests go and on each one's block count -- a request one
+        side refuses, or another block count, leaves the two sides' plane requests
+        unpaired and every request of the batch fails at the deadline
+        (:class:`~aiokv.TransferTimeoutError`), nothing written. A batch of more than
+        :data:`~aiokv.kv._batched_path.IPC_BATCH_BLOCKS` blocks goes as several plane
+        requests, each all-or-nothing for its requests.
         """
         if self._ipc is None:
             return await self._send_batch(requests, to=to, timeout=timeout)
-        self._check_open()
-        items = self._batch_items(requests, "send_requests")
-        plane = self._ipc
-        return await self._each(
-            items, [plane.send_request(r, ids, to=to, timeout=timeout) for r, ids in items]
-        )
+        return await self._send_batch_ipc(self._ipc, requests, to=to, timeout=timeout)
 
     async def recv_requests(
         self,
@@ -345,21 +350,15 @@ class KVConnector(_BatchedPath, _PullPath):
         returns ``{}`` at once. Cancellation propagates as for :meth:`recv_request`
         (nothing is scattered after it arrived).
 
-        With ``ipc=`` every request is received on its own (:meth:`recv_request`), each
-        outcome in the map.
+        With ``ipc=`` the batch comes as the producer's plane request(s) (see
+        :meth:`send_requests`): this side's block ids of the requests that pass their
+        checks, concatenated in order of request id, are written by one copy; a request
+        refused here, or the producer's, or another block count fails the whole batch at
+        the deadline (:class:`~aiokv.TransferTimeoutError`) with nothing written.
         """
         if self._ipc is None:
             return await self._recv_batch(requests, frm=frm, timeout=timeout)
-        self._check_open()
-        items = self._batch_items(requests, "recv_requests")
-        plane = self._ipc
-        return await self._each(
-            items,
-            [
-                plane.recv_request(r, ids, frm=frm, timeout=timeout, layerwise=False)
-                for r, ids in items
-            ],
-        )
+        return await self._recv_batch_ipc(self._ipc, requests, frm=frm, timeout=timeout)
 
     async def prepare(self, peer: str, *, timeout: float | None = None) -> bool:
         """Consumer side: set up what the first request from the producer at ``peer``
@@ -490,7 +489,11 @@ class _Port:
         self._con._received(request_id, 0, n_blocks, started)
 
     def blocks_free(self, request_id: str) -> None:
-        self._con._finished_sending.add(request_id)
+        members = self._con._ipc_batches.pop(request_id, None)
+        if members is None:
+            self._con._finished_sending.add(request_id)
+        else:  # a step batch's plane request: each of its requests
+            self._con._finished_sending.update(rid for rid, _ in members)
 
     def send_failed(self) -> None:
         self._con._stats.send_failures += 1

@@ -61,8 +61,8 @@ comes at the ready.
 step after the other, each step as ONE batch (``send_requests``; the consumer waits
 with one ``recv_requests`` per step); with ``--one-by-one`` the same steps, each
 request of a step by its own ``send_request`` / ``recv_request``. (With ``--transport
-ipc`` the connector moves a batch request by request: the IPC plane has no batch
-form.) ``producer_host_ms_per_step`` / ``consumer_host_ms_per_step``: the CPU time of
+ipc`` a step's batch is ONE plane request: one descriptor, one copy on the consumer;
+``ipc.requests_received`` counts plane requests.) ``producer_host_ms_per_step`` / ``consumer_host_ms_per_step``: the CPU time of
 each process's event-loop thread (``time.thread_time``) over the throughput
 iteration, divided by the steps (without ``--batch``: by the requests), medians.
 

@@ -88,7 +88,7 @@ async def test_a_batch_is_one_plane_request_bit_exact(count: int) -> None:
         assert ps.requests_sent == cs.requests_received == count  # reported per request
         assert cs.bytes_received == lay.request_nbytes(sum(sizes))
         assert prod.finished_sending() == set(rids) and cons.finished_receiving() == set(rids)
-        assert prod._ipc_batches == {} and cons._ipc_batches == {}
+        assert prod._st.ipc_batches == {} and cons._st.ipc_batches == {}
 
 
 def same_bytes(x: torch.Tensor, y: torch.Tensor) -> bool:
@@ -222,4 +222,4 @@ async def test_a_cancelled_batch_frees_each_requests_blocks_at_the_release() -> 
             freed |= prod.finished_sending()
             assert asyncio.get_running_loop().time() < end, freed
             await asyncio.sleep(0.01)
-        assert prod._ipc_batches == {}
+        assert prod._st.ipc_batches == {}

@@ -411,6 +411,34 @@ def test_sized_packages_stay_under_the_size_limit() -> None:
     assert big == {}
 
 
+def test_the_kv_connector_is_composed_of_parts_under_the_size_limit() -> None:
+    # KVConnector owns its parts (chunked, batched and pull paths, the plane's port) as
+    # plain objects over one shared state: no class of aiokv/kv/*.py derives from
+    # another class of the package, and no module there is over the limit
+    kv = ROOT / "aiokv" / "kv"
+    classes = {
+        node.name: p.name
+        for p in kv.glob("*.py")
+        for node in ast.walk(ast.parse(p.read_text()))
+        if isinstance(node, ast.ClassDef)
+    }
+    derived = {
+        f"{p.name}:{node.name}({base.id})"
+        for p in kv.glob("*.py")
+        for node in ast.walk(ast.parse(p.read_text()))
+        if isinstance(node, ast.ClassDef)
+        for base in node.bases
+        if isinstance(base, ast.Name) and base.id in classes and base.id != "KVLayout"
+    }
+    assert derived == set()
+    big = {
+        p.name: n
+        for p in kv.glob("*.py")
+        if (n := len(p.read_text().splitlines())) > _MAX_MODULE_LINES
+    }
+    assert big == {}
+
+
 def test_the_lazy_subpackages_of_aiokv_are_the_real_ones() -> None:
     # ``aiokv.<name>`` loads a subpackage on first use; a name that is not one is an
     # AttributeError (hasattr works), never an ImportError of a module moved away

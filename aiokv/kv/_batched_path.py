@@ -11,6 +11,10 @@ transfer; on a CUDA cache the chunks travel as tensors of their own (the engine 
 CPU and CUDA tensors in different transfers). The blocks are packed as one request of
 all the batch's blocks, request after request, in chunks of whole layers
 (``chunk_bytes``) like :meth:`~aiokv.kv.KVConnector.send_request`'s.
+
+Over the IPC plane a batch is ONE plane request (``ipc_batch_name``, :func:`_ipc_parts`;
+docs/ipc.md, "Step batches"): both sides derive it from their own call, the plane moves
+it as it moves a request, and its outcome is each of its requests'.
 """
 
 from __future__ import annotations
@@ -20,15 +24,16 @@ import functools
 import time
 from collections import deque
 from collections.abc import Iterable, Sequence
-from typing import Any
+from typing import Protocol
 
 import torch
 
 from aiokv._runtime.deadlines import _time_left
 
 from .._exceptions import ConfigError, LayoutMismatchError, TransferError
-from ._chunked_path import _ChunkedPath
-from ._connector_base import _cancelling
+from ._connector_base import ConnectorState, _cancelling, _check_cancelled
+from ._request_codec import batch_chunk_name, batch_name, ipc_batch_name
+from .ipc.interfaces import Plane
 from .ops import gather_blocks, scatter_blocks
 
 #: one request of a batch: its id and its block ids (this side's)
@@ -37,10 +42,30 @@ BatchItem = tuple[str, "torch.Tensor | Sequence[int]"]
 BatchResults = dict[str, Exception | None]
 
 
-class _BatchedPath(_ChunkedPath):
-    """Both sides of a step batch over the engine's transport."""
+class _Drops(Protocol):
+    """What the batched path needs of the chunked path: dropping a failed batch's
+    leftovers from the receive store (:meth:`_ChunkedPath.drop`)."""
 
-    def _batch_items(
+    def drop(
+        self,
+        request_id: str,
+        names: list[str],
+        frm: str | None,
+        deadline: float,
+        *,
+        late: bool = True,
+    ) -> None: ...
+
+
+class _BatchedPath:
+    """Both sides of a step batch, over the engine's transport or the IPC plane, on the
+    connector's state."""
+
+    def __init__(self, state: ConnectorState, drops: _Drops) -> None:
+        self._st = state
+        self._drops = drops
+
+    def batch_items(
         self, requests: Iterable[BatchItem], what: str
     ) -> list[tuple[str, torch.Tensor | Sequence[int]]]:
         """The call's requests, checked as a whole (ConfigError, nothing moved): pairs
@@ -59,7 +84,7 @@ class _BatchedPath(_ChunkedPath):
                     f"{what}: each request must be a (request_id, block_ids) pair, got {item!r:.80}"
                 )
             rid, block_ids = item
-            self._check_rid(rid)
+            self._st.check_rid(rid)
             if rid in seen:
                 raise ConfigError(
                     f"{what}: request {rid!r} appears twice in the batch; nothing was moved"
@@ -70,47 +95,51 @@ class _BatchedPath(_ChunkedPath):
 
     # ------------------------------------------------------------------ producer
 
-    async def _send_batch(
+    async def send_batch(
         self, requests: Iterable[BatchItem], *, to: str, timeout: float | None
     ) -> BatchResults:
-        """:meth:`send_requests` by the engine's transport."""
-        self._check_open()
-        items = self._batch_items(requests, "send_requests")
-        deadline = self._deadline(timeout)
+        """:meth:`KVConnector.send_requests` by the engine's transport."""
+        self._st.check_open()
+        items = self.batch_items(requests, "send_requests")
+        deadline = self._st.deadline(timeout)
         out: BatchResults = {rid: None for rid, _ in items}
         if not items:
             return out
         hosts: list[tuple[str, torch.Tensor]] = []
         for rid, block_ids in items:
             try:
-                if rid in self._sending:
+                if rid in self._st.sending:
                     raise ConfigError(f"request {rid!r} is already being sent")
-                hosts.append((rid, self._host_ids(block_ids, unique=False, what="send_requests")))
+                hosts.append(
+                    (rid, self._st.host_ids(block_ids, unique=False, what="send_requests"))
+                )
             except ConfigError as exc:  # this request only: the others go on
                 out[rid] = exc
-                self._stats.send_failures += 1
+                self._st.stats.send_failures += 1
         sent = [rid for rid, _ in hosts]
-        self._sending.update(sent)
+        self._st.sending.update(sent)
         t0 = time.perf_counter()
-        base = self.batch_name(list(out))
+        base = batch_name(list(out))
         all_ids = torch.cat([h for _, h in hosts]) if hosts else torch.empty(0, dtype=torch.int64)
-        plan = self.chunk_plan(all_ids.numel())
-        inline = self.device.type == "cpu" and bool(plan)
-        prefix = self._batch_prefix([(rid, h.numel()) for rid, h in hosts], inline)
+        plan = self._st.codec.chunk_plan(all_ids.numel())
+        inline = self._st.device.type == "cpu" and bool(plan)
+        prefix = self._st.codec.batch_prefix([(rid, h.numel()) for rid, h in hosts], inline)
         inflight: deque[asyncio.Task[BaseException | None]] = deque()
         try:
             if not inline:  # the header travels alone (a CUDA cache, or no blocks at all)
                 head = torch.frombuffer(bytearray(prefix), dtype=torch.uint8)
-                handle = self.engine.send_nowait(base, head, to=to, timeout=_time_left(deadline))
-                inflight.append(self._track(handle, None, head))
-            ids = self._op_ids(all_ids)
+                handle = self._st.engine.send_nowait(
+                    base, head, to=to, timeout=_time_left(deadline)
+                )
+                inflight.append(self._st.track(handle, None, head))
+            ids = self._st.op_ids(all_ids)
             for i, s in enumerate(plan):
-                while len(inflight) >= self.max_inflight:
-                    await self._result(inflight.popleft())
+                while len(inflight) >= self._st.max_inflight:
+                    await self._st.result(inflight.popleft())
                 first = inline and i == 0
                 inflight.append(
                     await self._stage_batch_chunk(
-                        base if first else self.batch_chunk_name(base, i),
+                        base if first else batch_chunk_name(base, i),
                         all_ids.numel(),
                         ids,
                         s.layers,
@@ -120,20 +149,20 @@ class _BatchedPath(_ChunkedPath):
                     )
                 )
             while inflight:
-                await self._result(inflight.popleft())
+                await self._st.result(inflight.popleft())
         except Exception as exc:  # the transfer is all-or-nothing: every request failed
-            self._stats.send_failures += len(sent)
+            self._st.stats.send_failures += len(sent)
             for rid in sent:
                 out[rid] = exc
             return out
         except BaseException:
-            self._stats.send_failures += len(sent)
+            self._st.stats.send_failures += len(sent)
             raise
         finally:
-            self._sending.difference_update(sent)
-        self._stats.chunks_sent += len(plan)
+            self._st.sending.difference_update(sent)
+        self._st.stats.chunks_sent += len(plan)
         for rid, h in hosts:
-            self._sent(rid, 0, h.numel(), t0)
+            self._st.sent(rid, 0, h.numel(), t0)
         return out
 
     async def _stage_batch_chunk(
@@ -148,50 +177,55 @@ class _BatchedPath(_ChunkedPath):
     ) -> asyncio.Task[BaseException | None]:
         """Gather one chunk of a batch (after ``prefix``, the header, when it opens the
         batch) into staging and start its send."""
-        row = n_blocks * self.layout.block_nbytes()
+        row = n_blocks * self._st.layout.block_nbytes()
         nbytes = len(layers) * row
         off = len(prefix)
-        lease = await self._lease(off + nbytes, deadline)
+        lease = await self._st.lease(off + nbytes, deadline)
         try:
             buf = (
                 lease.tensor
                 if lease is not None
-                else torch.empty(off + nbytes, dtype=torch.uint8, device=self.device)
+                else torch.empty(off + nbytes, dtype=torch.uint8, device=self._st.device)
             )
             if off:
                 buf[:off] = torch.frombuffer(bytearray(prefix), dtype=torch.uint8)
-            await self._copy(
+            await self._st.copy(
                 functools.partial(
-                    gather_blocks, self.caches, self.layout, ids, out=buf[off:], layers=layers
+                    gather_blocks,
+                    self._st.caches,
+                    self._st.layout,
+                    ids,
+                    out=buf[off:],
+                    layers=layers,
                 ),
                 nbytes,
             )
             msg = buf if off else buf.view(len(layers), row)
-            handle = self.engine.send_nowait(name, msg, to=to, timeout=_time_left(deadline))
+            handle = self._st.engine.send_nowait(name, msg, to=to, timeout=_time_left(deadline))
         except BaseException:
             if lease is not None:
                 lease.release()
             raise
-        return self._track(handle, lease, msg)
+        return self._st.track(handle, lease, msg)
 
     # ------------------------------------------------------------------ consumer
 
-    async def _recv_batch(
+    async def recv_batch(
         self, requests: Iterable[BatchItem], *, frm: str | None, timeout: float | None
     ) -> BatchResults:
-        """:meth:`recv_requests` by the engine's transport."""
-        self._check_open()
-        items = self._batch_items(requests, "recv_requests")
-        deadline = self._deadline(timeout)
+        """:meth:`KVConnector.recv_requests` by the engine's transport."""
+        self._st.check_open()
+        items = self.batch_items(requests, "recv_requests")
+        deadline = self._st.deadline(timeout)
         out: BatchResults = {rid: None for rid, _ in items}
         if not items:
             return out
         hosts: dict[str, torch.Tensor] = {}
         for rid, block_ids in items:
             try:
-                if rid in self._receiving:
+                if rid in self._st.receiving:
                     raise ConfigError(f"request {rid!r} is already being received")
-                hosts[rid] = self._host_ids(block_ids, unique=True, what="recv_requests")
+                hosts[rid] = self._st.host_ids(block_ids, unique=True, what="recv_requests")
             except ConfigError as exc:  # this request only: the others go on
                 out[rid] = exc
         if len(hosts) > 1:
@@ -200,36 +234,36 @@ class _BatchedPath(_ChunkedPath):
                 raise ConfigError(
                     "recv_requests: two requests of the batch share a block; nothing was moved"
                 )
-        self._stats.recv_failures += len(out) - len(hosts)
-        base = self.batch_name(list(out))
+        self._st.stats.recv_failures += len(out) - len(hosts)
+        base = batch_name(list(out))
         mine = list(hosts)
-        self._receiving.update(mine)
+        self._st.receiving.update(mine)
         for rid in mine:
-            drain = self._drains.pop(rid, None)
+            drain = self._st.drains.pop(rid, None)
             if drain is not None:  # a cancelled predecessor's leftovers
                 drain.cancel()
         task = asyncio.current_task()
         cancels = _cancelling(task)
         t0 = time.perf_counter()
         # until the header says otherwise: the chunks this side's requests would take
-        expect = len(self.chunk_plan(sum(h.numel() for h in hosts.values())))
-        names = [base] + [self.batch_chunk_name(base, i) for i in range(expect)]
+        expect = len(self._st.codec.chunk_plan(sum(h.numel() for h in hosts.values())))
+        names = [base] + [batch_chunk_name(base, i) for i in range(expect)]
         taken = 0  # of names: collected from the engine
         landed: list[tuple[str, int]] = []
         try:
-            raw = await self.engine.recv(base, frm=frm, timeout=_time_left(deadline))
+            raw = await self._st.engine.recv(base, frm=frm, timeout=_time_left(deadline))
             taken = 1
-            self._check_cancelled(task, cancels)
-            entries, inline, off = self._check_batch_header(base, raw, out)
+            _check_cancelled(task, cancels)
+            entries, inline, off = self._st.codec.check_batch_header(base, raw, out)
             total = sum(n for _, n in entries)
-            plan = self.chunk_plan(total)
+            plan = self._st.codec.chunk_plan(total)
             names = [base] + [
-                self.batch_chunk_name(base, i) for i in range(1 if inline else 0, len(plan))
+                batch_chunk_name(base, i) for i in range(1 if inline else 0, len(plan))
             ]
             keep, failed = self._batch_plan(base, entries, hosts)
             out.update(failed)
             landed = [(rid, n) for rid, _, n in keep]
-            ids = self._op_ids(
+            ids = self._st.op_ids(
                 torch.cat([hosts[rid] for rid, _, _ in keep])
                 if keep
                 else torch.empty(0, dtype=torch.int64)
@@ -238,23 +272,23 @@ class _BatchedPath(_ChunkedPath):
             picks = (
                 None
                 if not keep or sum(n for _, _, n in keep) == total
-                else self._op_ids(torch.cat([torch.arange(at, at + n) for _, at, n in keep]))
+                else self._st.op_ids(torch.cat([torch.arange(at, at + n) for _, at, n in keep]))
             )
             for i, s in enumerate(plan):
                 if inline and i == 0:
-                    chunk = self._check_chunk(base, raw[off:], len(s.layers), total)
+                    chunk = self._st.codec.check_chunk(base, raw[off:], len(s.layers), total)
                 else:
-                    name = self.batch_chunk_name(base, i)
-                    got = await self.engine.recv(name, frm=frm, timeout=_time_left(deadline))
+                    name = batch_chunk_name(base, i)
+                    got = await self._st.engine.recv(name, frm=frm, timeout=_time_left(deadline))
                     taken += 1
                     # a cancel that arrived while the chunk landed: never scatter it
-                    self._check_cancelled(task, cancels)
-                    chunk = self._check_chunk(name, got, len(s.layers), total)
+                    _check_cancelled(task, cancels)
+                    chunk = self._st.codec.check_chunk(name, got, len(s.layers), total)
                     del got
                 if not keep:
                     continue
                 if picks is not None:  # only the requests that land here, packed as one
-                    lay = self.layout
+                    lay = self._st.layout
                     chunk = (
                         chunk.view(lay.torch_dtype)
                         .view(len(s.layers), *lay.staging_shape(total))
@@ -263,31 +297,36 @@ class _BatchedPath(_ChunkedPath):
                         .view(torch.uint8)
                     )
                 # a copy on the thread pool is waited for even when cancelled
-                await self._copy(
+                await self._st.copy(
                     functools.partial(
-                        scatter_blocks, chunk, self.caches, self.layout, ids, layers=s.layers
+                        scatter_blocks,
+                        chunk,
+                        self._st.caches,
+                        self._st.layout,
+                        ids,
+                        layers=s.layers,
                     ),
                     chunk.numel(),
                 )
                 del chunk
             del raw
         except Exception as exc:  # the transfer is all-or-nothing: every request failed
-            self._stats.recv_failures += len(mine)
-            self._drop(base, names[taken:], frm, deadline)
+            self._st.stats.recv_failures += len(mine)
+            self._drops.drop(base, names[taken:], frm, deadline)
             for rid in mine:
                 out[rid] = exc
             return out
         except BaseException:
-            self._stats.recv_failures += len(mine)
-            self._drop(base, names[taken:], frm, deadline)
+            self._st.stats.recv_failures += len(mine)
+            self._drops.drop(base, names[taken:], frm, deadline)
             raise
         finally:
-            self._receiving.difference_update(mine)
-        self._stats.recv_failures += len(mine) - len(landed)
+            self._st.receiving.difference_update(mine)
+        self._st.stats.recv_failures += len(mine) - len(landed)
         if landed:
-            self._stats.chunks_received += len(plan)
+            self._st.stats.chunks_received += len(plan)
         for rid, n in landed:
-            self._received(rid, 0, n, t0)
+            self._st.received(rid, 0, n, t0)
         return out
 
     @staticmethod
@@ -321,16 +360,220 @@ class _BatchedPath(_ChunkedPath):
                 )
         return keep, failed
 
-    # ------------------------------------------------------------------ one by one
+    # ------------------------------------------------------------------ over the IPC plane
 
-    async def _each(
-        self, items: list[tuple[str, torch.Tensor | Sequence[int]]], calls: list[Any]
+    def _plain_ids(
+        self, block_ids: torch.Tensor | Sequence[int], *, unique: bool, what: str
+    ) -> list[int]:
+        """Block ids checked by :meth:`ConnectorState.host_ids`'s rules, as a list: a list, tuple or
+        CPU integer tensor is checked in Python (the torch calls of the tensor check cost
+        tens of µs per request on a GPU host, more than an IPC batch's whole host work
+        per request)."""
+        if (
+            isinstance(block_ids, torch.Tensor)
+            and block_ids.device.type == "cpu"
+            and block_ids.dim() == 1
+            and block_ids.dtype in _INT_DTYPES
+        ):
+            block_ids = block_ids.tolist()
+        if isinstance(block_ids, (list, tuple)) and all(type(i) is int for i in block_ids):
+            ids = list(block_ids)
+            nb = self._st.layout.num_blocks
+            if ids and (min(ids) < 0 or max(ids) >= nb):
+                raise ConfigError(
+                    f"{what}: block ids must be in [0, {nb}), got [{min(ids)}, {max(ids)}]"
+                )
+            if unique and len(set(ids)) != len(ids):
+                raise ConfigError(f"{what}: duplicate block ids")
+            return ids
+        out: list[int] = self._st.host_ids(block_ids, unique=unique, what=what).tolist()
+        return out
+
+    async def send_batch_ipc(
+        self, plane: Plane, requests: Iterable[BatchItem], *, to: str, timeout: float | None
     ) -> BatchResults:
-        """A batch moved request by request (the IPC plane): each outcome in the map."""
-        results = await asyncio.gather(*calls, return_exceptions=True)
-        out: BatchResults = {}
-        for (rid, _), r in zip(items, results, strict=True):
+        """:meth:`KVConnector.send_requests` over the IPC plane: the requests that pass their checks
+        go as one plane request per part (:func:`_ipc_parts`), named and packed as the
+        consumer derives them (:func:`ipc_batch_name`)."""
+        self._st.check_open()
+        items = self.batch_items(requests, "send_requests")
+        deadline = self._st.deadline(timeout)
+        out: BatchResults = {rid: None for rid, _ in items}
+        going: dict[str, list[int]] = {}
+        for rid, block_ids in items:
+            try:
+                if rid in self._st.sending:
+                    raise ConfigError(f"request {rid!r} is already being sent")
+                going[rid] = self._plain_ids(block_ids, unique=False, what="send_requests")
+            except ConfigError as exc:  # this request only: the others go on
+                out[rid] = exc
+                self._st.stats.send_failures += 1
+        parts = _ipc_parts(sorted((rid, len(ids)) for rid, ids in going.items()))
+        self._st.sending.update(going)
+        try:
+            results = await asyncio.gather(
+                *(self._send_ipc_part(plane, part, going, to, deadline) for part in parts),
+                return_exceptions=True,
+            )
+        finally:
+            self._st.sending.difference_update(going)
+        return self._part_results(out, parts, results)
+
+    async def _send_ipc_part(
+        self,
+        plane: Plane,
+        part: tuple[tuple[str, int], ...],
+        ids: dict[str, list[int]],
+        to: str,
+        deadline: float,
+    ) -> None:
+        """One plane request of a batch: its requests' blocks, concatenated in packing
+        order, sent by the plane (which takes the ordinary path by itself where IPC does
+        not work); the plane's report of it is each request's (:meth:`ConnectorState.sent`)."""
+        if not any(n for _, n in part):  # no blocks at all: nothing to move
+            t0 = time.perf_counter()
+            for rid, _ in part:
+                self._st.sent(rid, 0, 0, t0)
+            return
+        name = ipc_batch_name(part)
+        self._st.ipc_batches[name] = part
+        try:
+            await plane.send_request(
+                name,
+                [i for rid, _ in part for i in ids[rid]],
+                to=to,
+                timeout=max(0.0, deadline - time.monotonic()),
+            )
+        except asyncio.CancelledError:
+            # the plane frees the blocks once the consumer's release (or the lease)
+            # ends the loan (blocks_free: every request joins finished_sending); the
+            # name is forgotten in any case some time after the deadline
+            asyncio.get_running_loop().call_later(
+                max(0.0, deadline - time.monotonic()) + _FORGET_S, self._forget, name, part
+            )
+            raise
+        except BaseException:
+            self._forget(name, part)
+            raise
+        self._forget(name, part)
+
+    def _forget(self, name: str, part: tuple[tuple[str, int], ...]) -> None:
+        if self._st.ipc_batches.get(name) is part:
+            del self._st.ipc_batches[name]
+
+    async def recv_batch_ipc(
+        self,
+        plane: Plane,
+        requests: Iterable[BatchItem],
+        *,
+        frm: str | None,
+        timeout: float | None,
+    ) -> BatchResults:
+        """:meth:`KVConnector.recv_requests` over the IPC plane: the requests that pass their checks
+        are received as the producer's parts (:func:`_ipc_parts`), one plane request
+        each, straight into this side's blocks."""
+        self._st.check_open()
+        items = self.batch_items(requests, "recv_requests")
+        deadline = self._st.deadline(timeout)
+        out: BatchResults = {rid: None for rid, _ in items}
+        going: dict[str, list[int]] = {}
+        for rid, block_ids in items:
+            try:
+                if rid in self._st.receiving:
+                    raise ConfigError(f"request {rid!r} is already being received")
+                going[rid] = self._plain_ids(block_ids, unique=True, what="recv_requests")
+            except ConfigError as exc:  # this request only: the others go on
+                out[rid] = exc
+        if len(going) > 1:
+            n_all = sum(len(ids) for ids in going.values())
+            if len({i for ids in going.values() for i in ids}) != n_all:
+                raise ConfigError(
+                    "recv_requests: two requests of the batch share a block; nothing was moved"
+                )
+        self._st.stats.recv_failures += len(out) - len(going)
+        parts = _ipc_parts(sorted((rid, len(ids)) for rid, ids in going.items()))
+        self._st.receiving.update(going)
+        try:
+            results = await asyncio.gather(
+                *(self._recv_ipc_part(plane, part, going, frm, deadline) for part in parts),
+                return_exceptions=True,
+            )
+        finally:
+            self._st.receiving.difference_update(going)
+        return self._part_results(out, parts, results)
+
+    async def _recv_ipc_part(
+        self,
+        plane: Plane,
+        part: tuple[tuple[str, int], ...],
+        ids: dict[str, list[int]],
+        frm: str | None,
+        deadline: float,
+    ) -> None:
+        """One plane request of a batch into this side's blocks of its requests,
+        concatenated in packing order; the plane's report of it is each request's
+        (:meth:`ConnectorState.received`)."""
+        if not any(n for _, n in part):  # no blocks at all: nothing to move
+            t0 = time.perf_counter()
+            for rid, _ in part:
+                self._st.received(rid, 0, 0, t0)
+            return
+        name = ipc_batch_name(part)
+        self._st.ipc_batches[name] = part
+        try:
+            await plane.recv_request(
+                name,
+                [i for rid, _ in part for i in ids[rid]],
+                frm=frm,
+                timeout=max(0.0, deadline - time.monotonic()),
+                layerwise=False,
+            )
+        finally:
+            self._forget(name, part)
+
+    @staticmethod
+    def _part_results(
+        out: BatchResults,
+        parts: list[tuple[tuple[str, int], ...]],
+        results: list[BaseException | None],
+    ) -> BatchResults:
+        """Each part's outcome is each of its requests' (a part is all-or-nothing)."""
+        for part, r in zip(parts, results, strict=True):
             if isinstance(r, BaseException) and not isinstance(r, Exception):
                 raise r
-            out[rid] = r if isinstance(r, Exception) else None
+            if r is not None:
+                for rid, _ in part:
+                    out[rid] = r
         return out
+
+
+#: integer dtypes whose CPU tensors of block ids are checked as lists
+_INT_DTYPES = frozenset({torch.int8, torch.int16, torch.int32, torch.int64, torch.uint8})
+#: the most blocks one plane request of a batch carries: the plane's descriptor lists the
+#: source block ids (4 bytes each) in one control message of at most 1 MiB
+#: (``aiokv.kv.ipc._wire.MAX_MESSAGE_BYTES``), beside the producer's offer on the first
+#: request to a consumer; this leaves that offer three quarters of it
+IPC_BATCH_BLOCKS = 1 << 16
+#: how long after its deadline a cancelled batch's plane request is remembered at most
+#: (the plane reports its blocks free at the consumer's release, or at the lease's end
+#: plus ``IpcOptions.grace_s``, at most 600 s)
+_FORGET_S = 660.0
+
+
+def _ipc_parts(entries: list[tuple[str, int]]) -> list[tuple[tuple[str, int], ...]]:
+    """A batch's ``(request_id, block count)`` pairs, in packing order, cut into the plane
+    requests that carry them: consecutive runs of at most :data:`IPC_BATCH_BLOCKS`
+    blocks (a request larger than that alone). One part unless the batch is that large;
+    both sides cut the same pairs the same way."""
+    parts: list[tuple[tuple[str, int], ...]] = []
+    cur: list[tuple[str, int]] = []
+    size = 0
+    for rid, n in entries:
+        if cur and size + n > IPC_BATCH_BLOCKS:
+            parts.append(tuple(cur))
+            cur, size = [], 0
+        cur.append((rid, n))
+        size += n
+    if cur:
+        parts.append(tuple(cur))
+    return parts

@@ -1,6 +1,8 @@
-"""What every path of :class:`~aiokv.kv.KVConnector` shares: the engine it needs
-(typed structurally), its counters, its state, the argument checks, the deadline,
-the staging pool, the cache copies and the bookkeeping of finished requests.
+"""What every part of :class:`~aiokv.kv.KVConnector` shares: the engine it needs
+(typed structurally), its counters, and :class:`ConnectorState` -- the one state
+object its parts (the chunked, batched and pull paths, the IPC plane's port) hold,
+with the argument checks, the deadline, the staging pool, the cache copies and the
+bookkeeping of finished requests.
 """
 
 from __future__ import annotations
@@ -18,9 +20,10 @@ import torch
 from aiokv._runtime.threads import in_pool
 
 from .._exceptions import AiokvTimeoutError, ConfigError, EngineClosedError, TransferTimeoutError
-from ._request_codec import _RequestCodec
+from ._request_codec import RequestCodec
 from .ipc.interfaces import Plane
 from .ipc.options import IpcStatistics
+from .layouts import KVLayout
 from .ops import BoundCaches, Lease, PoolStatistics, StagingPool
 
 
@@ -80,6 +83,14 @@ def _cancelling(task: asyncio.Task[Any] | None) -> int:
     return task.cancelling()
 
 
+def _check_cancelled(task: asyncio.Task[Any] | None, base: int) -> None:
+    """Raise CancelledError if the task was cancelled since ``base`` was read, also when
+    an await swallowed it (``asyncio.wait_for`` returns a result that completed in the
+    same loop pass as the cancel, on Python <= 3.11)."""
+    if task is not None and _cancelling(task) > base:
+        raise asyncio.CancelledError()
+
+
 @runtime_checkable
 class _Discards(Protocol):
     """An engine that can drop received tensors (:meth:`aiokv.Engine.discard`)."""
@@ -118,39 +129,62 @@ class _LayerSave:
     header: asyncio.Task[BaseException | None] | None = None
 
 
-class _ConnectorBase(_RequestCodec):
-    """The connector's state (set by :class:`~aiokv.kv.KVConnector`'s constructor) and
-    the helpers its transfer paths share."""
+class ConnectorState:
+    """The connector's state, one object its parts share (built by
+    :class:`~aiokv.kv.KVConnector`'s constructor, which checks the arguments), and the
+    helpers its transfer paths share."""
 
-    engine: EngineLike
-    caches: BoundCaches
-    staging_bytes: int
-    max_inflight: int
-    thread_min_bytes: int
-    _discards: _Discards | None
-    _pull: _PullEngine | None
-    _pool: StagingPool | None
-    _finished_sending: set[str]
-    _finished_receiving: set[str]
-    _sending: set[str]
-    _receiving: set[str]
-    _saves: dict[str, _LayerSave]
-    _background: set[asyncio.Task[BaseException | None]]
-    _drains: dict[str, asyncio.Task[None]]
-    _stats: ConnectorStatistics
-    _closed: bool
-    _ipc: Plane | None
+    def __init__(
+        self,
+        engine: EngineLike,
+        layout: KVLayout,
+        caches: BoundCaches,
+        *,
+        chunk_bytes: int,
+        staging_bytes: int,
+        max_inflight: int,
+        thread_min_bytes: int,
+    ) -> None:
+        self.engine = engine
+        # (checked once: a runtime Protocol check costs µs on every request's path)
+        self.discards: _Discards | None = engine if isinstance(engine, _Discards) else None
+        self.pull: _PullEngine | None = engine if isinstance(engine, _PullEngine) else None
+        self.layout = layout
+        self.caches = caches
+        self.device = caches.device
+        self.chunk_bytes = chunk_bytes
+        self.staging_bytes = staging_bytes
+        self.max_inflight = max_inflight
+        self.thread_min_bytes = thread_min_bytes
+        self.codec = RequestCodec(layout, chunk_bytes, self.device)
+        self.pool: StagingPool | None = None
+        #: requests done since the last finished_sending() / finished_receiving()
+        self.finished_sent: set[str] = set()
+        self.finished_received: set[str] = set()
+        self.sending: set[str] = set()
+        self.receiving: set[str] = set()
+        self.saves: dict[str, _LayerSave] = {}
+        self.background: set[asyncio.Task[BaseException | None]] = set()
+        self.drains: dict[str, asyncio.Task[None]] = {}
+        self.stats = ConnectorStatistics()
+        self.closed = False
+        #: the same-host IPC plane (docs/ipc.md); None: the ordinary path only
+        self.ipc: Plane | None = None
+        #: plane requests of step batches over the IPC plane, by name: their requests and
+        #: block counts in packing order (the plane reports the plane request, the
+        #: bookkeeping is per request)
+        self.ipc_batches: dict[str, tuple[tuple[str, int], ...]] = {}
 
-    def _check_open(self) -> None:
-        if self._closed:
+    def check_open(self) -> None:
+        if self.closed:
             raise EngineClosedError("KVConnector closed")
 
     @staticmethod
-    def _check_rid(request_id: str) -> None:
+    def check_rid(request_id: str) -> None:
         if not isinstance(request_id, str) or not request_id:
             raise ConfigError(f"request_id must be a non-empty string, got {request_id!r}")
 
-    def _host_ids(
+    def host_ids(
         self, block_ids: torch.Tensor | Sequence[int], *, unique: bool, what: str
     ) -> torch.Tensor:
         """Block ids as a checked 1-D int64 CPU tensor."""
@@ -183,7 +217,7 @@ class _ConnectorBase(_RequestCodec):
                 raise ConfigError(f"{what}: duplicate block ids")
         return host.contiguous()
 
-    def _op_ids(self, host: torch.Tensor) -> torch.Tensor:
+    def op_ids(self, host: torch.Tensor) -> torch.Tensor:
         """The ids as gather/scatter want them: checked host tensor on CPU, device copy on GPU."""
         if self.device.type == "cpu" or host.numel() == 0:
             return host
@@ -193,7 +227,7 @@ class _ConnectorBase(_RequestCodec):
             return host.to(self.device)
         return pinned.to(self.device, non_blocking=True)
 
-    async def _copy(self, fn: Callable[[], T], nbytes: int) -> T:
+    async def copy(self, fn: Callable[[], T], nbytes: int) -> T:
         """Run a cache copy: inline on GPU (async on the stream) or for small CPU copies,
         else on aiokv's shared pool for short CPU work (:mod:`aiokv._runtime.threads`). On
         cancellation, wait for a running copy to finish."""
@@ -212,13 +246,13 @@ class _ConnectorBase(_RequestCodec):
                     break
             raise
 
-    def _get_pool(self) -> StagingPool:
-        if self._pool is None:
-            self._pool = StagingPool(self.staging_bytes, self.device)
-        return self._pool
+    def get_pool(self) -> StagingPool:
+        if self.pool is None:
+            self.pool = StagingPool(self.staging_bytes, self.device)
+        return self.pool
 
-    async def _lease(self, nbytes: int, deadline: float) -> Lease | None:
-        pool = self._get_pool()
+    async def lease(self, nbytes: int, deadline: float) -> Lease | None:
+        pool = self.get_pool()
         if pool._round(nbytes) > pool.capacity:
             return None  # larger than the whole pool: gather into a temporary buffer
         try:
@@ -228,7 +262,7 @@ class _ConnectorBase(_RequestCodec):
                 f"no staging room for {nbytes} bytes in time: {exc}"
             ) from None
 
-    def _track(
+    def track(
         self, handle: SendHandle, lease: Lease | None, keep: torch.Tensor
     ) -> asyncio.Task[BaseException | None]:
         """A task that waits for the send to finish, then gives the staging back.
@@ -253,17 +287,17 @@ class _ConnectorBase(_RequestCodec):
 
         keep_ref = [keep]  # the staged tensor stays alive until the send finished
         task = asyncio.ensure_future(settle())
-        self._background.add(task)
-        task.add_done_callback(self._background.discard)
+        self.background.add(task)
+        task.add_done_callback(self.background.discard)
         return task
 
     @staticmethod
-    async def _result(task: asyncio.Task[BaseException | None]) -> None:
+    async def result(task: asyncio.Task[BaseException | None]) -> None:
         exc = await asyncio.shield(task)
         if exc is not None:
             raise exc
 
-    def _deadline(self, timeout: float | None) -> float:
+    def deadline(self, timeout: float | None) -> float:
         if timeout is None:
             timeout = getattr(
                 getattr(getattr(self.engine, "config", None), "timeouts", None),
@@ -274,40 +308,52 @@ class _ConnectorBase(_RequestCodec):
             raise ConfigError(f"timeout must be >= 0 or None, got {timeout!r}")
         return time.monotonic() + float(timeout)
 
-    def _sent(self, request_id: str, chunks: int, n_blocks: int, started: float) -> None:
+    def sent(self, request_id: str, chunks: int, n_blocks: int, started: float) -> None:
         """A request sent (``chunks``: 0 when the IPC plane copied it): counted, and its
         blocks may be freed."""
-        st = self._stats
+        members = self.ipc_batches.get(request_id)
+        if members is not None:  # a step batch's plane request: each of its requests
+            self.stats.chunks_sent += chunks
+            for rid, n in members:
+                self.sent(rid, 0, n, started)
+            return
+        st = self.stats
         st.requests_sent += 1
         st.chunks_sent += chunks
         st.bytes_sent += self.layout.request_nbytes(n_blocks)
         st.send_seconds += time.perf_counter() - started
-        self._finished_sending.add(request_id)
+        self.finished_sent.add(request_id)
 
-    def _received(self, request_id: str, chunks: int, n_blocks: int, started: float) -> None:
+    def received(self, request_id: str, chunks: int, n_blocks: int, started: float) -> None:
         """A request received, every block in place (``chunks``: 0 when the IPC plane
         copied it): counted."""
-        st = self._stats
+        members = self.ipc_batches.get(request_id)
+        if members is not None:  # a step batch's plane request: each of its requests
+            self.stats.chunks_received += chunks
+            for rid, n in members:
+                self.received(rid, 0, n, started)
+            return
+        st = self.stats
         st.requests_received += 1
         st.chunks_received += chunks
         st.bytes_received += self.layout.request_nbytes(n_blocks)
         st.recv_seconds += time.perf_counter() - started
-        self._finished_receiving.add(request_id)
+        self.finished_received.add(request_id)
 
     # ------------------------------------------------------------------ tracking
 
-    def finished_sending(self) -> set[str]:
+    def take_finished_sending(self) -> set[str]:
         """Request ids fully sent since the last call (their blocks may be freed)."""
-        out, self._finished_sending = self._finished_sending, set()
+        out, self.finished_sent = self.finished_sent, set()
         return out
 
-    def finished_receiving(self) -> set[str]:
+    def take_finished_receiving(self) -> set[str]:
         """Request ids fully received and scattered since the last call."""
-        out, self._finished_receiving = self._finished_receiving, set()
+        out, self.finished_received = self.finished_received, set()
         return out
 
     def statistics(self) -> ConnectorStatistics:
-        s = dataclasses.replace(self._stats)
-        s.staging = self._pool.statistics() if self._pool is not None else None
-        s.ipc = self._ipc.statistics() if self._ipc is not None else None
+        s = dataclasses.replace(self.stats)
+        s.staging = self.pool.statistics() if self.pool is not None else None
+        s.ipc = self.ipc.statistics() if self.ipc is not None else None
         return s

@@ -37,13 +37,81 @@ MAX_HEADER_BYTES = 4096
 MAX_BATCH_HEADER_BYTES = 1 << 20
 
 
-class _RequestCodec:
-    """Names, plan, header and ticket of a request, from this side's layout and
-    ``chunk_bytes`` (the connector's; see :class:`~aiokv.kv.KVConnector`)."""
+# -- names (both sides derive them)
 
-    layout: KVLayout
-    chunk_bytes: int
-    device: torch.device
+
+def chunk_name(request_id: str, index: int) -> str:
+    return f"{request_id}#kv{index}"
+
+
+def layer_name(request_id: str, layer: int) -> str:
+    return f"{request_id}#L{layer}"
+
+
+def ticket_name(request_id: str) -> str:
+    """Pull mode: the id of the request's ticket the producer publishes."""
+    return f"{request_id}#pull"
+
+
+def header_name(request_id: str) -> str:
+    return f"{request_id}#kvh"
+
+
+def batch_name(request_ids: Sequence[str]) -> str:
+    """The id of a batch's first tensor (its header; on a CPU cache also its first
+    chunk): named by the SET of its request ids, whatever their order."""
+    ids = sorted(request_ids)
+    digest = hashlib.blake2b("\0".join(ids).encode(), digest_size=8).hexdigest()
+    return f"{ids[0]}#kvb{digest}"
+
+
+def ipc_batch_name(entries: Sequence[tuple[str, int]]) -> str:
+    """The plane request of (a part of) a step batch over the IPC plane: named by its
+    requests AND their block counts, in packing order (sorted by request id). The
+    plane's descriptor carries only the total block count, so two sides that disagree
+    on which requests go or on how many blocks one of them has never pair up (and
+    never write one request's blocks into another's)."""
+    body = json.dumps([[rid, n] for rid, n in entries], separators=(",", ":"))
+    digest = hashlib.blake2b(body.encode(), digest_size=8).hexdigest()
+    return f"{entries[0][0]}#kvi{digest}"
+
+
+def batch_chunk_name(base: str, index: int) -> str:
+    """Chunk ``index`` of a batch, when it does not travel with the header."""
+    return f"{base}#{index}"
+
+
+def check_ticket(request_id: str, frm: str, raw: torch.Tensor, n: int) -> None:
+    """A small pull ticket this side can read, for ``n`` blocks (else
+    LayoutMismatchError, ``kv_size_mismatch``)."""
+    if (
+        raw.dtype != torch.int64
+        or raw.dim() != 1
+        or raw.numel() < 2
+        or int(raw[0]) != _TICKET_VERSION
+    ):
+        raise LayoutMismatchError(
+            f"request {request_id!r}: {frm} sent a ticket this side cannot read "
+            f"({raw.dtype}, shape {tuple(raw.shape)})",
+            code="kv_size_mismatch",
+        )
+    if int(raw[1]) != n:
+        raise LayoutMismatchError(
+            f"request {request_id!r}: {frm} holds {int(raw[1])} blocks, {n} were given here",
+            code="kv_size_mismatch",
+        )
+
+
+class RequestCodec:
+    """Plan, header and checks of a request, from this side's layout and ``chunk_bytes``
+    (the connector's; see :class:`~aiokv.kv.KVConnector`)."""
+
+    __slots__ = ("chunk_bytes", "device", "layout")
+
+    def __init__(self, layout: KVLayout, chunk_bytes: int, device: torch.device) -> None:
+        self.layout = layout
+        self.chunk_bytes = chunk_bytes
+        self.device = device
 
     def chunk_plan(self, n_blocks: int) -> list[StagingSlice]:
         """The chunks a request of ``n_blocks`` blocks travels in (same on both sides)."""
@@ -51,24 +119,7 @@ class _RequestCodec:
             return []
         return LayerChunker(self.layout, n_blocks).chunks(max_bytes=self.chunk_bytes)
 
-    @staticmethod
-    def chunk_name(request_id: str, index: int) -> str:
-        return f"{request_id}#kv{index}"
-
-    @staticmethod
-    def layer_name(request_id: str, layer: int) -> str:
-        return f"{request_id}#L{layer}"
-
-    @staticmethod
-    def ticket_name(request_id: str) -> str:
-        """Pull mode: the id of the request's ticket the producer publishes."""
-        return f"{request_id}#pull"
-
-    @staticmethod
-    def header_name(request_id: str) -> str:
-        return f"{request_id}#kvh"
-
-    def _header_bytes(self, n_blocks: int, mode: str) -> bytes:
+    def header_bytes(self, n_blocks: int, mode: str) -> bytes:
         """The request header (see the module docstring): JSON."""
         body = {
             "v": _HEADER_VERSION,
@@ -80,15 +131,15 @@ class _RequestCodec:
         }
         return json.dumps(body, separators=(",", ":"), sort_keys=True).encode()
 
-    def _header(self, n_blocks: int, mode: str) -> torch.Tensor:
+    def header(self, n_blocks: int, mode: str) -> torch.Tensor:
         """The request header as a CPU uint8 tensor."""
-        return torch.frombuffer(bytearray(self._header_bytes(n_blocks, mode)), dtype=torch.uint8)
+        return torch.frombuffer(bytearray(self.header_bytes(n_blocks, mode)), dtype=torch.uint8)
 
-    def _check_header(
+    def check_header(
         self, request_id: str, raw: torch.Tensor, n_blocks: int, layerwise: bool
     ) -> None:
         """Raise LayoutMismatchError unless the producer's header matches this side."""
-        name = self.header_name(request_id)
+        name = header_name(request_id)
 
         def bad(why: str, code: str = "layout_mismatch") -> LayoutMismatchError:
             return LayoutMismatchError(f"KV request {request_id!r}: {why}", code=code)
@@ -142,9 +193,7 @@ class _RequestCodec:
                     "kv_size_mismatch",
                 )
 
-    def _check_chunk(
-        self, name: str, t: torch.Tensor, n_layers: int, n_blocks: int
-    ) -> torch.Tensor:
+    def check_chunk(self, name: str, t: torch.Tensor, n_layers: int, n_blocks: int) -> torch.Tensor:
         """The chunk as a 1-D uint8 buffer on the cache device, or LayoutMismatchError."""
         row = n_blocks * self.layout.block_nbytes()
         want = n_layers * row
@@ -168,43 +217,9 @@ class _RequestCodec:
             t.record_stream(torch.cuda.current_stream(t.device))
         return t
 
-    @staticmethod
-    def _check_ticket(request_id: str, frm: str, raw: torch.Tensor, n: int) -> None:
-        """A small pull ticket this side can read, for ``n`` blocks (else
-        LayoutMismatchError, ``kv_size_mismatch``)."""
-        if (
-            raw.dtype != torch.int64
-            or raw.dim() != 1
-            or raw.numel() < 2
-            or int(raw[0]) != _TICKET_VERSION
-        ):
-            raise LayoutMismatchError(
-                f"request {request_id!r}: {frm} sent a ticket this side cannot read "
-                f"({raw.dtype}, shape {tuple(raw.shape)})",
-                code="kv_size_mismatch",
-            )
-        if int(raw[1]) != n:
-            raise LayoutMismatchError(
-                f"request {request_id!r}: {frm} holds {int(raw[1])} blocks, {n} were given here",
-                code="kv_size_mismatch",
-            )
-
     # -- a step batch (see KVConnector.send_requests)
 
-    @staticmethod
-    def batch_name(request_ids: Sequence[str]) -> str:
-        """The id of a batch's first tensor (its header; on a CPU cache also its first
-        chunk): named by the SET of its request ids, whatever their order."""
-        ids = sorted(request_ids)
-        digest = hashlib.blake2b("\0".join(ids).encode(), digest_size=8).hexdigest()
-        return f"{ids[0]}#kvb{digest}"
-
-    @staticmethod
-    def batch_chunk_name(base: str, index: int) -> str:
-        """Chunk ``index`` of a batch, when it does not travel with the header."""
-        return f"{base}#{index}"
-
-    def _batch_prefix(self, entries: Sequence[tuple[str, int]], inline: bool) -> bytes:
+    def batch_prefix(self, entries: Sequence[tuple[str, int]], inline: bool) -> bytes:
         """A batch's header as it opens its first tensor: ``<u32 length>``, JSON (the
         requests it carries, in packing order, with their block counts; whether chunk 0
         follows it in the same tensor), zero padding to a multiple of 16 bytes."""
@@ -220,7 +235,7 @@ class _RequestCodec:
         header = json.dumps(body, separators=(",", ":"), sort_keys=True).encode()
         return (struct.pack("<I", len(header)) + header).ljust(_pulled_offset(len(header)), b"\0")
 
-    def _check_batch_header(
+    def check_batch_header(
         self, name: str, raw: torch.Tensor, wanted: Container[str]
     ) -> tuple[list[tuple[str, int]], bool, int]:
         """``(entries, inline, offset)`` of a batch's first tensor: the requests it

@@ -59,8 +59,9 @@ Step batches
 :meth:`KVConnector.send_requests` / :meth:`KVConnector.recv_requests` move all the
 requests a scheduler step hands over for one peer as one batch: one gather over one
 index tensor of all their blocks, one transfer (on a CPU cache; on a CUDA cache the
-header and the blocks go as two), each request's outcome reported on its own. The wire
-form: :mod:`aiokv.kv._batched_path`.
+header and the blocks go as two), each request's outcome reported on its own; with the
+IPC plane as one plane request (one copy on the consumer). The wire form:
+:mod:`aiokv.kv._batched_path`.
 
 Devices
 -------
@@ -75,32 +76,27 @@ still waits for its copy to finish before it releases memory or returns).
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 import torch
 
 from .._exceptions import ConfigError
+from . import _request_codec
 from ._batched_path import BatchItem, BatchResults, _BatchedPath
-from ._connector_base import (
-    ConnectorStatistics,
-    EngineLike,
-    MiB,
-    _Discards,
-    _LayerSave,
-    _PullEngine,
-)
+from ._chunked_path import _ChunkedPath
+from ._connector_base import ConnectorState, ConnectorStatistics, EngineLike, MiB
 from ._pull_path import _PullPath
 from .ipc import IpcPlane
 from .ipc.interfaces import Plane
 from .ipc.options import IpcOptions
 from .layouts import KVLayout
-from .ops import BoundCaches, StagingPool
+from .ops import BoundCaches, StagingSlice
 
 __all__ = ["ConnectorStatistics", "EngineLike", "KVConnector"]
 
 
-class KVConnector(_BatchedPath, _PullPath):
+class KVConnector:
     """Moves paged KV blocks of requests between engines (see the module docstring).
 
     ``engine``: a started :class:`aiokv.Engine`. ``layout``: this side's
@@ -142,35 +138,68 @@ class KVConnector(_BatchedPath, _PullPath):
             raise ConfigError(f"staging_bytes must be a positive int, got {staging_bytes!r}")
         if type(max_inflight) is not int or max_inflight <= 0:
             raise ConfigError(f"max_inflight must be a positive int, got {max_inflight!r}")
-        self.engine = engine
-        # (checked once: a runtime Protocol check costs µs on every request's path)
-        self._discards: _Discards | None = engine if isinstance(engine, _Discards) else None
-        self._pull: _PullEngine | None = engine if isinstance(engine, _PullEngine) else None
-        self.layout = layout
-        if isinstance(caches, BoundCaches):
-            if caches.layout != layout:
-                raise ConfigError("BoundCaches was bound to a different layout")
-            self.caches = caches
-        else:
-            self.caches = BoundCaches(layout, caches)
-        self.device = self.caches.device
-        self.chunk_bytes = chunk_bytes
-        self.staging_bytes = staging_bytes if staging_bytes is not None else 4 * chunk_bytes
-        self.max_inflight = max_inflight
-        self.thread_min_bytes = thread_min_bytes
-        self._pool: StagingPool | None = None
-        self._finished_sending: set[str] = set()
-        self._finished_receiving: set[str] = set()
-        self._sending: set[str] = set()
-        self._receiving: set[str] = set()
-        self._saves: dict[str, _LayerSave] = {}
-        self._background: set[asyncio.Task[BaseException | None]] = set()
-        self._drains: dict[str, asyncio.Task[None]] = {}
-        self._stats = ConnectorStatistics()
-        self._closed = False
+        bound = caches if isinstance(caches, BoundCaches) else BoundCaches(layout, caches)
+        if bound.layout != layout:
+            raise ConfigError("BoundCaches was bound to a different layout")
+        # the one state its parts share, and the parts
+        self._st = ConnectorState(
+            engine,
+            layout,
+            bound,
+            chunk_bytes=chunk_bytes,
+            staging_bytes=staging_bytes if staging_bytes is not None else 4 * chunk_bytes,
+            max_inflight=max_inflight,
+            thread_min_bytes=thread_min_bytes,
+        )
+        self._chunked = _ChunkedPath(self._st)
+        self._batched = _BatchedPath(self._st, self._chunked)
+        self._pulled = _PullPath(self._st, self)
         # the same-host IPC plane (docs/ipc.md); None: the ordinary path only
-        self._port = _Port(self)
-        self._ipc: Plane | None = IpcPlane(self._port, ipc) if ipc is not None else None
+        self._port = _Port(self._st, self._chunked)
+        self._st.ipc = IpcPlane(self._port, ipc) if ipc is not None else None
+
+    # ------------------------------------------------------------------ the state
+
+    @property
+    def engine(self) -> EngineLike:
+        return self._st.engine
+
+    @property
+    def layout(self) -> KVLayout:
+        return self._st.layout
+
+    @property
+    def caches(self) -> BoundCaches:
+        return self._st.caches
+
+    @property
+    def device(self) -> torch.device:
+        return self._st.device
+
+    @property
+    def chunk_bytes(self) -> int:
+        return self._st.chunk_bytes
+
+    @property
+    def staging_bytes(self) -> int:
+        return self._st.staging_bytes
+
+    @property
+    def max_inflight(self) -> int:
+        return self._st.max_inflight
+
+    @property
+    def thread_min_bytes(self) -> int:
+        return self._st.thread_min_bytes
+
+    @property
+    def _ipc(self) -> Plane | None:
+        """The IPC plane (None: the ordinary path only); tests put a plane of their own."""
+        return self._st.ipc
+
+    @_ipc.setter
+    def _ipc(self, plane: Plane | None) -> None:
+        self._st.ipc = plane
 
     # ------------------------------------------------------------------ producer
 
@@ -192,10 +221,10 @@ class KVConnector(_BatchedPath, _PullPath):
         released when they do. With ``ipc=`` the request goes through the IPC plane
         (docs/ipc.md), which falls back to this path by itself.
         """
-        if self._ipc is not None:
-            await self._ipc.send_request(request_id, block_ids, to=to, timeout=timeout)
+        if self._st.ipc is not None:
+            await self._st.ipc.send_request(request_id, block_ids, to=to, timeout=timeout)
         else:
-            await self._send_ordinary(request_id, block_ids, to=to, timeout=timeout)
+            await self._chunked.send_ordinary(request_id, block_ids, to=to, timeout=timeout)
 
     def save_layer(
         self,
@@ -215,10 +244,10 @@ class KVConnector(_BatchedPath, _PullPath):
         With ``ipc=`` the layers go through the IPC plane where it works (an event
         per layer, one copy per layer on the consumer; docs/ipc.md).
         """
-        if self._ipc is not None:
-            self._ipc.save_layer(request_id, layer, block_ids, to=to, timeout=timeout)
+        if self._st.ipc is not None:
+            self._st.ipc.save_layer(request_id, layer, block_ids, to=to, timeout=timeout)
         else:
-            self._save_layer_ordinary(request_id, layer, block_ids, to=to, timeout=timeout)
+            self._chunked.save_layer_ordinary(request_id, layer, block_ids, to=to, timeout=timeout)
 
     async def wait_saved(self, request_id: str) -> None:
         """Wait until every layer saved with :meth:`save_layer` is held by the peer.
@@ -227,10 +256,10 @@ class KVConnector(_BatchedPath, _PullPath):
         ``num_layers`` layers were saved (the consumer would wait for them) or the
         request is unknown. On success the request joins :meth:`finished_sending`.
         """
-        if self._ipc is not None:
-            await self._ipc.wait_saved(request_id)
+        if self._st.ipc is not None:
+            await self._st.ipc.wait_saved(request_id)
         else:
-            await self._wait_saved_ordinary(request_id)
+            await self._chunked.wait_saved_ordinary(request_id)
 
     async def recv_request(
         self,
@@ -266,11 +295,11 @@ class KVConnector(_BatchedPath, _PullPath):
         the deadline), so the blocks may be given to another request at once.
         Reusing the same ``request_id`` for a new request stops that drain.
         """
-        if self._ipc is not None:
-            return await self._ipc.recv_request(
+        if self._st.ipc is not None:
+            return await self._st.ipc.recv_request(
                 request_id, block_ids, frm=frm, timeout=timeout, layerwise=layerwise
             )
-        return await self._recv_ordinary(
+        return await self._chunked.recv_ordinary(
             request_id, block_ids, frm=frm, timeout=timeout, layerwise=layerwise
         )
 
@@ -301,17 +330,20 @@ class KVConnector(_BatchedPath, _PullPath):
         closed connector; an empty batch returns ``{}`` at once and sends nothing.
         Cancellation propagates as for :meth:`send_request`.
 
-        With ``ipc=`` every request goes its own way through the IPC plane (the plane
-        moves requests one by one), each outcome in the map.
+        With ``ipc=`` the requests that pass their checks go through the IPC plane as
+        ONE plane request (one descriptor; on the consumer one copy), their blocks
+        concatenated in order of request id; the consumer derives the same request from
+        its own call. Over the plane the batch is all-or-nothing as a whole: both sides
+        must agree on which requests go and on each one's block count -- a request one
+        side refuses, or another block count, leaves the two sides' plane requests
+        unpaired and every request of the batch fails at the deadline
+        (:class:`~aiokv.TransferTimeoutError`), nothing written. A batch of more than
+        :data:`~aiokv.kv._batched_path.IPC_BATCH_BLOCKS` blocks goes as several plane
+        requests, each all-or-nothing for its requests.
         """
-        if self._ipc is None:
-            return await self._send_batch(requests, to=to, timeout=timeout)
-        self._check_open()
-        items = self._batch_items(requests, "send_requests")
-        plane = self._ipc
-        return await self._each(
-            items, [plane.send_request(r, ids, to=to, timeout=timeout) for r, ids in items]
-        )
+        if self._st.ipc is None:
+            return await self._batched.send_batch(requests, to=to, timeout=timeout)
+        return await self._batched.send_batch_ipc(self._st.ipc, requests, to=to, timeout=timeout)
 
     async def recv_requests(
         self,
@@ -345,21 +377,75 @@ class KVConnector(_BatchedPath, _PullPath):
         returns ``{}`` at once. Cancellation propagates as for :meth:`recv_request`
         (nothing is scattered after it arrived).
 
-        With ``ipc=`` every request is received on its own (:meth:`recv_request`), each
-        outcome in the map.
+        With ``ipc=`` the batch comes as the producer's plane request(s) (see
+        :meth:`send_requests`): this side's block ids of the requests that pass their
+        checks, concatenated in order of request id, are written by one copy; a request
+        refused here, or the producer's, or another block count fails the whole batch at
+        the deadline (:class:`~aiokv.TransferTimeoutError`) with nothing written.
         """
-        if self._ipc is None:
-            return await self._recv_batch(requests, frm=frm, timeout=timeout)
-        self._check_open()
-        items = self._batch_items(requests, "recv_requests")
-        plane = self._ipc
-        return await self._each(
-            items,
-            [
-                plane.recv_request(r, ids, frm=frm, timeout=timeout, layerwise=False)
-                for r, ids in items
-            ],
+        if self._st.ipc is None:
+            return await self._batched.recv_batch(requests, frm=frm, timeout=timeout)
+        return await self._batched.recv_batch_ipc(self._st.ipc, requests, frm=frm, timeout=timeout)
+
+    # ------------------------------------------------------------------ pull mode
+
+    async def serve_request(
+        self,
+        request_id: str,
+        block_ids: torch.Tensor | Sequence[int],
+        *,
+        timeout: float | None = None,
+        on_published: Callable[[], object] | None = None,
+    ) -> str:
+        """Pull mode, producer side: hold the request's blocks for the consumer that
+        fetches it (:meth:`fetch_request`), then send them to that consumer.
+
+        For a producer that answers before it knows its consumer (vLLM's
+        disaggregation protocol: the prefill returns, a router picks the decode, the
+        decode pulls). The producer publishes a ticket ``"{request_id}#pull"`` for one
+        GET; the first consumer whose GET takes it gets the request. With the IPC plane
+        or a CUDA cache the ticket is small (a CPU int64 tensor: version, block count)
+        and the request follows it, sent exactly as :meth:`send_request` sends it to
+        that consumer's address (the IPC plane where it works); a CPU cache without the
+        plane makes the ticket the request itself (a uint8 tensor: header and gathered
+        blocks, moved by the GET). Returns that address once the request is sent or
+        taken (:meth:`send_request`'s meaning; the request joins
+        :meth:`finished_sending`). Raises :class:`~aiokv.TransferTimeoutError` when
+        nobody fetched it in time (the ticket is withdrawn: a late consumer gets
+        :class:`~aiokv.NotPublishedError` at once), and :meth:`send_request`'s errors.
+        When this returns or raises, the blocks may be freed -- except when it was
+        cancelled while sending (then, as for :meth:`send_request`, wait for
+        :meth:`finished_sending`).
+
+        ``on_published`` is called once the ticket is published (with a CPU cache that
+        is after the blocks were gathered): a producer that tells the consumer where
+        its request is only from then on never sends it to a ticket not there yet.
+        """
+        return await self._pulled.serve_request(
+            request_id, block_ids, timeout=timeout, on_published=on_published
         )
+
+    async def fetch_request(
+        self,
+        request_id: str,
+        block_ids: torch.Tensor | Sequence[int],
+        *,
+        frm: str,
+        timeout: float | None = None,
+    ) -> str:
+        """Pull mode, consumer side: fetch a request the producer at ``frm`` holds with
+        :meth:`serve_request` and write it into this cache at ``block_ids``.
+
+        GETs the request's ticket (:class:`~aiokv.NotPublishedError` at once if ``frm``
+        does not hold it, or another consumer took it). A small ticket: checks its block
+        count against ``block_ids`` (:class:`~aiokv.LayoutMismatchError`, ``code``
+        ``"kv_size_mismatch"``, before anything is written), then receives as
+        :meth:`recv_request` does (same deadline, same guarantees on cancellation and
+        failure). A whole request: checks its header like :meth:`recv_request` and its
+        size, then writes it. Returns which plane carried it. A consumer cancelled between
+        the ticket and the data leaves the producer's send to end at its deadline.
+        """
+        return await self._pulled.fetch_request(request_id, block_ids, frm=frm, timeout=timeout)
 
     async def prepare(self, peer: str, *, timeout: float | None = None) -> bool:
         """Consumer side: set up what the first request from the producer at ``peer``
@@ -370,29 +456,56 @@ class KVConnector(_BatchedPath, _PullPath):
         as for a request). Without the plane, False. Call it for the producers this
         side will read from (a decode worker: its prefill peers), e.g. once the session
         to them is warm (:class:`aiokv.serving.PeerWarmer`'s ``after_connect``)."""
-        self._check_open()
-        if self._ipc is None:
+        self._st.check_open()
+        if self._st.ipc is None:
             return False
-        return await self._ipc.prepare(peer, timeout)
+        return await self._st.ipc.prepare(peer, timeout)
+
+    # ------------------------------------------------------------------ tracking
+
+    def finished_sending(self) -> set[str]:
+        """Request ids fully sent since the last call (their blocks may be freed)."""
+        return self._st.take_finished_sending()
+
+    def finished_receiving(self) -> set[str]:
+        """Request ids fully received and scattered since the last call."""
+        return self._st.take_finished_receiving()
+
+    def statistics(self) -> ConnectorStatistics:
+        return self._st.statistics()
+
+    # ------------------------------------------------------------------ names and plan
+
+    def chunk_plan(self, n_blocks: int) -> list[StagingSlice]:
+        """The chunks a request of ``n_blocks`` blocks travels in (same on both sides)."""
+        return self._st.codec.chunk_plan(n_blocks)
+
+    chunk_name = staticmethod(_request_codec.chunk_name)
+    layer_name = staticmethod(_request_codec.layer_name)
+    ticket_name = staticmethod(_request_codec.ticket_name)
+    header_name = staticmethod(_request_codec.header_name)
+    batch_name = staticmethod(_request_codec.batch_name)
+    batch_chunk_name = staticmethod(_request_codec.batch_chunk_name)
 
     # ------------------------------------------------------------------ lifecycle
 
     async def aclose(self, timeout: float = 5.0) -> None:
         """Refuse new work, wait (bounded) for in-flight sends, close the IPC plane."""
-        self._closed = True
-        pending: list[asyncio.Task[Any]] = list(self._background)
-        for save in self._saves.values():
+        st = self._st
+        st.closed = True
+        pending: list[asyncio.Task[Any]] = list(st.background)
+        for save in st.saves.values():
             pending.extend(save.tasks.values())
             if save.header is not None:
                 pending.append(save.header)
-        self._saves.clear()
-        for d in self._drains.values():
+        st.saves.clear()
+        for d in st.drains.values():
             d.cancel()
-        self._drains.clear()
+        st.drains.clear()
         if pending:
             await asyncio.wait(pending, timeout=timeout)
-        if self._ipc is not None:
-            await self._ipc.aclose(timeout)
+        if st.ipc is not None:
+            await st.ipc.aclose(timeout)
 
     async def __aenter__(self) -> KVConnector:
         return self
@@ -405,45 +518,46 @@ class _Port:
     """The connector as its IPC plane sees it (:class:`~aiokv.kv.ipc.interfaces.ConnectorPort`):
     the caches, the argument checks, the ordinary path, the bookkeeping."""
 
-    def __init__(self, con: KVConnector) -> None:
-        self._con = con
+    def __init__(self, state: ConnectorState, chunked: _ChunkedPath) -> None:
+        self._st = state
+        self._chunked = chunked
 
     @property
     def engine(self) -> Any:
-        return self._con.engine
+        return self._st.engine
 
     @property
     def pull(self) -> Any:
-        return self._con._pull
+        return self._st.pull
 
     @property
     def layout(self) -> KVLayout:
-        return self._con.layout
+        return self._st.layout
 
     @property
     def caches(self) -> BoundCaches:
-        return self._con.caches
+        return self._st.caches
 
     @property
     def device(self) -> torch.device:
-        return self._con.device
+        return self._st.device
 
     def check_request(self, request_id: str) -> None:
-        self._con._check_open()
-        self._con._check_rid(request_id)
+        self._st.check_open()
+        self._st.check_rid(request_id)
 
     def deadline(self, timeout: float | None) -> float:
-        return self._con._deadline(timeout)
+        return self._st.deadline(timeout)
 
     def host_ids(
         self, block_ids: torch.Tensor | Sequence[int], *, unique: bool, what: str
     ) -> torch.Tensor:
-        return self._con._host_ids(block_ids, unique=unique, what=what)
+        return self._st.host_ids(block_ids, unique=unique, what=what)
 
     async def send_plain(
         self, request_id: str, block_ids: Sequence[int], *, to: str, timeout: float
     ) -> None:
-        await self._con._send_ordinary(request_id, block_ids, to=to, timeout=timeout)
+        await self._chunked.send_ordinary(request_id, block_ids, to=to, timeout=timeout)
 
     def save_layer_plain(
         self,
@@ -454,10 +568,10 @@ class _Port:
         to: str,
         timeout: float | None,
     ) -> None:
-        self._con._save_layer_ordinary(request_id, layer, block_ids, to=to, timeout=timeout)
+        self._chunked.save_layer_ordinary(request_id, layer, block_ids, to=to, timeout=timeout)
 
     async def wait_saved_plain(self, request_id: str) -> None:
-        await self._con._wait_saved_ordinary(request_id)
+        await self._chunked.wait_saved_ordinary(request_id)
 
     async def recv_plain(
         self,
@@ -468,7 +582,7 @@ class _Port:
         timeout: float,
         layerwise: bool,
     ) -> None:
-        await self._con._recv_ordinary(
+        await self._chunked.recv_ordinary(
             request_id, block_ids, frm=frm, timeout=timeout, layerwise=layerwise
         )
 
@@ -481,19 +595,23 @@ class _Port:
         *,
         late: bool = True,
     ) -> None:
-        self._con._drop(request_id, names, frm, deadline, late=late)
+        self._chunked.drop(request_id, names, frm, deadline, late=late)
 
     def sent(self, request_id: str, n_blocks: int, started: float) -> None:
-        self._con._sent(request_id, 0, n_blocks, started)  # (no chunks: one copy)
+        self._st.sent(request_id, 0, n_blocks, started)  # (no chunks: one copy)
 
     def received(self, request_id: str, n_blocks: int, started: float) -> None:
-        self._con._received(request_id, 0, n_blocks, started)
+        self._st.received(request_id, 0, n_blocks, started)
 
     def blocks_free(self, request_id: str) -> None:
-        self._con._finished_sending.add(request_id)
+        members = self._st.ipc_batches.pop(request_id, None)
+        if members is None:
+            self._st.finished_sent.add(request_id)
+        else:  # a step batch's plane request: each of its requests
+            self._st.finished_sent.update(rid for rid, _ in members)
 
     def send_failed(self) -> None:
-        self._con._stats.send_failures += 1
+        self._st.stats.send_failures += 1
 
     def recv_failed(self) -> None:
-        self._con._stats.recv_failures += 1
+        self._st.stats.recv_failures += 1

@@ -278,8 +278,9 @@ async def test_a_batch_from_another_chunk_plan_is_refused_before_any_write() -> 
 
 @pytest.mark.anyio
 @pytest.mark.timeout(60)
-async def test_with_the_ipc_plane_a_batch_goes_request_by_request() -> None:
-    # on CPU caches the plane falls back to the engine's path for every request
+async def test_with_the_ipc_plane_a_batch_is_one_plane_request() -> None:
+    # on CPU caches the plane falls back to the engine's path: the batch's ONE plane
+    # request goes that way as one request (one fallback, one chunk), reported per request
     lay = make_layout("fa", "float32", num_blocks=32)
     sizes = [2, 3, 1]
     src, dst = tables(sizes, lay.num_blocks, 1), tables(sizes, lay.num_blocks, 2)
@@ -292,6 +293,13 @@ async def test_with_the_ipc_plane_a_batch_goes_request_by_request() -> None:
         assert set(sent.values()) == {None} and set(got.values()) == {None}
         assert all(landed(lay, p, s, c, d) for _, s, d in reqs)
         assert cons.finished_receiving() == {"q0", "q1", "q2"}
+        assert prod.finished_sending() == {"q0", "q1", "q2"}
+        ps, cs = prod.statistics(), cons.statistics()
+        assert ps.ipc is not None and cs.ipc is not None
+        assert ps.ipc.fallbacks == {"not_cuda": 1} and cs.ipc.fallbacks == {}
+        assert ps.chunks_sent == 1 and cs.chunks_received == 1
+        assert ps.requests_sent == cs.requests_received == 3
+        assert ps.bytes_sent == cs.bytes_received == lay.request_nbytes(sum(sizes))
         with pytest.raises(ConfigError, match="appears twice"):
             await prod.send_requests([("z", [1]), ("z", [2])], to=b.address)
         await prod.aclose()

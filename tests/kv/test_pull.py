@@ -30,6 +30,7 @@ from aiokv import (
     TransferTimeoutError,
 )
 from aiokv.kv import KVConnector
+from aiokv.kv._request_codec import check_ticket
 
 # anyio_backend (asyncio in debug mode, and uvloop) comes from tests/conftest.py
 
@@ -305,7 +306,7 @@ def test_a_hostile_pulled_request_is_refused_and_writes_nothing(
         else torch.empty(0, dtype=torch.uint8)
     )
     try:
-        asyncio.run(con._take_pulled("r", raw, torch.tensor([3, 4])))
+        asyncio.run(con._pulled.take_pulled("r", raw, torch.tensor([3, 4])))
     except LayoutMismatchError:
         for x, y in zip(c, before, strict=True):
             assert torch.equal(x.view(torch.uint8), y.view(torch.uint8))
@@ -322,7 +323,7 @@ def test_a_hostile_ticket_is_refused(values: list[int], dtype: torch.dtype) -> N
     t = torch.tensor(values, dtype=dtype)
     ok = dtype is torch.int64 and len(values) >= 2 and values[0] == 1 and values[1] == 2
     try:
-        KVConnector._check_ticket("r", "peer", t, 2)
+        check_ticket("r", "peer", t, 2)
     except LayoutMismatchError:
         assert not ok
     else:

@@ -61,10 +61,12 @@ comes at the ready.
 step after the other, each step as ONE batch (``send_requests``; the consumer waits
 with one ``recv_requests`` per step); with ``--one-by-one`` the same steps, each
 request of a step by its own ``send_request`` / ``recv_request``. (With ``--transport
-ipc`` the connector moves a batch request by request: the IPC plane has no batch
-form.) ``producer_host_ms_per_step`` / ``consumer_host_ms_per_step``: the CPU time of
-each process's event-loop thread (``time.thread_time``) over the throughput
-iteration, divided by the steps (without ``--batch``: by the requests), medians.
+ipc`` a step's batch is ONE plane request: one descriptor, one copy on the consumer;
+``ipc_requests_per_step``: the consumer's plane requests per step in the timed
+iterations, 1.0 then.) ``producer_host_ms_per_step`` / ``consumer_host_ms_per_step``:
+the CPU time of each process's event-loop thread (``time.thread_time``) over the
+throughput iteration, divided by the steps (without ``--batch``: by the requests),
+medians.
 
 Output (``--json``): one JSON line with ``workload, transport, aiokv_gbps,
 raw_gbps, ratio, ok, p50_ms, p99_ms`` and details. GB/s are 1e9 bytes/s;
@@ -392,6 +394,12 @@ def main(argv: Sequence[str] | None = None, prog: str = "python -m aiokv.cli.ben
         ipc_stats = (c.get("connector") or {}).get("ipc")
         if args.transport == "ipc":
             rec["ipc"] = ipc_stats
+            # plane requests per scheduler step (or per request without --batch) in the
+            # timed iterations: 1.0 when each step's batch is one plane request
+            per_iter = -(-w.requests // args.batch) if args.batch else w.requests
+            rec["ipc_requests_per_step"] = round(
+                c.get("plane_requests", 0) / max(1, args.iters * per_iter), 4
+            )
             if (
                 not ipc_stats
                 or ipc_stats.get("fallbacks")

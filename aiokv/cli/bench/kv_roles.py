@@ -361,6 +361,8 @@ async def _consumer(a: dict[str, Any], chan: _Chan) -> dict[str, Any]:
         con = KVConnector(eng, layout, caches, chunk_bytes=a["chunk_bytes"], ipc=_ipc_options(a))
         try:
             for it in range(-1, a["iters"]):  # iteration -1 warms up (sessions, NCCL, kernels)
+                if it == 0:
+                    res["plane_requests"] = -_plane_requests(con)
                 big.zero_()
                 _sync(device)
                 c0 = time.thread_time()
@@ -409,6 +411,7 @@ async def _consumer(a: dict[str, Any], chan: _Chan) -> dict[str, Any]:
                 await chan.recv("ack")
                 if it >= 0:
                     res["raw_s"].append(t1 - t0)
+            res["plane_requests"] = res.get("plane_requests", 0) + _plane_requests(con)
             # latency: one request at a time
             n_blocks = min(w.blocks_per_request, max(1, 256 // w.block_size))
             res["latency_tokens"] = n_blocks * w.block_size
@@ -449,6 +452,12 @@ async def _consumer(a: dict[str, Any], chan: _Chan) -> dict[str, Any]:
     _raw_teardown(pg)
     res["bytes"] = total
     return res
+
+
+def _plane_requests(con: Any) -> int:
+    """The requests the consumer's IPC plane received so far (0 without the plane)."""
+    st = con.statistics().ipc
+    return st.requests_received if st is not None else 0
 
 
 # --------------------------------------------------------------------------- raw baselines

@@ -841,7 +841,7 @@ async def test_cancelled_send_frees_blocks_only_after_release() -> None:
         await cons.recv_request("k", [5, 6], frm=a.address, timeout=10)
         assert landed(pl, p, [1, 2], c, [5, 6])
         for _ in range(100):
-            if "k" in prod._finished_sending:
+            if "k" in prod._st.finished_sent:
                 break
             await asyncio.sleep(0.02)
         assert prod.finished_sending() == {"k"}

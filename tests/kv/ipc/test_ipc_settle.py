@@ -135,10 +135,10 @@ async def test_settle_outcomes(role: str, outcome: str) -> None:
         else:
             with pytest.raises(exc):
                 await run_role(role, con, plane)
-        st, ipc = con._stats, plane.statistics()
+        st, ipc = con._st.stats, plane.statistics()
         assert st.send_failures == failures[role]
         assert ipc.lease_expired == expired
-        assert ("r" in con._finished_sending) == finished
+        assert ("r" in con._st.finished_sent) == finished
         n_events = 1 if role == "send_request" else con.layout.num_layers
         assert len(plane.producer.free_events) == (n_events if events_back else 0)
         assert ipc.requests_sent == (1 if finished else 0)
@@ -171,14 +171,14 @@ async def test_settle_cancelled(role: str) -> None:
         task.cancel()
         with pytest.raises(asyncio.CancelledError):
             await task
-        assert con._stats.send_failures == 1
-        assert "r" not in con._finished_sending and plane.producer.free_events == []
+        assert con._st.stats.send_failures == 1
+        assert "r" not in con._st.finished_sent and plane.producer.free_events == []
         ch.gate.set()
         for _ in range(100):
-            if "r" in con._finished_sending:
+            if "r" in con._st.finished_sent:
                 break
             await asyncio.sleep(0.01)
-        assert "r" in con._finished_sending
+        assert "r" in con._st.finished_sent
         n_events = 1 if role == "send_request" else con.layout.num_layers
         assert len(plane.producer.free_events) == n_events
-        assert con._stats.send_failures == 1 and plane.statistics().requests_sent == 0
+        assert con._st.stats.send_failures == 1 and plane.statistics().requests_sent == 0

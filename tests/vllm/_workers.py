@@ -72,15 +72,17 @@ def drain(w: _WorkerSide, ids: set[str], *, sending: bool, timeout: float = 60.0
     reported; returns those whose load failed."""
     left, failed = set(ids), set()
     end = time.monotonic() + timeout
+    finished = set(ids) if sending else set()  # vLLM names a finished request once
     while left:
         if time.monotonic() > end:
             raise TimeoutError(f"not reported within {timeout} s: {sorted(left)[:4]}")
-        r = w.results(set(ids) if sending else set())
+        r = w.results(finished)
+        finished = set()
         got = (r.finished_sending if sending else r.finished_recving) or set()
         failed |= r.failed_recving or set()
         left -= got
         if left:
-            time.sleep(0.001)
+            time.sleep(0.002)
     return failed
 
 

@@ -35,7 +35,7 @@ import functools
 import logging
 import threading
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -644,6 +644,7 @@ class _WorkerSide:
         for group in groups.values():
             b = _Batch({s.req_id for s in group})
             b.task = self.loop.loop.create_task(self._send_batch(group))
+            self._report_if_unstarted(b.task, group.copy)
             for s in group:
                 self._tasks[s.req_id] = b.task
                 self._batches[s.req_id] = b
@@ -688,11 +689,33 @@ class _WorkerSide:
 
     def _start_send(self, s: SendSpec) -> None:
         assert self.loop is not None
-        self._tasks[s.req_id] = self.loop.loop.create_task(self._send(s))
+        task = self._tasks[s.req_id] = self.loop.loop.create_task(self._send(s))
+        self._report_if_unstarted(task, [s].copy)
 
     def _start_load(self, spec: LoadSpec) -> None:
         assert self.loop is not None
-        self._tasks[spec.req_id] = self.loop.loop.create_task(self._load(spec))
+        task = self._tasks[spec.req_id] = self.loop.loop.create_task(self._load(spec))
+        self._report_if_unstarted(task, [spec].copy)
+
+    def _report_if_unstarted(
+        self,
+        task: asyncio.Task[None],
+        specs: Callable[[], Iterable[SendSpec | LoadSpec]],
+    ) -> None:
+        """A task cancelled before its first step (an abort in the same loop pass as
+        its start) never runs its own reporting: its requests are reported when it
+        ends instead (a request is reported once: its task entry goes with it)."""
+
+        def done(t: asyncio.Task[None]) -> None:
+            for spec in specs():
+                if self._tasks.get(spec.req_id) is not t:
+                    continue
+                if isinstance(spec, SendSpec):
+                    self._send_done(spec, False, False)
+                else:
+                    self._load_done(spec, "cancelled")
+
+        task.add_done_callback(done)
 
     def _join_batch(self, spec: LoadSpec) -> None:
         """(loop thread) ``spec`` was pushed in a step batch: it takes its place there,
@@ -716,6 +739,7 @@ class _WorkerSide:
                 b = _RecvBatch(set(), frm=frm, wire=wire)
                 self._recv_batches[k] = b
                 b.task = self.loop.loop.create_task(self._recv_batch(b))
+                self._report_if_unstarted(b.task, b.slots.values)
             b.taken.add(i)  # by a request that fails too: nobody else comes for it
             if len(b.taken) == len(wire):
                 b.complete.set()

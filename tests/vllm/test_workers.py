@@ -16,6 +16,7 @@ with warnings.catch_warnings():  # vLLM's imports warn (deprecations in torch)
     warnings.simplefilter("ignore")
     from _workers import batch_sends, drain, load_of, make_worker, step_loads, step_sends
 
+    from aiokv.vllm import AiokvMetadata
     from aiokv.vllm._protocol import SendSpec, transfer_key
     from aiokv.vllm.connector import _WorkerSide
 
@@ -130,3 +131,86 @@ def test_a_request_that_comes_after_its_batch_was_received_fails_at_once(
     assert time.monotonic() - t0 < 1.0
     ds = d.stats()
     assert (ds["batches_received"], ds["loads"], ds["load_failures"]) == (1, 2, 1)
+
+
+def test_a_batch_with_a_local_prefix_hit_writes_only_the_blocks_past_it(
+    pd: tuple[_WorkerSide, _WorkerSide, str],
+) -> None:
+    p, d, p_addr = pd
+    assert d.address is not None
+    step = sends(3, d.address, seed=3)  # 1, 2 and 3 blocks
+    batch_sends(step)
+    step_sends(p, step)
+    drain(p, {s.req_id for s in step}, sending=True)
+    loads = [
+        load_of(s, p_addr, range(40 + 3 * i, 40 + 3 * i + len(s.block_ids)))
+        for i, s in enumerate(step)
+    ]
+    # the decode holds the first block of the third request: only its last two are written
+    hit = loads[2].block_ids[0]
+    loads[2].skip, loads[2].block_ids = 1, loads[2].block_ids[1:]
+    kept = blocks(d, [hit])
+    step_loads(d, loads)
+    assert drain(d, {x.req_id for x in loads}, sending=False) == set()
+    for s, x in zip(step, loads, strict=True):
+        for a, b in zip(blocks(p, s.block_ids[x.skip :]), blocks(d, x.block_ids), strict=True):
+            assert torch.equal(a, b), s.req_id
+    for a, b in zip(kept, blocks(d, [hit]), strict=True):
+        assert torch.equal(a, b)
+    ds = d.stats()
+    assert (ds["batches_received"], ds["loads"], ds["blocks_loaded"]) == (1, 3, 1 + 2 + 2)
+
+
+def test_an_aborted_request_does_not_stop_its_batch_until_all_of_it_ended(
+    pd: tuple[_WorkerSide, _WorkerSide, str],
+) -> None:
+    p, d, p_addr = pd
+    assert d.address is not None
+    step = sends(3, d.address, seed=4)
+    batch_sends(step)
+    step_sends(p, step)
+    drain(p, {s.req_id for s in step}, sending=True)
+    loads = [
+        load_of(s, p_addr, range(40 + 3 * i, 40 + 3 * i + len(s.block_ids)))
+        for i, s in enumerate(step)
+    ]
+    # one of the two that came is aborted while the batch waits for the third: the
+    # other one still loads once the batch is received (after the grace)
+    step_loads(d, loads[:2])
+    d.start_loads(AiokvMetadata(cancel=[loads[0].req_id]))
+    assert drain(d, {x.req_id for x in loads[:2]}, sending=False) == set()
+    for a, b in zip(blocks(p, step[1].block_ids), blocks(d, loads[1].block_ids), strict=True):
+        assert torch.equal(a, b)
+    ds = d.stats()
+    assert (ds["batches_received"], ds["loads"], ds["loads_cancelled"]) == (1, 2, 0)
+    # a batch all of whose requests ended stops at once, before the grace
+    again = sends(3, d.address, seed=5)
+    batch_sends(again)
+    step_sends(p, again)
+    drain(p, {s.req_id for s in again}, sending=True)
+    loads = [
+        load_of(s, p_addr, range(40 + 3 * i, 40 + 3 * i + len(s.block_ids)))
+        for i, s in enumerate(again)
+    ]
+    step_loads(d, loads[:2])
+    t0 = time.monotonic()
+    d.start_loads(AiokvMetadata(cancel=[x.req_id for x in loads[:2]]))
+    assert drain(d, {x.req_id for x in loads[:2]}, sending=False) == set()
+    assert time.monotonic() - t0 < 1.0
+    ds = d.stats()
+    assert (ds["batches_received"], ds["loads"], ds["loads_cancelled"]) == (1, 2, 2)
+
+
+def test_a_load_aborted_in_the_step_it_starts_is_reported(
+    pd: tuple[_WorkerSide, _WorkerSide, str],
+) -> None:
+    """Its task is cancelled before its first step, so it never runs its own
+    reporting; vLLM would wait for the request's blocks forever."""
+    _, d, p_addr = pd
+    assert d.address is not None
+    [s] = sends(1, d.address, seed=6)
+    spec = load_of(s, p_addr, [40])
+    spec.mode = "pull"
+    d.start_loads(AiokvMetadata(load=[spec], cancel=[spec.req_id]))
+    assert drain(d, {spec.req_id}, sending=False, timeout=5) == set()
+    assert (d.stats()["loads_cancelled"], d.stats()["load_failures"]) == (1, 0)

@@ -16,14 +16,18 @@ ends the request with an error instead).
 
 Worker side: each worker runs an aiokv :class:`~aiokv.Engine` and a
 :class:`~aiokv.kv.KVConnector` over vLLM's paged caches on an event loop of its
-own thread; the synchronous calls only hand work to that loop. A prefill worker
-pushes the prompt's blocks layer by layer during the forward that completes the
-prompt (``save_kv_layer``: each layer leaves as soon as vLLM wrote it), or, in
+own thread; the synchronous calls only hand work to that loop, once per step
+whatever the number of requests (once per layer for ``save_kv_layer``). A prefill
+worker pushes the prompt's blocks layer by layer during the forward that completes
+the prompt (``save_kv_layer``: each layer leaves as soon as vLLM wrote it), or, in
 pull mode, serves them whole once the forward is done (``wait_for_save``: the
-decode is not known before the prefill answers). A decode worker loads a request
-between scheduler steps, and :meth:`AiokvConnector.get_transfer_results` reports
-what finished. Nothing waits inside vLLM's forward: the decode is scheduled only
-once its KV is in place, so ``wait_for_layer_load`` has nothing to wait for.
+decode is not known before the prefill answers); with ``layerwise`` off it pushes
+them whole after the forward, the step's requests for one decode as one step batch
+(``KVConnector.send_requests``; the decode takes it with one ``recv_requests``). A
+decode worker loads a request between scheduler steps, and
+:meth:`AiokvConnector.get_transfer_results` reports what finished. Nothing waits
+inside vLLM's forward: the decode is scheduled only once its KV is in place, so
+``wait_for_layer_load`` has nothing to wait for.
 """
 
 from __future__ import annotations

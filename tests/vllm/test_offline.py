@@ -137,9 +137,10 @@ def test_a_step_of_whole_pushes_loads_token_exact_as_one_batch(
     # the prefill computed the four prompts in one step: one batch, each in its place
     assert len({tuple(x["aiokv_batch"]) for x in params}) == 1
     assert [x["aiokv_batch_index"] for x in params] == [0, 1, 2, 3]
-    now = p.call(op="state")["connector"]
-    assert now["batches_sent"] - sent["batches_sent"] == 1
-    assert now["sends"] - sent["sends"] == 4
+    # counted once the decode's engine held the batch (asynchronously: the prefill
+    # answered when its forward was done)
+    assert wait_until(lambda: p.call(op="state")["connector"]["sends"] - sent["sends"] == 4, 10)
+    assert p.call(op="state")["connector"]["batches_sent"] - sent["batches_sent"] == 1
     before = d.call(op="state")
     outs = d.generate(prompts, MAX_TOKENS, params)
     assert [o["tokens"] for o in outs] == reference(pd["p"], prompts)

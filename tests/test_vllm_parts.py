@@ -25,7 +25,7 @@ from aiokv.kv import (
 )
 from aiokv.vllm._layout import describe_caches
 from aiokv.vllm._loop import LoopThread
-from aiokv.vllm._protocol import decode_address_of, parse_remote, transfer_key
+from aiokv.vllm._protocol import batch_wire_id, decode_address_of, parse_remote, transfer_key
 from aiokv.vllm._settings import MIGRATED, UNSUPPORTED, parse_settings
 
 REPO = Path(__file__).resolve().parents[1]
@@ -221,6 +221,29 @@ def test_parse_remote_takes_usable_params_and_says_why_not() -> None:
         {"aiokv_layerwise": 1, "aiokv_mode": "push"},
     ):
         r, why = parse_remote(good() | bad, prompt_len=70, block_size=32, tp_size=1)
+        assert r is None and why, bad
+
+
+def test_parse_remote_takes_a_step_batch_of_a_whole_push_only() -> None:
+    w = [batch_wire_id(transfer_key(f"p-{i}", [i])) for i in range(3)]
+    push = good() | {"aiokv_mode": "push", "aiokv_batch": w, "aiokv_batch_index": 2}
+    r, why = parse_remote(push, prompt_len=70, block_size=32, tp_size=1)
+    assert why is None and r is not None and (r.batch, r.batch_index) == (tuple(w), 2)
+    r, why = parse_remote(good(), prompt_len=70, block_size=32, tp_size=1)
+    assert r is not None and r.batch is None
+    for bad in (
+        {"aiokv_mode": "pull"},  # a pull is fetched on its own
+        {"aiokv_layerwise": True},  # layer by layer is not batched
+        {"aiokv_batch_index": 3},
+        {"aiokv_batch_index": -1},
+        {"aiokv_batch_index": True},
+        {"aiokv_batch": w[:1], "aiokv_batch_index": 0},  # a batch has two or more
+        {"aiokv_batch": [w[0], w[0], w[1]]},
+        {"aiokv_batch": [*w[:2], "p-2@abc"]},  # not a wire id
+        {"aiokv_batch": "kvb-" + "0" * 32},
+        {"aiokv_batch": [w[0]] + [f"kvb-{i:032x}" for i in range(1024)]},
+    ):
+        r, why = parse_remote(push | bad, prompt_len=70, block_size=32, tp_size=1)
         assert r is None and why, bad
 
 

@@ -9,13 +9,23 @@ A prefill (``kv_transfer_params={"do_remote_decode": true}``) answers with::
      "remote_num_tokens": <tokens whose KV it holds>, "tp_size": ...,
      "aiokv": 1, "aiokv_mode": "pull" | "push",
      "aiokv_addresses": ["host:port" of each tensor-parallel rank's engine],
-     "aiokv_layerwise": <push: the prefill sent it layer by layer>}
+     "aiokv_layerwise": <push: the prefill sent it layer by layer>,
+     "aiokv_batch": [<wire id of each request of its step batch>],  # whole pushes only
+     "aiokv_batch_index": <this request's place in aiokv_batch>}
 
 which the decode request carries verbatim. The data itself travels under the key
 ``f"{remote_request_id}@{digest}"`` where ``digest`` is :func:`prompt_digest` of the
 tokens: the decode computes it from ITS OWN prompt, so parameters that point at
 another request (or a prompt that differs) find nothing and the decode recomputes;
 it never loads KV computed for other tokens.
+
+A prefill step that completes several prompts pushed whole (not layer-wise) to one
+decode sends them as ONE step batch (``KVConnector.send_requests``), whose name is
+the set of its requests' wire ids (:func:`batch_wire_id`: a hash of each key, so a
+decode learns nothing of the other requests' ids or prompts). Each answer lists the
+batch and the request's place in it; the decode receives the batch with one
+``recv_requests`` once the batch's requests are there, and a request whose own key
+does not hash to its place fails alone (it recomputes).
 """
 
 from __future__ import annotations
@@ -28,11 +38,13 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 __all__ = [
+    "MAX_BATCH",
     "PARAMS_VERSION",
     "DeclineSpec",
     "LoadSpec",
     "RemoteKV",
     "SendSpec",
+    "batch_wire_id",
     "decline_name",
     "decode_address_of",
     "parse_remote",
@@ -43,6 +55,9 @@ __all__ = [
 PARAMS_VERSION = 1
 _MAX_ID = 256
 _MAX_BLOCKS = 1 << 20
+#: the most requests one step batch carries (a step schedules fewer)
+MAX_BATCH = 1024
+_WIRE_ID = re.compile(r"^kvb-[0-9a-f]{32}$")
 _ADDR = re.compile(r"^[A-Za-z0-9._\-\[\]:]{1,255}:[0-9]{1,5}$")
 # the decode address in a request id, as vLLM's P2P proxy and the aiokv router write it
 _DECODE_IN_ID = re.compile(r"___decode_addr_([A-Za-z0-9._\-]{1,255}):([0-9]{1,5})")
@@ -65,6 +80,11 @@ def decline_name(key: str) -> str:
     """The id of the ticket a pull prefill publishes beside its request's: a decode
     that will not load the request GETs it, and the prefill frees the blocks at once."""
     return f"{key}#decline"
+
+
+def batch_wire_id(key: str) -> str:
+    """The id request ``key`` travels under inside a step batch."""
+    return "kvb-" + hashlib.blake2b(key.encode(), digest_size=16).hexdigest()
 
 
 def valid_address(a: object) -> bool:
@@ -99,6 +119,9 @@ class RemoteKV:
     num_tokens: int
     mode: Literal["pull", "push"]
     layerwise: bool = False
+    #: the wire ids of the step batch it travelled in, and its place there
+    batch: tuple[str, ...] | None = None
+    batch_index: int = 0
 
 
 def parse_remote(
@@ -142,7 +165,35 @@ def parse_remote(
     layerwise = params.get("aiokv_layerwise", False)
     if not isinstance(layerwise, bool) or (layerwise and mode != "push"):
         return None, f"aiokv_layerwise {layerwise!r:.20} is not a bool, or not with push"
-    return RemoteKV(rid, tuple(addrs), tuple(ids), n, mode, layerwise), None
+    batch = params.get("aiokv_batch")
+    index = params.get("aiokv_batch_index", 0)
+    if batch is not None and (
+        not isinstance(batch, list)
+        or not 1 < len(batch) <= MAX_BATCH
+        or not all(isinstance(b, str) and _WIRE_ID.match(b) for b in batch)
+        or len(set(batch)) != len(batch)
+        or type(index) is not int
+        or not 0 <= index < len(batch)
+        or mode != "push"
+        or layerwise
+    ):
+        return None, (
+            f"aiokv_batch must list 2 to {MAX_BATCH} distinct wire ids of a whole push, "
+            f"with aiokv_batch_index in it; got {batch!r:.80} at {index!r:.20}"
+        )
+    return (
+        RemoteKV(
+            rid,
+            tuple(addrs),
+            tuple(ids),
+            n,
+            mode,
+            layerwise,
+            tuple(batch) if batch is not None else None,
+            index if batch is not None else 0,
+        ),
+        None,
+    )
 
 
 @dataclass(slots=True)
@@ -156,6 +207,9 @@ class SendSpec:
     push_to: str | None = None
     #: push layer by layer, as the forward saves each layer
     layerwise: bool = False
+    #: a whole push sent in a step batch: the batch's wire ids, this one's place there
+    batch: list[str] | None = None
+    batch_index: int = 0
 
 
 @dataclass(slots=True)
@@ -174,6 +228,9 @@ class LoadSpec:
     block_ids: list[int] = field(default_factory=list)
     #: the prefill pushed it layer by layer
     layerwise: bool = False
+    #: the prefill pushed it in a step batch: the batch's wire ids, its place there
+    batch: list[str] | None = None
+    batch_index: int = 0
 
 
 @dataclass(slots=True)

@@ -16,14 +16,18 @@ ends the request with an error instead).
 
 Worker side: each worker runs an aiokv :class:`~aiokv.Engine` and a
 :class:`~aiokv.kv.KVConnector` over vLLM's paged caches on an event loop of its
-own thread; the synchronous calls only hand work to that loop. A prefill worker
-pushes the prompt's blocks layer by layer during the forward that completes the
-prompt (``save_kv_layer``: each layer leaves as soon as vLLM wrote it), or, in
+own thread; the synchronous calls only hand work to that loop, once per step
+whatever the number of requests (once per layer for ``save_kv_layer``). A prefill
+worker pushes the prompt's blocks layer by layer during the forward that completes
+the prompt (``save_kv_layer``: each layer leaves as soon as vLLM wrote it), or, in
 pull mode, serves them whole once the forward is done (``wait_for_save``: the
-decode is not known before the prefill answers). A decode worker loads a request
-between scheduler steps, and :meth:`AiokvConnector.get_transfer_results` reports
-what finished. Nothing waits inside vLLM's forward: the decode is scheduled only
-once its KV is in place, so ``wait_for_layer_load`` has nothing to wait for.
+decode is not known before the prefill answers); with ``layerwise`` off it pushes
+them whole after the forward, the step's requests for one decode as one step batch
+(``KVConnector.send_requests``; the decode takes it with one ``recv_requests``). A
+decode worker loads a request between scheduler steps, and
+:meth:`AiokvConnector.get_transfer_results` reports what finished. Nothing waits
+inside vLLM's forward: the decode is scheduled only once its KV is in place, so
+``wait_for_layer_load`` has nothing to wait for.
 """
 
 from __future__ import annotations
@@ -35,7 +39,7 @@ import functools
 import logging
 import threading
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -51,11 +55,13 @@ from .._exceptions import AiokvError, ConfigError
 from ._layout import describe_caches
 from ._loop import LoopThread
 from ._protocol import (
+    MAX_BATCH,
     PARAMS_VERSION,
     DeclineSpec,
     LoadSpec,
     RemoteKV,
     SendSpec,
+    batch_wire_id,
     decline_name,
     decode_address_of,
     parse_remote,
@@ -87,6 +93,10 @@ _DONE = ("FINISHED_LENGTH_CAPPED", "FINISHED_STOPPED")
 _MAX_DECLINES = 256
 #: how long a decline waits for the prefill's engine
 _DECLINE_TIMEOUT = 5.0
+#: how long a decode waits for the rest of a step batch once one of its requests came
+_BATCH_GRACE = 2.0
+#: step batches a decode remembers having received
+_BATCHES_REMEMBERED = 4096
 
 
 @dataclasses.dataclass
@@ -328,6 +338,8 @@ class _SchedulerSide:
                 skip=skip,
                 block_ids=list(ids[skip:n]),
                 layerwise=remote.layerwise,
+                batch=list(remote.batch) if remote.batch is not None else None,
+                batch_index=remote.batch_index,
             )
         )
 
@@ -388,6 +400,7 @@ class _SchedulerSide:
                 if spec is not None:
                     self._handed[rid] = spec
                     self._send.append(spec)
+            _batch_whole_pushes(self._send)
         meta = AiokvMetadata(
             send=self._send, load=self._load, cancel=self._cancel, decline=self._decline
         )
@@ -432,10 +445,52 @@ class _SchedulerSide:
             "aiokv_mode": "pull" if spec.push_to is None else "push",
             "aiokv_addresses": list(self.addresses),
             "aiokv_layerwise": spec.layerwise,
+            **(
+                {"aiokv_batch": list(spec.batch), "aiokv_batch_index": spec.batch_index}
+                if spec.batch is not None
+                else {}
+            ),
         }
 
 
+def _batch_whole_pushes(sends: list[SendSpec]) -> None:
+    """The step's whole pushes to one decode travel as one step batch (two or more)."""
+    groups: dict[str, list[SendSpec]] = {}
+    for s in sends:
+        if s.push_to is not None and not s.layerwise:
+            groups.setdefault(s.push_to, []).append(s)
+    for group in groups.values():
+        for part in range(0, len(group), MAX_BATCH):
+            members = group[part : part + MAX_BATCH]
+            if len(members) < 2:
+                continue
+            wire = [batch_wire_id(s.key) for s in members]
+            for i, s in enumerate(members):
+                s.batch, s.batch_index = wire, i
+
+
 # ============================================================================ worker
+
+
+@dataclasses.dataclass(eq=False)
+class _Batch:
+    """A step batch on a worker: its requests (vLLM's ids), those that ended."""
+
+    members: set[str]
+    ended: set[str] = dataclasses.field(default_factory=set)
+    task: asyncio.Task[None] | None = None
+
+
+@dataclasses.dataclass(eq=False)
+class _RecvBatch(_Batch):
+    """A step batch a decode receives: the producer's wire ids, the places taken (by
+    a request that loads, or one that failed), those that load."""
+
+    frm: str = ""
+    wire: tuple[str, ...] = ()
+    taken: set[int] = dataclasses.field(default_factory=set)
+    slots: dict[int, LoadSpec] = dataclasses.field(default_factory=dict)
+    complete: asyncio.Event = dataclasses.field(default_factory=asyncio.Event)
 
 
 def _tp_rank() -> int:
@@ -468,6 +523,11 @@ class _WorkerSide:
         self._failed: set[str] = set()  # subset of _loaded
         self._finished: set[str] = set()  # request ids vLLM said finished
         self._declines: set[asyncio.Task[None]] = set()  # (loop thread)
+        # step batches (loop thread): by request id; being received, by (peer, wire ids);
+        # received lately (a request of one that comes later fails at once)
+        self._batches: dict[str, _Batch] = {}
+        self._recv_batches: dict[tuple[str, tuple[str, ...]], _RecvBatch] = {}
+        self._batches_done: dict[tuple[str, tuple[str, ...]], None] = {}
         self._stats: dict[str, Any] = {
             "loads": 0,
             "load_failures": 0,
@@ -475,6 +535,8 @@ class _WorkerSide:
             "sends": 0,
             "send_failures": 0,
             "sends_declined": 0,
+            "batches_sent": 0,  # step batches (send_requests), each of 2 or more requests
+            "batches_received": 0,  # (recv_requests)
             "declines": 0,
             "layers_saved": 0,  # in the forward (save_kv_layer)
             "layers_saved_after": 0,  # after it (vLLM did not save them)
@@ -545,33 +607,67 @@ class _WorkerSide:
             raise RuntimeError("AiokvConnector: a transfer before register_kv_caches")
         return self.loop
 
+    # Each of these hands the whole step to the loop thread at once: one hand-off per
+    # step (per layer for save_layer), whatever the number of requests.
+
     def start_loads(self, meta: AiokvMetadata) -> None:
         if meta.load or meta.cancel or meta.decline:
-            loop = self._loop()
-            for spec in meta.load:
-                loop.soon(functools.partial(self._start_load, spec))
-            if meta.cancel:
-                loop.soon(functools.partial(self._cancel, set(meta.cancel)))
-            for d in meta.decline:
-                loop.soon(functools.partial(self._start_decline, d))
+            self._loop().soon(
+                functools.partial(self._step_loads, meta.load, meta.cancel, meta.decline)
+            )
 
     def start_sends(self, meta: AiokvMetadata) -> None:
         if meta.send:
-            loop = self._loop()
-            for s in meta.send:
-                with self._lock:
-                    self._sending.add(s.req_id)
-                loop.soon(functools.partial(self._start_send, s))
+            with self._lock:
+                self._sending.update(s.req_id for s in meta.send)
+            self._loop().soon(functools.partial(self._step_sends, meta.send))
 
     def save_layer(self, meta: AiokvMetadata, layer_name: str) -> None:
         """(forward thread) Start sending ``layer_name`` of the step's layer-wise pushes."""
         layer = self._layer_index.get(layer_name)
         if layer is None:
             return
-        loop = self._loop()
-        for s in meta.send:
-            if s.layerwise:
-                loop.soon(functools.partial(self._save_layer, s, layer, True))
+        specs = [s for s in meta.send if s.layerwise]
+        if specs:
+            self._loop().soon(functools.partial(self._save_layers, specs, layer))
+
+    def _save_layers(self, specs: list[SendSpec], layer: int) -> None:
+        for s in specs:
+            self._save_layer(s, layer, True)
+
+    def _step_sends(self, specs: list[SendSpec]) -> None:
+        """(loop thread) The step's hand-ons: the whole pushes of one step batch in one
+        task (one ``send_requests``), every other request in a task of its own."""
+        assert self.loop is not None
+        groups: dict[tuple[str, tuple[str, ...]], list[SendSpec]] = {}
+        for s in specs:
+            if s.batch is not None and s.push_to is not None and not s.layerwise:
+                groups.setdefault((s.push_to, tuple(s.batch)), []).append(s)
+            else:
+                self._start_send(s)
+        for group in groups.values():
+            b = _Batch({s.req_id for s in group})
+            b.task = self.loop.loop.create_task(self._send_batch(group))
+            self._report_if_unstarted(b.task, group.copy)
+            for s in group:
+                self._tasks[s.req_id] = b.task
+                self._batches[s.req_id] = b
+
+    def _step_loads(
+        self, loads: list[LoadSpec], cancel: list[str], declines: list[DeclineSpec]
+    ) -> None:
+        """(loop thread) The step's loads (a push step batch joins its batch; every
+        other load runs as a task known by its request id at once, so that an abort
+        that follows finds it), aborts and declines."""
+        for spec in loads:
+            if spec.batch is not None and spec.mode == "push":
+                self._join_batch(spec)
+            else:
+                self._start_load(spec)
+        if cancel:
+            self._cancel(set(cancel))
+        for d in declines:
+            self._start_decline(d)
 
     def _save_layer(self, s: SendSpec, layer: int, in_forward: bool) -> None:
         """(loop thread) One layer of a layer-wise push; a layer that fails is tried
@@ -597,13 +693,186 @@ class _WorkerSide:
 
     def _start_send(self, s: SendSpec) -> None:
         assert self.loop is not None
-        self._tasks[s.req_id] = self.loop.loop.create_task(self._send(s))
+        task = self._tasks[s.req_id] = self.loop.loop.create_task(self._send(s))
+        self._report_if_unstarted(task, [s].copy)
 
     def _start_load(self, spec: LoadSpec) -> None:
-        """(loop thread) The load runs as a task known by its request id at once, so
-        that an abort that follows finds it."""
         assert self.loop is not None
-        self._tasks[spec.req_id] = self.loop.loop.create_task(self._load(spec))
+        task = self._tasks[spec.req_id] = self.loop.loop.create_task(self._load(spec))
+        self._report_if_unstarted(task, [spec].copy)
+
+    def _report_if_unstarted(
+        self,
+        task: asyncio.Task[None],
+        specs: Callable[[], Iterable[SendSpec | LoadSpec]],
+    ) -> None:
+        """A task cancelled before its first step (an abort in the same loop pass as
+        its start) never runs its own reporting: its requests are reported when it
+        ends instead (a request is reported once: its task entry goes with it)."""
+
+        def done(t: asyncio.Task[None]) -> None:
+            for spec in specs():
+                if self._tasks.get(spec.req_id) is not t:
+                    continue
+                if isinstance(spec, SendSpec):
+                    self._send_done(spec, False, False)
+                else:
+                    self._load_done(spec, "cancelled")
+
+        task.add_done_callback(done)
+
+    def _join_batch(self, spec: LoadSpec) -> None:
+        """(loop thread) ``spec`` was pushed in a step batch: it takes its place there,
+        and the batch is received (one ``recv_requests``) once every place is taken,
+        or :data:`_BATCH_GRACE` after its first request came. A request whose own key
+        is not the one at its place (its prompt is not the one the prefill computed),
+        or that comes after its batch was received, fails alone."""
+        assert self.loop is not None and spec.batch is not None
+        frm = spec.addresses[self.rank]
+        wire = tuple(spec.batch)
+        k = (frm, wire)
+        i = spec.batch_index
+        why = None
+        b = self._recv_batches.get(k)
+        if k in self._batches_done:
+            why = "its step batch was received before it came"
+        elif b is not None and i in b.taken:
+            why = f"place {i} of its step batch is taken"
+        else:
+            if b is None:
+                b = _RecvBatch(set(), frm=frm, wire=wire)
+                self._recv_batches[k] = b
+                b.task = self.loop.loop.create_task(self._recv_batch(b))
+                self._report_if_unstarted(b.task, b.slots.values)
+            b.taken.add(i)  # by a request that fails too: nobody else comes for it
+            if len(b.taken) == len(wire):
+                b.complete.set()
+            if batch_wire_id(spec.key) != wire[i]:
+                why = "its prompt is not the one its prefill sent in that place"
+        if why is not None:
+            log.warning(
+                "AiokvConnector: %s could not load its KV from %s: %s", spec.req_id, frm, why
+            )
+            self._load_done(spec, "failed")
+            return
+        assert b is not None and b.task is not None
+        b.slots[i] = spec
+        b.members.add(spec.req_id)
+        self._tasks[spec.req_id] = b.task
+        self._batches[spec.req_id] = b
+
+    async def _send_batch(self, group: list[SendSpec]) -> None:
+        """(loop thread) One step batch of whole pushes: one ``send_requests``; each
+        request's outcome is its own."""
+        assert self.kv is not None and group[0].push_to is not None
+        to = with_port_offset(group[0].push_to, self.rank)
+        outcome = dict.fromkeys((s.req_id for s in group), False)
+        t0 = time.perf_counter()
+        try:
+            wire = [(s.batch[s.batch_index], s.block_ids) for s in group if s.batch is not None]
+            res = await self.kv.send_requests(wire, to=to, timeout=self.settings.timeout)
+            for s, (w, _) in zip(group, wire, strict=True):
+                err = res.get(w)
+                outcome[s.req_id] = err is None
+                if err is not None:
+                    log.warning("AiokvConnector: %s was not handed on: %s", s.req_id, err)
+            with self._lock:
+                self._stats["batches_sent"] += 1
+            log.debug(
+                "AiokvConnector: a step batch of %d requests handed to %s in %.1f ms",
+                len(group),
+                to,
+                (time.perf_counter() - t0) * 1e3,
+            )
+        except asyncio.CancelledError:
+            log.debug("AiokvConnector: a step batch stopped (its requests ended)")
+        except AiokvError as exc:
+            log.warning("AiokvConnector: a step batch of %d was not handed on: %s", len(group), exc)
+        except Exception:
+            log.exception("AiokvConnector: a step batch of %d was not handed on", len(group))
+        finally:
+            for s in group:
+                self._send_done(s, outcome[s.req_id], False)
+
+    async def _recv_batch(self, b: _RecvBatch) -> None:
+        """(loop thread) Receive step batch ``b`` once its places are taken (or the
+        grace ended): one ``recv_requests`` into this cache -- or, when a request's
+        first blocks are a local prefix hit, into a scratch cache, copying the rest."""
+        from ..kv import KVConnector
+
+        assert self.kv is not None and self.layout is not None and self.engine is not None
+        outcome: dict[str, str] = {}
+        t0 = time.perf_counter()
+        try:
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(b.complete.wait(), min(_BATCH_GRACE, self.settings.timeout))
+            self._recv_batches.pop((b.frm, b.wire), None)
+            self._batches_done[(b.frm, b.wire)] = None
+            while len(self._batches_done) > _BATCHES_REMEMBERED:
+                del self._batches_done[next(iter(self._batches_done))]
+            outcome = dict.fromkeys((s.req_id for s in b.slots.values()), "failed")
+            if not b.slots:
+                return
+            kv, scratch = self.kv, None
+            places: dict[int, Iterable[int]] = {i: s.block_ids for i, s in b.slots.items()}
+            if any(s.skip for s in b.slots.values()):
+                lay = dataclasses.replace(  # type: ignore[type-var]
+                    self.layout, num_blocks=sum(s.n_remote for s in b.slots.values())
+                )
+                scratch = lay.allocate(self.kv.device)
+                kv = KVConnector(self.engine, lay, scratch, chunk_bytes=self.settings.chunk_bytes)
+                at = 0
+                for i, s in b.slots.items():
+                    places[i] = range(at, at + s.n_remote)
+                    at += s.n_remote
+            try:
+                res = await kv.recv_requests(
+                    [(w, list(places.get(i, ()))) for i, w in enumerate(b.wire)],
+                    frm=b.frm,
+                    timeout=self.settings.timeout,
+                )
+            finally:
+                if scratch is not None:
+                    await kv.aclose()
+            for i, s in b.slots.items():
+                err = res.get(b.wire[i])
+                if err is not None:
+                    log.warning(
+                        "AiokvConnector: %s could not load its KV from %s: %s", s.req_id, b.frm, err
+                    )
+                    continue
+                if scratch is not None:
+                    self._copy_past_hit(scratch, s, int(next(iter(places[i]), 0)))
+                outcome[s.req_id] = "ok"
+            with self._lock:
+                self._stats["batches_received"] += 1
+            log.debug(
+                "AiokvConnector: a step batch of %d requests from %s in %.1f ms",
+                len(b.wire),
+                b.frm,
+                (time.perf_counter() - t0) * 1e3,
+            )
+        except asyncio.CancelledError:
+            outcome = dict.fromkeys(outcome, "cancelled")
+        except AiokvError as exc:
+            log.warning("AiokvConnector: a step batch from %s could not load: %s", b.frm, exc)
+        except Exception:
+            log.exception("AiokvConnector: a step batch from %s could not load", b.frm)
+        finally:
+            self._recv_batches.pop((b.frm, b.wire), None)
+            for s in b.slots.values():
+                self._load_done(s, outcome.get(s.req_id, "cancelled"))
+
+    def _copy_past_hit(self, scratch: list[torch.Tensor], spec: LoadSpec, at: int) -> None:
+        """Copy remote blocks ``skip..n_remote`` of ``spec``, received into ``scratch``
+        from block ``at`` on, to the request's blocks."""
+        assert self.kv is not None and self.layout is not None
+        dev = self.kv.device
+        src = torch.arange(at + spec.skip, at + spec.n_remote, dtype=torch.int64, device=dev)
+        dst = torch.tensor(spec.block_ids, dtype=torch.int64, device=dev)
+        bd = self.layout.block_dim
+        for s_l, d_l in zip(scratch, self.kv.caches.tensors):
+            d_l.index_copy_(bd, dst, s_l.index_select(bd, src))
 
     def _start_decline(self, d: DeclineSpec) -> None:
         """(loop thread) Tell the pull prefill of ``d`` to free its blocks, in a task
@@ -695,14 +964,16 @@ class _WorkerSide:
         except Exception:
             log.exception("AiokvConnector: %s was not handed on", s.req_id)
         finally:
-            self._tasks.pop(s.req_id, None)
-            self._saved.pop(s.req_id, None)
-            with self._lock:
-                self._sending.discard(s.req_id)
-                self._sent.add(s.req_id)
-                self._stats[
-                    "sends" if ok else "sends_declined" if declined else "send_failures"
-                ] += 1
+            self._send_done(s, ok, declined)
+
+    def _send_done(self, s: SendSpec, ok: bool, declined: bool) -> None:
+        self._tasks.pop(s.req_id, None)
+        self._batches.pop(s.req_id, None)
+        self._saved.pop(s.req_id, None)
+        with self._lock:
+            self._sending.discard(s.req_id)
+            self._sent.add(s.req_id)
+            self._stats["sends" if ok else "sends_declined" if declined else "send_failures"] += 1
 
     async def _load(self, spec: LoadSpec) -> None:
         assert self.kv is not None and self.layout is not None
@@ -731,18 +1002,25 @@ class _WorkerSide:
         except Exception:
             log.exception("AiokvConnector: %s could not load its KV from %s", spec.req_id, frm)
         finally:
-            self._tasks.pop(spec.req_id, None)
-            with self._lock:
-                self._loaded.add(spec.req_id)
-                if outcome == "ok":
-                    self._stats["loads"] += 1
-                    self._stats["blocks_loaded"] += len(spec.block_ids)
-                    self._stats["bytes_loaded"] += self.layout.request_nbytes(len(spec.block_ids))
-                elif outcome == "cancelled":
-                    self._stats["loads_cancelled"] += 1
-                else:
-                    self._failed.add(spec.req_id)
-                    self._stats["load_failures"] += 1
+            self._load_done(spec, outcome)
+
+    def _load_done(self, spec: LoadSpec, outcome: str) -> None:
+        """(loop thread) Report a load: ``"ok"``, ``"cancelled"`` or ``"failed"`` (vLLM
+        then recomputes the request, or fails it, by its ``kv_load_failure_policy``)."""
+        assert self.layout is not None
+        self._tasks.pop(spec.req_id, None)
+        self._batches.pop(spec.req_id, None)
+        with self._lock:
+            self._loaded.add(spec.req_id)
+            if outcome == "ok":
+                self._stats["loads"] += 1
+                self._stats["blocks_loaded"] += len(spec.block_ids)
+                self._stats["bytes_loaded"] += self.layout.request_nbytes(len(spec.block_ids))
+            elif outcome == "cancelled":
+                self._stats["loads_cancelled"] += 1
+            else:
+                self._failed.add(spec.req_id)
+                self._stats["load_failures"] += 1
 
     async def _move(
         self, kv: KVConnector, spec: LoadSpec, ids: Iterable[int] | torch.Tensor, frm: str
@@ -768,11 +1046,7 @@ class _WorkerSide:
             await self._move(tmp, spec, range(spec.n_remote), frm)
         finally:
             await tmp.aclose()
-        src = torch.arange(spec.skip, spec.n_remote, dtype=torch.int64, device=self.kv.device)
-        dst = torch.tensor(spec.block_ids, dtype=torch.int64, device=self.kv.device)
-        bd = lay.block_dim
-        for s_l, d_l in zip(scratch, self.kv.caches.tensors):
-            d_l.index_copy_(bd, dst, s_l.index_select(bd, src))
+        self._copy_past_hit(scratch, spec, 0)
 
     def results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
         out = KVConnectorTransferResults()
@@ -794,8 +1068,16 @@ class _WorkerSide:
     def _cancel(self, ids: set[str], loads_only: bool = False) -> None:
         for rid in ids:
             task = self._tasks.get(rid)
-            if task is not None and not (loads_only and rid in self._sending):
-                task.cancel()
+            if task is None or (loads_only and rid in self._sending):
+                continue
+            b = self._batches.get(rid)
+            if b is not None:
+                # a step batch stops only once all its requests ended: the others
+                # still move (an ended one's blocks are reported when it is done)
+                b.ended.add(rid)
+                if not b.members <= b.ended:
+                    continue
+            task.cancel()
 
     def stats(self) -> dict[str, Any]:
         with self._lock:

@@ -96,9 +96,9 @@ def test_push_decode_is_token_exact(pd: dict[str, Any]) -> None:
     assert after["blocks_loaded"] - before["blocks_loaded"] == 4 + 2
 
 
-def test_push_without_layerwise_sends_the_request_whole_after_the_forward(
-    tiny_model: str, procs: list[LLMProc], pd: dict[str, Any]
-) -> None:
+@pytest.fixture(scope="module")
+def whole(tiny_model: str, procs: list[LLMProc]) -> LLMProc:
+    """A prefill that pushes each request whole after the forward (no layer-wise)."""
     p = LLMProc(
         "prefill-whole",
         model=tiny_model,
@@ -108,7 +108,13 @@ def test_push_without_layerwise_sends_the_request_whole_after_the_forward(
     )
     procs.append(p)
     p.ready()
-    d = pd["d"]
+    return p
+
+
+def test_push_without_layerwise_sends_the_request_whole_after_the_forward(
+    whole: LLMProc, pd: dict[str, Any]
+) -> None:
+    p, d = whole, pd["d"]
     prompts = [prompt(13, 70), prompt(14, 20)]
     params = prefill(p, prompts, aiokv_decode=pd["decode_addr"])
     assert [(x["aiokv_mode"], x["aiokv_layerwise"]) for x in params] == [("push", False)] * 2
@@ -119,7 +125,55 @@ def test_push_without_layerwise_sends_the_request_whole_after_the_forward(
     after = d.call(op="state")["connector"]
     assert after["loads"] - before["loads"] == 2
     assert after["blocks_loaded"] - before["blocks_loaded"] == 3 + 1
-    p.kill()
+
+
+def test_a_step_of_whole_pushes_loads_token_exact_as_one_batch(
+    whole: LLMProc, pd: dict[str, Any]
+) -> None:
+    p, d = whole, pd["d"]
+    prompts = [prompt(71, 70), prompt(72, 40), prompt(73, 100), prompt(74, 33)]
+    sent = p.call(op="state")["connector"]
+    params = prefill(p, prompts, aiokv_decode=pd["decode_addr"])
+    # the prefill computed the four prompts in one step: one batch, each in its place
+    assert len({tuple(x["aiokv_batch"]) for x in params}) == 1
+    assert [x["aiokv_batch_index"] for x in params] == [0, 1, 2, 3]
+    # counted once the decode's engine held the batch (asynchronously: the prefill
+    # answered when its forward was done)
+    assert wait_until(lambda: p.call(op="state")["connector"]["sends"] - sent["sends"] == 4, 10)
+    assert p.call(op="state")["connector"]["batches_sent"] - sent["batches_sent"] == 1
+    before = d.call(op="state")
+    outs = d.generate(prompts, MAX_TOKENS, params)
+    assert [o["tokens"] for o in outs] == reference(pd["p"], prompts)
+    assert [o["num_cached_tokens"] for o in outs] == [0, 0, 0, 0]
+    after = d.call(op="state")
+    c0, c1 = before["connector"], after["connector"]
+    assert c1["batches_received"] - c0["batches_received"] == 1
+    assert c1["loads"] - c0["loads"] == 4
+    assert c1["blocks_loaded"] - c0["blocks_loaded"] == 3 + 2 + 4 + 2
+    assert c1["load_failures"] == c0["load_failures"]
+    assert after["requests"] == 0 and after["free_blocks"] == before["free_blocks"]
+
+
+def test_a_bad_request_of_a_batch_recomputes_alone_while_the_others_load(
+    whole: LLMProc, pd: dict[str, Any]
+) -> None:
+    p, d = whole, pd["d"]
+    prompts = [prompt(81, 70), prompt(82, 40), prompt(83, 100), prompt(84, 33)]
+    params = prefill(p, prompts, aiokv_decode=pd["decode_addr"])
+    assert len({tuple(x["aiokv_batch"]) for x in params}) == 1
+    # the decode's third prompt differs from the prefill's in its last token
+    asked = [*prompts]
+    asked[2] = [*prompts[2][:-1], (prompts[2][-1] + 1) % 500 + 3]
+    before = d.call(op="state")
+    outs = d.generate(asked, MAX_TOKENS, params)
+    assert [o["tokens"] for o in outs] == reference(pd["p"], asked)
+    after = d.call(op="state")
+    c0, c1 = before["connector"], after["connector"]
+    assert c1["batches_received"] - c0["batches_received"] == 1
+    assert c1["loads"] - c0["loads"] == 3
+    assert c1["blocks_loaded"] - c0["blocks_loaded"] == 3 + 2 + 2
+    assert c1["load_failures"] - c0["load_failures"] == 1
+    assert after["requests"] == 0 and after["free_blocks"] == before["free_blocks"]
 
 
 def test_a_local_prefix_hit_loads_only_the_blocks_past_it(pd: dict[str, Any]) -> None:

@@ -296,7 +296,7 @@ GETATTR_ALLOWED: dict[tuple[str, str], str] = {
     ): "field names from a literal tuple",
     ("kv/_connector_base.py", "timeout = getattr("): "constant names",
     ("vllm/__init__.py", "value = getattr(module, name)"): "lazy export of a fixed name list",
-    ("vllm/connector.py", 'use_mla=bool(getattr(mc, "use_mla", False)),'): "constant name",
+    ("vllm/_worker.py", 'use_mla=bool(getattr(mc, "use_mla", False)),'): "constant name",
     (
         "kv/_connector_base.py",
         'getattr(getattr(self.engine, "config", None), "timeouts", None),',

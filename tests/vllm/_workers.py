@@ -16,7 +16,7 @@ import torch
 from aiokv.vllm import AiokvMetadata
 from aiokv.vllm._protocol import LoadSpec, SendSpec
 from aiokv.vllm._settings import parse_settings
-from aiokv.vllm.connector import _WorkerSide
+from aiokv.vllm._worker import _WorkerSide
 
 BS = 32
 
@@ -51,7 +51,7 @@ def make_worker(
 def batch_sends(sends: list[SendSpec]) -> None:
     """What the scheduler side does to a step's sends: whole pushes to one decode
     become one step batch."""
-    from aiokv.vllm.connector import _batch_whole_pushes
+    from aiokv.vllm._scheduler import _batch_whole_pushes
 
     _batch_whole_pushes(sends)
 

@@ -31,7 +31,7 @@ with warnings.catch_warnings():  # vLLM's imports warn (deprecations in torch)
     from _workers import drain, load_of, make_worker, step_loads, step_sends
 
     from aiokv.vllm._protocol import SendSpec, transfer_key
-    from aiokv.vllm.connector import _WorkerSide
+    from aiokv.vllm._worker import _WorkerSide
 
 
 def free_port() -> int:

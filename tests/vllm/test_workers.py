@@ -18,7 +18,7 @@ with warnings.catch_warnings():  # vLLM's imports warn (deprecations in torch)
 
     from aiokv.vllm import AiokvMetadata
     from aiokv.vllm._protocol import SendSpec, transfer_key
-    from aiokv.vllm.connector import _WorkerSide
+    from aiokv.vllm._worker import _WorkerSide
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(60)]
 

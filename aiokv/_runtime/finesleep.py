@@ -121,6 +121,11 @@ class TimerFd:
         self._on_tick = on_tick
         self._set(ns, ns)
 
+    def pause(self) -> None:
+        """Disarm the timer: no tick (and no wake-up of the loop) until the next
+        :meth:`every`; the fd stays open and watched."""
+        self._set(0)
+
     def close(self) -> None:
         """Stop watching and close the fd (idempotent; also on a closed loop)."""
         self._on_tick = None

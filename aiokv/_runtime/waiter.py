@@ -20,7 +20,8 @@ How a wait is asked, cheapest first:
 2. **spinning**: while the wait is due soon (for ``spin`` seconds, the time its
    work is expected to take) it is asked in a callback on every pass of the loop
    (``call_soon``: the loop polls its sockets without sleeping, other tasks run
-   in between). One callback serves every spinning wait;
+   in between). One callback serves every spinning wait, and a pass asks only
+   those: its cost does not grow with the waits past their spin;
 3. **ticking**: past its spin, every ``interval`` seconds, doubling per unanswered
    query up to ``max_interval`` (default: ``interval``, fixed).
    All waits share ONE periodic timer whose period is the smallest interval
@@ -28,7 +29,9 @@ How a wait is asked, cheapest first:
    (:class:`aiokv._runtime.finesleep.TimerFd`; µs resolution, since the loop's own timers
    end on whole milliseconds) or, where there is none, the loop's ``call_later``.
    A wait whose interval is longer than the period is asked at the first tick at
-   least half a period after its last query.
+   least half a period after its last query. While every wait registered spins,
+   the timer is disarmed (its fd kept for the next wait past its spin): its ticks
+   would wake the spinning loop for nothing.
 
 Guarantees:
 
@@ -157,6 +160,10 @@ class Waiter:
         self._period = 0.0  # the timer's period while it runs
         self._handle: asyncio.TimerHandle | None = None  # the ticks without a timerfd
         self._soon: asyncio.Handle | None = None  # the spin callback
+        # what a spin pass asks: the entries spinning at the last schedule, until
+        # _spin_due (the first spin's end, or the first tick wait due): then a full tick
+        self._spinners: list[WaitEntry] = []
+        self._spin_due = 0.0
         #: ticks so far (timer ticks and spin passes)
         self.ticks = 0
         #: timer ticks so far
@@ -172,7 +179,7 @@ class Waiter:
     @property
     def ticking(self) -> bool:
         """Whether a timer runs (only while some wait is past its spin)."""
-        return self._timer is not None or self._handle is not None
+        return self._period > 0 and (self._timer is not None or self._handle is not None)
 
     @property
     def spinning(self) -> bool:
@@ -322,8 +329,37 @@ class Waiter:
         return False
 
     def _spin_tick(self) -> None:
+        """A spin pass: asks the spinning waits only, not walking the others, until a
+        spin ends or a ticking wait is due (then a full :meth:`_tick`), so that a pass
+        costs the same whatever the number of waits past their spin."""
         self._soon = None
-        self._tick()
+        now = time.monotonic()
+        if now >= self._spin_due:
+            self._tick()
+            return
+        self.ticks += 1
+        done: list[WaitEntry] | None = None
+        for e in self._spinners:
+            try:
+                finished = e.poll(now) if e.poll is not None else self._ask(e, now)
+            except Exception as exc:  # (a poll's own bug): reported, its entry dropped
+                self._loop.call_exception_handler(
+                    {"message": "aiokv waiter: a poll callback failed", "exception": exc}
+                )
+                finished = True
+            if finished:
+                if done is None:
+                    done = []
+                done.append(e)
+        if done is not None:
+            for e in done:
+                try:
+                    self._entries.remove(e)
+                except ValueError:  # (discarded by its own poll)
+                    pass
+            self._schedule(now)
+        elif self._soon is None and self._spinners:
+            self._soon = self._loop.call_soon(self._spin_tick)
 
     def _timer_tick(self) -> None:
         self.timer_ticks += 1
@@ -339,24 +375,30 @@ class Waiter:
         entries = self._entries
         if not entries or self._loop.is_closed():
             self._stop_timer()
+            self._spinners = []
             if self._soon is not None:
                 self._soon.cancel()
                 self._soon = None
             return
-        spin = False
+        spinners: list[WaitEntry] = []
         period = 0.0
+        spin_end = next_at = float("inf")
         for e in entries:
             if now < e.spin_until:
-                spin = True
-            elif period == 0.0 or e.interval < period:
-                period = e.interval
-        if spin and self._soon is None:
+                spinners.append(e)
+                spin_end = min(spin_end, e.spin_until)
+            else:
+                next_at = min(next_at, e.next_at)
+                if period == 0.0 or e.interval < period:
+                    period = e.interval
+        self._spinners = spinners
+        if spinners and self._soon is None:
             self._soon = self._loop.call_soon(self._spin_tick)
         if period == 0.0:
-            return  # (all spin; a running timer is kept for when they stop)
-        if self.ticking and period == self._period:
-            return
-        self._start_timer(period)
+            self._pause_timer()  # (all spin: no tick until one stops; its fd is kept)
+        elif not (self.ticking and period == self._period):
+            self._start_timer(period)
+        self._spin_due = min(spin_end, next_at - self._period / 2)
 
     def _start_timer(self, period: float) -> None:
         self._period = period
@@ -374,6 +416,24 @@ class Waiter:
         if self._handle is not None:
             self._handle.cancel()
         self._handle = self._loop.call_later(period, self._loop_tick)
+
+    def _pause_timer(self) -> None:
+        """No ticks while every wait spins: a timer ticking meanwhile woke the loop for
+        nothing at every period, and each wake-up slowed the spinning loop (measured: a
+        quarter fewer loop passes at 0.2 ms, asyncio and uvloop). The timerfd stays
+        open (re-armed by the next wait past its spin); the loop's own timer is
+        cancelled."""
+        if self._period == 0.0:
+            return
+        self._period = 0.0
+        handle, self._handle = self._handle, None
+        if handle is not None:
+            handle.cancel()
+        if self._timer is not None:
+            try:
+                self._timer.pause()
+            except OSError:  # (the timer failed: closed; the loop's own from now on)
+                self._close_timer()
 
     def _close_timer(self) -> None:
         timer, self._timer = self._timer, None

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import math
 import struct
 import time
 from collections.abc import Callable, Sequence
@@ -17,6 +18,7 @@ import torch
 from aiokv._runtime.deadlines import _time_left
 
 from .._exceptions import ConfigError, LayoutMismatchError
+from ._batched_path import BatchResults
 from ._connector_base import ConnectorState, _PullEngine
 from ._request_codec import (
     _TICKET_VERSION,
@@ -185,10 +187,22 @@ class _PullPath:
         return await recv
 
     async def take_pulled(self, request_id: str, raw: torch.Tensor, host: torch.Tensor) -> str:
-        """Write a request that came whole with its ticket (:meth:`_pulled_request`):
-        its header is checked like :meth:`recv_request`'s, and its size, before
-        anything is written."""
-        n = host.numel()
+        """Write a request that came whole with its ticket (:meth:`_pulled_request`),
+        checked by :meth:`_pulled_blocks` before anything is written."""
+        data = self._pulled_blocks(request_id, raw, host.numel())
+        t0 = time.perf_counter()
+        await self._st.copy(
+            functools.partial(
+                scatter_blocks, data, self._st.caches, self._st.layout, self._st.op_ids(host)
+            ),
+            data.numel(),
+        )
+        self._st.received(request_id, 1, host.numel(), t0)
+        return "engine"
+
+    def _pulled_blocks(self, request_id: str, raw: torch.Tensor, n: int) -> torch.Tensor:
+        """The blocks of a whole pulled request for ``n`` blocks: its header checked like
+        :meth:`recv_request`'s, and its size (LayoutMismatchError otherwise)."""
 
         def bad(why: str) -> LayoutMismatchError:
             return LayoutMismatchError(f"KV request {request_id!r}: {why}", code="kv_size_mismatch")
@@ -206,12 +220,128 @@ class _PullPath:
                 f"the pulled request holds {data.numel()} bytes of blocks, "
                 f"expected {self._st.layout.request_nbytes(n)}"
             )
-        t0 = time.perf_counter()
-        await self._st.copy(
-            functools.partial(
-                scatter_blocks, data, self._st.caches, self._st.layout, self._st.op_ids(host)
+        return data
+
+    # ------------------------------------------------------------------ step batches
+
+    async def fetch_batch(
+        self,
+        items: list[tuple[str, torch.Tensor | Sequence[int]]],
+        *,
+        frm: str,
+        timeout: float | None,
+    ) -> BatchResults:
+        """:meth:`KVConnector.fetch_requests`: ``items`` are pairs already checked as a
+        batch (:meth:`_BatchedPath.batch_items`). Every block id is checked, and no block
+        shared, before anything is asked for (ConfigError). The tickets' GETs go out at
+        once; the whole requests that come back pass their checks and are written with
+        ONE scatter over one index tensor of all their blocks; a small ticket's request
+        follows as :meth:`fetch_request`'s does, all of them concurrently."""
+        eng = self._pull_engine("fetch_requests")
+        self._st.check_open()
+        deadline = self._st.deadline(timeout)
+        hosts = [
+            (rid, self._st.host_ids(b, unique=True, what="fetch_requests")) for rid, b in items
+        ]
+        if len(hosts) > 1:
+            every = torch.cat([h for _, h in hosts])
+            if torch.unique(every).numel() != every.numel():
+                raise ConfigError(
+                    "fetch_requests: two requests of the batch share a block; nothing was fetched"
+                )
+        out: BatchResults = {rid: None for rid, _ in hosts}
+        gate = asyncio.Semaphore(GETS_AT_ONCE)
+
+        async def fetch(rid: str, host: torch.Tensor) -> str:
+            async with gate:
+                return await self.fetch_request(rid, host, frm=frm, timeout=_time_left(deadline))
+
+        async def get(rid: str) -> torch.Tensor:
+            async with gate:
+                return await eng.get(ticket_name(rid), frm=frm, timeout=_time_left(deadline))
+
+        if self._st.ipc is not None and self._st.ipc.stages_for(frm):
+            # the plane's receive starts beside each GET (_fetch_staged): one by one, at once
+            staged = await asyncio.gather(
+                *(fetch(rid, h) for rid, h in hosts), return_exceptions=True
+            )
+            for (rid, _), r in zip(hosts, staged, strict=True):
+                out[rid] = _outcome(r)
+            return out
+        raws = await asyncio.gather(*(get(rid) for rid, _ in hosts), return_exceptions=True)
+        whole: list[tuple[str, torch.Tensor, torch.Tensor]] = []  # id, blocks, block ids
+        follow: list[tuple[str, torch.Tensor]] = []
+        for (rid, host), raw in zip(hosts, raws, strict=True):
+            try:
+                if isinstance(raw, BaseException):
+                    raise raw
+                if raw.dtype == torch.uint8:  # the request itself (see serve_request)
+                    whole.append((rid, self._pulled_blocks(rid, raw, host.numel()), host))
+                else:
+                    check_ticket(rid, frm, raw, host.numel())
+                    follow.append((rid, host))
+            except Exception as exc:  # this request only: nothing of it is written
+                out[rid] = exc
+                self._st.stats.recv_failures += 1
+        following = asyncio.gather(
+            *(
+                self._requests.recv_request(rid, h, frm=frm, timeout=_time_left(deadline))
+                for rid, h in follow
             ),
-            data.numel(),
+            return_exceptions=True,
         )
-        self._st.received(request_id, 1, n, t0)
-        return "engine"
+        try:
+            if whole:
+                await self._scatter_whole(whole, out)
+            for (rid, _), r in zip(follow, await following, strict=True):
+                out[rid] = _outcome(r)
+        finally:
+            if not following.done():
+                following.cancel()
+                await asyncio.gather(following, return_exceptions=True)
+        return out
+
+    async def _scatter_whole(
+        self, whole: list[tuple[str, torch.Tensor, torch.Tensor]], out: BatchResults
+    ) -> None:
+        """Write the whole pulled requests of a batch with one scatter: their blocks side
+        by side per layer (and per part before the block dimension), which is the packing
+        of one request of all their blocks (:mod:`aiokv.kv.ops`)."""
+        lay = self._st.layout
+        rows = lay.num_layers * math.prod(lay.staging_shape(1)[: lay.block_dim])
+        ids = torch.cat([h for _, _, h in whole])
+        datas = [d for _, d, _ in whole]
+
+        def scatter() -> None:
+            if len(datas) == 1:
+                stage = datas[0]
+            else:
+                stage = torch.cat([d.view(rows, d.numel() // rows) for d in datas], 1).view(-1)
+            scatter_blocks(stage, self._st.caches, lay, self._st.op_ids(ids))
+
+        t0 = time.perf_counter()
+        try:
+            await self._st.copy(scatter, lay.request_nbytes(ids.numel()))
+        except Exception as exc:  # the one scatter: every request it carried
+            for rid, _, _ in whole:
+                out[rid] = exc
+            self._st.stats.recv_failures += len(whole)
+            return
+        for rid, _, h in whole:
+            self._st.received(rid, 1, h.numel(), t0)
+
+
+#: the most GETs of one batch in flight at once: a producer's engine serves at most 16
+#: GETs of one session at a time and answers more with ``busy``
+#: (``aiokv.engine.server._MAX_GETS_PER_SESSION``)
+GETS_AT_ONCE = 16
+
+
+def _outcome(r: object) -> Exception | None:
+    """A request's outcome from ``gather(..., return_exceptions=True)``: its error or
+    None; a BaseException that is no Exception (a cancellation) propagates."""
+    if isinstance(r, BaseException):
+        if not isinstance(r, Exception):
+            raise r
+        return r
+    return None

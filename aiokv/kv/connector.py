@@ -447,6 +447,37 @@ class KVConnector:
         """
         return await self._pulled.fetch_request(request_id, block_ids, frm=frm, timeout=timeout)
 
+    async def fetch_requests(
+        self,
+        requests: Iterable[BatchItem],
+        *,
+        frm: str,
+        timeout: float | None = None,
+    ) -> BatchResults:
+        """Pull mode, consumer side, a step's requests from the producer at ``frm`` at
+        once: :meth:`fetch_request` of each ``(request_id, block_ids)`` pair, under one
+        deadline.
+
+        Checked first, with nothing fetched (:class:`~aiokv.ConfigError`, raised): the
+        call's form (pairs, no request id twice), every request's block ids, and no
+        block shared between two requests. Then every ticket's GET goes out at once;
+        the requests that come whole with their ticket (a CPU producer without the IPC
+        plane) are checked each, and those that pass are written with ONE scatter over
+        one index tensor of all their blocks; a small ticket's request follows as
+        :meth:`fetch_request`'s does (with the IPC plane: :meth:`fetch_request` of each,
+        concurrently).
+
+        Returns ``{request_id: None or its error}`` in the order given; None: in place,
+        and it joins :meth:`finished_receiving`. Each request fails alone: one not
+        served (:class:`~aiokv.NotPublishedError`), of another block count
+        (:class:`~aiokv.LayoutMismatchError`), or not come in time
+        (:class:`~aiokv.TransferTimeoutError`) has nothing written, and the others
+        land. An empty batch returns ``{}``. Cancellation propagates (the GETs in
+        flight are withdrawn; a scatter already running is waited for).
+        """
+        items = self._batched.batch_items(requests, "fetch_requests")
+        return await self._pulled.fetch_batch(items, frm=frm, timeout=timeout)
+
     async def prepare(self, peer: str, *, timeout: float | None = None) -> bool:
         """Consumer side: set up what the first request from the producer at ``peer``
         would otherwise wait for. With the IPC plane, that is mapping and verifying the

@@ -204,3 +204,26 @@ async def test_a_request_that_never_follows_its_ticket_times_out_alone() -> None
             assert torch.equal(blocks(c[li], lay, [5, 6]), blocks(before[li], lay, [5, 6]))
         assert cons.finished_receiving() == {"ok"}
         await asyncio.gather(*tasks)
+
+
+@pytest.mark.anyio
+@pytest.mark.timeout(30)
+async def test_a_cancelled_batch_writes_nothing() -> None:
+    lay = make_layout("fa", "float16", num_blocks=64)
+    async with engines(2) as (a, b):
+        prod = KVConnector(a, lay, filled(lay, 1))
+        c = filled(lay, 2)
+        before = [t.clone() for t in c]
+        cons = KVConnector(b, lay, c)
+        reqs = [(f"c{i}", [2 * i, 2 * i + 1]) for i in range(20)]
+        tasks = await served(prod, reqs)
+        fetching = asyncio.ensure_future(cons.fetch_requests(reqs, frm=a.address, timeout=20))
+        await asyncio.sleep(0)
+        fetching.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await fetching
+        assert same(lay, c, before)
+        assert cons.finished_receiving() == set()
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)

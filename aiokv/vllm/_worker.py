@@ -241,14 +241,29 @@ class _WorkerSide:
     def _step_loads(
         self, loads: list[LoadSpec], cancel: list[str], declines: list[DeclineSpec]
     ) -> None:
-        """(loop thread) The step's loads (a push step batch joins its batch; every
-        other load runs as a task known by its request id at once, so that an abort
-        that follows finds it), aborts and declines."""
+        """(loop thread) The step's loads (a push step batch joins its batch; the pulls
+        from one prefill, past no local hit, run as one task, one ``fetch_requests``;
+        every other load runs as a task known by its request id at once, so that an
+        abort that follows finds it), aborts and declines."""
+        assert self.loop is not None
+        pulls: dict[str, list[LoadSpec]] = {}
         for spec in loads:
             if spec.batch is not None and spec.mode == "push":
                 self._join_batch(spec)
+            elif spec.mode == "pull" and spec.skip == 0:
+                pulls.setdefault(spec.addresses[self.rank], []).append(spec)
             else:
                 self._start_load(spec)
+        for frm, group in pulls.items():
+            if len(group) == 1:
+                self._start_load(group[0])
+                continue
+            b = _Batch({s.req_id for s in group})
+            b.task = self.loop.loop.create_task(self._fetch_batch(frm, group))
+            self._report_if_unstarted(b.task, group.copy)
+            for s in group:
+                self._tasks[s.req_id] = b.task
+                self._batches[s.req_id] = b
         if cancel:
             self._cancel(set(cancel))
         for d in declines:
@@ -447,6 +462,35 @@ class _WorkerSide:
             self._recv_batches.pop((b.frm, b.wire), None)
             for s in b.slots.values():
                 self._load_done(s, outcome.get(s.req_id, "cancelled"))
+
+    async def _fetch_batch(self, frm: str, group: list[LoadSpec]) -> None:
+        """(loop thread) A step's pull loads from the prefill at ``frm``: one
+        ``fetch_requests``; each request's outcome is its own."""
+        assert self.kv is not None
+        outcome = dict.fromkeys((s.req_id for s in group), "failed")
+        try:
+            res = await self.kv.fetch_requests(
+                [(s.key, list(s.block_ids)) for s in group],
+                frm=frm,
+                timeout=self.settings.timeout,
+            )
+            for s in group:
+                err = res[s.key]
+                if err is None:
+                    outcome[s.req_id] = "ok"
+                else:
+                    log.warning(
+                        "AiokvConnector: %s could not load its KV from %s: %s", s.req_id, frm, err
+                    )
+        except asyncio.CancelledError:
+            outcome = dict.fromkeys(outcome, "cancelled")
+        except AiokvError as exc:
+            log.warning("AiokvConnector: a step's pulls from %s could not load: %s", frm, exc)
+        except Exception:
+            log.exception("AiokvConnector: a step's pulls from %s could not load", frm)
+        finally:
+            for s in group:
+                self._load_done(s, outcome[s.req_id])
 
     def _copy_past_hit(self, scratch: list[torch.Tensor], spec: LoadSpec, at: int) -> None:
         """Copy remote blocks ``skip..n_remote`` of ``spec``, received into ``scratch``

@@ -7,6 +7,7 @@ from __future__ import annotations
 import time
 import warnings
 from collections.abc import Iterator
+from typing import Any
 
 import pytest
 import torch
@@ -214,3 +215,43 @@ def test_a_load_aborted_in_the_step_it_starts_is_reported(
     d.start_loads(AiokvMetadata(load=[spec], cancel=[spec.req_id]))
     assert drain(d, {spec.req_id}, sending=False, timeout=5) == set()
     assert (d.stats()["loads_cancelled"], d.stats()["load_failures"]) == (1, 0)
+
+
+def test_a_step_of_pulls_from_one_prefill_is_one_fetch_and_each_fails_alone(
+    pd: tuple[_WorkerSide, _WorkerSide, str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from aiokv.kv._request_codec import ticket_name
+
+    p, d, p_addr = pd
+    assert p.engine is not None and d.kv is not None
+    step = [SendSpec(s.req_id, s.key, s.block_ids) for s in sends(5, "-", seed=7)]
+    step_sends(p, step)  # pull: the prefill holds each for a GET
+    end = time.monotonic() + 10
+    while not all(p.engine._is_published(ticket_name(s.key)) for s in step):
+        assert time.monotonic() < end, "the prefill did not publish its tickets"
+        time.sleep(0.01)
+    calls: list[int] = []
+    fetch = d.kv.fetch_requests
+
+    async def counted(requests: Any, **kw: Any) -> Any:
+        requests = list(requests)
+        calls.append(len(requests))
+        return await fetch(requests, **kw)
+
+    monkeypatch.setattr(d.kv, "fetch_requests", counted)
+    loads = [
+        load_of(s, p_addr, range(40 + 3 * i, 40 + 3 * i + len(s.block_ids)))
+        for i, s in enumerate(step)
+    ]
+    # the decode's prompt of request 3 differs: the prefill holds no such request
+    loads[3].key = transfer_key(step[3].req_id, [7, 99])
+    untouched = blocks(d, loads[3].block_ids)
+    step_loads(d, loads)
+    assert drain(d, {x.req_id for x in loads}, sending=False) == {loads[3].req_id}
+    assert calls == [5]  # the step's pulls from one prefill: one fetch_requests
+    for i, (s, x) in enumerate(zip(step, loads, strict=True)):
+        want = untouched if i == 3 else blocks(p, s.block_ids)
+        for a, b in zip(want, blocks(d, x.block_ids), strict=True):
+            assert torch.equal(a, b), s.req_id
+    ds = d.stats()
+    assert (ds["loads"], ds["load_failures"]) == (4, 1)

@@ -9,7 +9,8 @@ from __future__ import annotations
 import hashlib
 import json
 import struct
-from collections.abc import Container, Sequence
+from collections.abc import Callable, Container, Sequence
+from typing import Any
 
 import torch
 
@@ -135,6 +136,26 @@ class RequestCodec:
         """The request header as a CPU uint8 tensor."""
         return torch.frombuffer(bytearray(self.header_bytes(n_blocks, mode)), dtype=torch.uint8)
 
+    def _read_header(
+        self, data: bytes, what: str, bad: Callable[[str], LayoutMismatchError]
+    ) -> dict[str, Any]:
+        """The JSON object of a producer's header (a request's or a batch's), once its
+        version, packing and layout match this side; ``bad(why)`` makes the error."""
+        try:
+            h = json.loads(data)
+            if type(h) is not dict:
+                raise ValueError("not an object")
+            producer = layout_from_wire(h.get("layout"))
+        except Exception as exc:  # untrusted bytes: whatever is wrong, it is a mismatch
+            raise bad(f"unreadable {what} ({type(exc).__name__}: {exc})"[:300]) from None
+        if h.get("v") != _HEADER_VERSION or h.get("packing") != PACKING:
+            raise bad(
+                f"the producer packs blocks as {h.get('packing')!r:.40} (header v{h.get('v')!r:.8}), "
+                f"this side as {PACKING!r} (v{_HEADER_VERSION})"
+            )
+        check_compatible(producer, self.layout)
+        return h
+
     def check_header(
         self, request_id: str, raw: torch.Tensor, n_blocks: int, layerwise: bool
     ) -> None:
@@ -151,19 +172,7 @@ class RequestCodec:
             or raw.device.type != "cpu"
         ):
             raise bad(f"{name!r} is not an aiokv KV request header")
-        try:
-            h = json.loads(bytes(raw.tolist()))
-            if type(h) is not dict:
-                raise ValueError("not an object")
-            producer = layout_from_wire(h.get("layout"))
-        except Exception as exc:  # untrusted bytes: whatever is wrong, it is a mismatch
-            raise bad(f"unreadable header {name!r} ({type(exc).__name__}: {exc})"[:300]) from None
-        if h.get("v") != _HEADER_VERSION or h.get("packing") != PACKING:
-            raise bad(
-                f"the producer packs blocks as {h.get('packing')!r:.40} (header v{h.get('v')!r:.8}), "
-                f"this side as {PACKING!r} (v{_HEADER_VERSION})"
-            )
-        check_compatible(producer, self.layout)
+        h = self._read_header(bytes(raw.tolist()), f"header {name!r}", bad)
         mode = "layers" if layerwise else "chunks"
         if h.get("mode") != mode:
             raise bad(
@@ -254,19 +263,7 @@ class RequestCodec:
         off = _pulled_offset(hlen)
         if hlen > MAX_BATCH_HEADER_BYTES or off > raw.numel():
             raise bad(f"the header length {hlen} is out of range")
-        try:
-            h = json.loads(bytes(raw[4 : 4 + hlen].tolist()))
-            if type(h) is not dict:
-                raise ValueError("not an object")
-            producer = layout_from_wire(h.get("layout"))
-        except Exception as exc:  # untrusted bytes: whatever is wrong, it is a mismatch
-            raise bad(f"unreadable header ({type(exc).__name__}: {exc})"[:300]) from None
-        if h.get("v") != _HEADER_VERSION or h.get("packing") != PACKING:
-            raise bad(
-                f"the producer packs blocks as {h.get('packing')!r:.40} (header v{h.get('v')!r:.8}), "
-                f"this side as {PACKING!r} (v{_HEADER_VERSION})"
-            )
-        check_compatible(producer, self.layout)
+        h = self._read_header(bytes(raw[4 : 4 + hlen].tolist()), "header", bad)
         if h.get("mode") != "batch":
             raise bad(f"the producer sent {h.get('mode')!r:.20}, not a batch", "kv_mode_mismatch")
         inline = h.get("inline")

@@ -34,7 +34,7 @@ from .._exceptions import ConfigError, LayoutMismatchError, TransferError
 from ._connector_base import ConnectorState, _cancelling, _check_cancelled
 from ._request_codec import batch_chunk_name, batch_name, ipc_batch_name
 from .ipc.interfaces import Plane
-from .ops import gather_blocks, scatter_blocks
+from .ops import scatter_blocks
 
 #: one request of a batch: its id and its block ids (this side's)
 BatchItem = tuple[str, "torch.Tensor | Sequence[int]"]
@@ -138,14 +138,14 @@ class _BatchedPath:
                     await self._st.result(inflight.popleft())
                 first = inline and i == 0
                 inflight.append(
-                    await self._stage_batch_chunk(
+                    await self._st.stage_and_send(
                         base if first else batch_chunk_name(base, i),
                         all_ids.numel(),
                         ids,
                         s.layers,
-                        prefix if first else b"",
                         to,
                         deadline,
+                        prefix if first else b"",
                     )
                 )
             while inflight:
@@ -164,49 +164,6 @@ class _BatchedPath:
         for rid, h in hosts:
             self._st.sent(rid, 0, h.numel(), t0)
         return out
-
-    async def _stage_batch_chunk(
-        self,
-        name: str,
-        n_blocks: int,
-        ids: torch.Tensor,
-        layers: range,
-        prefix: bytes,
-        to: str,
-        deadline: float,
-    ) -> asyncio.Task[BaseException | None]:
-        """Gather one chunk of a batch (after ``prefix``, the header, when it opens the
-        batch) into staging and start its send."""
-        row = n_blocks * self._st.layout.block_nbytes()
-        nbytes = len(layers) * row
-        off = len(prefix)
-        lease = await self._st.lease(off + nbytes, deadline)
-        try:
-            buf = (
-                lease.tensor
-                if lease is not None
-                else torch.empty(off + nbytes, dtype=torch.uint8, device=self._st.device)
-            )
-            if off:
-                buf[:off] = torch.frombuffer(bytearray(prefix), dtype=torch.uint8)
-            await self._st.copy(
-                functools.partial(
-                    gather_blocks,
-                    self._st.caches,
-                    self._st.layout,
-                    ids,
-                    out=buf[off:],
-                    layers=layers,
-                ),
-                nbytes,
-            )
-            msg = buf if off else buf.view(len(layers), row)
-            handle = self._st.engine.send_nowait(name, msg, to=to, timeout=_time_left(deadline))
-        except BaseException:
-            if lease is not None:
-                lease.release()
-            raise
-        return self._st.track(handle, lease, msg)
 
     # ------------------------------------------------------------------ consumer
 

@@ -39,34 +39,6 @@ class _ChunkedPath:
         )
         return self._st.track(handle, None, t)
 
-    async def _stage_and_send(
-        self,
-        name: str,
-        host_ids: torch.Tensor,
-        ids: torch.Tensor,
-        layers: range,
-        to: str,
-        deadline: float,
-    ) -> asyncio.Task[BaseException | None]:
-        n = host_ids.numel()
-        nbytes = len(layers) * n * self._st.layout.block_nbytes()
-        lease = await self._st.lease(nbytes, deadline)
-        try:
-            out = lease.tensor if lease is not None else None
-            stage = await self._st.copy(
-                functools.partial(
-                    gather_blocks, self._st.caches, self._st.layout, ids, out=out, layers=layers
-                ),
-                nbytes,
-            )
-            view = stage.view(len(layers), n * self._st.layout.block_nbytes())
-            handle = self._st.engine.send_nowait(name, view, to=to, timeout=_time_left(deadline))
-        except BaseException:
-            if lease is not None:
-                lease.release()
-            raise
-        return self._st.track(handle, lease, view)
-
     async def send_ordinary(
         self,
         request_id: str,
@@ -99,8 +71,8 @@ class _ChunkedPath:
                 while len(inflight) >= self._st.max_inflight:
                     await self._st.result(inflight.popleft())
                 inflight.append(
-                    await self._stage_and_send(
-                        chunk_name(request_id, i), host, ids, s.layers, to, deadline
+                    await self._st.stage_and_send(
+                        chunk_name(request_id, i), host.numel(), ids, s.layers, to, deadline
                     )
                 )
             if head is not None:

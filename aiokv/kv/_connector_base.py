@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import functools
 import sys
 import time
 from collections.abc import Callable, Generator, Sequence
@@ -17,6 +18,7 @@ from typing import Any, Protocol, TypeVar, runtime_checkable
 
 import torch
 
+from aiokv._runtime.deadlines import _time_left
 from aiokv._runtime.threads import in_pool
 
 from .._exceptions import AiokvTimeoutError, ConfigError, EngineClosedError, TransferTimeoutError
@@ -24,7 +26,7 @@ from ._request_codec import RequestCodec
 from .ipc.interfaces import Plane
 from .ipc.options import IpcStatistics
 from .layouts import KVLayout
-from .ops import BoundCaches, Lease, PoolStatistics, StagingPool
+from .ops import BoundCaches, Lease, PoolStatistics, StagingPool, gather_blocks
 
 
 class SendHandle(Protocol):
@@ -261,6 +263,49 @@ class ConnectorState:
             raise TransferTimeoutError(
                 f"no staging room for {nbytes} bytes in time: {exc}"
             ) from None
+
+    async def stage_and_send(
+        self,
+        name: str,
+        n_blocks: int,
+        ids: torch.Tensor,
+        layers: range,
+        to: str,
+        deadline: float,
+        prefix: bytes = b"",
+    ) -> asyncio.Task[BaseException | None]:
+        """Gather ``layers`` of the ``n_blocks`` blocks ``ids`` into staging -- after
+        ``prefix`` (a batch's header, when the chunk opens the batch) -- and start
+        sending it as ``name``: a ``(layers, row)`` view, or the flat bytes with a
+        prefix. The staging goes back once the send is done (:meth:`track`)."""
+        row = n_blocks * self.layout.block_nbytes()
+        nbytes = len(layers) * row
+        off = len(prefix)
+        lease = await self.lease(off + nbytes, deadline)
+        try:
+            buf = lease.tensor if lease is not None else None
+            if off:
+                if buf is None:
+                    buf = torch.empty(off + nbytes, dtype=torch.uint8, device=self.device)
+                buf[:off] = torch.frombuffer(bytearray(prefix), dtype=torch.uint8)
+            stage = await self.copy(
+                functools.partial(
+                    gather_blocks,
+                    self.caches,
+                    self.layout,
+                    ids,
+                    out=None if buf is None else buf[off:],
+                    layers=layers,
+                ),
+                nbytes,
+            )
+            msg = buf if off and buf is not None else stage.view(len(layers), row)
+            handle = self.engine.send_nowait(name, msg, to=to, timeout=_time_left(deadline))
+        except BaseException:
+            if lease is not None:
+                lease.release()
+            raise
+        return self.track(handle, lease, msg)
 
     def track(
         self, handle: SendHandle, lease: Lease | None, keep: torch.Tensor

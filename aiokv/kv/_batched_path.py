@@ -34,7 +34,7 @@ from .._exceptions import ConfigError, LayoutMismatchError, TransferError
 from ._connector_base import ConnectorState, _cancelling, _check_cancelled
 from ._request_codec import batch_chunk_name, batch_name, ipc_batch_name
 from .ipc.interfaces import Plane
-from .ops import scatter_blocks
+from .ops import plain_block_ids, scatter_blocks
 
 #: one request of a batch: its id and its block ids (this side's)
 BatchItem = tuple[str, "torch.Tensor | Sequence[int]"]
@@ -326,22 +326,8 @@ class _BatchedPath:
         CPU integer tensor is checked in Python (the torch calls of the tensor check cost
         tens of µs per request on a GPU host, more than an IPC batch's whole host work
         per request)."""
-        if (
-            isinstance(block_ids, torch.Tensor)
-            and block_ids.device.type == "cpu"
-            and block_ids.dim() == 1
-            and block_ids.dtype in _INT_DTYPES
-        ):
-            block_ids = block_ids.tolist()
-        if isinstance(block_ids, (list, tuple)) and all(type(i) is int for i in block_ids):
-            ids = list(block_ids)
-            nb = self._st.layout.num_blocks
-            if ids and (min(ids) < 0 or max(ids) >= nb):
-                raise ConfigError(
-                    f"{what}: block ids must be in [0, {nb}), got [{min(ids)}, {max(ids)}]"
-                )
-            if unique and len(set(ids)) != len(ids):
-                raise ConfigError(f"{what}: duplicate block ids")
+        ids = plain_block_ids(block_ids, self._st.layout.num_blocks, unique=unique, what=what)
+        if ids is not None:
             return ids
         out: list[int] = self._st.host_ids(block_ids, unique=unique, what=what).tolist()
         return out
@@ -504,8 +490,6 @@ class _BatchedPath:
         return out
 
 
-#: integer dtypes whose CPU tensors of block ids are checked as lists
-_INT_DTYPES = frozenset({torch.int8, torch.int16, torch.int32, torch.int64, torch.uint8})
 #: the most blocks one plane request of a batch carries: the plane's descriptor lists the
 #: source block ids (4 bytes each) in one control message of at most 1 MiB
 #: (``aiokv.kv.ipc._wire.MAX_MESSAGE_BYTES``), beside the producer's offer on the first

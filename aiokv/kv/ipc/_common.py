@@ -37,8 +37,6 @@ log = logging.getLogger("aiokv.kv.ipc")
 
 # a producer's "now" more than this far from ours means another clock (host, VM, sandbox)
 _MAX_CLOCK_SKEW_S = 30.0
-#: block ids of these dtypes in a CPU tensor are checked as the list they hold
-_INT_DTYPES = (torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8)
 #: an ok release's ``reason`` when the consumer took the descriptor from the doorbell
 RING = "ring"
 #: a fallback release's reason when the consumer has no offer for the export (it

@@ -21,15 +21,13 @@ from aiokv._runtime.threads import in_daemon
 from aiokv._runtime.waiter import waiter_for
 
 from ..._exceptions import (
-    ConfigError,
     EngineClosedError,
     IpcUnavailableError,
     TransferTimeoutError,
 )
-from ..ops import _to_device
+from ..ops import _to_device, plain_block_ids
 from . import _cudrv
 from ._common import (
-    _INT_DTYPES,
     AnswerWait,
     Backend,
     ControlChannel,
@@ -173,23 +171,9 @@ class PlaneState:
         """Block ids as a checked tuple (the connector's rules). A list or tuple of ints
         is checked in Python: the torch calls of the connector's check cost ~80 µs per
         request on an H200 host, more than the copy itself."""
-        if (
-            isinstance(block_ids, torch.Tensor)
-            and block_ids.device.type == "cpu"
-            and block_ids.dtype in _INT_DTYPES
-            and block_ids.dim() == 1
-        ):
-            block_ids = block_ids.tolist()  # (a CPU tensor: checked as the list it holds)
-        if isinstance(block_ids, (list, tuple)) and all(type(i) is int for i in block_ids):
-            ids = tuple(block_ids)
-            nb = self.layout.num_blocks
-            if ids and (min(ids) < 0 or max(ids) >= nb):
-                raise ConfigError(
-                    f"{what}: block ids must be in [0, {nb}), got [{min(ids)}, {max(ids)}]"
-                )
-            if unique and len(set(ids)) != len(ids):
-                raise ConfigError(f"{what}: duplicate block ids")
-            return ids
+        ids = plain_block_ids(block_ids, self.layout.num_blocks, unique=unique, what=what)
+        if ids is not None:
+            return tuple(ids)
         return tuple(self.port.host_ids(block_ids, unique=unique, what=what).tolist())
 
     def begin(

@@ -18,7 +18,7 @@ with warnings.catch_warnings():  # vLLM's imports warn (deprecations in torch)
     from _workers import batch_sends, drain, load_of, make_worker, step_loads, step_sends
 
     from aiokv.vllm import AiokvMetadata
-    from aiokv.vllm._protocol import SendSpec, transfer_key
+    from aiokv.vllm._protocol import LoadSpec, SendSpec, transfer_key
     from aiokv.vllm._worker import _WorkerSide
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(60)]
@@ -55,6 +55,23 @@ def blocks(w: _WorkerSide, ids: list[int]) -> list[torch.Tensor]:
     return [t[ids].clone() for t in w.kv.caches.tensors]
 
 
+def pushed_batch(
+    p: _WorkerSide, d: _WorkerSide, p_addr: str, n: int, *, seed: int
+) -> tuple[list[SendSpec], list[LoadSpec]]:
+    """``n`` whole pushes sent by the prefill worker as one step batch (all sent), and
+    the decode's loads of them into blocks 40, 43, 46, ..."""
+    assert d.address is not None
+    step = sends(n, d.address, seed=seed)
+    batch_sends(step)
+    step_sends(p, step)
+    drain(p, {s.req_id for s in step}, sending=True)
+    loads = [
+        load_of(s, p_addr, range(40 + 3 * i, 40 + 3 * i + len(s.block_ids)))
+        for i, s in enumerate(step)
+    ]
+    return step, loads
+
+
 def test_a_step_of_whole_pushes_moves_as_one_batch_per_peer(
     pd: tuple[_WorkerSide, _WorkerSide, str],
 ) -> None:
@@ -86,14 +103,7 @@ def test_a_bad_request_of_a_batch_fails_alone_and_the_others_load(
 ) -> None:
     p, d, p_addr = pd
     assert d.address is not None
-    step = sends(4, d.address, seed=1)
-    batch_sends(step)
-    step_sends(p, step)
-    drain(p, {s.req_id for s in step}, sending=True)
-    loads = [
-        load_of(s, p_addr, range(40 + 3 * i, 40 + 3 * i + len(s.block_ids)))
-        for i, s in enumerate(step)
-    ]
+    step, loads = pushed_batch(p, d, p_addr, 4, seed=1)
     # the decode's prompt of request 2 differs from the one the prefill computed
     loads[2].key = transfer_key(step[2].req_id, [1, 99])
     untouched = blocks(d, loads[2].block_ids)
@@ -115,14 +125,7 @@ def test_a_request_that_comes_after_its_batch_was_received_fails_at_once(
 ) -> None:
     p, d, p_addr = pd
     assert d.address is not None
-    step = sends(3, d.address, seed=2)
-    batch_sends(step)
-    step_sends(p, step)
-    drain(p, {s.req_id for s in step}, sending=True)
-    loads = [
-        load_of(s, p_addr, range(40 + 3 * i, 40 + 3 * i + len(s.block_ids)))
-        for i, s in enumerate(step)
-    ]
+    _, loads = pushed_batch(p, d, p_addr, 3, seed=2)
     # two of the three come in this step; the batch is received after the grace
     step_loads(d, loads[:2])
     assert drain(d, {x.req_id for x in loads[:2]}, sending=False) == set()
@@ -139,14 +142,7 @@ def test_a_batch_with_a_local_prefix_hit_writes_only_the_blocks_past_it(
 ) -> None:
     p, d, p_addr = pd
     assert d.address is not None
-    step = sends(3, d.address, seed=3)  # 1, 2 and 3 blocks
-    batch_sends(step)
-    step_sends(p, step)
-    drain(p, {s.req_id for s in step}, sending=True)
-    loads = [
-        load_of(s, p_addr, range(40 + 3 * i, 40 + 3 * i + len(s.block_ids)))
-        for i, s in enumerate(step)
-    ]
+    step, loads = pushed_batch(p, d, p_addr, 3, seed=3)  # 1, 2 and 3 blocks
     # the decode holds the first block of the third request: only its last two are written
     hit = loads[2].block_ids[0]
     loads[2].skip, loads[2].block_ids = 1, loads[2].block_ids[1:]
@@ -167,14 +163,7 @@ def test_an_aborted_request_does_not_stop_its_batch_until_all_of_it_ended(
 ) -> None:
     p, d, p_addr = pd
     assert d.address is not None
-    step = sends(3, d.address, seed=4)
-    batch_sends(step)
-    step_sends(p, step)
-    drain(p, {s.req_id for s in step}, sending=True)
-    loads = [
-        load_of(s, p_addr, range(40 + 3 * i, 40 + 3 * i + len(s.block_ids)))
-        for i, s in enumerate(step)
-    ]
+    step, loads = pushed_batch(p, d, p_addr, 3, seed=4)
     # one of the two that came is aborted while the batch waits for the third: the
     # other one still loads once the batch is received (after the grace)
     step_loads(d, loads[:2])
@@ -185,14 +174,7 @@ def test_an_aborted_request_does_not_stop_its_batch_until_all_of_it_ended(
     ds = d.stats()
     assert (ds["batches_received"], ds["loads"], ds["loads_cancelled"]) == (1, 2, 0)
     # a batch all of whose requests ended stops at once, before the grace
-    again = sends(3, d.address, seed=5)
-    batch_sends(again)
-    step_sends(p, again)
-    drain(p, {s.req_id for s in again}, sending=True)
-    loads = [
-        load_of(s, p_addr, range(40 + 3 * i, 40 + 3 * i + len(s.block_ids)))
-        for i, s in enumerate(again)
-    ]
+    _, loads = pushed_batch(p, d, p_addr, 3, seed=5)
     step_loads(d, loads[:2])
     t0 = time.monotonic()
     d.start_loads(AiokvMetadata(cancel=[x.req_id for x in loads[:2]]))

@@ -18,6 +18,11 @@ in landing order, which is expiry order (one TTL, a monotonic clock), so
 
 :meth:`ReceiveStore.discard` drops what a consumer will never collect (e.g. the
 chunks of a cancelled request) at once instead of at its TTL.
+
+A granted tensor that has not landed is one ``int`` (its bytes) in a dict of ints, a
+shape CPython's cyclic collector does not track: tens of thousands of reservations a
+peer holds (empty tensors cost no bytes) add nothing to the full collections that pause
+the engine's loop. A landed tensor is an entry object (it holds the tensor anyway).
 """
 
 from __future__ import annotations
@@ -52,12 +57,12 @@ class PeerRef:
 
 @dataclass(slots=True)
 class _Entry:
+    """A landed tensor, held until collected or its TTL."""
+
     peer: PeerRef
     nbytes: int
-    value: Any = None  # the tensor once landed
-    landed: bool = False
-    expires: float = 0.0
-    doomed: bool = False  # discarded while in flight: dropped when it lands
+    value: Any
+    expires: float
 
 
 @dataclass(slots=True)
@@ -97,7 +102,15 @@ class ReceiveStore:
     ttl: float
     resolve_peer: Callable[[str], str | None] = lambda addr: None
     max_tensors: int = DEFAULT_STORE_TENSORS  # pending + held, all peers
+    #: landed tensors: tensor id -> engine id -> entry
     _entries: dict[str, dict[str, _Entry]] = field(default_factory=dict)
+    #: granted, not landed: tensor id -> engine id -> bytes (untracked by the collector)
+    _pending: dict[str, dict[str, int]] = field(default_factory=dict)
+    #: the pending ones discarded while in flight, dropped when they land: (id, engine id)
+    _doomed: set[tuple[str, str]] = field(default_factory=set)
+    #: who the engine ids with pending tensors are, and how many each has pending
+    _peers: dict[str, PeerRef] = field(default_factory=dict)
+    _peer_pending: dict[str, int] = field(default_factory=dict)
     _waiters: dict[str, list[_Waiter]] = field(default_factory=dict)
     _tombstones: OrderedDict[str, float] = field(default_factory=OrderedDict)
     # landed entries in landing order = expiry order, keyed (tensor id, engine id)
@@ -136,9 +149,11 @@ class ReceiveStore:
 
     def check_free(self, peer: PeerRef, tensor_ids: list[str]) -> None:
         """Raise DuplicateTensorError if any id from this peer is pending or held."""
+        eid = peer.engine_id
         for tid in tensor_ids:
             per = self._entries.get(tid)
-            if per is not None and peer.engine_id in per:
+            pend = self._pending.get(tid)
+            if (per is not None and eid in per) or (pend is not None and eid in pend):
                 raise DuplicateTensorError(
                     f"tensor {tid!r} from {peer.address} is already held or in flight",
                     code="duplicate",
@@ -153,8 +168,12 @@ class ReceiveStore:
         self.reserved += total
         self.pending_n += len(specs)
         self.peak = max(self.peak, self.used)
+        eid = peer.engine_id
+        pending = self._pending
         for tid, n in specs:
-            self._entries.setdefault(tid, {})[peer.engine_id] = _Entry(peer, n)
+            pending.setdefault(tid, {})[eid] = n
+        self._peers[eid] = peer
+        self._peer_pending[eid] = self._peer_pending.get(eid, 0) + len(specs)
         return True
 
     def try_land(
@@ -167,9 +186,11 @@ class ReceiveStore:
         the tensors from ``credit_n`` (their room was set aside): the count is not checked."""
         eid = peer.engine_id
         entries = self._entries
+        pending = self._pending
         for tid, _, _ in items:
             per = entries.get(tid)
-            if per is not None and eid in per:
+            pend = pending.get(tid)
+            if (per is not None and eid in per) or (pend is not None and eid in pend):
                 self.check_free(peer, [tid])  # raises, naming it
         total = items[0][1] if len(items) == 1 else sum(n for _, n, _ in items)
         if not self.fits(total, 0 if credited else len(items)):
@@ -179,7 +200,7 @@ class ReceiveStore:
         for tid, n, value in items:
             if self._hand_over(tid, peer, value):
                 continue
-            e = _Entry(peer, n, value, True, expires)
+            e = _Entry(peer, n, value, expires)
             entries.setdefault(tid, {})[eid] = e
             self._landed[(tid, eid)] = e
             self.held += n
@@ -188,41 +209,22 @@ class ReceiveStore:
     def cancel(self, peer: PeerRef, tensor_ids: list[str], exc: BaseException | None) -> None:
         """Drop pending (not landed) entries; fail their waiters with ``exc`` if given."""
         for tid in tensor_ids:
-            per = self._entries.get(tid)
-            e = per.get(peer.engine_id) if per else None
-            if e is None or e.landed:
-                continue
-            del per[peer.engine_id]  # type: ignore[union-attr]
-            if not per:
-                del self._entries[tid]
-            self.reserved -= e.nbytes
-            self.pending_n -= 1
-            if exc is not None:
+            if self._unpend(tid, peer.engine_id) is not None and exc is not None:
                 self._fail_waiters(tid, peer, exc)
 
     def land(self, peer: PeerRef, tid: str, value: Any) -> None:
         """A reserved tensor arrived: hand it to a waiter or keep it until its TTL."""
-        per = self._entries.get(tid)
-        e = per.get(peer.engine_id) if per else None
-        if e is None or e.landed:
+        eid = peer.engine_id
+        doomed = (tid, eid) in self._doomed  # (looked at before _unpend forgets it)
+        n = self._unpend(tid, eid)
+        if n is None:
             raise TransferAbortedError(f"tensor {tid!r} landed without a reservation")
-        self.reserved -= e.nbytes
-        self.pending_n -= 1
-        if e.doomed:  # discarded while in flight: nobody may have it
-            del per[peer.engine_id]  # type: ignore[union-attr]
-            if not per:
-                del self._entries[tid]
-            return
-        if self._hand_over(tid, peer, value):
-            del per[peer.engine_id]  # type: ignore[union-attr]
-            if not per:
-                del self._entries[tid]
-            return
-        e.landed = True
-        e.value = value
-        e.expires = time.monotonic() + self.ttl
-        self._landed[(tid, peer.engine_id)] = e
-        self.held += e.nbytes
+        if doomed or self._hand_over(tid, peer, value):
+            return  # discarded while in flight (nobody may have it), or handed over
+        e = _Entry(peer, n, value, time.monotonic() + self.ttl)
+        self._entries.setdefault(tid, {})[eid] = e
+        self._landed[(tid, eid)] = e
+        self.held += n
         self.peak = max(self.peak, self.used)
 
     # ---------------------------------------------------------------- collect
@@ -231,7 +233,7 @@ class ReceiveStore:
         per = self._entries.get(tid)
         if per:
             for eid, e in per.items():
-                if e.landed and self._matches(frm, e.peer):
+                if self._matches(frm, e.peer):
                     del per[eid]
                     if not per:
                         del self._entries[tid]
@@ -269,7 +271,7 @@ class ReceiveStore:
 
     def put_back(self, tid: str, peer: PeerRef, value: Any, nbytes: int) -> None:
         """Return a tensor whose collector was cancelled after it was handed over."""
-        e = _Entry(peer, nbytes, value, True, time.monotonic() + self.ttl)
+        e = _Entry(peer, nbytes, value, time.monotonic() + self.ttl)
         self._entries.setdefault(tid, {})[peer.engine_id] = e
         self._landed[(tid, peer.engine_id)] = e  # expires last: goes last
         self.held += nbytes
@@ -342,37 +344,37 @@ class ReceiveStore:
         x = tensor_id_or_prefix
         if type(x) is not str or not x:
             raise ConfigError(f"discard takes a non-empty tensor id or prefix, got {x!r:.80}")
-        if x.endswith("#"):
-            tids = [t for t in self._entries if t.startswith(x)]
-        else:
-            tids = [x] if x in self._entries else []
         n = 0
-        for tid in tids:
-            per = self._entries[tid]
-            for eid, e in list(per.items()):
-                if e.landed:
-                    del per[eid]
-                    del self._landed[(tid, eid)]
-                    self.held -= e.nbytes
-                elif e.doomed:
-                    continue
-                else:
-                    e.doomed = True
-                    self._fail_waiters(
-                        tid, e.peer, TransferAbortedError(f"tensor {tid!r} was discarded")
-                    )
+        for tid in self._ids(self._entries, x):
+            per = self._entries.pop(tid)
+            for eid, e in per.items():
+                del self._landed[(tid, eid)]
+                self.held -= e.nbytes
                 n += 1
-            if not per:
-                del self._entries[tid]
+        for tid in self._ids(self._pending, x):
+            for eid in self._pending[tid]:
+                if (tid, eid) in self._doomed:
+                    continue
+                self._doomed.add((tid, eid))
+                self._fail_waiters(
+                    tid, self._peers[eid], TransferAbortedError(f"tensor {tid!r} was discarded")
+                )
+                n += 1
         self.discarded_count += n
         return n
 
+    @staticmethod
+    def _ids(index: dict[str, Any], x: str) -> list[str]:
+        """The ids of ``index`` that :meth:`discard` of ``x`` names."""
+        if x.endswith("#"):
+            return [t for t in index if t.startswith(x)]
+        return [x] if x in index else []
+
     def peer_lost(self, peer: PeerRef, exc: BaseException) -> None:
         """Fail waiters of tensors still in flight from ``peer`` and release their room."""
-        for tid in list(self._entries):
-            e = self._entries[tid].get(peer.engine_id)
-            if e is not None and not e.landed:
-                self.cancel(peer, [tid], exc)
+        eid = peer.engine_id
+        if eid in self._peer_pending:
+            self.cancel(peer, [t for t, per in self._pending.items() if eid in per], exc)
 
     def fail_all(self, exc: BaseException) -> None:
         for ws in self._waiters.values():
@@ -382,6 +384,10 @@ class ReceiveStore:
         self._waiters.clear()
         self._entries.clear()
         self._landed.clear()
+        self._pending.clear()
+        self._doomed.clear()
+        self._peers.clear()
+        self._peer_pending.clear()
         self.reserved = self.held = self.pending_n = self.credit_n = 0
 
     def statistics(self) -> StoreStatistics:
@@ -399,6 +405,25 @@ class ReceiveStore:
         )
 
     # ---------------------------------------------------------------- helpers
+    def _unpend(self, tid: str, eid: str) -> int | None:
+        """Forget a pending tensor and release its room; its bytes, None if not pending."""
+        per = self._pending.get(tid)
+        n = per.pop(eid, None) if per else None
+        if n is None:
+            return None
+        if not per:
+            del self._pending[tid]
+        self._doomed.discard((tid, eid))
+        self.reserved -= n
+        self.pending_n -= 1
+        left = self._peer_pending[eid] - 1
+        if left:
+            self._peer_pending[eid] = left
+        else:  # the last one of this peer: who it is need not be kept
+            del self._peer_pending[eid]
+            del self._peers[eid]
+        return n
+
     def _matches(self, frm: str | None, peer: PeerRef) -> bool:
         if frm is None or frm == peer.address or frm == peer.engine_id:
             return True

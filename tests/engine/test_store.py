@@ -20,15 +20,23 @@ Q = PeerRef("engine-q", "10.0.0.2:1")
 
 
 def _consistent(s: ReceiveStore) -> None:
-    pending = sum(e.nbytes for per in s._entries.values() for e in per.values() if not e.landed)
-    held = sum(e.nbytes for per in s._entries.values() for e in per.values() if e.landed)
+    pending = sum(n for per in s._pending.values() for n in per.values())
+    held = sum(e.nbytes for per in s._entries.values() for e in per.values())
     assert (s.reserved, s.held) == (pending, held)
     assert 0 <= s.used <= s.capacity
     assert s.peak <= s.capacity
-    n_pending = sum(1 for per in s._entries.values() for e in per.values() if not e.landed)
-    landed = [(t, eid) for t, per in s._entries.items() for eid, e in per.items() if e.landed]
+    n_pending = sum(len(per) for per in s._pending.values())
+    landed = [(t, eid) for t, per in s._entries.items() for eid in per]
     assert s.pending_n == n_pending
     assert sorted(s._landed) == sorted(landed)
+    # no empty inner index; a doomed tensor is pending; who is pending is known, and how often
+    assert all(s._entries.values()) and all(s._pending.values())
+    assert all(eid in s._pending.get(t, {}) for t, eid in s._doomed)
+    per_peer: dict[str, int] = {}
+    for per in s._pending.values():
+        for eid in per:
+            per_peer[eid] = per_peer.get(eid, 0) + 1
+    assert s._peer_pending == per_peer and set(s._peers) == set(per_peer)
     assert s.count <= s.max_tensors
     deadlines = [e.expires for e in s._landed.values()]
     assert deadlines == sorted(deadlines)  # landing order is expiry order

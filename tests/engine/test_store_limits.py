@@ -10,6 +10,7 @@ budget; :meth:`ReceiveStore.discard` drops them at once.
 from __future__ import annotations
 
 import asyncio
+import gc
 import time
 
 import pytest
@@ -24,6 +25,22 @@ Q = PeerRef("engine-q", "10.0.0.2:1")
 
 
 # --------------------------------------------------------------------------- item 11
+
+
+def test_pending_reservations_add_nothing_for_the_cyclic_collector() -> None:
+    # peers holding tens of thousands of granted empty tensors must not lengthen the full
+    # collections that pause the engine's loop: a pending tensor is no tracked object
+    s = ReceiveStore(capacity=1 << 30, ttl=60.0, max_tensors=1 << 20)
+    gc.collect()
+    before = len(gc.get_objects())
+    for peer in [PeerRef(f"e{k}", f"10.0.0.{k}:1") for k in range(10)]:
+        for x in range(40):
+            assert s.try_reserve(peer, [(f"s{x}.{j}", 0) for j in range(64)])
+    gc.collect()
+    assert s.statistics().pending_tensors == 25_600
+    assert len(gc.get_objects()) - before < 100  # (as objects: two per tensor, 51,200)
+    s.cancel(PeerRef("e0", "10.0.0.0:1"), [f"s0.{j}" for j in range(64)], None)
+    assert s.statistics().pending_tensors == 25_600 - 64
 
 
 def test_zero_byte_tensors_are_bounded_by_the_tensor_count() -> None:

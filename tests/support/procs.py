@@ -2,7 +2,8 @@
 
 Importable (``from support.procs import ...``): deterministic tensor generation from a seed
 (:func:`make_case`), a bit-exact comparison (:func:`same_bytes`),
-:func:`free_port`, :func:`backend_name`.
+:func:`free_port`, :func:`backend_name`, :class:`LoopProbe` (how long the loop is busy at a
+stretch) and :func:`run_on` (a coroutine on a named event loop).
 
 Run as a script (``python tests/support/procs.py ROLE JSON_ARGS``, see
 ``conftest.Child``): one engine in a child process that prints JSON event
@@ -94,6 +95,44 @@ def free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
+
+
+class LoopProbe:
+    """Ticks every 2 ms on the running loop and records the loop thread's CPU time between
+    two ticks: what the callbacks run in between cost. (Wall-clock lateness would also
+    count the OS giving this process's core to another process: the tests that use this
+    run busy processes side by side on 2 cores.)"""
+
+    def __init__(self) -> None:
+        self.busy: list[float] = []
+        self._stop = False
+        self._task: asyncio.Future[None] | None = None
+
+    def start(self) -> None:
+        self._task = asyncio.ensure_future(self._run())
+
+    async def _run(self) -> None:
+        while not self._stop:
+            t = time.thread_time()
+            await asyncio.sleep(0.002)
+            self.busy.append(time.thread_time() - t)
+
+    async def stop(self) -> float:
+        """Stop ticking; the longest stretch, in seconds."""
+        self._stop = True
+        if self._task is not None:
+            await self._task
+        return max(self.busy)
+
+
+def run_on(loop_name: str, main: Any) -> None:
+    """Run ``main()`` on a new ``"uvloop"`` or ``"asyncio"`` event loop."""
+    if loop_name == "uvloop":
+        import uvloop
+
+        uvloop.run(main())
+    else:
+        asyncio.run(main())
 
 
 def backend_name(anyio_backend: Any) -> str:

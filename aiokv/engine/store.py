@@ -215,7 +215,7 @@ class ReceiveStore:
     def land(self, peer: PeerRef, tid: str, value: Any) -> None:
         """A reserved tensor arrived: hand it to a waiter or keep it until its TTL."""
         eid = peer.engine_id
-        doomed = (tid, eid) in self._doomed  # (looked at before _unpend forgets it)
+        doomed = bool(self._doomed) and (tid, eid) in self._doomed  # (before _unpend forgets)
         n = self._unpend(tid, eid)
         if n is None:
             raise TransferAbortedError(f"tensor {tid!r} landed without a reservation")
@@ -413,7 +413,8 @@ class ReceiveStore:
             return None
         if not per:
             del self._pending[tid]
-        self._doomed.discard((tid, eid))
+        if self._doomed:
+            self._doomed.discard((tid, eid))
         self.reserved -= n
         self.pending_n -= 1
         left = self._peer_pending[eid] - 1

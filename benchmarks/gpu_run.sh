@@ -21,6 +21,8 @@
 #   --rounds N         with --bench kv: repeat the runs, interleaved by mode (1)
 #   --no-mps           with --bench kv: no MPS server (two processes then time-slice one GPU)
 #   --trace            with --bench kv: per-stage timings of each latency request (trace_ms)
+#   --batch N          with --bench kv: also step batches of N short requests over the plane,
+#                      batched (send_requests / recv_requests) and --one-by-one, per round
 #   --raw-nccl         the raw NCCL send/recv baseline (benchmarks/raw_nccl.py, two GPUs)
 #   --doctor           aiokv doctor
 #   --demo             the demo on the GPUs (aiokv.serving.demo.run --device auto)
@@ -48,7 +50,7 @@ if [ "${1:-}" = --fetch-wheels ]; then
 fi
 
 SUITE="" TESTS="" BENCH="" LAYERWISE=0 LEAD_US=500 GAP_MS=2 LAT_N=150 ROUNDS=1 MPS=1
-TRACE=0 RAW=0 DOCTOR=0 DEMO=0 TAG=run BLOCKING=0
+TRACE=0 RAW=0 DOCTOR=0 DEMO=0 TAG=run BLOCKING=0 BATCH=0
 while [ $# -gt 0 ]; do
   case "$1" in
     --suite) SUITE="gpu and not multi_gpu" ;;
@@ -63,6 +65,7 @@ while [ $# -gt 0 ]; do
     --rounds) ROUNDS="$2"; shift ;;
     --no-mps) MPS=0 ;;
     --trace) TRACE=1 ;;
+    --batch) BATCH="$2"; shift ;;
     --raw-nccl) RAW=1 ;;
     --doctor) DOCTOR=1 ;;
     --demo) DEMO=1 ;;
@@ -116,6 +119,13 @@ for b in $BENCH; do
             | tail -1 | sed "s/^{/{\"mode\": \"$mode\", /"
         done
       done
+      if [ "$BATCH" != 0 ]; then
+        for how in batch one-by-one; do
+          flag="--batch $BATCH"; [ "$how" = one-by-one ] && flag="$flag --one-by-one"
+          timeout 120 python3 -m aiokv bench kv --transport ipc --json --workload short $flag \
+            2>>"$OUT/$TAG-err.txt" | tail -1 | sed "s/^{/{\"mode\": \"$how\", /"
+        done
+      fi
     done | tee "$OUT/$TAG-kv.jsonl" | python3 -c '
 import json, sys
 for line in sys.stdin:

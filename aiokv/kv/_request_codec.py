@@ -156,6 +156,25 @@ class RequestCodec:
         check_compatible(producer, self.layout)
         return h
 
+    def _check_chunk_plan(
+        self, h: dict[str, Any], n_blocks: int, what: str, bad: Callable[..., LayoutMismatchError]
+    ) -> None:
+        """The producer's ``chunk_bytes`` (header ``h``) must split ``n_blocks`` blocks (0:
+        no chunks, only the field's form is checked) into the chunks this side expects."""
+        cb = h.get("chunk_bytes")
+        if type(cb) is not int or cb <= 0:
+            raise bad(f"bad chunk_bytes {cb!r:.20} in the header")
+        if n_blocks and cb != self.chunk_bytes:
+            mine = [s.layers for s in self.chunk_plan(n_blocks)]
+            plan = LayerChunker(self.layout, n_blocks).chunks(max_bytes=cb)
+            if [s.layers for s in plan] != mine:
+                raise bad(
+                    f"the producer's chunk_bytes {cb} splits the {what} into {len(plan)} "
+                    f"chunks, this side's chunk_bytes {self.chunk_bytes} into {len(mine)}: "
+                    "chunk_bytes must be equal on both sides",
+                    "kv_size_mismatch",
+                )
+
     def check_header(
         self, request_id: str, raw: torch.Tensor, n_blocks: int, layerwise: bool
     ) -> None:
@@ -188,19 +207,7 @@ class RequestCodec:
                 "blocks: the two sides disagree on the number of blocks of the request",
                 "kv_size_mismatch",
             )
-        cb = h.get("chunk_bytes")
-        if type(cb) is not int or cb <= 0:
-            raise bad(f"bad chunk_bytes {cb!r:.20} in the header")
-        if not layerwise and n_blocks and cb != self.chunk_bytes:
-            mine = [s.layers for s in self.chunk_plan(n_blocks)]
-            plan = LayerChunker(self.layout, n_blocks).chunks(max_bytes=cb)
-            if [s.layers for s in plan] != mine:
-                raise bad(
-                    f"the producer's chunk_bytes {cb} splits the request into {len(plan)} "
-                    f"chunks, this side's chunk_bytes {self.chunk_bytes} into {len(mine)}: "
-                    "chunk_bytes must be equal on both sides",
-                    "kv_size_mismatch",
-                )
+        self._check_chunk_plan(h, 0 if layerwise else n_blocks, "request", bad)
 
     def check_chunk(self, name: str, t: torch.Tensor, n_layers: int, n_blocks: int) -> torch.Tensor:
         """The chunk as a 1-D uint8 buffer on the cache device, or LayoutMismatchError."""
@@ -289,19 +296,7 @@ class RequestCodec:
             seen.add(e[0])
             entries.append((e[0], e[1]))
         total = sum(n for _, n in entries)
-        cb = h.get("chunk_bytes")
-        if type(cb) is not int or cb <= 0:
-            raise bad(f"bad chunk_bytes {cb!r:.20} in the header")
-        if total and cb != self.chunk_bytes:
-            mine = [s.layers for s in self.chunk_plan(total)]
-            plan = LayerChunker(self.layout, total).chunks(max_bytes=cb)
-            if [s.layers for s in plan] != mine:
-                raise bad(
-                    f"the producer's chunk_bytes {cb} splits the batch into {len(plan)} "
-                    f"chunks, this side's chunk_bytes {self.chunk_bytes} into {len(mine)}: "
-                    "chunk_bytes must be equal on both sides",
-                    "kv_size_mismatch",
-                )
+        self._check_chunk_plan(h, total, "batch", bad)
         if not (inline and total) and raw.numel() != off:
             raise bad(f"the header tensor holds {raw.numel() - off} bytes past the header")
         return entries, inline, off

@@ -185,13 +185,11 @@ class ReceiveStore:
         once; the rest is held until collected or its TTL. ``credited``: the caller took
         the tensors from ``credit_n`` (their room was set aside): the count is not checked."""
         eid = peer.engine_id
-        entries = self._entries
-        pending = self._pending
+        entries, pending = self._entries, self._pending
         for tid, _, _ in items:
-            per = entries.get(tid)
-            pend = pending.get(tid)
-            if (per is not None and eid in per) or (pend is not None and eid in pend):
-                self.check_free(peer, [tid])  # raises, naming it
+            # (an id nobody holds is the rule: two lookups on the PUT's path, no call)
+            if tid in entries or tid in pending:
+                self.check_free(peer, [tid])  # raises if it is this peer's
         total = items[0][1] if len(items) == 1 else sum(n for _, n, _ in items)
         if not self.fits(total, 0 if credited else len(items)):
             return False

@@ -102,7 +102,7 @@ def _child(loop_name: str) -> None:
                 flush=True,
             )
 
-    run_on(loop_name, main)
+    run_on(loop_name, main())
 
 
 async def _line(proc: asyncio.subprocess.Process, timeout: float) -> dict[str, Any]:

@@ -3,7 +3,7 @@ streams bit-exact tensors into an engine, each hostile input runs (from a third
 process) against the same engine; the engine's event loop must never be busy more than 50 ms at
 a stretch (its thread's CPU time between ticks) and the stream must stay intact.
 
-The engine runs in a process of its own, as deployed. In the test runner's process a full
+The engine runs in a process of its own, as deployed (``tests/support/procs.py``'s victim). In the test runner's process a full
 collection of CPython's cyclic collector also walks the heap that every earlier test left
 fragmented (the engine freezes what is alive at its start, but its own objects then lie
 scattered among the old ones): the ten-session flood measured 21 ms there alone, 28-32 ms
@@ -21,20 +21,16 @@ import socket
 import struct
 import subprocess
 import sys
-import threading
-from asyncio.subprocess import PIPE
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import pytest
-import torch
 import zmq
 import zmq.asyncio
-from support.procs import LoopProbe, backend_name, make_case, run_on, same_bytes
+from support.procs import backend_name
 
-import aiokv
 from aiokv.protocol import messages as m
 from aiokv.protocol.codec import Codec
 
@@ -42,6 +38,7 @@ pytestmark = [pytest.mark.anyio, pytest.mark.timeout(120)]
 CODEC = Codec()
 ROOT = Path(__file__).resolve().parents[2]
 STALL_S = 0.050
+STORE_BYTES = 256 << 20  # the engine under attack's receive budget
 NESTED = b"\xdc\x20\x00" + (b"\xdc\x00\x78" + b"\x90" * 120) * 8192
 # built once at import: the attacker's own encoding must not hold the GIL during the run
 HOARD = [
@@ -280,114 +277,40 @@ ATTACKS: dict[str, Callable[[zmq.asyncio.Context, Victim, str], Awaitable[None]]
 }
 
 
-def _victim_main(loop_name: str, seed: int, n: int) -> None:
-    """The engine under attack, in a process of its own as deployed (its heap is not the
-    test suite's: a full collection walks only what this engine holds). JSON lines on
-    stdout; told what to do on stdin."""
-
-    async def main() -> None:
-        cfg = aiokv.EngineConfig(
-            limits=aiokv.Limits(store_bytes=256 << 20),
-            timeouts=aiokv.Timeouts(connect=0.5),
-        )
-        loop = asyncio.get_running_loop()
-        lines: asyncio.Queue[str] = asyncio.Queue()
-
-        def _stdin() -> None:
-            for line in sys.stdin:
-                loop.call_soon_threadsafe(lines.put_nowait, line.strip())
-
-        threading.Thread(target=_stdin, daemon=True).start()
-        probe = LoopProbe()
-
-        def say(**kw: Any) -> None:
-            print(json.dumps(kw), flush=True)
-
-        async with aiokv.Engine(cfg) as eng:
-            say(address=eng.address)
-            assert await lines.get() == "go"  # the producer's session is open
-            # the ids to receive, made before the ticker runs: make_case builds each tensor
-            # (64-256 KiB of random bytes), which is not the engine's work
-            names = [make_case(seed, 1, k, "small")[0] for k in range(n)]
-            probe.start()
-            eng.publish("pub", torch.ones(1000))
-            peers = [ss.peer.engine_id for ss in eng._server.state.servers.values() if ss.peer]
-            say(peer_ids=peers, data_port=eng._server.state.data_port)
-
-            async def collect() -> list[torch.Tensor]:
-                got = []
-                for k in range(n):  # collect only: checking is not the engine's work (after)
-                    got.append(await eng.recv(names[k], timeout=30))
-                    await asyncio.sleep(0)
-                return got
-
-            got = await collect()
-            assert await lines.get() == "stop"  # the attack and the producer are done
-            worst = await probe.stop()
-        bad = [k for k, t in enumerate(got) if not same_bytes(t, make_case(seed, 1, k, "small")[1])]
-        say(bad=bad[:3], n_bad=len(bad), worst_ms=worst * 1e3, ticks=len(probe.busy))
-
-    run_on(loop_name, main)
-
-
 @pytest.mark.parametrize("attack", list(ATTACKS))
 async def test_hostile_input_while_a_legit_peer_streams(
     anyio_backend: Any, spawn: Any, attack: str
 ) -> None:
     seed, n = 12, 300
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), str(ROOT / "tests")]))
-    args = json.dumps(["victim", backend_name(anyio_backend), seed, n])
-    proc = await asyncio.create_subprocess_exec(
-        sys.executable, __file__, args, stdin=PIPE, stdout=PIPE, env=env
+    backend = backend_name(anyio_backend)
+    v = spawn(
+        "victim",
+        seed=seed,
+        n=n,
+        profile="small",
+        store_bytes=STORE_BYTES,
+        connect=0.5,
+        backend=backend,
     )
-    assert proc.stdin is not None and proc.stdout is not None
-
-    async def line(timeout: float) -> dict[str, Any]:
-        assert proc.stdout is not None
-        raw = await asyncio.wait_for(proc.stdout.readline(), timeout)
-        assert raw, "the engine's process exited"
-        out: dict[str, Any] = json.loads(raw)
-        return out
-
-    def tell(word: str) -> None:
-        assert proc.stdin is not None
-        proc.stdin.write(word.encode() + b"\n")
-
-    try:
-        address = (await line(60))["address"]
-        p = spawn(
-            "producer",
-            to=address,
-            seed=seed,
-            pid=1,
-            n=n,
-            profile="small",
-            backend=backend_name(anyio_backend),
-        )
-        hello = await p.wait_event("ready", 60)  # its session is open
-        tell("go")
-        known = await line(30)
-        victim = Victim(address, 256 << 20, tuple(known["peer_ids"]), known["data_port"])
-        p.tell("go")
-        await asyncio.sleep(0.2)  # the stream is under way
-        await asyncio.to_thread(_attack_in_a_process, attack, victim, str(hello.get("address", "")))
-        done = await p.wait_event("done", 60)
-        p.tell("quit")
-        tell("stop")
-        res = await line(60)
-    finally:
-        if proc.returncode is None:
-            proc.kill()
-        await proc.wait()
+    address = (await v.wait_event("ready", 60))["address"]
+    p = spawn("producer", to=address, seed=seed, pid=1, n=n, profile="small", backend=backend)
+    hello = await p.wait_event("ready", 60)  # its session is open
+    v.tell("go")
+    known = await v.wait_event("armed", 30)
+    victim = Victim(address, STORE_BYTES, tuple(known["peer_ids"]), known["data_port"])
+    p.tell("go")
+    await asyncio.sleep(0.2)  # the stream is under way
+    await asyncio.to_thread(_attack_in_a_process, attack, victim, str(hello.get("address", "")))
+    done = await p.wait_event("done", 60)
+    p.tell("quit")
+    v.tell("stop")
+    res = await v.wait_event("done", 60)
+    v.tell("quit")
     print(f"{attack}: largest loop stall {res['worst_ms']:.1f} ms over {res['ticks']} ticks")
     assert res["n_bad"] == 0 and done["n_errors"] == 0, (res, done)
     assert res["worst_ms"] <= STALL_S * 1e3, f"{attack}: the loop stalled {res['worst_ms']:.1f} ms"
 
 
 if __name__ == "__main__":
-    _args = json.loads(sys.argv[1])
-    if _args[0] == "victim":
-        _victim_main(*_args[1:])
-    else:
-        _name, _addr, _cap, _ids, _legit, _dport = _args
-        _attack_main(_name, Victim(_addr, _cap, tuple(_ids), _dport), _legit)
+    _name, _addr, _cap, _ids, _legit, _dport = json.loads(sys.argv[1])
+    _attack_main(_name, Victim(_addr, _cap, tuple(_ids), _dport), _legit)

@@ -17,6 +17,10 @@ Roles:
   publishes ``pg-pub`` -> ready -> (quit)
 * ``big``       {to, nbytes, backend}: allocates, connects -> ready -> (go) ->
   sends one big tensor ``big`` (the test kills it mid-transfer)
+* ``victim``    {seed, n, profile, store_bytes, connect, backend}: an engine that others
+  stream into and attack: ready -> (go) -> armed {peer_ids, data_port}, collects the ``n``
+  tensors of :func:`make_case` (pid 1) while :class:`LoopProbe` ticks -> (stop) ->
+  done {n_bad, worst_ms, ticks} -> (quit)
 """
 
 from __future__ import annotations
@@ -125,14 +129,14 @@ class LoopProbe:
         return max(self.busy)
 
 
-def run_on(loop_name: str, main: Any) -> None:
-    """Run ``main()`` on a new ``"uvloop"`` or ``"asyncio"`` event loop."""
+def run_on(loop_name: str, coro: Any) -> None:
+    """Run the coroutine ``coro`` on a new ``"uvloop"`` or ``"asyncio"`` event loop."""
     if loop_name == "uvloop":
         import uvloop
 
-        uvloop.run(main())
+        uvloop.run(coro)
     else:
-        asyncio.run(main())
+        asyncio.run(coro)
 
 
 def backend_name(anyio_backend: Any) -> str:
@@ -289,19 +293,43 @@ async def role_big(a: dict[str, Any]) -> None:
         await _wait_for("quit")
 
 
-ROLES = {"producer": role_producer, "putget": role_putget, "big": role_big}
+async def role_victim(a: dict[str, Any]) -> None:
+    import aiokv
+
+    cfg = aiokv.EngineConfig(
+        limits=aiokv.Limits(store_bytes=a["store_bytes"]),
+        timeouts=aiokv.Timeouts(connect=a["connect"]),
+    )
+    seed, n = a["seed"], a["n"]
+    probe = LoopProbe()
+    async with aiokv.Engine(cfg) as eng:
+        emit("ready", address=eng.address)
+        await _wait_for("go")
+        # the ids to receive, made before the probe ticks: make_case builds each tensor
+        # (64-256 KiB of random bytes), which is not the engine's work
+        names = [make_case(seed, 1, k, a["profile"])[0] for k in range(n)]
+        probe.start()
+        eng.publish("pub", torch.ones(1000))
+        peers = [ss.peer.engine_id for ss in eng._server.state.servers.values() if ss.peer]
+        emit("armed", peer_ids=peers, data_port=eng._server.state.data_port)
+        got = []
+        for k in range(n):  # collect only: checking is not the engine's work (after)
+            got.append(await eng.recv(names[k], timeout=30))
+            await asyncio.sleep(0)
+        await _wait_for("stop")  # the others are done
+        worst = await probe.stop()
+    bad = [k for k, t in enumerate(got) if not same_bytes(t, make_case(seed, 1, k, a["profile"])[1])]
+    emit("done", bad=bad[:3], n_bad=len(bad), worst_ms=worst * 1e3, ticks=len(probe.busy))
+    await _wait_for("quit")
+
+
+ROLES = {"producer": role_producer, "putget": role_putget, "big": role_big, "victim": role_victim}
 
 
 def main() -> None:
     role, args = sys.argv[1], json.loads(sys.argv[2])
     try:
-        coro = ROLES[role](args)
-        if args.get("backend") == "uvloop":
-            import uvloop
-
-            uvloop.run(coro)
-        else:
-            asyncio.run(coro)
+        run_on(args.get("backend", "asyncio"), ROLES[role](args))
     except BaseException as exc:  # report, then exit without waiting for stdin threads
         emit("error", error=f"{type(exc).__name__}: {exc}", tb=traceback.format_exc())
         sys.stderr.flush()
